@@ -1,0 +1,1 @@
+"""Process groups (rank lists, coordinators, state) and DP transitions."""

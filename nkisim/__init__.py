@@ -1,0 +1,50 @@
+"""nkisim: a CPU interpreter of the NKI 0.6 API (`nki`, `nki.language`, `nki.isa`) with hardware-constraint
+checks, a kernel-source linter and a per-engine cost model.
+
+`nkisim.install()` is the one place that registers the interpreter under the names `nki`, `nki.language`,
+`nki.isa` and `nki.typing`: when the real `nki` package is not importable, or when `NKISIM=1` forces it.
+"""
+
+import importlib.util
+import os
+import sys
+
+from .errors import NkiCapacityError, NkiValidationError  # noqa: F401
+from .jit import Kernel, RunResult, jit, run, simulate  # noqa: F401
+from .target import resolve_target  # noqa: F401
+
+_NAMES = ("nki", "nki.language", "nki.isa", "nki.typing")
+
+
+def _real_nki_available() -> bool:
+    if importlib.util.find_spec("nki") is None:
+        return False
+    try:
+        import nki as real  # noqa: F401 - probing the installed package
+    except Exception:  # noqa: BLE001 - PyPI's placeholder wheel and broken installs count as absent
+        return False
+    return hasattr(real, "jit") and hasattr(real, "isa")
+
+
+def install(force: bool | None = None) -> bool:
+    """Register nkisim as `nki` unless the real package is importable (or NKISIM=1 forces it).
+
+    Returns True when nkisim serves `import nki`, False when the real package does.
+    """
+    from . import isa, language, nki_typing
+    from . import nki as api
+    if sys.modules.get("nki") is api:
+        return True
+    if force is None:
+        force = os.environ.get("NKISIM", "") == "1"
+    if not force and _real_nki_available():
+        return False
+    for name, mod in zip(_NAMES, (api, language, isa, nki_typing)):
+        sys.modules[name] = mod
+    return True
+
+
+def active() -> bool:
+    """True when `import nki` resolves to this interpreter."""
+    from . import nki as api
+    return sys.modules.get("nki") is api

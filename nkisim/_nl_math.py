@@ -1,0 +1,262 @@
+"""Elementwise math, reductions, softmax, rms_norm and where of `nki.language`.
+
+Each function doubles as an `op=` argument of the ISA (it carries `_nki_op`, the name `nkisim.ops` computes).
+Called directly, it allocates an SBUF result (dtype defaults to the input dtype) and lowers to ISA ops. No
+broadcasting between tensors (NKI 0.6): a (P, 1) operand goes through tensor_scalar, a Python scalar too.
+"""
+
+import numpy as np
+
+from . import dtypes as _dt
+from . import isa as _isa
+from .errors import NkiValidationError
+from .memory import sbuf
+from .runtime import current
+from .tensor import NkiTensor
+
+__all__ = []
+
+
+def _new(shape, dtype):
+    from .language import ndarray
+    shape = tuple(shape)
+    if len(shape) < 2:
+        shape = (shape[0] if shape else 1, 1)
+    return ndarray(shape, dtype, sbuf)
+
+
+def _binary(name):
+    def fn(x, y, dtype=None):
+        if not isinstance(x, NkiTensor):
+            if isinstance(y, NkiTensor):
+                out = _new(y.shape, dtype or y.dtype)
+                _isa.tensor_scalar(dst=out, data=y, op0=fn, operand0=x, reverse0=True)
+                return out
+            raise NkiValidationError(f"nl.{name}: at least one operand must be a tensor")
+        out = _new(x.shape, dtype or x.dtype)
+        if isinstance(y, NkiTensor):
+            if y.shape != x.shape:
+                if y.shape[0] == x.shape[0] and y.size == y.shape[0]:
+                    if y.dtype is not _dt.float32:
+                        y = _cast_tile(y, _dt.float32)
+                    _isa.tensor_scalar(dst=out, data=x, op0=fn, operand0=y)
+                    return out
+                raise NkiValidationError(f"nl.{name}: shapes {x.shape} and {y.shape} differ; NKI 0.6 binary ops do "
+                                         "not broadcast (use a (P, 1) operand or nisa.tensor_scalar)")
+            _isa.tensor_tensor(dst=out, data1=x, data2=y, op=fn)
+        else:
+            _isa.tensor_scalar(dst=out, data=x, op0=fn, operand0=y)
+        return out
+    fn.__name__ = fn.__qualname__ = name
+    fn._nki_op = name
+    fn.__doc__ = f"nl.{name}(x, y, dtype=None): elementwise {name}; also usable as an ISA op=."
+    return fn
+
+
+def _cast_tile(t, dtype):
+    out = _new(t.shape, dtype)
+    _isa.tensor_copy(dst=out, src=t)
+    return out
+
+
+def _unary(name):
+    def fn(x, dtype=None):
+        out = _new(x.shape, dtype or x.dtype)
+        _isa.activation(dst=out, op=fn, data=x)
+        return out
+    fn.__name__ = fn.__qualname__ = name
+    fn._nki_op = name
+    fn.__doc__ = f"nl.{name}(x, dtype=None): elementwise {name} on ScalarE; also usable as an activation op=."
+    return fn
+
+
+_BINARY = ["add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "fmod", "mod", "equal",
+           "not_equal", "greater", "greater_equal", "less", "less_equal", "logical_and", "logical_or",
+           "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift", "abs_max",
+           "abs_min"]
+_UNARY = ["abs", "square", "negative", "sign", "exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tan",
+          "arctan", "ceil", "floor", "trunc", "tanh", "sigmoid", "relu", "gelu", "gelu_apprx_sigmoid",
+          "gelu_apprx_tanh", "gelu_dx", "gelu_apprx_sigmoid_dx", "silu", "silu_dx", "softplus", "mish", "erf",
+          "erf_dx"]
+
+for _n in _BINARY:
+    globals()[_n] = _binary(_n)
+    __all__.append(_n)
+for _n in _UNARY:
+    globals()[_n] = _unary(_n)
+    __all__.append(_n)
+
+
+def _marker(name, doc):
+    def fn(*_a, **_k):
+        raise NkiValidationError(f"nl.{name} is an activation/ALU selector, not a callable op here")
+    fn.__name__ = name
+    fn._nki_op = name
+    fn.__doc__ = doc
+    return fn
+
+
+bypass = _marker("bypass", "No-op stage for activate2 (op0/op1/op=nl.bypass).")
+identity = _marker("identity", "Identity activation.")
+prelu = _marker("prelu", "Parametric ReLU (activate2 with relu_param).")
+__all__ += ["bypass", "identity", "prelu"]
+
+
+def invert(x, dtype=None):
+    out = _new(x.shape, dtype or x.dtype)
+    _isa.tensor_scalar(dst=out, data=x, op0=bitwise_xor, operand0=-1)  # noqa: F821
+    return out
+
+
+def logical_not(x, dtype=None):
+    out = _new(x.shape, dtype or x.dtype)
+    _isa.tensor_scalar(dst=out, data=x, op0=equal, operand0=0.0)  # noqa: F821
+    return out
+
+
+__all__ += ["invert", "logical_not"]
+
+
+# ---- reductions -------------------------------------------------------------------------------------------------
+
+def _reduce_shape(x, axis, keepdims):
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    axes = tuple(sorted(int(a) % x.ndim for a in axes))
+    if keepdims:
+        return tuple(1 if d in axes else n for d, n in enumerate(x.shape)), axes
+    shape = tuple(n for d, n in enumerate(x.shape) if d not in axes)
+    return shape, axes
+
+
+def _reduce(opfn, x, axis, dtype, keepdims):
+    shape, axes = _reduce_shape(x, axis, keepdims)
+    out = _new(shape, dtype or x.dtype)
+    _isa.tensor_reduce(dst=out, op=opfn, data=x, axis=axes, keepdims=keepdims)
+    return out
+
+
+def sum(x, axis, dtype=None, keepdims=False):  # noqa: A001 - NKI's name
+    return _reduce(add, x, axis, dtype, keepdims)  # noqa: F821
+
+
+def max(x, axis, dtype=None, keepdims=False):  # noqa: A001
+    return _reduce(maximum, x, axis, dtype, keepdims)  # noqa: F821
+
+
+def min(x, axis, dtype=None, keepdims=False):  # noqa: A001
+    return _reduce(minimum, x, axis, dtype, keepdims)  # noqa: F821
+
+
+def prod(x, axis, dtype=None, keepdims=False):
+    return _reduce(multiply, x, axis, dtype, keepdims)  # noqa: F821
+
+
+def all(x, axis, dtype=None):  # noqa: A001
+    return _reduce(logical_and, x, axis, dtype, False)  # noqa: F821
+
+
+def mean(x, axis, dtype=None, keepdims=False):
+    s = _reduce(add, x, axis, _dt.float32, keepdims)  # noqa: F821
+    _, axes = _reduce_shape(x, axis, keepdims)
+    n = int(np.prod([x.shape[a] for a in axes]))
+    out = _new(s.shape, dtype or x.dtype)
+    _isa.tensor_scalar(dst=out, data=s, op0=multiply, operand0=1.0 / n)  # noqa: F821
+    return out
+
+
+def var(x, axis, dtype=None, keepdims=False):
+    """Population variance over trailing free axes (keepdims is ignored, as in NKI)."""
+    shape, axes = _reduce_shape(x, axis, False)
+    n = int(np.prod([x.shape[a] for a in axes]))
+    m = mean(x, axis, _dt.float32)
+    sq = _new(x.shape, _dt.float32)
+    _isa.activation(dst=sq, op=square, data=x)  # noqa: F821
+    ms = mean(sq, axis, _dt.float32)
+    out = _new(shape, dtype or x.dtype)
+    m2 = _new(m.shape, _dt.float32)
+    _isa.tensor_tensor(dst=m2, data1=m, data2=m, op=multiply)  # noqa: F821
+    _isa.tensor_tensor(dst=out, data1=ms, data2=m2, op=subtract)  # noqa: F821
+    del n
+    return out
+
+
+__all__ += ["sum", "max", "min", "prod", "all", "mean", "var"]
+
+
+def softmax(x, axis=-1, dtype=None):
+    """Softmax over the last free axis: max, exp(x - max) with the sum in ScalarE's accumulators, scale by 1/sum."""
+    if axis not in (-1, x.ndim - 1) or x.ndim != 2:
+        raise NkiValidationError(f"nl.softmax: supports 2-D [P, F] tiles over axis=-1, got shape {x.shape} "
+                                 f"axis={axis}")
+    p = x.shape[0]
+    neg_max = _new((p, 1), _dt.float32)
+    _isa.tensor_reduce(dst=neg_max, op=maximum, data=x, axis=(1,), negate=True)  # noqa: F821
+    e = _new(x.shape, _dt.float32)
+    s = _new((p, 1), _dt.float32)
+    _isa.activation(dst=e, op=exp, data=x, bias=neg_max, scale=1.0, reduce_op=add, reduce_res=s,  # noqa: F821
+                    reduce_cmd=_isa.reduce_cmd.reset_reduce)
+    r = _new((p, 1), _dt.float32)
+    _isa.reciprocal(dst=r, data=s)
+    out = _new(x.shape, dtype or x.dtype)
+    _isa.tensor_scalar(dst=out, data=e, op0=multiply, operand0=r)  # noqa: F821
+    return out
+
+
+def rms_norm(x, w, axis, n, epsilon=1e-6, dtype=None, compute_dtype=None):
+    """x / sqrt(mean(x^2 over axis, divided by n) + epsilon) * w; x [P, F], w the same shape as x."""
+    if x.ndim != 2 or axis not in (1, -1, (1,), [1]):
+        raise NkiValidationError(f"nl.rms_norm: supports 2-D [P, F] tiles over axis 1, got {x.shape} axis={axis}")
+    p = x.shape[0]
+    sq = _new(x.shape, _dt.float32)
+    ss = _new((p, 1), _dt.float32)
+    _isa.activation(dst=sq, op=square, data=x, reduce_op=add, reduce_res=ss,  # noqa: F821
+                    reduce_cmd=_isa.reduce_cmd.reset_reduce)
+    rs = _new((p, 1), _dt.float32)
+    _isa.tensor_scalar(dst=rs, data=ss, op0=multiply, operand0=1.0 / n, op1=add, operand1=float(epsilon))  # noqa: F821
+    _isa.activation(dst=rs, op=rsqrt, data=rs)  # noqa: F821
+    out = _new(x.shape, dtype or x.dtype)
+    _isa.tensor_scalar(dst=out, data=x, op0=multiply, operand0=rs)  # noqa: F821
+    if w is not None:
+        if w.shape != x.shape:
+            raise NkiValidationError(f"nl.rms_norm: w shape {w.shape} must equal x shape {x.shape} (no broadcasting)")
+        _isa.tensor_tensor(dst=out, data1=out, data2=w, op=multiply)  # noqa: F821
+    return out
+
+
+def where(condition, x, y, dtype=None):
+    """x where condition (float 1.0/0.0 or int) is non-zero, else y; x / y may be scalars."""
+    ref = condition
+    out = _new(ref.shape, dtype or (x.dtype if isinstance(x, NkiTensor) else
+                                    y.dtype if isinstance(y, NkiTensor) else _dt.float32))
+    pred = _new(ref.shape, _dt.uint8)
+    _isa.tensor_scalar(dst=pred, data=condition, op0=not_equal, operand0=0.0)  # noqa: F821
+    if isinstance(y, NkiTensor):
+        _isa.tensor_copy(dst=out, src=y)
+    else:
+        _isa.memset(dst=out, value=int(y) if out.dtype.is_int else float(y))
+    if isinstance(x, NkiTensor) and x.dtype is not out.dtype:
+        x = _cast_tile(x, out.dtype)
+    _isa.tensor_copy_predicated(dst=out, src=x, predicate=pred)
+    return out
+
+
+def dropout(x, rate, dtype=None):
+    """Zero elements with probability `rate` (seeded by nl.random_seed), scale the rest by 1/(1-rate)."""
+    from .language import rand
+    r = rand(x.shape, _dt.float32)
+    keep = _new(x.shape, _dt.float32)
+    _isa.tensor_scalar(dst=keep, data=r, op0=greater_equal, operand0=float(rate),  # noqa: F821
+                       op1=multiply, operand1=1.0 / (1.0 - float(rate)))  # noqa: F821
+    out = _new(x.shape, dtype or x.dtype)
+    _isa.tensor_tensor(dst=out, data1=x, data2=keep, op=multiply)  # noqa: F821
+    return out
+
+
+def gather_flattened(data, indices, axis=0, dtype=None):
+    out = _new(indices.shape, dtype or data.dtype)
+    _isa.nc_n_gather(dst=out, data=data, indices=indices)
+    return out
+
+
+__all__ += ["softmax", "rms_norm", "where", "dropout", "gather_flattened"]
+del current

@@ -1,0 +1,339 @@
+"""Elementwise, copy, reduction and normalisation-statistics ops on VectorE (some also on GpSimd / ScalarE).
+
+All arithmetic runs in fp32 (inputs upcast, result cast to dst.dtype on write); bit-vector ops run on the integer
+bit patterns. Operands must agree in partitions and elements per partition (shapes may differ, C2).
+"""
+
+import numpy as np
+
+from .. import dtypes as dt
+from .. import ops as alu_ops
+from ..memory import psum, sbuf
+from ..runtime import current
+from ..tensor import NkiTensor, np_view, read
+from ._common import (as_pf, check_engine, check_gpsimd_access, fail, fp32, free_size, not_both_psum, on_chip,
+                      require_version, same_layout, scalar_operand, store)
+from .enums import engine as Engine
+
+_INT32S = ("int32", "uint32")
+
+
+def _emit(opname, engine, reads, writes, dst, **meta):
+    current().emit(opname, engine, reads, writes, p=dst.shape[0], n=free_size(dst),
+                   dtype=dst.dtype.name, in_dtypes=tuple(t.dtype.name for t in reads), **meta)
+
+
+def _ints(t):
+    return np.asarray(read(t)).astype(np.int64)
+
+
+def tensor_tensor(dst, data1, data2, op, engine=Engine.unknown, name=None):
+    opn = "tensor_tensor"
+    check_engine(opn, engine, (Engine.vector, Engine.gpsimd))
+    on_chip(opn, "dst", dst)
+    on_chip(opn, "data1", data1)
+    on_chip(opn, "data2", data2)
+    same_layout(opn, "dst", dst, data1=data1, data2=data2)
+    not_both_psum(opn, "data1", data1, "data2", data2)
+    oname, fn, kind = alu_ops.alu(op, "op", opn)
+    if oname in alu_ops.TRN3_ONLY_ALU:
+        require_version(opn, 4, f"op=nl.{oname}")
+    all_int32 = all(t.dtype.name in _INT32S for t in (dst, data1, data2))
+    if engine is Engine.unknown:
+        engine = Engine.gpsimd if (oname == "power" or all_int32) and dst.buffer is sbuf \
+            and psum not in (data1.buffer, data2.buffer) else Engine.vector
+    check_gpsimd_access(opn, engine, dst=dst, data1=data1, data2=data2)
+    p = dst.shape[0]
+    if kind == "bitvec":
+        for nm, t in (("data1", data1), ("data2", data2), ("dst", dst)):
+            if not t.dtype.is_int:
+                fail(opn, f"bit-vector op nl.{oname} needs integer dtypes; {nm} is {t.dtype.name}")
+        res = fn(as_pf(_ints(data1), p), as_pf(_ints(data2), p))
+    elif engine is Engine.gpsimd and all_int32 and oname in ("add", "subtract", "multiply", "maximum", "minimum"):
+        # GpSimd does exact 32-bit integer SIMD arithmetic (wrapping), not the fp32 path.
+        res = fn(as_pf(_ints(data1), p), as_pf(_ints(data2), p))
+        bits = 32
+        res = ((res + 2 ** (bits - 1)) % 2 ** bits) - 2 ** (bits - 1) if dst.dtype.name == "int32" else res % 2 ** 32
+    else:
+        with np.errstate(all="ignore"):
+            res = fn(as_pf(fp32(data1), p), as_pf(fp32(data2), p))
+    store(opn, dst, res)
+    _emit(opn, engine.name, (data1, data2), (dst,), dst, op=oname)
+
+
+def _unary_alu(op):
+    name = getattr(op, "_nki_op", None)
+    return name if name in alu_ops.ALU_UNARY and name not in alu_ops.ALU_ARITH else None
+
+
+def _apply_scalar_op(opn, which, op, operand, reverse, x, p):
+    """One stage of tensor_scalar: (x op operand), operand order swapped by reverse."""
+    uname = _unary_alu(op)
+    if uname is not None and (operand is None or (not isinstance(operand, NkiTensor) and operand == 0)):
+        if uname in alu_ops.TRN3_ONLY_UNARY:
+            require_version(opn, 4, f"{which}=nl.{uname}")
+        with np.errstate(all="ignore"):
+            return alu_ops.ALU_UNARY[uname](x), uname, "arith"
+    oname, fn, kind = alu_ops.alu(op, which, opn)
+    if oname in alu_ops.TRN3_ONLY_ALU:
+        require_version(opn, 4, f"{which}=nl.{oname}")
+    if operand is None:
+        fail(opn, f"{which}=nl.{oname} needs an operand")
+    if kind == "bitvec":
+        if isinstance(operand, NkiTensor):
+            val = as_pf(_ints(operand), p)
+        elif isinstance(operand, (int, np.integer)):
+            val = int(operand)
+        else:
+            fail(opn, f"bit-vector {which}=nl.{oname} needs an integer operand, got {operand!r}")
+    else:
+        val = scalar_operand(opn, f"operand for {which}", operand, p)
+    with np.errstate(all="ignore"):
+        return (fn(val, x) if reverse else fn(x, val)), oname, kind
+
+
+def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
+                  engine=Engine.unknown, name=None):
+    opn = "tensor_scalar"
+    check_engine(opn, engine, (Engine.vector, Engine.scalar, Engine.gpsimd))
+    on_chip(opn, "dst", dst)
+    on_chip(opn, "data", data)
+    same_layout(opn, "dst", dst, data=data)
+    p = dst.shape[0]
+    n0 = getattr(op0, "_nki_op", None)
+    n1 = getattr(op1, "_nki_op", None) if op1 is not None else None
+    bitvec = n0 in alu_ops.ALU_BITVEC
+    if op1 is not None and (n1 in alu_ops.ALU_BITVEC) != bitvec:
+        fail(opn, f"op0=nl.{n0} and op1=nl.{n1} must both be arithmetic or both bit-vector ops")
+    if bitvec:
+        if not (data.dtype.is_int and dst.dtype.is_int):
+            fail(opn, f"bit-vector ops need integer data/dst, got {data.dtype.name} -> {dst.dtype.name}")
+        if engine not in (Engine.unknown, Engine.vector):
+            fail(opn, "bit-vector tensor_scalar runs on VectorE only")
+        x = as_pf(_ints(data), p)
+    else:
+        x = as_pf(fp32(data), p)
+    if engine is Engine.scalar:
+        pair = (n0, n1)
+        if current().target.nc_version <= 3 and pair not in (("multiply", "add"), ("multiply", None), ("add", None)):
+            fail(opn, f"ScalarE on {current().target.name} supports (multiply, add), (multiply, None), (add, None); "
+                      f"got {pair}")
+    if engine is Engine.gpsimd and n0 != "rsqrt":
+        fail(opn, "GpSimd tensor_scalar supports only op0=nl.rsqrt")
+    check_gpsimd_access(opn, engine, dst=dst, data=data)
+    res, n0, _ = _apply_scalar_op(opn, "op0", op0, operand0, reverse0, x, p)
+    if op1 is not None:
+        res, n1, _ = _apply_scalar_op(opn, "op1", op1, operand1, reverse1, res, p)
+    store(opn, dst, res)
+    if engine is Engine.unknown:
+        engine = Engine.vector
+    reads = (data,) + tuple(o for o in (operand0, operand1) if isinstance(o, NkiTensor))
+    _emit(opn, engine.name, reads, (dst,), dst, op=(n0, n1))
+
+
+def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
+    opn = "scalar_tensor_tensor"
+    on_chip(opn, "dst", dst)
+    on_chip(opn, "data", data)
+    on_chip(opn, "operand1", operand1)
+    same_layout(opn, "dst", dst, data=data, operand1=operand1)
+    not_both_psum(opn, "data", data, "operand1", operand1)
+    p = dst.shape[0]
+    n0, f0, k0 = alu_ops.alu(op0, "op0", opn)
+    n1, f1, k1 = alu_ops.alu(op1, "op1", opn)
+    if "bitvec" in (k0, k1):
+        fail(opn, "scalar_tensor_tensor supports arithmetic ops only")
+    s = scalar_operand(opn, "operand0", operand0, p)
+    x = as_pf(fp32(data), p)
+    t = as_pf(fp32(operand1), p)
+    with np.errstate(all="ignore"):
+        r = f0(s, x) if reverse0 else f0(x, s)
+        r = f1(t, r) if reverse1 else f1(r, t)
+    store(opn, dst, r)
+    reads = (data, operand1) + ((operand0,) if isinstance(operand0, NkiTensor) else ())
+    _emit(opn, "vector", reads, (dst,), dst, op=(n0, n1))
+
+
+def tensor_copy(dst, src, engine=Engine.unknown, name=None):
+    opn = "tensor_copy"
+    check_engine(opn, engine, (Engine.vector, Engine.scalar, Engine.gpsimd))
+    on_chip(opn, "dst", dst)
+    on_chip(opn, "src", src)
+    same_layout(opn, "dst", dst, src=src)
+    if engine is Engine.scalar and current().target.nc_version <= 2:
+        fail(opn, "tensor_copy is not supported on ScalarE on NeuronCore-v2; use activation(op=nl.copy)")
+    check_gpsimd_access(opn, engine, dst=dst, src=src)
+    vals = read(src)
+    if src.dtype is dst.dtype:
+        store(opn, dst, np.reshape(vals, dst.shape))  # bit-exact
+    else:
+        store(opn, dst, np.reshape(dt.to_fp32(vals), dst.shape))
+    eng = engine if engine is not Engine.unknown else Engine.vector
+    _emit(opn, eng.name, (src,), (dst,), dst)
+
+
+def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
+    opn = "tensor_copy_predicated"
+    on_chip(opn, "dst", dst)
+    on_chip(opn, "predicate", predicate)
+    same_layout(opn, "dst", dst, predicate=predicate)
+    if predicate.dtype.name not in ("uint8", "uint16", "uint32"):
+        fail(opn, f"predicate dtype must be uint8, uint16 or uint32, got {predicate.dtype.name}")
+    p = dst.shape[0]
+    if isinstance(src, NkiTensor):
+        on_chip(opn, "src", src)
+        same_layout(opn, "dst", dst, src=src)
+        not_both_psum(opn, "src", src, "predicate", predicate)
+        if src.dtype is not dst.dtype:
+            fail(opn, f"src dtype {src.dtype.name} and dst dtype {dst.dtype.name} must match")
+        vals = np.reshape(read(src), dst.shape)
+    else:
+        vals = dt.cast(np.full(dst.shape, src, dtype=np.float64), dst.dtype)
+    mask = np.reshape(read(predicate), dst.shape) != 0
+    if reverse_pred:
+        mask = ~mask
+    cur = np.array(np_view(dst))
+    store(opn, dst, np.where(mask, vals, cur))
+    reads = (predicate, dst) + ((src,) if isinstance(src, NkiTensor) else ())
+    _emit(opn, "vector", reads, (dst,), dst)
+
+
+def memset(dst, value, engine=Engine.unknown, name=None):
+    opn = "memset"
+    check_engine(opn, engine, (Engine.vector, Engine.gpsimd))
+    on_chip(opn, "dst", dst)
+    check_gpsimd_access(opn, engine, dst=dst)
+    if isinstance(value, NkiTensor) or not isinstance(value, (bool, int, float, np.integer, np.floating)):
+        fail(opn, f"value must be a compile-time scalar, got {type(value).__name__}")
+    if dst.dtype.kind == "packed" and value != 0:
+        fail(opn, f"x4 packed dtype {dst.dtype.name} only supports value=0")
+    if dst.dtype.is_int and isinstance(value, (float, np.floating)):
+        fail(opn, f"value={value!r} is a float but dst dtype is {dst.dtype.name}; the value type must match the "
+                  "dst dtype")
+    store(opn, dst, np.full(dst.shape, value))
+    eng = engine if engine is not Engine.unknown else Engine.vector
+    _emit(opn, eng.name, (), (dst,), dst)
+
+
+def _norm_axes(opn, axis, t):
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    axes = tuple(sorted(int(a) % t.ndim for a in axes))
+    if not axes:
+        fail(opn, "axis must name at least one free axis")
+    if 0 in axes:
+        fail(opn, "axis 0 (the partition dim) cannot be reduced; transpose first or matmul with ones (C12)")
+    if axes != tuple(range(t.ndim - len(axes), t.ndim)):
+        fail(opn, f"axis={axes} must be trailing contiguous free axes of a {t.ndim}-D tensor, e.g. "
+                  f"{tuple(range(t.ndim - len(axes), t.ndim))} (C12)")
+    return axes
+
+
+def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
+    opn = "tensor_reduce"
+    on_chip(opn, "dst", dst)
+    on_chip(opn, "data", data)
+    axes = _norm_axes(opn, axis, data)
+    oname, fn, kind = alu_ops.alu(op, "op", opn)
+    if not alu_ops.is_reduction(oname):
+        fail(opn, f"op=nl.{oname} is not a legal reduction (add, subtract, multiply, maximum, minimum, "
+                  "logical/bitwise and/or/xor)")
+    kept = data.shape[:data.ndim - len(axes)]
+    kept_free = int(np.prod(kept[1:])) if len(kept) > 1 else 1
+    if dst.shape[0] != data.shape[0] or free_size(dst) != kept_free:
+        fail(opn, f"dst shape {dst.shape} must hold {data.shape[0]} partitions x {kept_free} elements (data "
+                  f"{data.shape} reduced over axes {axes}) (C2)")
+    p = data.shape[0]
+    x = np.asarray(read(data)).reshape(p, kept_free, -1)
+    if kind == "bitvec":
+        res = getattr(np, oname).reduce(x.astype(np.int64), axis=-1)
+    else:
+        x = dt.to_fp32(x)
+        with np.errstate(all="ignore"):
+            if oname in ("add", "multiply", "maximum", "minimum"):
+                res = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum,
+                       "minimum": np.minimum}[oname].reduce(x, axis=-1, dtype=np.float32)
+            else:
+                res = x[..., 0]
+                for j in range(1, x.shape[-1]):
+                    res = fn(res, x[..., j])
+        if negate:
+            res = -res
+    store(opn, dst, res)
+    _emit(opn, "vector", (data,), (dst,), data, op=oname)
+
+
+def reciprocal(dst, data, name=None):
+    opn = "reciprocal"
+    on_chip(opn, "dst", dst)
+    on_chip(opn, "data", data)
+    same_layout(opn, "dst", dst, data=data)
+    with np.errstate(divide="ignore"):
+        store(opn, dst, np.reshape(np.float32(1.0) / fp32(data), dst.shape))
+    _emit(opn, "vector", (data,), (dst,), dst)
+
+
+BN_STATS_FMAX = 512  # nl.tile_size.bn_stats_fmax
+
+
+def bn_stats(dst, data, name=None):
+    """Per partition, over the even and the odd elements: (count, mean, count*variance) -> dst[P, 6]."""
+    opn = "bn_stats"
+    on_chip(opn, "dst", dst)
+    on_chip(opn, "data", data)
+    p, f = data.shape[0], free_size(data)
+    if f > BN_STATS_FMAX:
+        fail(opn, f"data has {f} elements per partition; bn_stats takes at most {BN_STATS_FMAX} (bn_stats_fmax, C12)")
+    if dst.shape[0] != p or free_size(dst) != 6:
+        fail(opn, f"dst must be ({p}, 6), got {dst.shape}")
+    x = fp32(data).reshape(p, f).astype(np.float64)
+    out = np.zeros((p, 6))
+    for j, part in enumerate((x[:, 0::2], x[:, 1::2])):
+        cnt = part.shape[1]
+        mean = part.mean(axis=1) if cnt else np.zeros(p)
+        m2 = ((part - mean[:, None]) ** 2).sum(axis=1) if cnt else np.zeros(p)
+        out[:, 3 * j:3 * j + 3] = np.stack([np.full(p, cnt), mean, m2], axis=1)
+    store(opn, dst, out.astype(np.float32))
+    _emit(opn, "vector", (data,), (dst,), data)
+
+
+def bn_aggr(dst, data, name=None):
+    """Combine k bn_stats groups [P, 3*k... as 6-tuples] into (mean, variance) -> dst[P, 2]."""
+    opn = "bn_aggr"
+    on_chip(opn, "dst", dst)
+    on_chip(opn, "data", data)
+    p, f = data.shape[0], free_size(data)
+    if f % 3:
+        fail(opn, f"data must hold (count, mean, count*var) triples per partition; {f} elements is not a multiple "
+                  "of 3")
+    if dst.shape[0] != p or free_size(dst) != 2:
+        fail(opn, f"dst must be ({p}, 2), got {dst.shape}")
+    g = fp32(data).reshape(p, -1, 3).astype(np.float64)
+    cnt, mean, m2 = g[..., 0], g[..., 1], g[..., 2]
+    total = cnt.sum(axis=1)
+    safe = np.where(total > 0, total, 1.0)
+    gmean = (cnt * mean).sum(axis=1) / safe
+    gm2 = (m2 + cnt * (mean - gmean[:, None]) ** 2).sum(axis=1)
+    store(opn, dst, np.stack([gmean, gm2 / safe], axis=1).astype(np.float32))
+    _emit(opn, "vector", (data,), (dst,), data)
+
+
+def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=None, reduce_init=0.0, name=None):
+    """Trn3 VectorE exp(src - max_value) with optional running sum in the VectorE accumulators."""
+    from .accum import vector_accumulate
+    from .enums import reduce_cmd as RC
+    opn = "exponential"
+    require_version(opn, 4)
+    reduce_cmd = RC.idle if reduce_cmd is None else reduce_cmd
+    on_chip(opn, "dst", dst)
+    on_chip(opn, "src", src)
+    same_layout(opn, "dst", dst, src=src)
+    if src.ndim > 4:
+        fail(opn, f"src has {src.ndim} dims; at most 4")
+    p = dst.shape[0]
+    m = scalar_operand(opn, "max_value", max_value, p)
+    with np.errstate(all="ignore"):
+        e = np.exp((as_pf(fp32(src), p) - m).astype(np.float64)).astype(np.float32)
+    store(opn, dst, e)
+    vector_accumulate(opn, reduce_cmd, np.add, 0.0, e.sum(axis=1, dtype=np.float32), p, reduce_res,
+                      init=reduce_init)
+    _emit(opn, "vector", (src,), (dst,) + ((reduce_res,) if reduce_res is not None else ()), dst)

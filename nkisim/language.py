@@ -1,0 +1,355 @@
+"""`nki.language` (nl): dtypes, buffers, tile sizes, allocation, loops, and the experimental convenience API.
+
+The convenience functions (nl.add, nl.exp, nl.load, nl.matmul, ...) lower to the same ISA implementations a
+kernel would call directly, so they are checked, recorded and costed exactly like hand-written ISA code.
+"""
+
+import contextlib
+import os
+
+import numpy as np
+
+from . import dtypes as _dt
+from . import isa as _isa
+from .dtypes import (  # noqa: F401 - re-exported as nl.<dtype>
+    bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn, float8_e4m3fn_x4, float8_e5m2, float8_e5m2_x4,
+    float8_e8m0fnu, float16, float32, int8, int16, int32, tfloat32, uint8, uint16, uint32,
+)
+from .errors import NkiValidationError
+from .memory import Allocation, check_buffer, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
+from .runtime import current
+from .tensor import DynSlice, NkiTensor, VirtualRegister, ds, read  # noqa: F401
+
+FP32_MIN = float(np.finfo(np.float32).min)
+
+
+class NKIObject:
+    """Base class for user classes inside kernels (NKI accepts only classes derived from it)."""
+
+
+class MemoryRegion:
+    sbuf, psum, private_hbm, shared_hbm = "sbuf", "psum", "private_hbm", "shared_hbm"
+
+
+def is_hbm(buf):
+    return check_buffer(buf).is_hbm
+
+
+def is_on_chip(buf):
+    return check_buffer(buf).on_chip
+
+
+def is_psum(buf):
+    return check_buffer(buf) is psum
+
+
+def is_sbuf(buf):
+    return check_buffer(buf) is sbuf
+
+
+# ---- tile sizes ---------------------------------------------------------------------------------------------
+
+class _TileSize:
+    """`nl.tile_size`: hardware tile limits of the current target (nki-api.md §3.6)."""
+
+    pmax = 128
+    gemm_stationary_fmax = 128
+    bn_stats_fmax = 512
+    psum_bank_fmax = 512
+    psum_bank_fmax_bytes = 2048
+    psum_fmax = 512            # deprecated alias of psum_bank_fmax
+    psum_min_align = 4         # bytes; undocumented upstream, fp32 element alignment assumed
+    sbuf_min_align = 4
+
+    @property
+    def gemm_moving_fmax(self):
+        return 512
+
+    @property
+    def psum_num_banks(self):
+        # bank 7 is reserved when DMA transposes are lowered to PE transposes on trn2+
+        reserve = os.environ.get("NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE", "").lower() == "true"
+        return current().target.psum_num_banks - (1 if reserve and current().target.nc_version >= 3 else 0)
+
+    @property
+    def sbuf_fmax_bytes(self):
+        return current().target.sbuf_usable_bytes
+
+    @property
+    def sbuf_fmax(self):
+        return current().target.sbuf_usable_bytes // 4
+
+    @property
+    def total_available_sbuf_size(self):  # deprecated 0.4.0: per-partition usable bytes
+        return current().target.sbuf_usable_bytes
+
+    @property
+    def sbuf_size_bytes(self):
+        return current().target.sbuf_physical_bytes * 128
+
+
+tile_size = _TileSize()
+
+
+# ---- allocation -----------------------------------------------------------------------------------------------
+
+def _shape(shape, what="shape"):
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        shape = tuple(int(s) for s in shape)
+    except TypeError:
+        raise NkiValidationError(f"{what}={shape!r} must be a tuple of ints") from None
+    if any(s < 0 for s in shape):
+        raise NkiValidationError(f"{what}={shape} has a negative dimension")
+    return shape
+
+
+def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
+    """Allocate an uninitialised tensor (filled with the NaN / 4 sentinel)."""
+    shape = _shape(shape)
+    d = _dt.as_dtype(dtype)
+    buf = check_buffer(buffer)
+    if buf.on_chip and len(shape) < 2:
+        raise NkiValidationError(f"nl.ndarray: on-chip ({buf.name}) tensors need >= 2 dims [partition, free...], "
+                                 f"got shape {shape}")
+    ctx = current()
+    alloc = Allocation(shape, d, buf, name=name, pool=ctx.pool if buf.on_chip else None, address=address)
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return NkiTensor(alloc, shape, strides, 0, d)
+
+
+def _filled(shape, dtype, buffer, name, value):
+    t = ndarray(shape, dtype, buffer, name)
+    if t.buffer.on_chip:
+        v = int(value) if t.dtype.is_int else float(value)
+        _isa.memset(t, v)
+    else:
+        t.alloc.storage[...] = _dt.cast(np.array(value), t.dtype)
+    return t
+
+
+def zeros(shape, dtype, buffer=sbuf, name=""):
+    return _filled(shape, dtype, buffer, name, 0)
+
+
+def ones(shape, dtype, buffer=sbuf, name=""):
+    return _filled(shape, dtype, buffer, name, 1)
+
+
+def full(shape, fill_value, dtype, buffer=sbuf, name=""):
+    return _filled(shape, dtype, buffer, name, fill_value)
+
+
+def zeros_like(x, dtype=None, buffer=None, name=""):
+    return zeros(x.shape, dtype or x.dtype, buffer or x.buffer, name)
+
+
+def ones_like(x, dtype=None, buffer=None, name=""):
+    return ones(x.shape, dtype or x.dtype, buffer or x.buffer, name)
+
+
+def full_like(x, fill_value, dtype=None, buffer=None, name=""):
+    return full(x.shape, fill_value, dtype or x.dtype, buffer or x.buffer, name)
+
+
+def empty_like(x, dtype=None, buffer=None, name=""):
+    return ndarray(x.shape, dtype or x.dtype, buffer or x.buffer, name)
+
+
+def rand(shape, dtype, buffer=sbuf, name=""):
+    t = ndarray(shape, dtype, buffer, name)
+    ctx = current()
+    rng = getattr(ctx, "rng", None) or np.random.default_rng(0)
+    ctx.rng = rng
+    t.alloc.storage[...] = _dt.cast(rng.random(t.size, dtype=np.float32), t.dtype)
+    ctx.emit("rand", "gpsimd", (), (t,), p=t.shape[0], n=t.size // max(t.shape[0], 1))
+    return t
+
+
+def random_seed(seed):
+    if not isinstance(seed, NkiTensor) or seed.shape != (1, 1) or seed.buffer is not sbuf:
+        raise NkiValidationError("nl.random_seed(seed): seed must be a [1, 1] SBUF tensor, not a Python int")
+    current().rng = np.random.default_rng(int(np.asarray(read(seed)).reshape(-1)[0]))
+
+
+def shared_constant(constant, dtype=None):
+    """A shared_hbm tensor holding a NumPy array (or the contents of a .npy path)."""
+    arr = np.load(constant) if isinstance(constant, (str, os.PathLike)) else np.asarray(constant)
+    d = _dt.as_dtype(dtype if dtype is not None else arr.dtype)
+    t = ndarray(arr.shape, d, shared_hbm)
+    t.alloc.storage[...] = _dt.cast(arr, d).reshape(-1)
+    return t
+
+
+def shared_identity_matrix(n, dtype=uint8, dst=None):
+    if dst is None:
+        dst = ndarray((n, n), dtype, shared_hbm)
+    eye = np.eye(n)
+    if dst.buffer.on_chip:
+        from .tensor import write
+        write(dst, _dt.cast(eye, dst.dtype).reshape(dst.shape))
+    else:
+        dst.alloc.storage[...] = _dt.cast(eye, dst.dtype).reshape(-1)
+    return dst
+
+
+# ---- SPMD / LNC -----------------------------------------------------------------------------------------------
+
+def program_id(axis=0):
+    if axis != 0:
+        raise NkiValidationError(f"nl.program_id(axis={axis}): only axis 0 exists under LNC launches")
+    return current().program_id
+
+
+def num_programs(axes=0):
+    if axes not in (0, None):
+        raise NkiValidationError(f"nl.num_programs(axes={axes}): only axis 0 exists under LNC launches")
+    return current().num_programs
+
+
+def program_ndim():
+    return 1 if current().num_programs > 1 else 0
+
+
+# ---- loops ------------------------------------------------------------------------------------------------------
+
+def affine_range(start, stop=None, step=1):
+    return range(start, stop, step) if stop is not None else range(start)
+
+
+sequential_range = static_range = affine_range
+
+
+def dynamic_range(start, stop=None, step=1):
+    """Deprecated runtime loop (NKI 0.6): bounds may be registers; iterates over their current values."""
+    lo, hi = (0, start) if stop is None else (start, stop)
+    from .tensor import scalar_value
+    return range(scalar_value(lo, "dynamic_range start"), scalar_value(hi, "dynamic_range stop"), step)
+
+
+def fori_loop(lower, upper, body_fun, step=1):
+    """Runtime loop: body_fun(i) with a frozen register i, for i in [lower, upper) step `step`."""
+    from .tensor import scalar_value
+    ctx = current()
+    if ctx.no_reorder_depth:
+        raise NkiValidationError("nl.fori_loop is not allowed inside nl.no_reorder()")
+    if not isinstance(step, (int, np.integer)) or step <= 0:
+        raise NkiValidationError(f"nl.fori_loop: step={step!r} must be a positive compile-time int")
+    lo = scalar_value(lower, "fori_loop lower")
+    hi = scalar_value(upper, "fori_loop upper")
+    reg = VirtualRegister(lo, frozen=True)
+    for i in range(lo, hi, step):
+        reg.value = i
+        ctx.emit("loop_iter", "sync", (), ())
+        if body_fun(reg) is not None:
+            raise NkiValidationError("nl.fori_loop: body_fun must return None")
+
+
+def while_loop(init, body_fun):
+    """Runtime loop: runs body_fun() while the condition register is non-zero; body returns the next condition."""
+    ctx = current()
+    if ctx.no_reorder_depth:
+        raise NkiValidationError("nl.while_loop is not allowed inside nl.no_reorder()")
+    cond = init
+    while (cond.value if isinstance(cond, VirtualRegister) else int(cond)) != 0:
+        ctx.emit("loop_iter", "sync", (), ())
+        cond = body_fun()
+        if not isinstance(cond, (VirtualRegister, int, np.integer)):
+            raise NkiValidationError("nl.while_loop: body_fun must return the next condition (a VirtualRegister)")
+
+
+@contextlib.contextmanager
+def no_reorder():
+    ctx = current()
+    ctx.no_reorder_depth += 1
+    try:
+        yield
+    finally:
+        ctx.no_reorder_depth -= 1
+
+
+def device_print(print_prefix, tensor):
+    if not isinstance(print_prefix, str):
+        raise NkiValidationError("nl.device_print: print_prefix must be a constant string")
+    if tensor.buffer is psum:
+        raise NkiValidationError("nl.device_print: tensor must be in SBUF or HBM")
+    ctx = current()
+    print(f"{print_prefix} (core {ctx.program_id}) {tensor.shape} {tensor.dtype.name}:\n"
+          f"{np.asarray(read(tensor)).astype(np.float32)}")
+
+
+# ---- data movement and matmul wrappers ---------------------------------------------------------------------
+
+def _out(shape, dtype, buffer=sbuf):
+    shape = tuple(shape)
+    if len(shape) < 2:
+        shape = (shape[0] if shape else 1, 1)
+    return ndarray(shape, dtype, buffer)
+
+
+def load(src, dtype=None):
+    t = _out(src.shape if len(src.shape) >= 2 else (1,) + tuple(src.shape), dtype or src.dtype)
+    _isa.dma_copy(dst=t, src=src)
+    return t
+
+
+def store(dst, value):
+    if value.buffer is psum:
+        raise NkiValidationError("nl.store: value in PSUM is not supported; copy it to SBUF first")
+    _isa.dma_copy(dst=dst, src=value)
+
+
+def load_transpose2d(src, dtype=None):
+    if src.ndim != 2:
+        raise NkiValidationError(f"nl.load_transpose2d: src must be 2-D, got {src.shape}")
+    t = _out((src.shape[1], src.shape[0]), src.dtype)
+    _isa.dma_transpose(dst=t, src=src)
+    if dtype is not None and _dt.as_dtype(dtype) is not t.dtype:
+        return copy(t, dtype)
+    return t
+
+
+def copy(x, dtype=None):
+    t = _out(x.shape, dtype or x.dtype)
+    _isa.tensor_copy(dst=t, src=x)
+    return t
+
+
+def matmul(x, y, transpose_x=False):
+    """x [K, M] (transpose_x=True), y [K, N] in SBUF -> PSUM [M, N] fp32."""
+    if not transpose_x:
+        raise NkiValidationError("nl.matmul(transpose_x=False) is a known-broken path in NKI 0.6; pass x as [K, M] "
+                                 "with transpose_x=True")
+    t = ndarray((x.shape[1],) + tuple(y.shape[1:]), float32, psum)
+    _isa.nc_matmul(dst=t, stationary=x, moving=y)
+    return t
+
+
+def transpose(x, dtype=None):
+    if x.ndim != 2:
+        raise NkiValidationError(f"nl.transpose: x must be 2-D, got {x.shape}")
+    t = ndarray((x.shape[1], x.shape[0]), x.dtype, psum)
+    _isa.nc_transpose(dst=t, data=x)
+    return t
+
+
+def expand_dims(x, axis):
+    return x.expand_dim(axis)
+
+
+def broadcast_to(x, shape, dtype=None):
+    shape = _shape(shape)
+    v = x
+    for d, (have, want) in enumerate(zip(x.shape, shape)):
+        if have != want:
+            v = v.broadcast(d, want)
+    return copy(v, dtype) if x.buffer.on_chip else v
+
+
+from ._nl_math import *  # noqa: E402,F401,F403 - the math API shares this namespace
+from ._nl_math import __all__ as _math_all  # noqa: E402
+
+__all__ = [n for n in dir() if not n.startswith("_")] + list(_math_all)

@@ -1,0 +1,125 @@
+"""Execution state of a running kernel: one `CoreContext` per NeuronCore (thread), and the instruction record.
+
+Every ISA op appends one `Instruction` to its core's trace: what engine ran it, which byte ranges of which
+allocations it read and wrote, and op-specific sizes. The cost model schedules that trace; nothing in it keeps a
+tensor alive (only allocation ids), so recording never changes capacity accounting.
+"""
+
+import threading
+import warnings
+
+import numpy as np
+
+from .memory import MemoryPool
+from .target import resolve_target
+
+
+class Access:
+    """One operand's footprint: allocation, buffer, byte range, bytes, partitions, contiguous bytes per run."""
+
+    __slots__ = ("alloc_id", "buffer", "lo", "hi", "nbytes", "partitions", "run_bytes")
+
+    def __init__(self, alloc_id, buffer, lo, hi, nbytes, partitions, run_bytes):
+        self.alloc_id, self.buffer, self.lo, self.hi = alloc_id, buffer, lo, hi
+        self.nbytes, self.partitions, self.run_bytes = nbytes, partitions, run_bytes
+
+    def __repr__(self):
+        return f"Access({self.buffer}#{self.alloc_id} [{self.lo},{self.hi}) {self.nbytes}B)"
+
+
+def access_of(t):
+    isz = t.dtype.itemsize
+    lo = hi = t.offset
+    for n, s in zip(t.shape, t.strides):
+        if n > 1:
+            if s < 0:
+                lo += (n - 1) * s
+            else:
+                hi += (n - 1) * s
+    run = 1
+    for n, s in zip(reversed(t.shape), reversed(t.strides)):
+        if n == 1:
+            continue
+        if s == run:
+            run *= n
+        else:
+            break
+    if t.gather is not None:
+        lo, hi = 0, t.alloc.storage.size * t.alloc.dtype.itemsize // isz
+    nbytes = int(np.prod(t.shape, dtype=np.int64)) * isz
+    return Access(t.alloc.id, t.alloc.buffer.name, lo * isz, (hi + 1) * isz, nbytes,
+                  t.shape[0] if t.buffer.on_chip else 1, run * isz)
+
+
+class Instruction:
+    """One executed ISA instruction, as the cost model sees it."""
+
+    __slots__ = ("seq", "core", "op", "engine", "reads", "writes", "meta")
+
+    def __init__(self, seq, core, op, engine, reads, writes, meta):
+        self.seq, self.core, self.op, self.engine = seq, core, op, engine
+        self.reads, self.writes, self.meta = reads, writes, meta
+
+    def __repr__(self):
+        return f"Instruction({self.seq}, core={self.core}, {self.op}@{self.engine}, {self.meta})"
+
+
+class LncShared:
+    """What the two cores of an LNC=2 launch share: a barrier and the sendrecv pipes."""
+
+    def __init__(self, n):
+        self.n = n
+        self.barrier = threading.Barrier(n)
+        self.cond = threading.Condition()
+        self.pipes = {}       # (src_core, dst_core, pipe_id) -> list of payloads
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
+        self.barrier.abort()
+        with self.cond:
+            self.cond.notify_all()
+
+
+class CoreContext:
+    def __init__(self, program_id=0, num_programs=1, target=None, shared=None, record=True):
+        self.program_id = program_id
+        self.num_programs = num_programs
+        self.target = target if target is not None else resolve_target()
+        self.pool = MemoryPool(self.target)
+        self.trace = []
+        self.record = record
+        self.shared = shared
+        self.in_kernel = False
+        self.no_reorder_depth = 0
+        self.warned = set()
+        self.seq = 0
+
+    def emit(self, op, engine, reads=(), writes=(), **meta):
+        if self.record:
+            self.trace.append(Instruction(self.seq, self.program_id, op, engine,
+                                          tuple(access_of(t) for t in reads),
+                                          tuple(access_of(t) for t in writes), meta))
+        self.seq += 1
+
+    def warn_once(self, key, message, category):
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, category, stacklevel=4)
+
+
+_local = threading.local()
+
+
+def current() -> CoreContext:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        # Ops called outside a kernel (unit tests, notebooks) run on a default core of their own.
+        ctx = _local.ctx = CoreContext()
+    return ctx
+
+
+def set_current(ctx):
+    prev = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    return prev
