@@ -5,6 +5,8 @@ Called directly, it allocates an SBUF result (dtype defaults to the input dtype)
 broadcasting between tensors (NKI 0.6): a (P, 1) operand goes through tensor_scalar, a Python scalar too.
 """
 
+import math
+
 import numpy as np
 
 from . import dtypes as _dt
@@ -158,7 +160,7 @@ def all(x, axis, dtype=None):  # noqa: A001
 def mean(x, axis, dtype=None, keepdims=False):
     s = _reduce(add, x, axis, _dt.float32, keepdims)  # noqa: F821
     _, axes = _reduce_shape(x, axis, keepdims)
-    n = int(np.prod([x.shape[a] for a in axes]))
+    n = math.prod([x.shape[a] for a in axes])
     out = _new(s.shape, dtype or x.dtype)
     _isa.tensor_scalar(dst=out, data=s, op0=multiply, operand0=1.0 / n)  # noqa: F821
     return out
@@ -167,7 +169,7 @@ def mean(x, axis, dtype=None, keepdims=False):
 def var(x, axis, dtype=None, keepdims=False):
     """Population variance over trailing free axes (keepdims is ignored, as in NKI)."""
     shape, axes = _reduce_shape(x, axis, False)
-    n = int(np.prod([x.shape[a] for a in axes]))
+    n = math.prod([x.shape[a] for a in axes])
     m = mean(x, axis, _dt.float32)
     sq = _new(x.shape, _dt.float32)
     _isa.activation(dst=sq, op=square, data=x)  # noqa: F821

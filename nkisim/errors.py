@@ -10,7 +10,7 @@ class NkiValidationError(Exception):
 
 
 class NkiCapacityError(NkiValidationError):
-    """Live SBUF bytes per partition or PSUM banks exceed the target's capacity (checked beyond the official simulator)."""
+    """Live SBUF bytes per partition or PSUM banks exceed the capacity (checked beyond the official simulator)."""
 
 
 class NkiPsumAccumulationWarning(UserWarning):

@@ -8,6 +8,7 @@ a kernel's tiles go out of scope under NKI's own rules (they die at the end of t
 """
 
 import itertools
+import math
 import sys
 
 import numpy as np
@@ -79,7 +80,7 @@ class Allocation:
         self.psum_addr = None
         self._flat_views = None
         self.site = _caller_site()
-        n = int(np.prod(self.shape, dtype=np.int64))
+        n = math.prod(self.shape)
         if storage is None:
             storage = np.full(n, dt.sentinel(dtype), dtype=dt.storage_dtype(dtype))
         self.storage = storage

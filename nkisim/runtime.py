@@ -5,10 +5,9 @@ allocations it read and wrote, and op-specific sizes. The cost model schedules t
 tensor alive (only allocation ids), so recording never changes capacity accounting.
 """
 
+import math
 import threading
 import warnings
-
-import numpy as np
 
 from .memory import MemoryPool
 from .target import resolve_target
@@ -28,6 +27,13 @@ class Access:
 
 
 def access_of(t):
+    a = t._access
+    if a is None:
+        a = t._access = _access_of(t)
+    return a
+
+
+def _access_of(t):
     isz = t.dtype.itemsize
     lo = hi = t.offset
     for n, s in zip(t.shape, t.strides):
@@ -46,7 +52,7 @@ def access_of(t):
             break
     if t.gather is not None:
         lo, hi = 0, t.alloc.storage.size * t.alloc.dtype.itemsize // isz
-    nbytes = int(np.prod(t.shape, dtype=np.int64)) * isz
+    nbytes = math.prod(t.shape) * isz
     return Access(t.alloc.id, t.alloc.buffer.name, lo * isz, (hi + 1) * isz, nbytes,
                   t.shape[0] if t.buffer.on_chip else 1, run * isz)
 
@@ -95,9 +101,9 @@ class CoreContext:
         self.warned = set()
         self.seq = 0
 
-    def emit(self, op, engine, reads=(), writes=(), **meta):
+    def emit(self, opname, engine, reads=(), writes=(), **meta):
         if self.record:
-            self.trace.append(Instruction(self.seq, self.program_id, op, engine,
+            self.trace.append(Instruction(self.seq, self.program_id, opname, engine,
                                           tuple(access_of(t) for t in reads),
                                           tuple(access_of(t) for t in writes), meta))
         self.seq += 1

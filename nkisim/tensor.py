@@ -6,6 +6,8 @@ integer-indexed dims (at least 1-D). Views share storage and cost nothing; `.ap(
 directly. Indices are bounds-checked (stricter than NumPy's clamping of slices): an out-of-range slice is a bug.
 """
 
+import math
+
 import numpy as np
 
 from . import dtypes as dt
@@ -74,7 +76,7 @@ class Indirect:
 
 
 class NkiTensor:
-    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "gather")
+    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "gather", "_npv", "_access")
 
     def __init__(self, alloc, shape, strides, offset, dtype=None, indirect=None):
         self.alloc = alloc
@@ -83,6 +85,8 @@ class NkiTensor:
         self.offset = int(offset)
         self.dtype = dtype if dtype is not None else alloc.dtype
         self.gather = indirect
+        self._npv = None      # cached NumPy view (views are immutable; storage is never reallocated)
+        self._access = None   # cached cost-model footprint (nkisim.runtime.access_of)
 
     # ---- attributes of the real NkiTensor -------------------------------------------------------------------
     @property
@@ -99,7 +103,7 @@ class NkiTensor:
 
     @property
     def size(self):
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def itemsize(self):
@@ -230,8 +234,8 @@ class NkiTensor:
 
     def reshape_dim(self, dim, shape):
         shape = [int(x) for x in shape]
-        if int(np.prod(shape)) != self.shape[dim]:
-            raise ValueError(f"reshape_dim({dim}, {shape}): sizes multiply to {int(np.prod(shape))}, "
+        if math.prod(shape) != self.shape[dim]:
+            raise ValueError(f"reshape_dim({dim}, {shape}): sizes multiply to {math.prod(shape)}, "
                              f"dim has {self.shape[dim]}")
         if self.buffer.on_chip and dim == 0 and len(shape) != 1:
             raise NkiValidationError("reshape_dim(0): the partition dim cannot be split")
@@ -248,18 +252,18 @@ class NkiTensor:
         for d in range(s, e):
             if self.strides[d] != self.strides[d + 1] * self.shape[d + 1]:
                 raise ValueError(f"flatten_dims({start_dim}, {end_dim}): dims {d} and {d + 1} are not contiguous")
-        n = int(np.prod(self.shape[s:e + 1]))
+        n = math.prod(self.shape[s:e + 1])
         return self._with(self.shape[:s] + (n,) + self.shape[e + 1:],
                           self.strides[:s] + (self.strides[e],) + self.strides[e + 1:], self.offset)
 
     def reshape(self, shape):
         shape = [int(x) for x in (shape if isinstance(shape, (tuple, list)) else (shape,))]
         if shape.count(-1) == 1:
-            known = int(np.prod([x for x in shape if x != -1]))
+            known = math.prod([x for x in shape if x != -1])
             shape[shape.index(-1)] = self.size // known if known else 0
-        if int(np.prod(shape)) != self.size:
+        if math.prod(shape) != self.size:
             raise ValueError(f"reshape {self.shape} -> {tuple(shape)} changes the element count "
-                             f"({self.size} vs {int(np.prod(shape))})")
+                             f"({self.size} vs {math.prod(shape)})")
         if self.buffer.on_chip:
             if shape[0] != self.shape[0]:
                 raise NkiValidationError(f"reshape {self.shape} -> {tuple(shape)}: an on-chip reshape must keep the "
@@ -289,7 +293,7 @@ class NkiTensor:
             group = src[d]
             if len(group) > 1:
                 unknown = [g for g in group if g not in sizes]
-                known = int(np.prod([sizes[g] for g in group if g in sizes]))
+                known = math.prod([sizes[g] for g in group if g in sizes])
                 if len(unknown) > 1:
                     raise ValueError(f"rearrange: sizes of {unknown} needed in fixed_sizes")
                 if unknown:
@@ -335,7 +339,7 @@ class NkiTensor:
         d = dt.as_dtype(dtype) if dtype is not None else base.dtype
         pattern = [[int(s), int(n)] for s, n in pattern]
         if base.buffer.on_chip:
-            free = int(np.prod(base.shape[1:]))
+            free = math.prod(base.shape[1:])
             if pattern[0][0] != free:
                 raise NkiValidationError(
                     f".ap() on on-chip tensor '{base.name}': the partition stride {pattern[0][0]} must equal the "
@@ -345,7 +349,7 @@ class NkiTensor:
                 raise NkiValidationError(f".ap(): {len(pattern) - 1} free-dim levels exceed the hardware's 4 (C14)")
         off = int(offset) if offset is not None else 0
         if scalar_offset is not None:
-            off += scalar_value(scalar_offset, ".ap scalar_offset") * int(np.prod(base.shape[indirect_dim + 1:]))
+            off += scalar_value(scalar_offset, ".ap scalar_offset") * math.prod(base.shape[indirect_dim + 1:])
         shape = [n for _, n in pattern]
         strides = [s for s, _ in pattern]
         if d is not base.dtype:
@@ -356,7 +360,7 @@ class NkiTensor:
                 raise NkiValidationError(f".ap(vector_offset=...): indirect_dim must be 0, got {indirect_dim}")
             if not isinstance(vector_offset, NkiTensor) or vector_offset.shape[1:] not in ((1,), ()):
                 raise NkiValidationError(".ap(vector_offset=...) must be a (P, 1) tensor of row indices")
-            indirect = Indirect(vector_offset, int(np.prod(base.shape[1:])), base.shape[0])
+            indirect = Indirect(vector_offset, math.prod(base.shape[1:]), base.shape[0])
             strides[0] = 0
         return NkiTensor(base, shape, strides, off, d, indirect)
 
@@ -422,11 +426,15 @@ def _parse_pattern(p):
 
 def np_view(t: NkiTensor) -> np.ndarray:
     """A NumPy view (no copy) of a strided tensor, in its storage dtype."""
+    v = t._npv
+    if v is not None:
+        return v
     flat = t.alloc.flat(t.dtype)
     isz = flat.itemsize
     try:
-        return np.ndarray(t.shape, dtype=flat.dtype, buffer=flat, offset=t.offset * isz,
+        v = t._npv = np.ndarray(t.shape, dtype=flat.dtype, buffer=flat, offset=t.offset * isz,
                           strides=tuple(s * isz for s in t.strides))
+        return v
     except (ValueError, TypeError) as e:
         raise NkiValidationError(f"view of '{t.name}' shape {t.shape} strides {t.strides} offset {t.offset} falls "
                                  f"outside its allocation of {flat.size} elements") from e

@@ -6,7 +6,7 @@ from .. import dtypes as dt
 from .. import ops as alu_ops
 from ..memory import psum, sbuf
 from ..runtime import current
-from ..tensor import NkiTensor, indirect_valid_rows, np_view, read, write
+from ..tensor import indirect_valid_rows, np_view, read, write
 from ._common import fail, nc_version, tensor
 from .enums import dge_mode as DgeMode
 from .enums import dma_engine as DmaEngine

@@ -1,5 +1,7 @@
 """GpSimd: iota and affine_select (affine index expressions over partitions and free dims)."""
 
+import math
+
 import numpy as np
 
 from .. import dtypes as dt
@@ -15,7 +17,7 @@ def _affine(op, dst, pattern, offset, channel_multiplier):
     pattern = [[int(s), int(n)] for s, n in pattern]
     if len(pattern) > 4:
         fail(op, f"pattern has {len(pattern)} levels; at most 4 (C14)")
-    count = int(np.prod([n for _, n in pattern])) if pattern else 1
+    count = math.prod([n for _, n in pattern]) if pattern else 1
     p, f = dst.shape[0], free_size(dst)
     if count != f:
         fail(op, f"pattern counts multiply to {count} but dst has {f} elements per partition")

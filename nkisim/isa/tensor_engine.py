@@ -1,5 +1,7 @@
 """TensorE: nc_matmul (dst[M, N] (=|+=) stationary[K, M].T @ moving[K, N]) and nc_transpose."""
 
+import math
+
 import numpy as np
 
 from .. import dtypes as dt
@@ -88,7 +90,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         fail(op, f"stationary partition (K) {k} exceeds {rs} (the row tile size; C3)")
     if m > cs:
         fail(op, f"stationary free size (M) {m} exceeds {cs} (the column tile size; C3)")
-    n = int(np.prod(n_shape)) if n_shape else 1
+    n = math.prod(n_shape) if n_shape else 1
     nmax = (ctx.target.matmul_moving_fmax_bf16 if dst.dtype is dt.bfloat16 else ctx.target.matmul_moving_fmax_fp32)
     if n > nmax:
         fail(op, f"moving free size (N) {n} exceeds {nmax} for a {dst.dtype.name} dst on {ctx.target.name} (C3)")
@@ -150,6 +152,12 @@ def _accumulate(op, ctx, dst, result, accumulate, v, is_transpose):
         store(op, dst, result, from_matmul=True)
         mark_psum(dst, 1)
         _open_group(ctx, dst, start=True)
+        return
+    if dst.dtype is dt.float32 and view.dtype == np.float32 and state.min() == 1:
+        # Fast path of every K-loop step after the first: all locations hold matmul partial sums.
+        view += result
+        dst.alloc.written = True
+        _open_group(ctx, dst, start=False)
         return
     written = state != 0
     if accumulate is True and not written.all():

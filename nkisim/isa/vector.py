@@ -4,6 +4,8 @@ All arithmetic runs in fp32 (inputs upcast, result cast to dst.dtype on write); 
 bit patterns. Operands must agree in partitions and elements per partition (shapes may differ, C2).
 """
 
+import math
+
 import numpy as np
 
 from .. import dtypes as dt
@@ -11,8 +13,20 @@ from .. import ops as alu_ops
 from ..memory import psum, sbuf
 from ..runtime import current
 from ..tensor import NkiTensor, np_view, read
-from ._common import (as_pf, check_engine, check_gpsimd_access, fail, fp32, free_size, not_both_psum, on_chip,
-                      require_version, same_layout, scalar_operand, store)
+from ._common import (
+    as_pf,
+    check_engine,
+    check_gpsimd_access,
+    fail,
+    fp32,
+    free_size,
+    not_both_psum,
+    on_chip,
+    require_version,
+    same_layout,
+    scalar_operand,
+    store,
+)
 from .enums import engine as Engine
 
 _INT32S = ("int32", "uint32")
@@ -179,7 +193,6 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
     same_layout(opn, "dst", dst, predicate=predicate)
     if predicate.dtype.name not in ("uint8", "uint16", "uint32"):
         fail(opn, f"predicate dtype must be uint8, uint16 or uint32, got {predicate.dtype.name}")
-    p = dst.shape[0]
     if isinstance(src, NkiTensor):
         on_chip(opn, "src", src)
         same_layout(opn, "dst", dst, src=src)
@@ -238,7 +251,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
         fail(opn, f"op=nl.{oname} is not a legal reduction (add, subtract, multiply, maximum, minimum, "
                   "logical/bitwise and/or/xor)")
     kept = data.shape[:data.ndim - len(axes)]
-    kept_free = int(np.prod(kept[1:])) if len(kept) > 1 else 1
+    kept_free = math.prod(kept[1:]) if len(kept) > 1 else 1
     if dst.shape[0] != data.shape[0] or free_size(dst) != kept_free:
         fail(opn, f"dst shape {dst.shape} must hold {data.shape[0]} partitions x {kept_free} elements (data "
                   f"{data.shape} reduced over axes {axes}) (C2)")

@@ -90,7 +90,8 @@ def _layer_counts(rank, world_size):
         x = ref = _gathered(d, mlp_dp, [2] * DP)
         st.log.clear()
         for _ in range(LAYERS):
-            x = decoder_layer_decode(x, st.attention, st.mlp, lambda h: h * 0.5 / a_tp, lambda h: h * 0.25 / m_tp)
+            x = decoder_layer_decode(x, st.attention, st.mlp, lambda h, a=a_tp: h * 0.5 / a,
+                                     lambda h, m=m_tp: h * 0.25 / m)
             ref = ref * 1.5 * 1.25
         torch.testing.assert_close(x, ref)
         out[attn_dp, mlp_dp] = st.log.ops()

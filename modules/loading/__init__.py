@@ -1,0 +1,23 @@
+"""Sharded weight loading: pure loaders attached to parameters, and a lazy safetensors checkpoint."""
+
+from modules.loading.checkpoint import SafetensorsCheckpoint
+from modules.loading.loaders import (
+    ShardSpec,
+    fused_qkv_weight_loader,
+    get_weight_loader,
+    replicated_weight_loader,
+    set_weight_loader,
+    sharding_weight_loader,
+    with_rank_override,
+)
+
+__all__ = [
+    "SafetensorsCheckpoint",
+    "ShardSpec",
+    "fused_qkv_weight_loader",
+    "get_weight_loader",
+    "replicated_weight_loader",
+    "set_weight_loader",
+    "sharding_weight_loader",
+    "with_rank_override",
+]

@@ -1,0 +1,142 @@
+"""SafetensorsCheckpoint: sharded loading that reads only each rank's slices (safe_open + get_slice)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from modules.loading.loaders import get_weight_loader
+
+# param name → checkpoint key, or role → checkpoint key (fused parameters, e.g. {"q": ..., "k": ..., "v": ...})
+Mappings = Mapping[str, str | Mapping[str, str]]
+
+
+class _CountingSlice:
+    """A PySafeSlice that records how many bytes each read returned (to prove sharded reads are partial)."""
+
+    def __init__(self, key: str, inner: Any, counter: dict[str, int]) -> None:
+        self.key, self.inner, self.counter = key, inner, counter
+
+    def get_shape(self) -> list[int]:
+        return self.inner.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        out = self.inner[index]
+        self.counter[self.key] = self.counter.get(self.key, 0) + out.numel() * out.element_size()
+        return out
+
+
+class SafetensorsCheckpoint:
+    """A checkpoint of one ``.safetensors`` file, or a directory of them (with or without
+    ``model.safetensors.index.json``). Tensors are opened lazily; nothing is read until a loader slices."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.is_file():
+            files = [self.path]
+        elif self.path.is_dir():
+            files = sorted(self.path.glob("*.safetensors"))
+        else:
+            raise FileNotFoundError(f"checkpoint path {str(self.path)!r} does not exist")
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {str(self.path)!r}")
+        self._file_of: dict[str, Path] = {}
+        index = self.path / "model.safetensors.index.json" if self.path.is_dir() else None
+        if index is not None and index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._file_of = {k: self.path / f for k, f in weight_map.items()}
+        else:
+            for f in files:
+                with safe_open(f, framework="pt") as h:
+                    for k in h.keys():
+                        if k in self._file_of:
+                            raise ValueError(f"tensor {k!r} appears in both {self._file_of[k].name} and {f.name}")
+                        self._file_of[k] = f
+        self.bytes_read: dict[str, int] = {}
+
+    def keys(self) -> list[str]:
+        return sorted(self._file_of)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._file_of
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[_Opened]:
+        """Keep file handles open for a batch of slice reads."""
+        with contextlib.ExitStack() as stack:
+            yield _Opened(self, stack)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        with self.open() as h:
+            return tuple(h.get_slice(key, "shape()").get_shape())
+
+    def load_full(self, key: str) -> torch.Tensor:
+        with self.open() as h:
+            return h.get_slice(key, "load_full()")[:]
+
+    def load_sharded(self, rank: int, world_size: int, model: torch.nn.Module, mappings: Mappings | None = None,
+                     device: str | torch.device = "cpu", strict: bool = True) -> dict[str, torch.Tensor]:
+        """Load every parameter of ``model`` through its weight loader as ``rank`` and copy it in.
+
+        rank/world_size are the model's TP rank and size (loaders of component layers override the rank).
+        mappings: param name → checkpoint key (or role → key); unmapped params use their own name.
+        strict=False skips parameters whose tensors are missing instead of raising.
+        Returns the rank's sharded state {param name: tensor}.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} out of range for world_size={world_size}")
+        mappings = dict(mappings or {})
+        params = dict(model.named_parameters())
+        unknown = sorted(set(mappings) - set(params))
+        if unknown:
+            raise KeyError(f"mappings name parameters the model does not have: {unknown}")
+        out: dict[str, torch.Tensor] = {}
+        with self.open() as h:
+            for name, param in params.items():
+                target = mappings.get(name, name)
+                keys = {"": target} if isinstance(target, str) else dict(target)
+                missing = [k for k in keys.values() if k not in self]
+                if missing:
+                    if not strict:
+                        continue
+                    raise KeyError(f"checkpoint {str(self.path)!r} has no tensor {missing[0]!r} "
+                                   f"(needed by parameter {name!r})")
+                sources = {role: h.get_slice(key, name) for role, key in keys.items()}
+                if isinstance(target, str):
+                    sources = sources[""]
+                try:
+                    tensor = get_weight_loader(param)(sources, rank)
+                except ValueError as e:
+                    raise ValueError(f"parameter {name!r} from {target!r}: {e}") from e
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(f"parameter {name!r}: loaded shape {tuple(tensor.shape)} from {target!r} "
+                                     f"!= parameter shape {tuple(param.shape)}")
+                tensor = tensor.to(device=device, dtype=param.dtype)
+                with torch.no_grad():
+                    param.copy_(tensor)
+                out[name] = tensor
+        return out
+
+    # The seed's name. Reads are sequential here; a device backend can overlap reads with host→device copies.
+    load_sharded_pipelined = load_sharded
+
+
+class _Opened:
+    def __init__(self, ckpt: SafetensorsCheckpoint, stack: contextlib.ExitStack) -> None:
+        self.ckpt, self.stack = ckpt, stack
+        self._handles: dict[Path, Any] = {}
+
+    def get_slice(self, key: str, needed_by: str = "") -> _CountingSlice:
+        f = self.ckpt._file_of.get(key)
+        if f is None:
+            raise KeyError(f"checkpoint {str(self.ckpt.path)!r} has no tensor {key!r}"
+                           + (f" (needed by {needed_by})" if needed_by else ""))
+        if f not in self._handles:
+            self._handles[f] = self.stack.enter_context(safe_open(f, framework="pt"))
+        return _CountingSlice(key, self._handles[f].get_slice(key), self.ckpt.bytes_read)

@@ -1,0 +1,197 @@
+"""Weight loaders: pure functions ``loader(sources, rank) -> tensor``.
+
+``sources`` is one lazily sliceable tensor (a safetensors ``PySafeSlice`` or a ``torch.Tensor``) or a mapping
+of role → such tensor (e.g. {"q", "k", "v"}). Loaders index only the rows/columns the rank needs, so on a
+``PySafeSlice`` only those bytes are read. Because loaders are pure, one process can build every rank's shard
+(golden tests), and a component layer substitutes its own group rank with ``with_rank_override``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from modules.parallel.heads import shard_heads
+
+Sources = Any  # SliceLike | Mapping[str, SliceLike]
+WeightLoader = Callable[[Sources, int], torch.Tensor]
+
+
+def slice_shape(src: Any) -> tuple[int, ...]:
+    """Shape of a torch.Tensor or a safetensors PySafeSlice."""
+    if isinstance(src, torch.Tensor):
+        return tuple(src.shape)
+    return tuple(src.get_shape())
+
+
+def _read(src: Any, index: tuple[slice, ...]) -> torch.Tensor:
+    if not index:  # 0-d
+        return src[...] if isinstance(src, torch.Tensor) else src[:]
+    return src[index]
+
+
+def _single(sources: Sources, what: str) -> Any:
+    if isinstance(sources, Mapping):
+        if len(sources) != 1:
+            raise ValueError(f"{what} expects one source tensor, got roles {sorted(sources)}")
+        return next(iter(sources.values()))
+    return sources
+
+
+def _full_index(ndim: int) -> list[slice]:
+    return [slice(None)] * ndim
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Shard ``dim`` into ``num_shards`` pieces of ``size``; rank r takes piece ``r % num_shards``.
+
+    pad=True zero-pads a short last piece (e.g. vocab not divisible by the shard count) instead of raising.
+    """
+
+    dim: int
+    size: int
+    num_shards: int
+    pad: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("size", "num_shards"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ShardSpec.{name} must be a positive integer, got {v!r}")
+
+    def bounds(self, rank: int, full: int) -> tuple[int, int]:
+        """(start, length) of the rows actually present in the source for this rank."""
+        if rank < 0:
+            raise ValueError(f"rank must be non-negative, got {rank}")
+        start = (rank % self.num_shards) * self.size
+        if not self.pad and full != self.size * self.num_shards:
+            raise ValueError(f"dim {self.dim} has {full} rows but size {self.size} × num_shards {self.num_shards} = "
+                             f"{self.size * self.num_shards}; pass pad=True to zero-pad the last shard")
+        if self.pad and full > self.size * self.num_shards:
+            raise ValueError(f"dim {self.dim} has {full} rows, more than size {self.size} × num_shards "
+                             f"{self.num_shards}")
+        return start, max(0, min(self.size, full - start))
+
+    def read(self, src: Any, rank: int) -> torch.Tensor:
+        shape = slice_shape(src)
+        dim = self.dim % len(shape)
+        start, length = self.bounds(rank, shape[dim])
+        index = _full_index(len(shape))
+        index[dim] = slice(start, start + length)
+        out = _read(src, tuple(index))
+        if length < self.size:
+            pad_shape = list(out.shape)
+            pad_shape[dim] = self.size - length
+            out = torch.cat([out, out.new_zeros(pad_shape)], dim=dim)
+        return out.contiguous()
+
+
+def sharding_weight_loader(shard_dim: int, shard_size: int, num_shards: int, pad: bool = False,
+                           transposed: bool = False) -> WeightLoader:
+    """Loader taking shard ``rank % num_shards`` of ``shard_dim`` (column-parallel: the output dim; row-parallel:
+    the input dim). transposed=True reads a 2-D checkpoint stored as the transpose of the parameter."""
+    spec = ShardSpec(shard_dim, shard_size, num_shards, pad)
+
+    def load(sources: Sources, rank: int) -> torch.Tensor:
+        src = _single(sources, "sharding_weight_loader")
+        if not transposed:
+            return spec.read(src, rank)
+        if len(slice_shape(src)) != 2:
+            raise ValueError(f"transposed=True needs a 2-D tensor, got shape {slice_shape(src)}")
+        return ShardSpec(1 - shard_dim % 2, shard_size, num_shards, pad).read(src, rank).t().contiguous()
+
+    load.shard_spec = spec
+    return load
+
+
+def replicated_weight_loader(pad_to: int | None = None, dim: int = -1) -> WeightLoader:
+    """Full tensor on every rank (norm weights, routers, row-parallel biases); optional zero-pad of dim."""
+
+    def load(sources: Sources, rank: int) -> torch.Tensor:
+        src = _single(sources, "replicated_weight_loader")
+        out = _read(src, tuple(_full_index(len(slice_shape(src))))).contiguous()
+        if pad_to is not None:
+            d = dim % out.dim()
+            if out.shape[d] > pad_to:
+                raise ValueError(f"cannot pad dim {d} of size {out.shape[d]} down to pad_to={pad_to}")
+            if out.shape[d] < pad_to:
+                pad_shape = list(out.shape)
+                pad_shape[d] = pad_to - out.shape[d]
+                out = torch.cat([out, out.new_zeros(pad_shape)], dim=d)
+        return out
+
+    return load
+
+
+def with_rank_override(loader: WeightLoader, rank: int) -> WeightLoader:
+    """Ignore the rank the model loader passes (the TP rank) and use ``rank`` (e.g. the component-TP group's
+    rank_in_group)."""
+
+    @functools.wraps(loader)
+    def load(sources: Sources, _rank: int) -> torch.Tensor:
+        return loader(sources, rank)
+
+    load.rank_override = rank
+    return load
+
+
+def fused_qkv_weight_loader(num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int,
+                            dim: int = 0) -> WeightLoader:
+    """Loader for a fused [q | k | v] projection sharded by heads along ``dim`` (0 for a [out, in] weight or a
+    bias). Sources: roles "q", "k", "v" (separate checkpoint tensors) or one "qkv" fused tensor laid out
+    [all q heads | all k heads | all v heads]. When tp_size > num_kv_heads each KV head is replicated on
+    tp_size / num_kv_heads consecutive ranks."""
+    hs = shard_heads(num_heads, num_kv_heads, head_dim, tp_size)
+    q_total, kv_total = num_heads * head_dim, num_kv_heads * head_dim
+
+    def piece(src: Any, offset: int, total: int, head_start: int, n_heads: int) -> torch.Tensor:
+        shape = slice_shape(src)
+        d = dim % len(shape)
+        index = _full_index(len(shape))
+        start = offset + head_start * head_dim
+        index[d] = slice(start, start + n_heads * head_dim)
+        if n_heads * head_dim + head_start * head_dim > total:
+            raise ValueError(f"head range exceeds {total} rows")
+        return _read(src, tuple(index))
+
+    def load(sources: Sources, rank: int) -> torch.Tensor:
+        if not isinstance(sources, Mapping):
+            sources = {"qkv": sources}
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank={rank} out of range for tp_size={tp_size}")
+        if set(sources) == {"qkv"}:
+            src = sources["qkv"]
+            expect = q_total + 2 * kv_total
+            if slice_shape(src)[dim] != expect:
+                raise ValueError(f"fused qkv dim {dim} has {slice_shape(src)[dim]} rows, expected {expect} "
+                                 f"= ({num_heads} + 2 × {num_kv_heads}) × {head_dim}")
+            srcs = {"q": (src, 0), "k": (src, q_total), "v": (src, q_total + kv_total)}
+        elif set(sources) == {"q", "k", "v"}:
+            for role, total in (("q", q_total), ("k", kv_total), ("v", kv_total)):
+                got = slice_shape(sources[role])[dim]
+                if got != total:
+                    raise ValueError(f"{role} dim {dim} has {got} rows, expected {total}")
+            srcs = {r: (sources[r], 0) for r in ("q", "k", "v")}
+        else:
+            raise ValueError(f"fused_qkv_weight_loader needs roles q,k,v or qkv, got {sorted(sources)}")
+        q = piece(*srcs["q"], q_total, hs.q_head_start(rank), hs.q_heads_per_rank)
+        k = piece(*srcs["k"], kv_total, hs.kv_head_start(rank), hs.kv_heads_per_rank)
+        v = piece(*srcs["v"], kv_total, hs.kv_head_start(rank), hs.kv_heads_per_rank)
+        return torch.cat([q, k, v], dim=dim).contiguous()
+
+    load.head_sharding = hs
+    return load
+
+
+def set_weight_loader(param: torch.nn.Parameter, loader: WeightLoader) -> None:
+    param.weight_loader = loader
+
+
+def get_weight_loader(param: torch.nn.Parameter) -> WeightLoader:
+    """The parameter's loader, or a replicated loader for parameters that declare none."""
+    return getattr(param, "weight_loader", None) or replicated_weight_loader()
