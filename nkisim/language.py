@@ -130,11 +130,32 @@ def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
         raise NkiValidationError(f"nl.ndarray: on-chip ({buf.name}) tensors need >= 2 dims [partition, free...], "
                                  f"got shape {shape}")
     ctx = current()
-    alloc = Allocation(shape, d, buf, name=name, pool=ctx.pool if buf.on_chip else None, address=address)
+    if buf is shared_hbm and ctx.shared is not None:
+        alloc = _shared_allocation(ctx, shape, d, name)
+    else:
+        alloc = Allocation(shape, d, buf, name=name, pool=ctx.pool if buf.on_chip else None, address=address)
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
     return NkiTensor(alloc, shape, strides, 0, d)
+
+
+def _shared_allocation(ctx, shape, d, name):
+    """Under LNC=2 the k-th shared_hbm allocation of both cores is the same tensor (SPMD program order)."""
+    k = ctx.shared_alloc_count
+    ctx.shared_alloc_count += 1
+    sh = ctx.shared
+    with sh.lock:
+        if k < len(sh.shared_allocs):
+            alloc = sh.shared_allocs[k]
+            if alloc.shape != shape or alloc.dtype is not d:
+                raise NkiValidationError(
+                    f"nl.ndarray: core {ctx.program_id} allocated shared_hbm tensor #{k} as {shape} {d.name} but the "
+                    f"other core allocated {alloc.shape} {alloc.dtype.name}: control flow differs across cores (C18)")
+            return alloc
+        alloc = Allocation(shape, d, shared_hbm, name=name)
+        sh.shared_allocs.append(alloc)
+        return alloc
 
 
 def _filled(shape, dtype, buffer, name, value):

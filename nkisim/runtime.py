@@ -79,6 +79,9 @@ class LncShared:
         self.cond = threading.Condition()
         self.pipes = {}       # (src_core, dst_core, pipe_id) -> list of payloads
         self.aborted = False
+        # Both cores run the same program, so the k-th shared_hbm allocation of each core is one tensor.
+        self.shared_allocs = []
+        self.lock = threading.Lock()
 
     def abort(self):
         self.aborted = True
@@ -100,6 +103,7 @@ class CoreContext:
         self.no_reorder_depth = 0
         self.warned = set()
         self.seq = 0
+        self.shared_alloc_count = 0
 
     def emit(self, opname, engine, reads=(), writes=(), **meta):
         if self.record:

@@ -195,3 +195,21 @@ def set_weight_loader(param: torch.nn.Parameter, loader: WeightLoader) -> None:
 def get_weight_loader(param: torch.nn.Parameter) -> WeightLoader:
     """The parameter's loader, or a replicated loader for parameters that declare none."""
     return getattr(param, "weight_loader", None) or replicated_weight_loader()
+
+
+def load_from_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], rank: int,
+                      mappings: Mapping[str, str | Mapping[str, str]] | None = None) -> None:
+    """In-memory counterpart of SafetensorsCheckpoint.load_sharded: shard full tensors into model as rank."""
+    mappings = mappings or {}
+    for name, param in model.named_parameters():
+        target = mappings.get(name, name)
+        try:
+            sources = tensors[target] if isinstance(target, str) else {r: tensors[k] for r, k in target.items()}
+        except KeyError as e:
+            raise KeyError(f"no tensor {e.args[0]!r} (needed by parameter {name!r})") from None
+        out = get_weight_loader(param)(sources, rank)
+        if tuple(out.shape) != tuple(param.shape):
+            raise ValueError(f"parameter {name!r}: loaded shape {tuple(out.shape)} != parameter shape "
+                             f"{tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(out)
