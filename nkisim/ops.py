@@ -132,6 +132,36 @@ ACTIVATIONS = {
     "floor": np.floor,
     "trunc": np.trunc,
 }
+# C20: valid input ranges of the ScalarE function approximations ([SDK:shared] "Supported Activation Functions");
+# outside them the hardware returns garbage, so nkisim refuses the instruction. (lo, hi) on x, or on |x| if "abs".
+ACTIVATION_RANGES = {
+    "log": (2.0 ** -64, 2.0 ** 64, False),
+    "sin": (-math.pi, math.pi, False),
+    "arctan": (-math.pi / 2, math.pi / 2, False),
+    "sqrt": (2.0 ** -116, 2.0 ** 118, False),
+    "rsqrt": (2.0 ** -87, 2.0 ** 97, False),
+    "reciprocal": (2.0 ** -42, 2.0 ** 42, True),
+}
+
+
+def check_activation_range(name, x, ctx_op):
+    """Raise when a finite input lies outside the function's valid range (NaN propagates as on hardware)."""
+    rng = ACTIVATION_RANGES.get(name)
+    if rng is None or x.size == 0:
+        return
+    lo, hi, use_abs = rng
+    v = np.abs(x) if use_abs else x
+    with np.errstate(invalid="ignore"):
+        bad = (v < lo) | (v > hi)
+    if bad.any():
+        first = x[bad].reshape(-1)[0]
+        span = f"|x| in [{lo:.6g}, {hi:.6g}]" if use_abs else f"[{lo:.6g}, {hi:.6g}]"
+        raise NkiValidationError(
+            f"{ctx_op}: nl.{name} input {float(first):.6g} is outside the ScalarE valid range {span}; the hardware "
+            f"returns invalid output there (C20). {int(bad.sum())} element(s) affected; use nisa.reciprocal / "
+            "VectorE math or clamp the input")
+
+
 # Unary ALU ops usable as tensor_scalar op0 with no operand (square / relu on Trn3 only).
 ALU_UNARY = {"abs": np.abs, "rsqrt": ACTIVATIONS["rsqrt"], "reciprocal": ACTIVATIONS["reciprocal"],
              "square": np.square, "relu": ACTIVATIONS["relu"]}

@@ -6,6 +6,7 @@ tensor alive (only allocation ids), so recording never changes capacity accounti
 """
 
 import math
+import os
 import threading
 import warnings
 
@@ -104,6 +105,8 @@ class CoreContext:
         self.warned = set()
         self.seq = 0
         self.shared_alloc_count = 0
+        self.is_default = False
+        self.env_target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
 
     def emit(self, opname, engine, reads=(), writes=(), **meta):
         if self.record:
@@ -123,10 +126,19 @@ _local = threading.local()
 
 def current() -> CoreContext:
     ctx = getattr(_local, "ctx", None)
-    if ctx is None:
-        # Ops called outside a kernel (unit tests, notebooks) run on a default core of their own.
+    if ctx is None or (not ctx.in_kernel and ctx.is_default
+                       and ctx.env_target != os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")):
+        # Ops called outside a kernel (unit tests, notebooks) run on a default core of their own, which follows
+        # NEURON_PLATFORM_TARGET_OVERRIDE when it changes.
         ctx = _local.ctx = CoreContext()
+        ctx.is_default = True
     return ctx
+
+
+def reset_default_core():
+    """Drop the default core (its live allocations, trace and accumulators) — e.g. between unit tests."""
+    if getattr(_local, "ctx", None) is not None and _local.ctx.is_default:
+        _local.ctx = None
 
 
 def set_current(ctx):

@@ -61,6 +61,7 @@ class ParallelState:
     embedding: ComponentGroups
     mlp: ComponentGroups
     lm_head: ComponentGroups
+    local: GroupCoordinator  # size-1 self group: "gathered at local" = this replica's own batch
     vision_tp: GroupCoordinator | None
     vision_dp: GroupCoordinator | None
     log: CollectiveLog
@@ -102,5 +103,6 @@ def initialize_parallel_state(config: NeuronConfig, vision: VisionNeuronConfig |
         vision_tp = tp_group if vtp == tp else cache.get(rl.build_vision_tp_group_ranks(world_size, vtp), "vision_tp")
         vision_dp = cache.get(rl.build_vision_dp_group_ranks(world_size, vtp, vdp), "vision_dp")
 
-    return ParallelState(config=config, world=world, tp=tp_group, dp=dp_group, vision_tp=vision_tp,
+    local = cache.get(rl.build_dp_column_group_ranks(world_size, tp, 1), "local")
+    return ParallelState(config=config, world=world, tp=tp_group, dp=dp_group, local=local, vision_tp=vision_tp,
                          vision_dp=vision_dp, log=log, cache=cache, **components)

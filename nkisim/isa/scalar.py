@@ -42,6 +42,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     s = scalar_operand(opn, "scale", scale, p)
     b = _bias(opn, bias, p)
     x = as_pf(fp32(data), p) * s + b
+    alu_ops.check_activation_range(aname, x, opn)
     y = alu_ops.apply_activation(fn, x)
     _store(opn, dst, y)
     if reduce_op is not None or reduce_res is not None:
