@@ -10,7 +10,6 @@ import math
 import numpy as np
 
 from . import dtypes as _dt
-from . import isa as _isa
 from .errors import NkiValidationError
 from .memory import sbuf
 from .runtime import current
@@ -255,10 +254,16 @@ def dropout(x, rate, dtype=None):
 
 
 def gather_flattened(data, indices, axis=0, dtype=None):
-    out = _new(indices.shape, dtype or data.dtype)
+    out = _new(indices.shape, data.dtype)  # nc_n_gather keeps data's dtype; cast afterwards if asked
     _isa.nc_n_gather(dst=out, data=data, indices=indices)
+    if dtype is not None and _dt.as_dtype(dtype) is not out.dtype:
+        out = _cast_tile(out, _dt.as_dtype(dtype))
     return out
 
 
 __all__ += ["softmax", "rms_norm", "where", "dropout", "gather_flattened"]
 del current
+
+# Imported last: nkisim.isa binds nl functions as defaults (range_select's reduce_op=nl.maximum, affine_select's
+# cmp_op=nl.equal), so they must exist before isa is (re-)entered, whichever module is imported first.
+from . import isa as _isa  # noqa: E402

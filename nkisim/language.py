@@ -121,11 +121,11 @@ def _shape(shape, what="shape"):
     return shape
 
 
-def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
-    """Allocate an uninitialised tensor (filled with the NaN / 4 sentinel)."""
+def ndarray(shape, dtype, buffer=None, name="", address=None):
+    """Allocate an uninitialised tensor (filled with the NaN / 4 sentinel); buffer defaults to nl.sbuf."""
     shape = _shape(shape)
     d = _dt.as_dtype(dtype)
-    buf = check_buffer(buffer)
+    buf = check_buffer(sbuf if buffer is None else buffer)
     if buf.on_chip and len(shape) < 2:
         raise NkiValidationError(f"nl.ndarray: on-chip ({buf.name}) tensors need >= 2 dims [partition, free...], "
                                  f"got shape {shape}")
@@ -168,15 +168,15 @@ def _filled(shape, dtype, buffer, name, value):
     return t
 
 
-def zeros(shape, dtype, buffer=sbuf, name=""):
+def zeros(shape, dtype, buffer=None, name=""):
     return _filled(shape, dtype, buffer, name, 0)
 
 
-def ones(shape, dtype, buffer=sbuf, name=""):
+def ones(shape, dtype, buffer=None, name=""):
     return _filled(shape, dtype, buffer, name, 1)
 
 
-def full(shape, fill_value, dtype, buffer=sbuf, name=""):
+def full(shape, fill_value, dtype, buffer=None, name=""):
     return _filled(shape, dtype, buffer, name, fill_value)
 
 
@@ -196,7 +196,7 @@ def empty_like(x, dtype=None, buffer=None, name=""):
     return ndarray(x.shape, dtype or x.dtype, buffer or x.buffer, name)
 
 
-def rand(shape, dtype, buffer=sbuf, name=""):
+def rand(shape, dtype, buffer=None, name=""):
     t = ndarray(shape, dtype, buffer, name)
     ctx = current()
     rng = getattr(ctx, "rng", None) or np.random.default_rng(0)
@@ -241,7 +241,7 @@ def program_id(axis=0):
     return current().program_id
 
 
-def num_programs(axes=0):
+def num_programs(axes=None):
     if axes not in (0, None):
         raise NkiValidationError(f"nl.num_programs(axes={axes}): only axis 0 exists under LNC launches")
     return current().num_programs
@@ -286,14 +286,16 @@ def fori_loop(lower, upper, body_fun, step=1):
 
 
 def while_loop(init, body_fun):
-    """Runtime loop: runs body_fun() while the condition register is non-zero; body returns the next condition."""
+    """Runtime loop: r = init; while r != 0: r = body_fun(r). The body gets the current condition as a register
+    passed by value (a copy it may overwrite and return) and returns the next condition register."""
     ctx = current()
     if ctx.no_reorder_depth:
         raise NkiValidationError("nl.while_loop is not allowed inside nl.no_reorder()")
     cond = init
     while (cond.value if isinstance(cond, VirtualRegister) else int(cond)) != 0:
         ctx.emit("loop_iter", "sync", (), ())
-        cond = body_fun()
+        cur = cond.value if isinstance(cond, VirtualRegister) else int(cond)
+        cond = body_fun(VirtualRegister(cur))
         if not isinstance(cond, (VirtualRegister, int, np.integer)):
             raise NkiValidationError("nl.while_loop: body_fun must return the next condition (a VirtualRegister)")
 
@@ -353,6 +355,9 @@ def copy(x, dtype=None):
     t = _out(x.shape, dtype or x.dtype)
     _isa.tensor_copy(dst=t, src=x)
     return t
+
+
+copy._nki_op = "copy"  # also the identity activation: nisa.activation(op=nl.copy)
 
 
 def matmul(x, y, transpose_x=False):

@@ -17,11 +17,15 @@ from .target import resolve_target
 class Access:
     """One operand's footprint: allocation, buffer, byte range, bytes, partitions, contiguous bytes per run."""
 
-    __slots__ = ("alloc_id", "buffer", "lo", "hi", "nbytes", "partitions", "run_bytes")
+    __slots__ = ("alloc_id", "buffer", "lo", "hi", "nbytes", "partitions", "run_bytes", "box")
 
-    def __init__(self, alloc_id, buffer, lo, hi, nbytes, partitions, run_bytes):
+    def __init__(self, alloc_id, buffer, lo, hi, nbytes, partitions, run_bytes, box=None):
         self.alloc_id, self.buffer, self.lo, self.hi = alloc_id, buffer, lo, hi
         self.nbytes, self.partitions, self.run_bytes = nbytes, partitions, run_bytes
+        # (row_bytes, row_lo, row_hi, col_lo, col_hi): footprint as a box over [dim0, rest] of the allocation
+        # (rows inclusive, byte columns half-open), or None when the view does not fit one; the cost model's
+        # dependency tracking uses it so that disjoint column slices of one tile do not look overlapping.
+        self.box = box
 
     def __repr__(self):
         return f"Access({self.buffer}#{self.alloc_id} [{self.lo},{self.hi}) {self.nbytes}B)"
@@ -55,7 +59,23 @@ def _access_of(t):
         lo, hi = 0, t.alloc.storage.size * t.alloc.dtype.itemsize // isz
     nbytes = math.prod(t.shape) * isz
     return Access(t.alloc.id, t.alloc.buffer.name, lo * isz, (hi + 1) * isz, nbytes,
-                  t.shape[0] if t.buffer.on_chip else 1, run * isz)
+                  t.shape[0] if t.buffer.on_chip else 1, run * isz, _box(t, lo, hi, isz))
+
+
+def _box(t, lo, hi, isz):
+    ashape = t.alloc.shape
+    row = math.prod(ashape[1:]) if len(ashape) > 1 else 0
+    if row <= 0 or t.gather is not None or t.alloc.dtype.itemsize != isz:
+        return None
+    c0, ext = t.offset % row, 0
+    for n, s in zip(t.shape, t.strides):
+        if n > 1 and s % row:
+            if s < 0:
+                return None
+            ext += (n - 1) * s
+    if c0 + ext >= row:
+        return None
+    return (row * isz, lo // row, hi // row, c0 * isz, (c0 + ext + 1) * isz)
 
 
 class Instruction:

@@ -21,8 +21,8 @@ class VirtualRegister:
 
     __slots__ = ("value", "name", "frozen")
 
-    def __init__(self, value=0, name=None, frozen=False):
-        self.value = int(value)
+    def __init__(self, state=None, frozen=False, name=None):
+        self.value = 0 if state is None else int(state)
         self.name = name
         self.frozen = frozen
 

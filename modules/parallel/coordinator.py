@@ -99,6 +99,7 @@ class GroupCoordinator:
         if not self.emulate <= EMULATABLE_OPS:
             raise ValueError(f"emulate={sorted(self.emulate)} has unknown ops; choose from {sorted(EMULATABLE_OPS)}")
         self.name = name
+        self.aliases = [name]  # other roles sharing this coordinator (filled in by the state's GroupCache)
         self.group_ranks = [list(g) for g in group_ranks]
         self.rank = dist.get_rank()
         self.ranks = group_containing(self.group_ranks, self.rank)

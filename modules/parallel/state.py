@@ -32,7 +32,6 @@ class GroupCache:
         coord = self._by_layout.get(key)
         if coord is None:
             coord = GroupCoordinator(group_ranks, name, backend=self.backend, log=self.log, emulate=self.emulate)
-            coord.aliases = [name]
             self._by_layout[key] = coord
         elif name not in coord.aliases:
             coord.aliases.append(name)

@@ -64,7 +64,7 @@ def dma_copy(dst, src, priority=None, oob_mode=OobMode.error, dge_mode=DgeMode.u
         if indirect and nc_version() == 3:
             fail(op, "indirect (vector_offset) DMA needs dge_mode=swdge on NeuronCore-v3")
     skip = oob_mode is OobMode.skip
-    values = read(src, op)
+    values = read(src, op, oob_skip=skip)
     if src.dtype is not dst.dtype:
         values = dt.cast(dt.to_fp32(values), dst.dtype, dst.alloc.flat(dst.dtype).dtype)
     if values.shape != dst.shape:

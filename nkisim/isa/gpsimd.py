@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 
+from .. import _nl_math as _nlm
 from .. import dtypes as dt
 from .. import ops as alu_ops
 from ..memory import sbuf
@@ -40,7 +41,8 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     current().emit(op, "gpsimd", (), (dst,), p=dst.shape[0], n=free_size(dst), dtype=dst.dtype.name)
 
 
-def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=None, offset=0, name=None):
+def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=_nlm.equal, offset=0,
+                  name=None):
     op = "affine_select"
     on_chip(op, "dst", dst, (sbuf,))
     on_chip(op, "on_true_tile", on_true_tile, (sbuf,))

@@ -28,6 +28,7 @@ from ._common import (
     store,
 )
 from .enums import engine as Engine
+from .enums import reduce_cmd as _RC
 
 _INT32S = ("int32", "uint32")
 
@@ -330,7 +331,7 @@ def bn_aggr(dst, data, name=None):
     _emit(opn, "vector", (data,), (dst,), data)
 
 
-def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=None, reduce_init=0.0, name=None):
+def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=_RC.idle, reduce_init=0.0, name=None):
     """Trn3 VectorE exp(src - max_value) with optional running sum in the VectorE accumulators."""
     from .accum import vector_accumulate
     from .enums import reduce_cmd as RC

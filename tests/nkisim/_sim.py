@@ -16,7 +16,9 @@ import nki.language as nl  # noqa: E402
 @pytest.fixture(autouse=True)
 def fresh_core():
     """Every test runs on a fresh default (outside-kernel) core: empty SBUF/PSUM pools, no warn-once state."""
-    prev = set_current(CoreContext())
+    ctx = CoreContext()
+    ctx.is_default = True  # behaves like the outside-kernel default core (follows the target env var)
+    prev = set_current(ctx)
     try:
         yield
     finally:

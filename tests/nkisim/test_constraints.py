@@ -626,12 +626,20 @@ def test_c19_v3_features_rejected_on_trn1(on_target, feature):
 
 # ---- C20: activation input ranges ---------------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="nkisim does not check ScalarE activation input ranges (C20): log/sin/arctan/"
-                                       "sqrt/rsqrt/reciprocal outside their valid range compute exact NumPy math "
-                                       "silently instead of flagging the value that is garbage on hardware")
 @pytest.mark.parametrize("op,value", [("sin", 9.0), ("log", 2.0 ** -70), ("sqrt", 2.0 ** 120),
-                                      ("rsqrt", 2.0 ** -100), ("reciprocal", 2.0 ** 50), ("arctan", 3.0)])
+                                      ("rsqrt", 2.0 ** -100), ("reciprocal", 2.0 ** 50), ("reciprocal", 0.0),
+                                      ("arctan", 3.0)])
 def test_c20_activation_input_range(op, value):
     a = sb(np.full((4, 4), value, np.float32))
-    with pytest.warns(UserWarning, match=r"range.*\(C20\)"):
+    with pytest.raises(E, match=rf"nl\.{op} input .* outside the ScalarE valid range.*\(C20\)"):
         nisa.activation(dst=tile((4, 4)), op=getattr(nl, op), data=a)
+
+
+def test_c20_range_applies_to_scaled_input_and_nan_passes():
+    a = sb(np.full((4, 4), 2.0, np.float32))
+    nisa.activation(dst=tile((4, 4)), op=nl.sin, data=a)
+    with pytest.raises(E, match=r"\(C20\)"):
+        nisa.activation(dst=tile((4, 4)), op=nl.sin, data=a, scale=2.0)
+    d = tile((4, 4))
+    nisa.activation(dst=d, op=nl.log, data=sb(np.full((4, 4), np.nan, np.float32)))
+    assert np.isnan(rd(d)).all()

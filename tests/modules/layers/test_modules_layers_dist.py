@@ -20,25 +20,25 @@ from modules.parallel.coordinator import CollectiveLog, GroupCoordinator, Static
 from modules.parallel.patterns import decoder_layer_decode
 from modules.parallel.state import initialize_parallel_state
 from modules.parallel.transition import dp_transition
-from modules.testing import run_distributed
+from modules.testing import assert_close_global, run_distributed
 
-V, H, HEADS, KV, HD, I = 37, 16, 8, 2, 4, 24
+V, H, HEADS, KV, HD, INTER = 37, 16, 8, 2, 4, 24
 
 
 def _tensors():
     g = torch.Generator().manual_seed(7)
     return {"embed": torch.randn(V, H, generator=g), "norm": torch.randn(H, generator=g),
             "qkv": torch.randn((HEADS + 2 * KV) * HD, H, generator=g), "o": torch.randn(H, HEADS * HD, generator=g),
-            "up": torch.randn(I, H, generator=g), "up_b": torch.randn(I, generator=g),
-            "down": torch.randn(H, I, generator=g), "down_b": torch.randn(H, generator=g),
+            "up": torch.randn(INTER, H, generator=g), "up_b": torch.randn(INTER, generator=g),
+            "down": torch.randn(H, INTER, generator=g), "down_b": torch.randn(H, generator=g),
             "lm_head": torch.randn(V, H, generator=g)}
 
 
 def _layers(group, t):
     mods = {
         "embed": VocabDimShardedEmbedding(V, H, group), "norm": RMSNorm(H),
-        "attn": ParallelAttention(H, HEADS, KV, HD, group), "up": ColumnParallelLinear(H, I, group, bias=True),
-        "down": RowParallelLinear(I, H, group, bias=True),
+        "attn": ParallelAttention(H, HEADS, KV, HD, group), "up": ColumnParallelLinear(H, INTER, group, bias=True),
+        "down": RowParallelLinear(INTER, H, group, bias=True),
         "lm_head": ColumnParallelLinear(H, V, group, pad=True, gather_output=False),
         "lm_head_gather": ColumnParallelLinear(H, V, group, pad=True, gather_output=True),
     }
@@ -70,19 +70,19 @@ def _check_layers(rank, world_size):
     # Decode: every rank holds all tokens; each layer ends with an all-reduce.
     with torch.no_grad():
         expect = _forward(ref, ids, False)
-        torch.testing.assert_close(_forward(shard, ids, False), expect)
+        assert_close_global(_forward(shard, ids, False), expect)
         # Prefill SP: embedding reduce-scatters into [T/n, H]; attention/MLP all-gather in and reduce-scatter out.
         with log.capture() as cap:
             local = _forward(shard, ids, True)
         chunk = tokens // n
-        torch.testing.assert_close(local, expect[rank * chunk:(rank + 1) * chunk])
+        assert_close_global(local, expect[rank * chunk:(rank + 1) * chunk])
         if n > 1:
             assert cap.ops() == [("reduce_scatter", "tp"), ("all_gather", "tp"), ("reduce_scatter", "tp"),
                                  ("all_gather", "tp"), ("reduce_scatter", "tp")]
         # Exit SP and compute logits both ways: gathered logits and sharded greedy sampling.
         full_h = group.all_gather(local, dim=0)
         ref_logits = ref["lm_head"](full_h)
-        torch.testing.assert_close(shard["lm_head_gather"](full_h), ref_logits)
+        assert_close_global(shard["lm_head_gather"](full_h), ref_logits)
         head = shard["lm_head"]
         valid = max(0, min(head.out_per_rank, V - head.output_start))
         tokens_out = sharded_greedy_sample(head(full_h), group, head.output_start, valid=valid)
@@ -184,7 +184,7 @@ def _component_flow(rank, world_size, dp_sizes):
     for _ in range(2):
         ref = ref + ref @ w_attn.t()
         ref = ref + ref @ w_mlp.t()
-    torch.testing.assert_close(logits, ref @ t["lm_head"].t())
+    assert_close_global(logits, ref @ t["lm_head"].t())
     return st.log.ops()
 
 

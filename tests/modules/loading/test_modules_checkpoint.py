@@ -11,15 +11,15 @@ from modules.layers import ColumnParallelLinear, QKVParallelLinear, RMSNorm, Row
 from modules.loading import SafetensorsCheckpoint
 from modules.parallel.coordinator import StaticGroup
 
-V, H, I, HEADS, KV, HD = 30, 8, 12, 4, 2, 2
+V, H, INTER, HEADS, KV, HD = 30, 8, 12, 4, 2, 2
 
 
 class Block(torch.nn.Module):
     def __init__(self, group):
         super().__init__()
         self.embed = VocabDimShardedEmbedding(V, H, group)
-        self.up = ColumnParallelLinear(H, I, group, bias=True)
-        self.down = RowParallelLinear(I, H, group, bias=True)
+        self.up = ColumnParallelLinear(H, INTER, group, bias=True)
+        self.down = RowParallelLinear(INTER, H, group, bias=True)
         self.qkv = QKVParallelLinear(H, HEADS, KV, HD, group)
         self.norm = RMSNorm(H, padded_size=H + 4)
 
@@ -28,8 +28,8 @@ def full_tensors():
     g = torch.Generator().manual_seed(1)
     return {
         "model.embed_tokens.weight": torch.randn(V, H, generator=g),
-        "model.up.weight": torch.randn(I, H, generator=g), "model.up.bias": torch.randn(I, generator=g),
-        "model.down.weight": torch.randn(H, I, generator=g), "model.down.bias": torch.randn(H, generator=g),
+        "model.up.weight": torch.randn(INTER, H, generator=g), "model.up.bias": torch.randn(INTER, generator=g),
+        "model.down.weight": torch.randn(H, INTER, generator=g), "model.down.bias": torch.randn(H, generator=g),
         "model.q.weight": torch.randn(HEADS * HD, H, generator=g),
         "model.k.weight": torch.randn(KV * HD, H, generator=g),
         "model.v.weight": torch.randn(KV * HD, H, generator=g),
@@ -113,7 +113,7 @@ def test_missing_tensor_named(ckpt_dir):
 
 def test_shape_mismatch_named(tmp_path):
     full = full_tensors()
-    full["model.up.weight"] = torch.zeros(I + 2, H)  # wrong out_features in the file
+    full["model.up.weight"] = torch.zeros(INTER + 2, H)  # wrong out_features in the file
     save_file(full, tmp_path / "m.safetensors")
     ckpt = SafetensorsCheckpoint(tmp_path)
     with pytest.raises(ValueError, match=r"parameter 'up.weight' from 'model.up.weight': dim 0 has 14 rows"):

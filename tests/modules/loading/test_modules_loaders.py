@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from modules.loading import (
     ShardSpec,
@@ -133,3 +135,16 @@ def test_fused_qkv_errors():
         loader(torch.zeros(24, 3), 4)
     with pytest.raises(ValueError, match=r"needs roles q,k,v or qkv"):
         loader({"q": torch.zeros(16, 3)}, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 17), cols=st.integers(1, 5), n=st.integers(1, 6), dim=st.sampled_from([0, 1]))
+def test_padded_shards_reassemble_property(rows, cols, n, dim):
+    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    size = max(1, -(-full.shape[dim] // n))
+    loader = sharding_weight_loader(dim, size, n, pad=True)
+    shards = [loader(full, r) for r in range(n)]
+    assert all(s.shape[dim] == size for s in shards)
+    joined = torch.cat(shards, dim=dim)
+    assert torch.equal(joined.narrow(dim, 0, full.shape[dim]), full)
+    assert not joined.narrow(dim, full.shape[dim], joined.shape[dim] - full.shape[dim]).any()

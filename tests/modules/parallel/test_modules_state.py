@@ -6,6 +6,7 @@ import torch
 from modules.config import NeuronConfig, VisionNeuronConfig
 from modules.parallel import rank_lists as rl
 from modules.parallel.state import initialize_parallel_state
+from modules.parallel.transition import dp_gather_blocks, dp_scatter_blocks
 from modules.testing import run_distributed
 
 
@@ -39,6 +40,10 @@ def _check_state(rank, world_size, cfg_kwargs, vision_kwargs):
         assert st.vision_dp.ranks == rl.group_containing(rl.build_vision_dp_group_ranks(world_size, vtp, vdp), rank)
         assert (st.vision_tp is st.tp) == (vtp == tp)
         info["vision_dp"] = st.vision_dp.ranks
+        # Vision block DP: pad num_blocks to a multiple of dp, scatter, compute, gather back on every rank.
+        blocks = vision.pad_blocks(torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3))
+        out = dp_gather_blocks(dp_scatter_blocks(blocks, st.vision_dp) * 2, st.vision_dp)
+        assert torch.equal(out, blocks * 2) and out.shape[0] == vision.padded_num_blocks(5)
         info["vision_tp"] = st.vision_tp.ranks
     return info
 

@@ -1,0 +1,187 @@
+"""Per-instruction cost rules (nki-api.md §8.4) over the hardware table (nkisim.hardware).
+
+`instruction_cost(ins, core_spec)` turns one recorded `Instruction` into an `OpCost`: which engine it occupies, for
+how long, the DMA split over queues and fixed start latency, the TensorE FLOPs and their time at the datasheet
+peak, and the HBM bytes it reads and writes. All figures are modelled.
+"""
+
+import math
+from dataclasses import dataclass
+
+HBM_BUFFERS = frozenset({"hbm", "shared_hbm", "private_hbm"})
+ON_CHIP = frozenset({"sbuf", "psum"})
+COMPUTE_ENGINES = ("tensor", "vector", "scalar", "gpsimd")
+_ITEMSIZE = {"float32": 4, "tfloat32": 4, "int32": 4, "uint32": 4, "float16": 2, "bfloat16": 2, "int16": 2,
+             "uint16": 2, "int8": 1, "uint8": 1, "bool_": 1, "float8_e4m3": 1, "float8_e5m2": 1, "float8_e4m3fn": 1,
+             "float8_e8m0fnu": 1, "float64": 8, "int64": 8}
+_LOWP = frozenset({"bfloat16", "float16"})
+_FP8 = frozenset({"float8_e4m3", "float8_e5m2", "float8_e4m3fn"})
+_FP32_MATMUL = frozenset({"float32"})
+# VectorE perf modes on NeuronCore-v3+ (nki-api.md §8.4): bf16/fp16, SBUF-only, contiguous operands.
+_PERF_4X = frozenset({"tensor_copy", "tensor_scalar"})
+_PERF_2X = frozenset({"tensor_tensor"})
+
+
+@dataclass
+class OpCost:
+    engine: str                 # tensor | vector | scalar | gpsimd | dma | sync
+    busy_s: float = 0.0         # engine occupancy (compute); for DMA the time of one queue piece
+    latency_s: float = 0.0      # DMA fixed start latency (does not occupy a queue)
+    pieces: int = 0             # DMA: number of queues the transfer is split over
+    cycles: float = 0.0         # compute: engine cycles
+    flops: float = 0.0          # TensorE multiply-accumulate FLOPs (2 x MAC)
+    ideal_s: float = 0.0        # TensorE FLOPs at the datasheet peak for this dtype
+    hbm_read: int = 0
+    hbm_write: int = 0
+    dma_bytes: int = 0
+    efficiency: float = 1.0     # DMA efficiency from the contiguous chunk per partition
+    note: str = ""
+
+
+def _itemsize(name, default=4):
+    return _ITEMSIZE.get(str(name), default)
+
+
+def _per_partition(a):
+    return a.nbytes // max(a.partitions, 1)
+
+
+def _run(a):
+    """Contiguous bytes per run; on-chip runs never cross a partition."""
+    if a.buffer in ON_CHIP:
+        return max(1, min(a.run_bytes, _per_partition(a)))
+    return max(1, min(a.run_bytes, a.nbytes))
+
+
+def _hbm_bytes(ins):
+    rd = sum(a.nbytes for a in ins.reads if a.buffer in HBM_BUFFERS)
+    wr = sum(a.nbytes for a in ins.writes if a.buffer in HBM_BUFFERS)
+    return rd, wr
+
+
+def dma_efficiency(run_bytes, core):
+    """eff = run / (run + dma_overhead_bytes): 50% at 256 B, 89% at 2 KiB, 94% at 4 KiB per partition (fit)."""
+    return run_bytes / (run_bytes + core.dma_overhead_bytes)
+
+
+def dma_cost(ins, core):
+    rd, wr = _hbm_bytes(ins)
+    writes = list(ins.writes)
+    # dma_compute also reads its dst (read-modify-write): count that for HBM traffic, not as extra moved data
+    reads = [a for a in ins.reads if not any(a.alloc_id == w.alloc_id and a.lo == w.lo and a.hi == w.hi
+                                             for w in writes)]
+    moved = max(sum(a.nbytes for a in reads), sum(a.nbytes for a in writes), 1)
+    runs = [_run(a) for a in list(reads) + writes] or [moved]
+    eff = dma_efficiency(min(runs), core)
+    note = ""
+    if ins.meta.get("transpose"):
+        eff *= core.dma_transpose_efficiency
+        note = "dma_transpose"
+    if ins.meta.get("indirect"):
+        note = "indirect"
+    q = core.dma_engines
+    pieces = min(q, max(1, math.ceil(moved / core.dma_min_efficient_bytes)))
+    # Each queue moves its share at the engine rate, but HBM traffic of the core is capped at its HBM share.
+    hbm_sides = (1 if any(a.buffer in HBM_BUFFERS for a in reads) else 0) + \
+        (1 if any(a.buffer in HBM_BUFFERS for a in writes) else 0)
+    bw = core.dma_engine_bytes_per_s
+    if hbm_sides:
+        bw = min(bw, core.hbm_bytes_per_s / q / hbm_sides)
+    piece_s = (moved / pieces) / (bw * eff)
+    return OpCost("dma", busy_s=piece_s, latency_s=core.dma_start_latency_s, pieces=pieces, hbm_read=rd,
+                  hbm_write=wr, dma_bytes=moved, efficiency=eff, note=note)
+
+
+def _matmul_cost(ins, core):
+    m = ins.meta
+    k, mm, n = int(m.get("k", 128)), int(m.get("m", 128)), int(m.get("n", 1))
+    dtypes = {str(m.get("dtype", "bfloat16")), str(m.get("stationary_dtype", m.get("dtype", "bfloat16")))}
+    double_row = bool(m.get("double_row"))
+    mx = ins.op.startswith("nc_matmul_mx") or bool(m.get("mx"))
+    cycles = max(n, core.matmul_min_cycles)
+    note = ""
+    if dtypes & _FP32_MATMUL:
+        cycles *= 4
+        note = "fp32 4x"
+    transpose = bool(m.get("transpose")) or ins.op == "nc_transpose"
+    contraction = k * (2 if double_row else 1) * (4 if mx and core.nc_version >= 4 else 1)
+    flops = 0.0 if transpose else 2.0 * contraction * mm * n
+    if double_row:
+        note = "double_row 2x"
+    dtype = "float32" if dtypes & _FP32_MATMUL else sorted(dtypes)[0]
+    peak = core.peak_flops(dtype, double_row=double_row, mx=mx)
+    return OpCost("tensor", busy_s=cycles / core.tensor_clock_hz, cycles=cycles, flops=flops,
+                  ideal_s=flops / peak if flops else 0.0, note=note or ("transpose" if transpose else ""))
+
+
+def _streaming_inputs(ins):
+    """Inputs that stream more than one element per partition (per-partition scalars do not count)."""
+    in_dtypes = ins.meta.get("in_dtypes") or ()
+    count = 0
+    for i, a in enumerate(ins.reads):
+        isz = _itemsize(in_dtypes[i] if i < len(in_dtypes) else None)
+        if _per_partition(a) > isz:
+            count += 1
+    return count
+
+
+def _all_dtypes(ins):
+    return set(map(str, ins.meta.get("in_dtypes") or ())) | {str(ins.meta.get("dtype", ""))}
+
+
+def _vector_cost(ins, core):
+    n = int(ins.meta.get("n", 1))
+    inputs = max(1, _streaming_inputs(ins))
+    cycles = n * inputs
+    note = ""
+    if core.nc_version >= 3 and ins.engine == "vector":
+        lowp = _LOWP | (_FP8 if core.nc_version >= 4 else frozenset())
+        sbuf_only = all(a.buffer == "sbuf" for a in ins.reads + ins.writes)
+        contiguous = all(a.run_bytes >= _per_partition(a) for a in ins.reads + ins.writes if _per_partition(a) > 4)
+        if sbuf_only and contiguous and _all_dtypes(ins) <= lowp:
+            if ins.op in _PERF_4X:
+                cycles, note = cycles / 4, "perf mode 4x"
+            elif ins.op in _PERF_2X:
+                cycles, note = cycles / 2, "perf mode 2x"
+    cycles += core.static_instruction_cycles
+    return OpCost("vector", busy_s=cycles / core.vector_clock_hz, cycles=cycles, note=note)
+
+
+def _scalar_cost(ins, core):
+    n = int(ins.meta.get("n", 1))
+    lowp = _LOWP | _FP8
+    width = core.scalar_elems_per_cycle_lowp if _all_dtypes(ins) <= lowp else core.scalar_elems_per_cycle
+    cycles = n * core.partitions / width + core.scalar_fixed_cycles
+    return OpCost("scalar", busy_s=cycles / core.scalar_clock_hz, cycles=cycles)
+
+
+def _gpsimd_cost(ins, core):
+    n = int(ins.meta.get("n", 1))
+    inputs = max(1, _streaming_inputs(ins))
+    cycles = n * inputs * core.partitions / core.gpsimd_elems_per_cycle + core.static_instruction_cycles
+    return OpCost("gpsimd", busy_s=cycles / core.gpsimd_clock_hz, cycles=cycles)
+
+
+def instruction_cost(ins, core) -> OpCost:
+    """Modelled cost of one recorded instruction on `core` (a nkisim.hardware.CoreSpec)."""
+    eng = ins.engine
+    if ins.op in ("sendrecv",):
+        c = dma_cost(ins, core)
+        c.engine = "dma"
+        return c
+    if ins.op == "core_barrier":
+        cyc = core.static_instruction_cycles
+        return OpCost(eng if eng in COMPUTE_ENGINES else "gpsimd", busy_s=cyc / core.gpsimd_clock_hz, cycles=cyc,
+                      note="barrier")
+    if eng == "dma":
+        return dma_cost(ins, core)
+    if eng == "tensor":
+        return _matmul_cost(ins, core)
+    if eng == "vector":
+        return _vector_cost(ins, core)
+    if eng == "scalar":
+        return _scalar_cost(ins, core)
+    if eng == "gpsimd":
+        return _gpsimd_cost(ins, core)
+    # sync-engine bookkeeping (registers, loop iterations): ordered but free in this model
+    return OpCost("sync")
