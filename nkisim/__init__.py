@@ -9,9 +9,9 @@ import importlib.util
 import os
 import sys
 
+from .cost import profile  # noqa: F401,E402
 from .errors import NkiCapacityError, NkiValidationError  # noqa: F401
 from .jit import Kernel, RunResult, jit, run, simulate  # noqa: F401
-from .cost import profile  # noqa: F401,E402
 from .target import resolve_target  # noqa: F401
 
 _NAMES = ("nki", "nki.language", "nki.isa", "nki.typing")

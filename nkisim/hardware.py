@@ -228,7 +228,7 @@ _COMMON_OVERHEADS = dict(
 
 def _core_v2():
     return _build(
-        CoreSpec, name="NeuronCore-v2", nc_version=2,
+        CoreSpec, name="NeuronCore-v2", nc_version=(2, "[SDK:arch1] nki-api.md §8.1 column NC-v2"),
         tensor_clock_hz=(2.8e9, "[SDK:arch1] nki-api.md §8.1"),
         tensor_rows=(128, "[SDK:arch1] 128x128 PE array"), tensor_cols=(128, "[SDK:arch1] 128x128 PE array"),
         tensor_bf16_flops=(92e12, "[SDK:arch1] nki-api.md §8.1: 92 BF16/FP16/TF32/cFP8 TFLOPS"),
@@ -261,7 +261,7 @@ def _core_v2():
 
 def _core_v3():
     return _build(
-        CoreSpec, name="NeuronCore-v3", nc_version=3,
+        CoreSpec, name="NeuronCore-v3", nc_version=(3, "[SDK:arch2] nki-api.md §8.1 column NC-v3"),
         tensor_clock_hz=(2.4e9, "[SDK:arch2] nki-api.md §8.1"),
         tensor_rows=(128, "[SDK:arch2] 128x128 PE array"), tensor_cols=(128, "[SDK:arch2] 128x128 PE array"),
         tensor_bf16_flops=(79e12, "[SDK:arch2]/[SDK:hw2] nki-api.md §8.1: 79 BF16/FP16/TF32 TFLOPS "
@@ -297,7 +297,7 @@ def _core_v3():
 
 def _core_v4():
     return _build(
-        CoreSpec, name="NeuronCore-v4", nc_version=4,
+        CoreSpec, name="NeuronCore-v4", nc_version=(4, "[SDK:arch3] nki-api.md §8.1 column NC-v4"),
         tensor_clock_hz=(2.4e9, "[SDK:arch3] nki-api.md §8.1"),
         tensor_rows=(128, "[SDK:arch3] 128x128 PE array"), tensor_cols=(128, "[SDK:arch3] 128x128 PE array"),
         tensor_bf16_flops=(79e12, "[SDK:arch3]/[SDK:hw3] nki-api.md §8.1: 79 BF16/FP16/TF32 TFLOPS"),
@@ -466,5 +466,5 @@ COLLECTIVE_BUSBW_SOURCES = {
     "trn3": "no Trn3 collective measurement found; the Trn2 anchors are reused",
 }
 KERNEL_MIN_LATENCY_S = 2e-6
-KERNEL_MIN_LATENCY_SOURCE = ("vllm-neuron docs/kernel_ledger.md roofline per LNC=2 core: max(FLOPs/79 TF, bytes/716 GB/s, "
-                             "2 us) (kernel-anchors.md §1)")
+KERNEL_MIN_LATENCY_SOURCE = ("vllm-neuron docs/kernel_ledger.md roofline per LNC=2 core: max(FLOPs/79 TF, "
+                             "bytes/716 GB/s, 2 us) (kernel-anchors.md §1)")

@@ -114,19 +114,24 @@ def _matmul_cost(ins, core):
                   ideal_s=flops / peak if flops else 0.0, note=note or ("transpose" if transpose else ""))
 
 
-def _streaming_inputs(ins):
-    """Inputs that stream more than one element per partition (per-partition scalars do not count)."""
+def _streaming(ins):
+    """[(access, dtype)] of inputs streaming more than one element per partition (per-partition scalars are free)."""
     in_dtypes = ins.meta.get("in_dtypes") or ()
-    count = 0
+    out = []
     for i, a in enumerate(ins.reads):
-        isz = _itemsize(in_dtypes[i] if i < len(in_dtypes) else None)
-        if _per_partition(a) > isz:
-            count += 1
-    return count
+        d = str(in_dtypes[i]) if i < len(in_dtypes) else ""
+        if _per_partition(a) > _itemsize(d or None):
+            out.append((a, d))
+    return out
+
+
+def _streaming_inputs(ins):
+    return len(_streaming(ins))
 
 
 def _all_dtypes(ins):
-    return set(map(str, ins.meta.get("in_dtypes") or ())) | {str(ins.meta.get("dtype", ""))}
+    """dst dtype and the dtypes of the streaming inputs."""
+    return {d for _, d in _streaming(ins) if d} | {str(ins.meta.get("dtype", ""))}
 
 
 def _vector_cost(ins, core):
@@ -136,8 +141,9 @@ def _vector_cost(ins, core):
     note = ""
     if core.nc_version >= 3 and ins.engine == "vector":
         lowp = _LOWP | (_FP8 if core.nc_version >= 4 else frozenset())
-        sbuf_only = all(a.buffer == "sbuf" for a in ins.reads + ins.writes)
-        contiguous = all(a.run_bytes >= _per_partition(a) for a in ins.reads + ins.writes if _per_partition(a) > 4)
+        operands = [a for a, _ in _streaming(ins)] + list(ins.writes)
+        sbuf_only = all(a.buffer == "sbuf" for a in operands)
+        contiguous = all(a.run_bytes >= _per_partition(a) for a in operands)
         if sbuf_only and contiguous and _all_dtypes(ins) <= lowp:
             if ins.op in _PERF_4X:
                 cycles, note = cycles / 4, "perf mode 4x"

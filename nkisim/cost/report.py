@@ -228,7 +228,8 @@ class CostReport:
         lines.append(f"  arithmetic intensity    : {ai} FLOP/B (ridge {self.ridge_flops_per_byte:.1f} FLOP/B)")
         lines.append("  modelled engine busy    : " + ", ".join(
             f"{k} {_fmt_t(v)} ({100 * v / self.latency_s if self.latency_s else 0:.0f}%)"
-            for k, v in self.busy_s.items() if v > 0) + f"; DMA queue utilisation {100 * self.dma_queue_utilization:.0f}%")
+            for k, v in self.busy_s.items() if v > 0)
+            + f"; DMA queue utilisation {100 * self.dma_queue_utilization:.0f}%")
         lines.append("  modelled roofs          : " + ", ".join(f"{k} {_fmt_t(v)}" for k, v in self.roofs_s.items()
                                                                 if v > 0))
         lines.append(f"  modelled critical path  : {len(self.critical_path)} instructions; " + ", ".join(
@@ -249,7 +250,8 @@ class CostReport:
             for i, eng in enumerate(_TRACK_ORDER):
                 tev.append({"ph": "M", "name": "thread_name", "pid": c, "tid": i, "args": {"name": eng}})
             for q in range(self.platform.core.dma_engines):
-                tev.append({"ph": "M", "name": "thread_name", "pid": c, "tid": qbase + q, "args": {"name": f"dma q{q}"}})
+                tev.append({"ph": "M", "name": "thread_name", "pid": c, "tid": qbase + q,
+                            "args": {"name": f"dma q{q}"}})
         anchors = {}
         for e in self.events:
             args = {"seq": e.seq, "modelled": True, "reason": e.reason}

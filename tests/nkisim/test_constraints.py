@@ -6,14 +6,14 @@ author reading the message knows which rule and which number they broke.
 
 import warnings
 
+import nki
 import numpy as np
 import pytest
-from ._sim import fresh_core, nisa, nl, on_target, rd, sb, tile  # noqa: F401
 
-import nki
-from nkisim.errors import (NkiCapacityError, NkiPsumAccumulationWarning, NkiUninitializedReadWarning,
-                           NkiValidationError)
+from nkisim.errors import NkiCapacityError, NkiPsumAccumulationWarning, NkiUninitializedReadWarning, NkiValidationError
 from nkisim.lint import NkiLanguageError
+
+from ._sim import fresh_core, nisa, nl, on_target, rd, sb, tile  # noqa: F401
 
 E = NkiValidationError
 

@@ -1,10 +1,10 @@
 """Core nki.isa ops and the nl convenience API against NumPy semantics (values AND dtypes)."""
 
 import ml_dtypes
+import nki
 import numpy as np
 import pytest
 
-import nki
 from nkisim.errors import NkiValidationError
 
 from ._sim import f32, fresh_core, hbm, nisa, nl, on_target, rd, ref_cast, rng, sb, tile  # noqa: F401

@@ -1,0 +1,97 @@
+"""Derived views of the sweep rows: Pareto frontiers, best configuration under a memory limit, published comparison,
+memory grids, per-layer collective tables. Pure functions over the flat ``extra_info`` records."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from bench.model.analytical import ParallelConfig, legacy_decode_layer_collectives
+from bench.model.hardware import get_instance
+from bench.model.specs import TEXT_MODELS
+
+
+def cfg_label(r: dict) -> str:
+    s = f"tp{r['tp']}·dp{r['dp']}"
+    if r.get("mix") and r["mix"] != "tp-only":
+        s += f" {r['mix']}"
+        if r["phase"] == "decode":
+            s += f" (a{r['attn_dp']} e{r['emb_dp']} m{r['mlp_dp']} l{r['lm_dp']})"
+    return s
+
+
+def pareto_frontier(rows: list[dict]) -> list[dict]:
+    """Rows not dominated in (lower t_step, higher tokens/s per chip)."""
+    best: list[dict] = []
+    top = -1.0
+    for r in sorted(rows, key=lambda r: (r["t_step_us"], -r["tokens_per_s_per_chip"])):
+        if r["tokens_per_s_per_chip"] > top:
+            best.append(r)
+            top = r["tokens_per_s_per_chip"]
+    return best
+
+
+def best_under_memory(rows: list[dict], mem_limit_gib: float | None = None) -> dict[tuple[str, str], dict]:
+    """Per (model, instance): the fitting decode configuration with the highest tokens/s per chip, and the one with
+    the lowest step latency. The limit defaults to each rank's HBM capacity."""
+    out: dict[tuple[str, str], dict] = {}
+    by = defaultdict(list)
+    for r in rows:
+        if r["phase"] != "decode":
+            continue
+        limit = r["mem_capacity_gib"] if mem_limit_gib is None else min(mem_limit_gib, r["mem_capacity_gib"])
+        if r["mem_total_gib"] <= limit:
+            by[(r["model"], r["instance"])].append(r)
+    for key, sel in sorted(by.items()):
+        out[key] = {"throughput": max(sel, key=lambda r: r["tokens_per_s_per_chip"]),
+                    "latency": min(sel, key=lambda r: r["t_step_us"]), "n": len(sel)}
+    return out
+
+
+def published_comparison(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        p = r["published"]
+        modelled = r["t_step_us"] / 1e3
+        out.append({
+            "label": f"{p['model']} {p['instance'].split('.')[0]} TP{p['tp']} b{p['batch']} ctx{p['ctx']}",
+            "model": p["model"], "instance": p["instance"], "lnc": p["lnc"], "tp": p["tp"], "batch": p["batch"],
+            "ctx": p["ctx"], "what": p["what"], "setup": p["setup"], "source": p["source"],
+            "published_ms": p["tpot_ms"], "modelled_ms": modelled, "roof_ms": r["t_roof_us"] / 1e3,
+            "ratio": p["tpot_ms"] / modelled if modelled else float("nan"), "bound": r["bound"], "fits": r["fits"],
+            "mem_gib": r["mem_total_gib"], "collective_ms": r["t_collective_us"] / 1e3,
+            "memory_ms": r["t_memory_us"] / 1e3, "efficiency": modelled / p["tpot_ms"] if p["tpot_ms"] else 0.0,
+        })
+    return out
+
+
+def memory_grid(rows: list[dict], model: str, instance: str, batch: int, ctx: int) -> dict[tuple[int, int], dict]:
+    """(tp, dp) -> row for decode at one bucket, mix all-dp (tp-only at dp=1)."""
+    grid = {}
+    for r in rows:
+        if (r["model"], r["instance"], r["phase"], r["batch"], r["ctx"]) != (model, instance, "decode", batch, ctx):
+            continue
+        if (r["dp"] == 1 and r["mix"] == "tp-only") or (r["dp"] > 1 and r["mix"] == "all-dp"):
+            grid[(r["tp"], r["dp"])] = r
+    return grid
+
+
+def _summ(colls: list, layers_only: bool = True) -> dict:
+    real = [c for c in colls if c["op"] != "slice" and c["n"] > 1]
+    return {"count": len(real), "ops": len(colls), "bytes": sum(c["bytes"] for c in real),
+            "time_us": sum(c["time_s"] for c in real) * 1e6}
+
+
+def layer_collective_comparison(model: str, instance: str, tp: int, dp: int, batch: int) -> dict:
+    """Seed's 3-vs-7: per-layer decode collectives with all component dp sizes = dp, new scheme vs before."""
+    from bench.model.analytical import Bucket, evaluate
+
+    inst = get_instance(instance)
+    spec = TEXT_MODELS[model]
+    cfg = ParallelConfig(tp, dp, dp, dp, dp, dp)
+    res = evaluate(spec, inst, cfg, Bucket("decode", batch=batch, ctx=4096))
+    new = [c.as_dict() for c in res.collectives if c.per_layer]
+    old = [c.as_dict() for c in legacy_decode_layer_collectives(spec, inst, cfg, batch)]
+    new_no_a2a = [c for c in new if c["op"] != "all_to_all"]
+    return {"label": f"{model}\nTP{tp} DP{dp} b{batch}", "model": model, "tp": tp, "dp": dp, "batch": batch,
+            "new": _summ(new_no_a2a), "new_with_a2a": _summ(new), "old": _summ(old), "new_rows": new,
+            "old_rows": old}

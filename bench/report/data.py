@@ -1,0 +1,78 @@
+"""Load a pytest-benchmark JSON and split its benchmarks into model, published, kernel and other rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPORT_KEY = "bench_report"   # our additions to the pytest-benchmark JSON (skipped cases, hardware table)
+
+
+def load(path: str | Path) -> dict:
+    with open(path) as fh:
+        data = json.load(fh)
+    if "benchmarks" not in data:
+        raise ValueError(f"{path}: not a pytest-benchmark JSON (no 'benchmarks' key)")
+    return data
+
+
+def _median(b: dict) -> float | None:
+    stats = b.get("stats") or {}
+    return stats.get("median", b.get("median"))
+
+
+def kernel_row(b: dict) -> dict | None:
+    """Normalise a kernel benchmark: nkisim's CostReport.extra_info() keys (``modelled_*``) or device-timed rows."""
+    x = b.get("extra_info") or {}
+    modelled = "modelled_latency_s" in x
+    device = x.get("measured") == "device" or x.get("kind") == "kernel-device"
+    if not (modelled or device or x.get("kind") == "kernel"):
+        return None
+    if modelled:
+        latency = x["modelled_latency_s"]
+        flops = x.get("modelled_flops", x.get("flops", 0.0)) or 0.0
+        nbytes = (x.get("modelled_hbm_read_bytes", 0) or 0) + (x.get("modelled_hbm_write_bytes", 0) or 0)
+        target = x.get("modelled_target", x.get("target", "trn2"))
+        bound = x.get("modelled_bound", "")
+        source = "modelled (nkisim)"
+    else:
+        latency = x.get("device_latency_s", x.get("latency_s", _median(b)))
+        flops = x.get("flops", 0.0) or 0.0
+        nbytes = x.get("hbm_bytes", 0.0) or 0.0
+        target = x.get("target", "trn2")
+        bound = x.get("bound", "")
+        source = "measured (device)"
+    name = x.get("kernel") or b.get("name", "").split("[")[0].removeprefix("test_")
+    bucket = x.get("bucket") or b.get("param") or ""
+    ai = flops / nbytes if nbytes else None
+    return {
+        "kernel": str(name), "bucket": str(bucket), "target": str(target), "latency_s": latency, "flops": flops,
+        "hbm_bytes": nbytes, "ai": ai, "achieved_flops": flops / latency if latency else 0.0, "bound": bound,
+        "mfu": x.get("modelled_mfu", x.get("mfu")), "mbu": x.get("modelled_mbu", x.get("mbu")),
+        "limiter": x.get("modelled_limiter", ""), "source": source, "name": b.get("name", ""),
+        "busy": {k.removeprefix("modelled_busy_").removesuffix("_s"): v for k, v in x.items()
+                 if k.startswith("modelled_busy_")},
+    }
+
+
+def split(data: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {"model": [], "published": [], "kernel": [], "other": []}
+    for b in data.get("benchmarks", []):
+        x = b.get("extra_info") or {}
+        kind = x.get("kind")
+        if kind == "model":
+            out["model"].append(x)
+        elif kind == "published":
+            out["published"].append(x)
+        else:
+            k = kernel_row(b)
+            if k is not None:
+                out["kernel"].append(k)
+            else:
+                out["other"].append({"name": b.get("name", ""), "group": b.get("group") or "",
+                                     "median_s": _median(b), "extra_info": x})
+    return out
+
+
+def extras(data: dict) -> dict:
+    return data.get(REPORT_KEY) or {}

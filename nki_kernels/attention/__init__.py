@@ -1,0 +1,82 @@
+"""Decode attention: the fused NKI kernel, its torch reference and a functional entry that picks a backend.
+
+`decode_attention(...)` takes torch tensors or NumPy arrays and runs one of:
+  - "nki":    the kernel compiled by AWS's real `nki` (inputs must be device tensors the real `nki.jit` accepts);
+  - "nkisim": the kernel on the nkisim CPU interpreter (when nkisim serves `import nki`);
+  - "torch":  the torch reference (same semantics);
+  - "auto":   "nki" when the real package serves `import nki`, else "nkisim".
+It returns out [B*S_tkg, H] (the partial O-projection, before the TP all-reduce) and updates K_cache / V_cache in place.
+"""
+
+import numpy as np
+
+import nkisim
+
+from .. import __name__ as _pkg  # noqa: F401 - importing the package registered the nki layer
+from .decode_attention import decode_attention_kernel, decode_attention_nki
+from .decode_attention_torch import decode_attention_torch
+
+__all__ = ["decode_attention", "decode_attention_kernel", "decode_attention_nki", "decode_attention_torch",
+           "check_positions"]
+
+BACKENDS = ("auto", "nki", "nkisim", "torch")
+
+
+def check_positions(position_ids, s_max, context_len=None):
+    """Host-side checks of the runtime positions (the kernel sees them only as data): in range and consecutive."""
+    pos = np.asarray(position_ids.cpu() if hasattr(position_ids, "cpu") else position_ids).astype(np.int64)
+    L = s_max if not context_len else int(context_len)
+    if pos.ndim != 2:
+        raise ValueError(f"position_ids must be [B, S_tkg], got shape {pos.shape}")
+    if pos.size and (pos.min() < 0 or pos.max() >= L):
+        raise ValueError(f"position_ids must be in [0, context_len={L}) (cache of S_max={s_max}); got "
+                         f"[{pos.min()}, {pos.max()}]: the cache is too short for the positions")
+    if pos.shape[1] > 1 and not (np.diff(pos, axis=1) == 1).all():
+        raise ValueError("position_ids must be consecutive within each sequence (pos[b, s] = pos[b, 0] + s)")
+
+
+def _to_torch(x):
+    if x is None:
+        return None
+    import torch
+    if isinstance(x, torch.Tensor):
+        return x
+    a = np.asarray(x)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None, sinks=None,
+                     bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0, sliding_window=0,
+                     backend="auto", lnc=1):
+    """Fused decode attention for one TP rank. See `decode_attention_kernel` for shapes and semantics."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    if lnc not in (1, 2):
+        raise ValueError(f"lnc={lnc} must be 1 or 2")
+    check_positions(position_ids, K_cache.shape[2], context_len)
+    if backend == "auto":
+        backend = "nkisim" if nkisim.active() else "nki"
+    kwargs = dict(gamma=gamma, bias_qkv=bias_qkv, sinks=sinks, bias_o=bias_o, context_len=int(context_len),
+                  softmax_scale=float(softmax_scale), eps=float(eps), hidden_actual=int(hidden_actual),
+                  sliding_window=int(sliding_window))
+    args = (X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o)
+    if backend == "torch":
+        is_np = isinstance(X, np.ndarray)
+        targs = [_to_torch(a) for a in args]
+        tkw = {k: (_to_torch(v) if k in ("gamma", "bias_qkv", "sinks", "bias_o") else v) for k, v in kwargs.items()}
+        tkw["context_len"] = tkw["context_len"] or None
+        tkw["softmax_scale"] = tkw["softmax_scale"] or None
+        out = decode_attention_torch(*targs, **tkw)
+        if is_np:  # write the caches back into the caller's arrays
+            for orig, t in ((K_cache, targs[2]), (V_cache, targs[3])):
+                orig[...] = t.float().numpy().astype(orig.dtype)
+            return out.float().numpy().astype(X.dtype)
+        return out
+    if backend == "nkisim" and not nkisim.active():
+        raise RuntimeError("backend='nkisim' needs nkisim to serve `import nki` (set NKISIM=1 before importing)")
+    if backend == "nki" and nkisim.active():
+        raise RuntimeError("backend='nki' needs AWS's real nki package; `import nki` is served by nkisim here")
+    kernel = decode_attention_nki if lnc == 1 else decode_attention_nki[lnc]
+    return kernel(*args, **kwargs)

@@ -1,0 +1,93 @@
+"""Per-instruction cost rules (nki-api.md §8.4) on hand-built instructions: exact modelled cycle counts."""
+
+import pytest
+
+from nkisim.cost import instruction_cost
+from nkisim.cost.costs import dma_efficiency
+from nkisim.hardware import HARDWARE
+from nkisim.runtime import Access, Instruction
+
+T2, T3, T1 = HARDWARE["trn2"].core, HARDWARE["trn3"].core, HARDWARE["trn1"].core
+
+
+def sb(alloc, p, f, isz, buffer="sbuf", run=None):
+    n = p * f * isz
+    return Access(alloc, buffer, 0, n, n, p, run if run is not None else n)
+
+
+def hbm(alloc, nbytes, run):
+    return Access(alloc, "hbm", 0, nbytes, nbytes, 1, run)
+
+
+def mm(n, dtype="bfloat16", double_row=False, k=128, m=128):
+    meta = dict(k=k, m=m, n=n, dtype=dtype, stationary_dtype=dtype, double_row=double_row, transpose=False,
+                onezero=False, tile=(128, 128))
+    return Instruction(0, 0, "nc_matmul", "tensor", (sb(1, k, m, 2), sb(2, k, n, 2)), (sb(3, m, n, 4, "psum"),),
+                       meta)
+
+
+def vec(op, n, dtypes, engine="vector", buffers=("sbuf", "sbuf", "sbuf"), scalar_operand=False):
+    isz = {"float32": 4, "bfloat16": 2}
+    reads = []
+    for i, d in enumerate(dtypes[1:]):
+        f = 1 if (scalar_operand and i == 1) else n
+        reads.append(sb(10 + i, 128, f, isz[d], buffers[i + 1]))
+    w = sb(9, 128, n, isz[dtypes[0]], buffers[0])
+    meta = dict(p=128, n=n, dtype=dtypes[0], in_dtypes=tuple(dtypes[1:]), op="add")
+    return Instruction(0, 0, op, engine, tuple(reads), (w,), meta)
+
+
+def test_matmul_rules():
+    c = instruction_cost(mm(512), T2)
+    assert c.cycles == 512 and c.busy_s == pytest.approx(512 / 2.4e9)
+    assert c.flops == 2 * 128 * 128 * 512 and c.ideal_s == pytest.approx(c.flops / 79e12)
+    assert instruction_cost(mm(16), T2).cycles == 64                       # max(N, 64)
+    assert instruction_cost(mm(512, "float32"), T2).cycles == 4 * 512       # fp32 4x slower
+    dr = instruction_cost(mm(512, "float8_e4m3", double_row=True), T2)
+    assert dr.cycles == 512 and dr.flops == 2 * c.flops                    # double_row: 2x FLOP/s
+    assert dr.ideal_s == pytest.approx(dr.flops / 158e12)
+    assert instruction_cost(mm(512), T3).busy_s == c.busy_s                 # same TensorE clock on trn3
+
+
+def test_vector_rules_and_perf_modes():
+    s = T2.static_instruction_cycles
+    assert instruction_cost(vec("tensor_tensor", 2048, ("float32",) * 3), T2).cycles == 2 * 2048 + s
+    assert instruction_cost(vec("tensor_tensor", 2048, ("bfloat16",) * 3), T2).cycles == 2048 + s     # 2x
+    assert instruction_cost(vec("tensor_copy", 2048, ("bfloat16",) * 2), T2).cycles == 512 + s        # 4x
+    assert instruction_cost(vec("tensor_copy", 2048, ("float32",) * 2), T2).cycles == 2048 + s
+    # a per-partition scalar operand does not stream; bf16 tensor_scalar gets the 4x mode
+    ts = vec("tensor_scalar", 2048, ("bfloat16", "bfloat16", "float32"), scalar_operand=True)
+    assert instruction_cost(ts, T2).cycles == 512 + s
+    # no perf mode on PSUM operands, nor on trn1
+    psum_src = vec("tensor_copy", 2048, ("bfloat16", "bfloat16"), buffers=("sbuf", "psum"))
+    assert instruction_cost(psum_src, T2).cycles == 2048 + s
+    assert instruction_cost(vec("tensor_copy", 2048, ("bfloat16",) * 2), T1).cycles == 2048 + s
+    c2 = instruction_cost(vec("tensor_tensor", 2048, ("float32",) * 3), T2)
+    c3 = instruction_cost(vec("tensor_tensor", 2048, ("float32",) * 3), T3)
+    assert c2.busy_s / c3.busy_s == pytest.approx(1.2 / 0.96)             # VectorE clock differs
+
+
+def test_scalar_rules():
+    act = vec("activation", 1024, ("float32", "float32"), engine="scalar")
+    assert instruction_cost(act, T2).cycles == 1024 + T2.scalar_fixed_cycles
+    lowp = vec("activation", 1024, ("bfloat16", "bfloat16"), engine="scalar")
+    assert instruction_cost(lowp, T2).cycles == 1024 + T2.scalar_fixed_cycles
+    assert instruction_cost(lowp, T3).cycles == 512 + T3.scalar_fixed_cycles   # trn3: 256 lowp elems/cycle
+
+
+def test_dma_rules():
+    assert dma_efficiency(256, T2) == pytest.approx(0.5)
+    assert dma_efficiency(2048, T2) > 0.88 and dma_efficiency(4096, T2) > 0.93
+    big = Instruction(0, 0, "dma_copy", "dma", (hbm(1, 128 * 4096, 128 * 4096),), (sb(2, 128, 1024, 4),), {})
+    c = instruction_cost(big, T2)
+    assert c.pieces == 16 and c.latency_s == 1.3e-6 and c.hbm_read == 128 * 4096 and c.hbm_write == 0
+    per_queue = min(T2.dma_engine_bytes_per_s, T2.hbm_bytes_per_s / 16)
+    assert c.busy_s == pytest.approx(128 * 4096 / 16 / (per_queue * dma_efficiency(4096, T2)))
+    # small contiguous chunks per partition are slower per byte
+    small = Instruction(0, 0, "dma_copy", "dma", (hbm(1, 128 * 4096, 128),), (sb(2, 128, 1024, 4),), {})
+    assert instruction_cost(small, T2).busy_s > 2.5 * c.busy_s   # eff 1/3 vs 0.94
+    tr = Instruction(0, 0, "dma_transpose", "dma", (hbm(1, 128 * 4096, 128 * 4096),), (sb(2, 128, 1024, 4),),
+                     {"transpose": True})
+    assert instruction_cost(tr, T2).busy_s == pytest.approx(c.busy_s / T2.dma_transpose_efficiency)
+    tiny = Instruction(0, 0, "dma_copy", "dma", (hbm(1, 64, 64),), (sb(2, 1, 16, 4),), {})
+    assert instruction_cost(tiny, T2).pieces == 1
