@@ -92,6 +92,7 @@ def layer_collective_comparison(model: str, instance: str, tp: int, dp: int, bat
     new = [c.as_dict() for c in res.collectives if c.per_layer]
     old = [c.as_dict() for c in legacy_decode_layer_collectives(spec, inst, cfg, batch)]
     new_no_a2a = [c for c in new if c["op"] != "all_to_all"]
-    return {"label": f"{model}\nTP{tp} DP{dp} b{batch}", "model": model, "tp": tp, "dp": dp, "batch": batch,
+    short = model.replace("Llama-3.1-", "L3-").replace("Llama-3.3-", "L3-").replace("GPT-OSS-", "OSS-")
+    return {"label": f"{short}\nTP{tp} DP{dp} b{batch}", "model": model, "tp": tp, "dp": dp, "batch": batch,
             "new": _summ(new_no_a2a), "new_with_a2a": _summ(new), "old": _summ(old), "new_rows": new,
             "old_rows": old}

@@ -44,12 +44,14 @@ def _note(ax, text: str) -> None:
     ax.grid(False)
 
 
-def _roof(ax, peak: float, bw: float, color: str, label: str, style: str = "-", xlim=(1e-2, 1e4)) -> None:
+def _roof(ax, peak: float, bw: float, color: str, label: str, style: str = "-", xlim=(1e-2, 1e4),
+          index: int = 0) -> None:
     xs = [xlim[0] * (xlim[1] / xlim[0]) ** (i / 200) for i in range(201)]
     ax.plot(xs, [min(peak, x * bw) for x in xs], style, color=color, lw=1.6, label=label)
     ridge = peak / bw
-    ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, peak), textcoords="offset points", xytext=(4, 4),
-                fontsize=7, color=color)
+    ax.plot([ridge], [peak], "o", ms=3.5, color=color)
+    ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, peak), textcoords="offset points",
+                xytext=(6, -12 - 11 * index), fontsize=7, color=color)
 
 
 def kernel_roofline(rows: list[dict], roofs: dict[str, tuple[float, float]]) -> str:
@@ -57,11 +59,11 @@ def kernel_roofline(rows: list[dict], roofs: dict[str, tuple[float, float]]) -> 
     fig, ax = plt.subplots(figsize=(7.6, 4.6))
     for i, (tgt, (peak, bw)) in enumerate(sorted(roofs.items())):
         _roof(ax, peak, bw, TARGET_COLORS.get(tgt, PALETTE[i]), f"{tgt} roof (per core: {peak / 1e12:.0f} TF, "
-              f"{bw / 1e9:.0f} GB/s)", "-" if i == 0 else "--")
+              f"{bw / 1e9:.0f} GB/s)", "-" if i == 0 else "--", index=i)
     pts = [r for r in rows if r.get("ai") and r.get("achieved_flops")]
     if not pts:
-        ax.text(0.5, 0.3, "no kernel benchmarks with FLOPs and bytes in this run", ha="center",
-                transform=ax.transAxes, color="#666")
+        ax.text(0.97, 0.06, "no kernel benchmarks with FLOPs and bytes in this run", ha="right",
+                transform=ax.transAxes, color="#666", bbox=dict(facecolor="white", edgecolor="#ccc"))
     markers = "osD^v<>pP*hX"
     kernels = sorted({r["kernel"] for r in pts})
     for k_i, k in enumerate(kernels):
@@ -85,7 +87,7 @@ def model_roofline(rows: list[dict], roofs: dict[str, tuple[float, float]]) -> s
     fig, ax = plt.subplots(figsize=(7.6, 4.4))
     for i, (inst, (peak, bw)) in enumerate(sorted(roofs.items())):
         _roof(ax, peak, bw, list(TARGET_COLORS.values())[i % 2], f"{inst} per-rank roof", "-" if i == 0 else "--",
-              xlim=(0.1, 1e5))
+              xlim=(0.1, 1e5), index=i)
     models = sorted({r["model"] for r in rows})
     for m_i, m in enumerate(models):
         for phase, marker in (("decode", "o"), ("prefill", "^"), ("vision", "s")):
@@ -134,7 +136,7 @@ def latency_breakdown(rows: list[dict], title: str, salt: str, max_rows: int = 1
     ax.set_xlim(0, max(left) * 1.28)
     ax.set_title(title)
     ax.grid(axis="y", visible=False)
-    ax.legend(ncol=3, loc="lower right", fontsize=7)
+    ax.legend(ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.5 / max(len(rows), 3) - 0.12), fontsize=7)
     return to_svg(fig, salt)
 
 
@@ -154,8 +156,10 @@ def memory_heatmap(grid: dict[tuple[int, int], dict], tps: list[int], dps: list[
                 ax.text(xi, yi, "invalid", ha="center", va="center", fontsize=6.5, color="#888")
                 continue
             fits = cell["fits"]
+            r_, g_, b_, _ = im.cmap(im.norm(cell["mem_total_gib"]))
+            light = 0.299 * r_ + 0.587 * g_ + 0.114 * b_ > 0.55
             ax.text(xi, yi, f"{cell['mem_total_gib']:.1f}" + ("" if fits else "\n✗ fit"), ha="center", va="center",
-                    fontsize=7, color="white" if fits else "#ffdddd", fontweight="bold")
+                    fontsize=7, color=("#1d2733" if light else "white") if fits else "#ff8a80", fontweight="bold")
     ax.set_xticks(range(len(tps)), [str(t) for t in tps])
     ax.set_yticks(range(len(dps)), [str(d) for d in dps])
     ax.set_xlabel("tp")
@@ -170,7 +174,7 @@ def memory_heatmap(grid: dict[tuple[int, int], dict], tps: list[int], dps: list[
 
 def collective_comparison(items: list[dict]) -> str:
     """Per-layer collective count and bytes: component-DP scheme vs the seed's pre-optimisation scheme."""
-    fig, axes = plt.subplots(1, 3, figsize=(9.2, 3.0))
+    fig, axes = plt.subplots(1, 3, figsize=(11.5, 3.3))
     labels = [i["label"] for i in items]
     xs = range(len(items))
     w = 0.38
@@ -178,8 +182,8 @@ def collective_comparison(items: list[dict]) -> str:
                             (axes[2], "time_us", "µs per layer (modelled)")):
         new = [i["new"][key] / (1024 if key == "bytes" else 1) for i in items]
         old = [i["old"][key] / (1024 if key == "bytes" else 1) for i in items]
-        ax.bar([x - w / 2 for x in xs], old, w, color="#bdbdbd", label="before (seed: 7 ops)")
-        ax.bar([x + w / 2 for x in xs], new, w, color="#3182bd", label="component DP (seed: 3)")
+        ax.bar([x - w / 2 for x in xs], old, w, color="#bdbdbd", label="before component DP (seed: \"7\")")
+        ax.bar([x + w / 2 for x in xs], new, w, color="#3182bd", label="component DP (seed: \"3\")")
         for x, v in zip(xs, old, strict=True):
             ax.text(x - w / 2, v, f"{v:.0f}" if key != "time_us" else f"{v:.0f}", ha="center", va="bottom",
                     fontsize=6.5)

@@ -12,7 +12,6 @@ import numpy as np
 
 import nkisim
 
-from .. import __name__ as _pkg  # noqa: F401 - importing the package registered the nki layer
 from .decode_attention import decode_attention_kernel, decode_attention_nki
 from .decode_attention_torch import decode_attention_torch
 

@@ -389,19 +389,20 @@ def _attend_pack(cfg, qm, neg_eye, ps_sc, ps_o, K_cache, V_cache, position_ids, 
     for j0 in range(0, cfg.L, FT):
         w = min(FT, cfg.L - j0)
         n_blk = (w + P_MAX - 1) // P_MAX
-        # K^T [d, w] per batch (HBM -> SBUF DMA transpose) and V [128 pos, blk, batch, d].
+        # K^T [d, w] per batch (HBM -> SBUF DMA transpose) and V [128 pos, batch, blk, d].
         kT = nl.ndarray((P_MAX, cfg.pack, FT), dtype=K_cache.dtype, buffer=nl.sbuf)
-        v = nl.ndarray((P_MAX, FT // P_MAX, cfg.pack, d), dtype=V_cache.dtype, buffer=nl.sbuf)
+        v = nl.ndarray((P_MAX, cfg.pack, FT // P_MAX, d), dtype=V_cache.dtype, buffer=nl.sbuf)
+        n_full = w // P_MAX
         for j in range(nb):
             b = p0 + j
             nisa.dma_transpose(dst=kT[:d, j, :w], src=K_cache[b, g, j0:j0 + w, :])
-            n_full = w // P_MAX
+            # Partition q holds positions j0 + q*n_full + i (i < n_full): n_full*d contiguous elements per partition
+            # (efficient DMA); the P^T blocks below take the matching strided columns of P.
             if n_full > 0:
-                nisa.dma_copy(dst=v[:, :n_full, j, :],
-                              src=V_cache[b, g, j0:j0 + n_full * P_MAX, :].reshape((n_full, P_MAX, d))
-                              .permute((1, 0, 2)))
+                nisa.dma_copy(dst=v[:, j, :n_full, :],
+                              src=V_cache[b, g, j0:j0 + n_full * P_MAX, :].reshape((P_MAX, n_full * d)))
             if w % P_MAX:
-                nisa.dma_copy(dst=v[:w % P_MAX, n_full, j, :], src=V_cache[b, g, j0 + n_full * P_MAX:j0 + w, :])
+                nisa.dma_copy(dst=v[:w % P_MAX, j, n_full, :], src=V_cache[b, g, j0 + n_full * P_MAX:j0 + w, :])
         # Masks from positions: invalid (key j > query position, or j <= position - window) -> 1.0, else 0.0.
         jpos = nl.ndarray((P_MAX, FT), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=jpos[:rows, :w], pattern=[[1, w]], offset=j0, channel_multiplier=0)
@@ -446,20 +447,24 @@ def _attend_pack(cfg, qm, neg_eye, ps_sc, ps_o, K_cache, V_cache, position_ids, 
         m_run = m_new
         # P^T [pos, rows] via TensorE transposes, then PV with every batch's V side by side (diagonal blocks used).
         pT = nl.ndarray((P_MAX, FT // P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
-        n_full = w // P_MAX
-        if n_full > 0:
-            _transpose_into(pT, p, rows, P_MAX, n_full)
+        for c0 in range(0, n_full, TRANSPOSE_GROUP):
+            nc = min(TRANSPOSE_GROUP, n_full - c0)
+            ps_t = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=nl.bfloat16, buffer=nl.psum)
+            for c in range(nc):
+                i = c0 + c
+                nisa.nc_transpose(dst=ps_t[:, c, :rows], data=p[:rows, i:i + (P_MAX - 1) * n_full + 1:n_full])
+            nisa.tensor_copy(dst=pT[:, c0:c0 + nc, :rows], src=ps_t[:, :nc, :rows])
         if w % P_MAX:
-            ps_t = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.psum)
+            ps_r = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.psum)
             rem = w % P_MAX
-            nisa.nc_transpose(dst=ps_t[:rem, :rows], data=p[:rows, n_full * P_MAX:w])
-            nisa.tensor_copy(dst=pT[:rem, n_full, :rows], src=ps_t[:rem, :rows])
+            nisa.nc_transpose(dst=ps_r[:rem, :rows], data=p[:rows, n_full * P_MAX:w])
+            nisa.tensor_copy(dst=pT[:rem, n_full, :rows], src=ps_r[:rem, :rows])
         for h0 in range(0, nb, half):
             hn = min(half, nb - h0)
             for i in range(n_blk):
                 bw = min(P_MAX, w - i * P_MAX)
                 nisa.nc_matmul(dst=ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:bw, i, :rows],
-                               moving=v[:bw, i, h0:h0 + hn, :], accumulate=(i > 0))
+                               moving=v[:bw, h0:h0 + hn, i, :], accumulate=(i > 0))
         nisa.scalar_tensor_tensor(dst=acc[:rows, :nb * d], data=acc[:rows, :nb * d], op0=nl.multiply,
                                   operand0=alpha[:rows], op1=nl.add, operand1=ps_o[:rows, :nb * d])
     # Final normalisation; sinks join the denominator only.

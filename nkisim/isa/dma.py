@@ -114,7 +114,11 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DgeMode.unknown, 
 
 
 def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=OobMode.error, name=None):
-    """dst = reduce_op(dst, scale_0*src_0, scale_1*src_1, ...) on the DMA engines (e.g. scatter-add)."""
+    """dst = reduce_op(srcs[0] * scales[0], srcs[1] * scales[1], ...) computed in fp32 inside the DMA engines.
+
+    dst itself is not read: to accumulate (scatter-add), pass the destination view as one of the srcs. With an
+    indirect dst and unique_indices=False, rows are processed in order so that repeated indices accumulate.
+    """
     op = "dma_compute"
     _check_dma_operand(op, "dst", dst)
     if not isinstance(srcs, (list, tuple)) or not srcs:
@@ -123,50 +127,56 @@ def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode
         _check_dma_operand(op, f"srcs[{i}]", s)
         if s.size != dst.size:
             fail(op, f"srcs[{i}] has {s.size} elements, dst has {dst.size} (C10)")
-    rname, fn, kind = alu_ops.alu(reduce_op, "reduce_op", op)
-    if kind != "arith" or rname not in ("add", "multiply", "maximum", "minimum", "subtract"):
-        fail(op, f"reduce_op=nl.{rname} is not supported; use add, subtract, multiply, maximum or minimum")
-    if scales is not None and len(scales) != len(srcs):
-        fail(op, f"scales has {len(scales)} entries for {len(srcs)} srcs")
+    rname = alu_ops.op_name(reduce_op, f"{op}: reduce_op")
+    if rname != "add":
+        fail(op, f"reduce_op=nl.{rname} is not supported; only nl.add is supported by the DMA engines")
+    if scales is not None:
+        if len(scales) != len(srcs):
+            fail(op, f"scales has {len(scales)} entries for {len(srcs)} srcs")
+        if any(float(x) != 1.0 for x in scales):
+            fail(op, f"scales={list(scales)}: all scales must be 1.0 (DMA compute limit)")
     _check_modes(op, oob_mode, DgeMode.unknown)
-    terms = []
-    for i, s in enumerate(srcs):
-        v = dt.to_fp32(read(s, op)).reshape(dst.shape)
-        if scales is not None:
-            v = v * np.float32(scales[i])
-        terms.append(v)
-    if dst.gather is None:
-        acc = dt.to_fp32(np_view(dst))
-        for v in terms:
-            acc = fn(acc, v)
-        write(dst, dt.cast(acc, dst.dtype, dst.alloc.flat(dst.dtype).dtype), op)
+    skip = oob_mode is OobMode.skip
+    aliases = [i for i, s in enumerate(srcs) if _same_view(s, dst)]
+    if dst.gather is not None and not unique_indices and aliases:
+        _sequential_scatter_add(op, dst, srcs, aliases, skip)
     else:
-        _scatter_reduce(op, dst, terms, fn, rname, unique_indices, oob_mode is OobMode.skip)
-    current().emit(op, "dma", tuple(srcs) + (dst,), (dst,), reduce=rname)
+        total = None
+        for s in srcs:
+            v = dt.to_fp32(read(s, op, oob_skip=skip)).reshape(dst.shape)
+            total = v if total is None else total + v
+        if dst.gather is not None and unique_indices:
+            rows = _indirect_rows(dst, op)
+            if len(np.unique(rows)) != rows.size:
+                fail(op, "unique_indices=True but the scatter indices repeat; pass unique_indices=False")
+        write(dst, dt.cast(total, dst.dtype, dst.alloc.flat(dst.dtype).dtype), op, oob_skip=skip)
+    current().emit(op, "dma", tuple(srcs), (dst,), reduce=rname)
 
 
-def _scatter_reduce(op, dst, terms, fn, rname, unique, skip):
+def _same_view(a, b):
+    return (a.alloc is b.alloc and a.shape == b.shape and a.strides == b.strides and a.offset == b.offset
+            and (a.gather is None) == (b.gather is None)
+            and (a.gather is None or a.gather.index is b.gather.index))
+
+
+def _indirect_rows(t, op):
+    return np.asarray(read(t.gather.index, op)).reshape(-1).astype(np.int64)
+
+
+def _sequential_scatter_add(op, dst, srcs, aliases, skip):
+    """Row-by-row read-modify-write so that repeated scatter indices accumulate (unique_indices=False)."""
     from ..tensor import _indirect_addresses
     flat = dst.alloc.flat(dst.dtype)
     addrs, valid = _indirect_addresses(dst, op, skip)
-    rows = addrs[valid].reshape(-1)
-    vals = sum(terms[1:], terms[0]) if rname == "add" else terms[0]
-    vals = vals[valid].reshape(-1)
-    acc = flat[rows].astype(np.float32)
-    if unique:
-        if len(np.unique(rows)) != rows.size:
-            fail(op, "unique_indices=True but the scatter indices repeat; pass unique_indices=False")
-        for v in terms if rname != "add" else [vals]:
-            acc = fn(acc, v[valid].reshape(-1) if v is not vals else v)
-        flat[rows] = dt.cast(acc, dst.dtype, flat.dtype)
-    else:
-        uniq, inv = np.unique(rows, return_inverse=True)
-        out = flat[uniq].astype(np.float32)
-        ufunc = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum}.get(rname)
-        if ufunc is None:
-            fail(op, f"reduce_op=nl.{rname} with repeated indices is not supported")
-        ufunc.at(out, inv, vals)
-        flat[uniq] = dt.cast(out, dst.dtype, flat.dtype)
+    others = [dt.to_fp32(read(s, op)).reshape(dst.shape) for i, s in enumerate(srcs) if i not in aliases]
+    for p in range(dst.shape[0]):
+        if not valid[p]:
+            continue
+        a = addrs[p]
+        acc = flat[a].astype(np.float32) * len(aliases)
+        for v in others:
+            acc = acc + v[p]
+        flat[a] = dt.cast(acc, dst.dtype, flat.dtype)
     dst.alloc.written = True
 
 

@@ -87,7 +87,7 @@ def test_c3_moving_free_over_512_on_trn2():
         nisa.nc_matmul(dst=d, stationary=s, moving=m)
 
 
-def test_c3_moving_free_limits_on_trn3(on_target):
+def test_c3_moving_free_limits_on_trn3(on_target):  # noqa: F811
     on_target("trn3")
     s = ones((8, 4))
     d = tile((4, 4096), buffer=nl.psum)  # all 8 banks
@@ -131,7 +131,7 @@ def test_c4_int_input():
         nisa.nc_matmul(dst=d, stationary=s, moving=m)
 
 
-def test_c4_bf16_dst_only_on_trn3(on_target):
+def test_c4_bf16_dst_only_on_trn3(on_target):  # noqa: F811
     s, m = ones((8, 4), nl.bfloat16), ones((8, 6), nl.bfloat16)
     with pytest.raises(E, match=r"dst dtype bfloat16 must be float32 on NeuronCore-v3 \(C4\)"):
         nisa.nc_matmul(dst=tile((4, 6), nl.bfloat16, nl.psum), stationary=s, moving=m)
@@ -142,7 +142,7 @@ def test_c4_bf16_dst_only_on_trn3(on_target):
     np.testing.assert_array_equal(rd(d).astype(np.float32), np.full((4, 6), 8.0, np.float32))
 
 
-def test_c4_e4m3_with_e4m3fn(on_target):
+def test_c4_e4m3_with_e4m3fn(on_target):  # noqa: F811
     on_target("trn3")
     s, m = ones((8, 4), nl.float8_e4m3), ones((8, 6), nl.float8_e4m3fn)
     with pytest.raises(E, match=r"float8_e4m3 and float8_e4m3fn cannot be mixed.*\(C4\)"):
@@ -244,7 +244,7 @@ def test_c7_sbuf_capacity_is_per_partition_not_total():
     assert keep.shape == (1, 200000)
 
 
-def test_c7_sbuf_capacity_trn3(on_target):
+def test_c7_sbuf_capacity_trn3(on_target):  # noqa: F811
     on_target("trn3")
     keep = nl.ndarray((128, 240000), nl.uint8, buffer=nl.sbuf)  # > trn2's 212984
     with pytest.raises(NkiCapacityError, match=r"245752 B per partition on trn3 \(C7\)"):
@@ -336,7 +336,7 @@ def test_c10_dma_transpose_dst_in_sbuf():
         nisa.dma_transpose(dst=nl.ndarray((8, 4), nl.float32, buffer=nl.shared_hbm), src=src)
 
 
-# ---- C11: scalar operands ----------------------------------------------------------------------------------------------
+# ---- C11: scalar operands --------------------------------------------------------------------------------------------
 
 def test_c11_tensor_operand_must_be_fp32():
     a = ones((4, 8))
@@ -359,7 +359,7 @@ def test_c11_affine_select_on_false_scalar():
                            on_false_value=ones((4, 1)))
 
 
-# ---- C12: reductions ----------------------------------------------------------------------------------------------------
+# ---- C12: reductions -------------------------------------------------------------------------------------------------
 
 def test_c12_reduce_partition_axis():
     with pytest.raises(E, match=r"axis 0 .*\(C12\)"):
@@ -381,7 +381,7 @@ def test_c12_bn_stats_fmax():
         nisa.bn_stats(dst=tile((4, 6)), data=ones((4, 513)))
 
 
-# ---- C13: partition start / contiguity -------------------------------------------------------------------------------------
+# ---- C13: partition start / contiguity -------------------------------------------------------------------------------
 
 def test_c13_partition_start():
     a = ones((128, 4))
@@ -399,7 +399,7 @@ def test_c13_non_contiguous_partitions():
         nisa.tensor_copy(dst=tile((64, 4)), src=a[0:128:2, :])
 
 
-# ---- C14: access patterns ----------------------------------------------------------------------------------------------------
+# ---- C14: access patterns --------------------------------------------------------------------------------------------
 
 def test_c14_ap_partition_stride():
     t = ones((4, 8))
@@ -418,7 +418,7 @@ def test_c14_iota_pattern_levels():
         nisa.iota(dst=tile((1, 32), nl.int32), pattern=[[16, 2], [8, 2], [4, 2], [2, 2], [1, 2]])
 
 
-# ---- C15: language rules ----------------------------------------------------------------------------------------------
+# ---- C15: language rules ---------------------------------------------------------------------------------------------
 
 def test_c15_output_not_in_shared_hbm():
     @nki.jit
@@ -485,7 +485,7 @@ def test_c15_tensor_arithmetic_operators_rejected():
         a[0, 0] = 1.0
 
 
-# ---- C16: PSUM accumulation -------------------------------------------------------------------------------------------------
+# ---- C16: PSUM accumulation ------------------------------------------------------------------------------------------
 
 def test_c16_accumulate_true_onto_never_written_psum_warns():
     s, m = ones((8, 4)), ones((8, 6))
@@ -533,7 +533,7 @@ def test_c6_groups_in_separate_banks_do_not_warn():
                 nisa.nc_matmul(dst=t[:, 0:1], stationary=s, moving=m, accumulate=k > 0)
 
 
-# ---- C17: sentinel fill ---------------------------------------------------------------------------------------------------
+# ---- C17: sentinel fill ----------------------------------------------------------------------------------------------
 
 def test_c17_uninitialised_reads_show_sentinels():
     @nki.jit
@@ -552,7 +552,7 @@ def test_c17_uninitialised_reads_show_sentinels():
     assert (out_i == 4).all()
 
 
-# ---- C18: LNC ---------------------------------------------------------------------------------------------------------------
+# ---- C18: LNC --------------------------------------------------------------------------------------------------------
 
 def _lnc_kernel(x):
     out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
@@ -592,7 +592,7 @@ def test_c18_sendrecv_to_self():
         k[2](np.zeros((2, 2), np.float32))
 
 
-# ---- C19: version-gated features ------------------------------------------------------------------------------------------------
+# ---- C19: version-gated features -------------------------------------------------------------------------------------
 
 def test_c19_exponential_trn3_only():
     with pytest.raises(E, match=r"exponential requires NeuronCore-v4 \(trn3\).*target is trn2 \(C19\)"):
@@ -608,7 +608,7 @@ def test_c19_abs_max_and_unary_square_trn3_only():
 
 
 @pytest.mark.parametrize("feature", ["double_row", "is_transpose", "hwdge", "core_barrier"])
-def test_c19_v3_features_rejected_on_trn1(on_target, feature):
+def test_c19_v3_features_rejected_on_trn1(on_target, feature):  # noqa: F811
     on_target("trn1")
     with pytest.raises(E, match=r"\(C19\)"):
         if feature == "double_row":
@@ -624,7 +624,7 @@ def test_c19_v3_features_rejected_on_trn1(on_target, feature):
             nisa.core_barrier(data=nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm), cores=(0, 1))
 
 
-# ---- C20: activation input ranges ---------------------------------------------------------------------------------------------
+# ---- C20: activation input ranges ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op,value", [("sin", 9.0), ("log", 2.0 ** -70), ("sqrt", 2.0 ** 120),
                                       ("rsqrt", 2.0 ** -100), ("reciprocal", 2.0 ** 50), ("reciprocal", 0.0),

@@ -142,7 +142,7 @@ def test_packed_dtypes_hold_raw_words():
     np.testing.assert_array_equal(dt.cast(np.array([0x01020304]), nl.float8_e4m3fn_x4), [0x01020304])
 
 
-# ---- NKI_PRECISE_FP=0 ------------------------------------------------------------------------------------------------------
+# ---- NKI_PRECISE_FP=0 ------------------------------------------------------------------------------------------------
 
 def test_precise_fp_off_stores_low_precision_as_fp32(monkeypatch):
     monkeypatch.setenv("NKI_PRECISE_FP", "0")
@@ -178,7 +178,7 @@ def test_precise_fp_default_rounds():
     assert rd(t).dtype == BF16 and float(rd(t)[0, 0]) == 1.0
 
 
-# ---- sentinel fill ---------------------------------------------------------------------------------------------------------
+# ---- sentinel fill ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("d", [nl.float32, nl.bfloat16, nl.float16, nl.float8_e5m2, nl.tfloat32])
 def test_new_float_allocations_are_nan(d):
@@ -206,11 +206,11 @@ def test_uninitialised_sbuf_read_shows_nan_in_kernel_output():
     assert (out[0:2] == 1).all() and np.isnan(out[2:]).all()
 
 
-# ---- target ---------------------------------------------------------------------------------------------------------------
+# ---- target ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,sbuf,version", [("trn1", 180224, 2), ("trn2", 212984, 3), ("trn3", 245752, 4),
                                                ("gen3", 212984, 3), ("gen4", 245752, 4)])
-def test_tile_size_per_target(on_target, name, sbuf, version):
+def test_tile_size_per_target(on_target, name, sbuf, version):  # noqa: F811
     on_target(name)
     ts = nl.tile_size
     assert (ts.pmax, ts.gemm_stationary_fmax, ts.gemm_moving_fmax, ts.bn_stats_fmax) == (128, 128, 512, 512)
@@ -220,7 +220,7 @@ def test_tile_size_per_target(on_target, name, sbuf, version):
     assert nisa.get_nc_version() == nisa.nc_version(version)
 
 
-def test_psum_num_banks_reserved_for_pe_transposes(on_target, monkeypatch):
+def test_psum_num_banks_reserved_for_pe_transposes(on_target, monkeypatch):  # noqa: F811
     monkeypatch.setenv("NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE", "true")
     assert nl.tile_size.psum_num_banks == 7
     on_target("trn1")

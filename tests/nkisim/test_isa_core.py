@@ -133,7 +133,7 @@ def test_dma_copy_dynamic_offset_register():
     np.testing.assert_array_equal(rd(t), x[5:7])
 
 
-# ---- dma_transpose / dma_compute ---------------------------------------------------------------------------------------
+# ---- dma_transpose / dma_compute -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape,axes", [((4, 8), (1, 0)), ((2, 3, 4), (2, 1, 0)), ((2, 3, 4, 5), (3, 1, 2, 0))])
 def test_dma_transpose(shape, axes):
@@ -150,11 +150,20 @@ def test_dma_transpose_rejects_other_axes_and_dtypes():
         nisa.dma_transpose(dst=tile((8, 4), nl.bfloat16), src=hbm(rand((4, 8))))
 
 
-def test_dma_compute_dense_accumulates_scaled_sources():
+def test_dma_compute_dense_sums_sources_without_reading_dst():
+    # AWS doc: dst = reduce_op(srcs[0] * scales[0], srcs[1] * scales[1], ...); dst itself is not an input.
     a, b, d0 = rand((4, 8), 1), rand((4, 8), 2), rand((4, 8), 3)
     dst = sb(d0)
-    nisa.dma_compute(dst=dst, srcs=[hbm(a), sb(b)], reduce_op=nl.add, scales=[2.0, 0.5])
-    np.testing.assert_allclose(rd(dst), d0 + 2 * a + 0.5 * b, rtol=1e-6)
+    nisa.dma_compute(dst=dst, srcs=[hbm(a), sb(b)], reduce_op=nl.add, scales=[1.0, 1.0])
+    np.testing.assert_allclose(rd(dst), a + b, rtol=1e-6)
+    # accumulating means passing the destination as a source
+    nisa.dma_compute(dst=dst, srcs=[dst, sb(b)], reduce_op=nl.add)
+    np.testing.assert_allclose(rd(dst), a + 2 * b, rtol=1e-6)
+
+
+def test_dma_compute_scales_other_than_one_rejected():
+    with pytest.raises(NkiValidationError, match=r"all scales must be 1\.0"):
+        nisa.dma_compute(dst=tile((2, 2)), srcs=[sb(np.ones((2, 2), np.float32))], reduce_op=nl.add, scales=[2.0])
 
 
 def test_dma_compute_scatter_add_repeated_indices():
@@ -163,8 +172,8 @@ def test_dma_compute_scatter_add_repeated_indices():
     src = sb(np.arange(8, dtype=np.float32).reshape(4, 2))
     ap = out.ap([[2, 4], [1, 2]], vector_offset=_indices([3, 0, 3, 1]), indirect_dim=0)
     with pytest.raises(NkiValidationError, match=r"unique_indices=True but the scatter indices repeat"):
-        nisa.dma_compute(dst=ap, srcs=[src], reduce_op=nl.add)
-    nisa.dma_compute(dst=ap, srcs=[src], reduce_op=nl.add, unique_indices=False)
+        nisa.dma_compute(dst=ap, srcs=[ap, src], reduce_op=nl.add)
+    nisa.dma_compute(dst=ap, srcs=[ap, src], reduce_op=nl.add, unique_indices=False)
     ref = np.ones((5, 2), np.float32)
     np.add.at(ref, [3, 0, 3, 1], np.arange(8, dtype=np.float32).reshape(4, 2))
     np.testing.assert_array_equal(rd(out), ref)
@@ -175,7 +184,7 @@ def test_dma_compute_rejects_non_reduce_op():
         nisa.dma_compute(dst=tile((2, 2)), srcs=[sb(np.ones((2, 2), np.float32))], reduce_op=nl.divide)
 
 
-# ---- tensor_copy / predicated / memset / iota / affine_select ---------------------------------------------------------------
+# ---- tensor_copy / predicated / memset / iota / affine_select --------------------------------------------------------
 
 def test_tensor_copy_same_dtype_is_bit_exact_for_int32():
     x = np.array([[2 ** 31 - 1, -(2 ** 31), 2 ** 24 + 1, 3]], np.int32)
@@ -202,7 +211,7 @@ def test_tensor_copy_cast_via_fp32(engine):
     assert_bits(idst, ref_cast(x, nl.int8), np.int8)
 
 
-def test_tensor_copy_psum_to_sbuf_and_scalar_on_trn1(on_target):
+def test_tensor_copy_psum_to_sbuf_and_scalar_on_trn1(on_target):  # noqa: F811
     p = sb(rand((4, 4)), buffer=nl.psum)
     d = tile((4, 4))
     nisa.tensor_copy(dst=d, src=p)
@@ -282,7 +291,7 @@ def test_affine_select_default_equal_and_cast():
     assert_bits(dst, np.where(np.eye(3, dtype=bool), x, 0).astype(BF16), BF16)
 
 
-# ---- nc_matmul -------------------------------------------------------------------------------------------------------------
+# ---- nc_matmul -------------------------------------------------------------------------------------------------------
 
 def test_nc_matmul_basic_fp32():
     a, b = rand((64, 32), 1), rand((64, 100), 2)
@@ -374,7 +383,7 @@ def test_nc_matmul_fp8_double_row():
     np.testing.assert_array_equal(rd(d), a.reshape(32, 4).T @ b.reshape(32, 6))
 
 
-# ---- nc_transpose -------------------------------------------------------------------------------------------------------
+# ---- nc_transpose ----------------------------------------------------------------------------------------------------
 
 def test_nc_transpose_tensor_engine():
     x = rand((16, 40))
@@ -399,7 +408,7 @@ def test_nc_transpose_multi_free_dims_flattened():
     np.testing.assert_array_equal(rd(d), x.reshape(4, 6).T)
 
 
-# ---- tensor_tensor / tensor_scalar / scalar_tensor_tensor ---------------------------------------------------------------------
+# ---- tensor_tensor / tensor_scalar / scalar_tensor_tensor ------------------------------------------------------------
 
 _TT = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "divide": np.divide, "maximum": np.maximum,
        "minimum": np.minimum, "power": np.power, "greater": np.greater, "less_equal": np.less_equal,
@@ -526,7 +535,7 @@ def test_scalar_tensor_tensor(reverse0, reverse1):
     np.testing.assert_array_equal(rd(d), r)
 
 
-# ---- tensor_reduce / reciprocal -----------------------------------------------------------------------------------------------
+# ---- tensor_reduce / reciprocal --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op,fn", [("add", np.sum), ("maximum", np.max), ("minimum", np.min), ("multiply", np.prod)])
 def test_tensor_reduce_last_axis(op, fn):
@@ -567,11 +576,12 @@ def test_reciprocal():
         np.testing.assert_array_equal(rd(d), np.float32(1) / x)
 
 
-# ---- activation ---------------------------------------------------------------------------------------------------------------
+# ---- activation ------------------------------------------------------------------------------------------------------
 
 _ACT = {"exp": np.exp, "tanh": np.tanh, "relu": lambda x: np.maximum(x, 0), "square": np.square,
         "sigmoid": lambda x: 1 / (1 + np.exp(-x)), "silu": lambda x: x / (1 + np.exp(-x)), "abs": np.abs,
-        "copy": lambda x: x, "sin": np.sin, "arctan": np.arctan, "log": np.log, "softplus": lambda x: np.log1p(np.exp(x)),
+        "copy": lambda x: x, "sin": np.sin, "arctan": np.arctan, "log": np.log,
+        "softplus": lambda x: np.log1p(np.exp(x)),
         "gelu_apprx_tanh": lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))}
 
 
@@ -596,7 +606,7 @@ def test_activation_scale_bias_and_cast():
     np.testing.assert_array_equal(rd(d2), x * 2 + 0.5)
 
 
-def test_activation_bias_shape_and_dtype_rules(on_target):
+def test_activation_bias_shape_and_dtype_rules(on_target):  # noqa: F811
     x = sb(rand((4, 8)))
     with pytest.raises(NkiValidationError, match=r"bias must be a \(4, 1\) tensor"):
         nisa.activation(dst=tile((4, 8)), op=nl.exp, data=x, bias=sb(rand((4, 2))))
@@ -628,9 +638,9 @@ def test_activation_reduce_res_accumulation():
         nisa.activation(dst=d, op=nl.exp, data=sb(x1), reduce_op=nl.maximum, reduce_res=res)
 
 
-# ---- exponential (trn3) / bn_stats / bn_aggr -------------------------------------------------------------------------------------
+# ---- exponential (trn3) / bn_stats / bn_aggr -------------------------------------------------------------------------
 
-def test_exponential_trn3(on_target):
+def test_exponential_trn3(on_target):  # noqa: F811
     on_target("trn3")
     x, m = rand((4, 8), 1), rand((4, 1), 2)
     d, res = tile((4, 8)), tile((4, 1))
@@ -660,7 +670,7 @@ def test_bn_stats_bn_aggr_mean_var():
     np.testing.assert_allclose(rd(agg)[:, 1], allx.var(1), rtol=1e-5)
 
 
-# ---- registers and runtime loops -------------------------------------------------------------------------------------------------
+# ---- registers and runtime loops -------------------------------------------------------------------------------------
 
 def test_registers_alloc_move_load_store():
     r = nisa.register_alloc(3)
@@ -722,7 +732,7 @@ def test_dynamic_range_with_register_bound():
     assert list(nl.dynamic_range(nisa.register_alloc(3))) == [0, 1, 2]
 
 
-# ---- nl convenience API -----------------------------------------------------------------------------------------------------------
+# ---- nl convenience API ----------------------------------------------------------------------------------------------
 
 def test_nl_creation():
     z = nl.zeros((4, 8), nl.bfloat16)

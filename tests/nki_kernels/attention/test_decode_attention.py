@@ -1,0 +1,213 @@
+"""Fused decode attention kernel on nkisim vs the torch reference, at the rank-shard shapes of the target models.
+
+Tolerances follow nki-library's attention_block_tkg tests: global-range |a - b| <= atol + rtol * max|ref| with
+bf16 rtol 1.5e-2, plus cosine similarity >= 0.99. Caches must match the reference at the written rows (bf16 ulp
+differences from accumulation order allowed) and be bit-identical everywhere else.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import nki_kernels  # noqa: F401 - registers the nki layer
+from nki_kernels.attention import check_positions, decode_attention, decode_attention_torch
+from nki_kernels.attention.decode_attention import decode_attention_nki
+
+RTOL, ATOL, MIN_COS = 1.5e-2, 1e-5, 0.99
+
+# Rank-shard shapes (docs/model-configs.md): H padded, head dim, kv heads, q heads per rank, extras.
+GPT_OSS_20B_TP8 = dict(H=3072, d=64, nkv=1, nq=8, hidden_actual=2880, gamma=True, bias=True, sinks=True)
+LLAMA31_8B_TP8 = dict(H=4096, d=128, nkv=1, nq=4, gamma=True, bias=False, sinks=False)
+LLAMA33_70B_TP16 = dict(H=8192, d=128, nkv=1, nq=4, gamma=True, bias=False, sinks=False)  # KV replicated x2
+MULTI_KV = dict(H=1024, d=128, nkv=2, nq=8, gamma=True, bias=True, sinks=True)           # 2 KV heads, GQA 4
+SMALL_D = dict(H=256, d=32, nkv=3, nq=6, gamma=False, bias=False, sinks=False)           # any even d, no norm
+
+
+def make_inputs(B, S, H, d, nkv, nq, s_max, ctx, gamma=True, bias=True, sinks=True, hidden_actual=0, seed=0,
+                rope=True):
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+
+    def r(*shape, sc=1.0):
+        return (torch.randn(*shape, generator=g) * sc).to(bf)
+
+    C = (nq + 2 * nkv) * d
+    X = r(B, S, H)
+    if hidden_actual:
+        X[..., hidden_actual:] = 0
+    start = torch.randint(0, ctx - S + 1, (B,), generator=g)
+    start[0] = ctx - S                           # one sequence always reaches the end of the context
+    pos = (start[:, None] + torch.arange(S)[None]).to(torch.int32)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = pos.float()[..., None] * inv
+    args = (X, r(H, C, sc=H ** -0.5), r(B, nkv, s_max, d), r(B, nkv, s_max, d), pos,
+            ang.cos().to(bf) if rope else None, ang.sin().to(bf) if rope else None, r(nq * d, H, sc=(nq * d) ** -0.5))
+    kw = dict(gamma=(1 + 0.1 * torch.randn(1, H, generator=g)).to(bf) if gamma else None,
+              bias_qkv=r(1, C, sc=0.1) if bias else None,
+              sinks=torch.randn(nq, generator=g).float() if sinks else None,
+              bias_o=r(1, H, sc=0.1) if bias else None,
+              context_len=ctx, hidden_actual=hidden_actual)
+    return args, kw
+
+
+def run_and_check(B, S, s_max, ctx, window=0, lnc=1, shape=GPT_OSS_20B_TP8, seed=0, rope=True):
+    shape = dict(shape)
+    args, kw = make_inputs(B, S, s_max=s_max, ctx=ctx, seed=seed, rope=rope, **shape)
+    kw["sliding_window"] = window
+    ref_args = [a.clone() if a is not None else None for a in args]
+    ref = decode_attention_torch(*ref_args, **kw)
+    k_before = args[2].clone()
+    out = decode_attention(*args, **kw, backend="nkisim", lnc=lnc)
+    assert out.shape == (B * S, shape["H"]) and out.dtype == torch.bfloat16
+    a, b = out.float(), ref.float()
+    assert not torch.isnan(a).any(), "NaN in output (uninitialised read?)"
+    err = (a - b).abs().max().item()
+    assert err <= ATOL + RTOL * b.abs().max().item(), f"max err {err} vs range {b.abs().max().item()}"
+    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+    assert cos >= MIN_COS, cos
+    # Caches: written rows match the reference within one bf16 step of the value range; all other rows untouched.
+    written = torch.zeros(args[2].shape[0], args[2].shape[2], dtype=torch.bool)
+    for bi in range(B):
+        written[bi, args[4][bi].long()] = True
+    for got, want in ((args[2], ref_args[2]), (args[3], ref_args[3])):
+        sel = written[:, None, :, None].expand_as(got)
+        assert torch.equal(got[~sel], want[~sel])
+        assert torch.allclose(got[sel].float(), want[sel].float(), rtol=2e-2, atol=2e-2)
+    assert not torch.equal(args[2], k_before)
+    return out
+
+
+# ---- model rank shards ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("B,S,ctx,window", [
+    (1, 1, 128, 0), (4, 4, 512, 128), (16, 1, 1024, 128), (16, 4, 2048, 0), (64, 1, 256, 128), (64, 4, 128, 0),
+    (1, 1, 16384, 0), (1, 4, 16384, 128),
+])
+def test_gpt_oss_20b_tp8(B, S, ctx, window):
+    run_and_check(B, S, s_max=ctx, ctx=ctx, window=window, shape=GPT_OSS_20B_TP8)
+
+
+@pytest.mark.parametrize("B,S,ctx", [(1, 1, 4096), (4, 4, 1024), (16, 1, 512), (64, 4, 256)])
+def test_llama31_8b_tp8(B, S, ctx):
+    run_and_check(B, S, s_max=ctx + 64, ctx=ctx, shape=LLAMA31_8B_TP8)
+
+
+@pytest.mark.parametrize("B,S,ctx", [(1, 1, 2048), (16, 4, 512)])
+def test_llama33_70b_tp16(B, S, ctx):
+    run_and_check(B, S, s_max=ctx, ctx=ctx, shape=LLAMA33_70B_TP16)
+
+
+@pytest.mark.parametrize("B,S,ctx,window", [(4, 1, 1000, 0), (3, 4, 640, 64), (16, 2, 300, 0)])
+def test_several_kv_heads_per_rank(B, S, ctx, window):
+    run_and_check(B, S, s_max=ctx + 24, ctx=ctx, window=window, shape=MULTI_KV)
+
+
+def test_odd_shapes_no_norm_no_rope():
+    run_and_check(5, 3, s_max=200, ctx=130, shape=SMALL_D, rope=False)
+    run_and_check(2, 8, s_max=129, ctx=129, shape=SMALL_D)
+
+
+# ---- LNC=2 ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("B,S,ctx,window,shape", [
+    (8, 1, 1024, 128, GPT_OSS_20B_TP8), (5, 4, 512, 0, LLAMA31_8B_TP8), (1, 1, 512, 0, GPT_OSS_20B_TP8),
+    (4, 2, 256, 0, MULTI_KV),
+])
+def test_lnc2(B, S, ctx, window, shape):
+    out1 = run_and_check(B, S, s_max=ctx, ctx=ctx, window=window, shape=shape, lnc=2)
+    args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, **shape)
+    out2 = decode_attention(*args, **kw, sliding_window=window, backend="nkisim", lnc=1)
+    assert torch.equal(out1, out2), "LNC=2 must give the same bits as LNC=1 (whole sequences per core)"
+
+
+# ---- determinism and sentinels ------------------------------------------------------------------------------------
+
+def test_ten_runs_identical_bits():
+    outs = []
+    for _ in range(10):
+        args, kw = make_inputs(4, 2, s_max=640, ctx=600, **GPT_OSS_20B_TP8)
+        outs.append(decode_attention(*args, **kw, sliding_window=128, backend="nkisim").view(torch.int16))
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+def test_numpy_inputs_and_torch_backend_agree():
+    args, kw = make_inputs(2, 2, s_max=256, ctx=256, **MULTI_KV)
+
+    def as_np(t):
+        if t is None:
+            return None
+        return t.view(torch.int16).numpy().view(np.dtype("bfloat16")) if t.dtype == torch.bfloat16 else t.numpy()
+    import ml_dtypes  # noqa: F401 - registers the numpy bfloat16 dtype
+    np_args = [as_np(a.clone()) for a in args]
+    np_kw = {k: (as_np(v) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    out_sim = decode_attention(*np_args, **np_kw, backend="nkisim")
+    np_args2 = [as_np(a.clone()) for a in args]
+    out_ref = decode_attention(*np_args2, **np_kw, backend="torch")
+    assert isinstance(out_sim, np.ndarray) and out_sim.shape == out_ref.shape
+    a, b = out_sim.astype(np.float32), out_ref.astype(np.float32)
+    assert np.abs(a - b).max() <= RTOL * np.abs(b).max()
+    np.testing.assert_allclose(np_args[2].astype(np.float32), np_args2[2].astype(np.float32), atol=2e-2, rtol=2e-2)
+
+
+# ---- bad input: clear errors before any work -----------------------------------------------------------------------
+
+def _bad(**over):
+    base = dict(B=2, S=1, H=256, d=64, nkv=1, nq=4, s_max=256, ctx=256, gamma=True, bias=False, sinks=False)
+    base.update(over)
+    return make_inputs(**base)
+
+
+
+
+def test_h_not_multiple_of_128():
+    args, kw = _bad(H=200)
+    with pytest.raises(AssertionError, match="multiple of 128"):
+        decode_attention_nki(*args, **kw)
+
+
+def test_head_dim_too_large():
+    args, kw = _bad(d=192, H=256)
+    with pytest.raises(AssertionError, match="head dim d=192"):
+        decode_attention_nki(*args, **kw)
+
+
+def test_too_many_new_tokens():
+    args, kw = _bad(S=9)
+    with pytest.raises(AssertionError, match="S_tkg 9"):
+        decode_attention_nki(*args, **kw)
+
+
+def test_cache_too_short():
+    args, kw = _bad()
+    kw["context_len"] = 512
+    with pytest.raises(AssertionError, match="cache too short"):
+        decode_attention_nki(*args, **kw)
+    args, kw = _bad()
+    args[4][1, 0] = 300
+    with pytest.raises(ValueError, match="too short"):
+        decode_attention(*args, **kw, backend="nkisim")
+
+
+def test_non_consecutive_positions():
+    args, kw = _bad(S=2)
+    args[4][0, 0], args[4][0, 1] = 0, 2
+    with pytest.raises(ValueError, match="consecutive"):
+        decode_attention(*args, **kw)
+
+
+def test_mismatched_dtypes():
+    args, kw = _bad()
+    args = (args[0], args[1].float()) + args[2:]
+    with pytest.raises(AssertionError, match="W_qkv dtype"):
+        decode_attention_nki(*args, **kw)
+
+
+def test_errors_before_any_work():
+    args, kw = _bad()
+    k_before = args[2].clone()
+    kw["context_len"] = 512
+    with pytest.raises(AssertionError):
+        decode_attention_nki(*args, **kw)
+    assert torch.equal(args[2], k_before)
+    check_positions(args[4], 256)
