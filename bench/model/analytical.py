@@ -185,6 +185,7 @@ class StepResult:
             "n_collectives_per_layer": len(layer_coll),
             "collective_bytes_per_layer": sum(c.bytes for c in layer_coll),
             "n_collectives_per_step": sum(self.collective_multiplier(c) for c in self.collectives if c.n > 1),
+            "kernel_sources": sorted({c.name for c in self.components if c.source != "roofline"}),
             "components": [c.as_dict() for c in self.components],
             "collectives": [c.as_dict() for c in self.collectives if c.n > 1],
         }
@@ -292,7 +293,7 @@ class _Builder:
         tc, tm = flops / inst.rank_flops, nbytes / inst.rank_hbm_bw
         t, source = max(tc, tm, count * inst.kernel_min_s), "roofline"
         if self.kernel_latency is not None and shape is not None:
-            modelled = self.kernel_latency(name, {**shape, "target": inst.target})
+            modelled = self.kernel_latency(name, {**shape, "target": inst.target, "lnc": inst.lnc})
             if modelled is not None:
                 t, source = modelled * count, "nkisim"
         c = self.components.get(name)
@@ -401,8 +402,9 @@ def evaluate_decode(model: TextModelSpec, inst: Instance, cfg: ParallelConfig, b
                  + 4 * B * (model.heads // tp) * hd * ctx_eff)
         nbytes = (BF16 * attn_params + BF16 * B * ctx_eff * 2 * kvh * hd + BF16 * B * 2 * kvh * hd
                   + BF16 * 2 * Ta * h)
-        bld.add("attention", flops * n_layers, nbytes * n_layers, count=n_layers,
-                shape=dict(batch=B, ctx=ctx_eff, q_heads=model.heads // tp, kv_heads=kvh, head_dim=hd, hidden=h))
+        # the fused decode-attention kernel's shape (a nkisim latency can replace the roofline; not under attn DP)
+        shape = dict(batch=B, ctx=ctx_eff, q_heads=model.heads // tp, kv_heads=kvh, head_dim=hd, hidden=h)
+        bld.add("attention", flops * n_layers, nbytes * n_layers, count=n_layers, shape=shape if a == 1 else None)
     if a > 1:
         a2a = BF16 * Ta * nq * hd
         bld.coll("layer.attention", "all_to_all", "attn_dp_col", a, a2a, per_layer=True, stride=tp)

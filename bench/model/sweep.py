@@ -1,6 +1,6 @@
 """The model sweep: tp × dp × component-DP mix × bucket × instance for every model, plus the published cases.
 
-Kept to ~1,700 cases so ``pytest bench/ --benchmark-only`` stays far under 10 minutes. Invalid combinations stay in
+Kept to ~2,300 cases so ``pytest bench/ --benchmark-only`` stays far under 10 minutes. Invalid combinations stay in
 the grid on purpose: the benchmark test skips them with the model's reason, so nothing disappears silently.
 """
 
@@ -17,7 +17,9 @@ from bench.model.specs import ALL_MODELS, TEXT_MODELS, VISION_MODELS
 INSTANCES = ("trn2.48xlarge", "trn3-server")
 TEXT_TP = (4, 8, 16, 32, 64)
 TEXT_DP = (1, 2, 4)
-DECODE_BUCKETS = ((1, 1024), (1, 8192), (16, 8192), (64, 2048))    # (batch per DP rank, context length)
+DECODE_BATCHES = (1, 8, 64)                                         # num_seqs bucket per DP rank
+DECODE_CONTEXTS = (2048, 8192)                                      # decode context-length buckets
+DECODE_BUCKETS = tuple((b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES)
 PREFILL_BUCKETS = (2048, 8192)
 VISION_TP = (1, 2, 4, 8, 16)
 VISION_DP = (1, 2, 4, 8)

@@ -12,6 +12,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+
+
+def _plain_log_axes(ax) -> None:
+    """Log axes labelled 1, 2, 5, 10, ... in plain numbers (no overlapping 2×10^0 minor labels)."""
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22"]
@@ -236,6 +245,7 @@ def pareto(rows: list[dict], frontier: list[dict], title: str, salt: str) -> str
                 label=f"{tgt} Pareto frontier")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    _plain_log_axes(ax)
     ax.set_xlabel("modelled step latency / TPOT (ms)")
     ax.set_ylabel("tokens/s per chip (modelled)")
     ax.set_title(title, fontsize=9)

@@ -32,7 +32,7 @@ SECTIONS = (
 )
 
 BREAKDOWN_BUCKET = (1, 8192)      # decode (batch, ctx) used for the breakdown bars
-HEATMAP_BUCKET = (16, 8192)       # decode (batch, ctx) used for the memory heat maps
+HEATMAP_BUCKET = (64, 8192)       # decode (batch, ctx) used for the memory heat maps
 COLLECTIVE_CASES = (("Llama-3.1-8B", 8, 4, 8), ("GPT-OSS-20B", 8, 4, 8), ("Llama-3.3-70B", 16, 4, 8),
                     ("GPT-OSS-120B", 16, 4, 1))
 
@@ -167,7 +167,7 @@ def build_context(data: dict, mem_limit_gib: float | None = None, title: str = "
                                                                                            "mlp-dp")):
         for r in decode:
             if (r["model"], r["tp"], r["dp"], r["mix"], r["instance"], r["batch"], r["ctx"]) == (
-                    *want, "trn2.48xlarge", 16, 8192):
+                    *want, "trn2.48xlarge", 8, 8192):
                 samples.append(r)
                 break
     ctx["coll_samples"] = samples

@@ -78,13 +78,14 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
     b_hi = min(cfg.B, b_lo + per_core)
     if b_lo < b_hi:
         tiles = _token_tiles(cfg, b_lo, b_hi)
+        wo = _prefetch_w_o(cfg, W_o)
         xT = _rmsnorm(cfg, X, gamma, tiles, eps)
         qkv = _qkv_projection(cfg, xT, W_qkv, bias_qkv, tiles)
         qkv = _rope(cfg, qkv, cos, sin, tiles)
         _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, b_lo, b_hi)
         qT = _transpose_q(cfg, qkv, tiles)
         o_tok = _attention_flash_decode(cfg, qT, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi)
-        _output_projection(cfg, o_tok, W_o, bias_o, out, tiles)
+        _output_projection(cfg, o_tok, wo, bias_o, out, tiles)
     return out
 
 
@@ -213,8 +214,21 @@ def _rmsnorm(cfg, X, gamma, tiles, eps):
     return tuple(xTs)
 
 
+def _prefetch_w_o(cfg, W_o):
+    """W_o resident in SBUF as [128 (head, dim) rows, K chunk, H]; issued first so its DMA overlaps everything."""
+    K = cfg.nq * cfg.d
+    n_k = (K + P_MAX - 1) // P_MAX
+    wo = nl.ndarray((P_MAX, n_k, cfg.H), dtype=W_o.dtype, buffer=nl.sbuf)
+    for k in range(n_k):
+        kn = min(P_MAX, K - k * P_MAX)
+        nisa.dma_copy(dst=wo[:kn, k, :], src=W_o[k * P_MAX:k * P_MAX + kn, :])
+    return wo
+
+
 def _project(lhsT, k_parts, W, n_cols, tiles, evict):
     """out[tokens, n_cols] = lhs @ W with lhsT[tile][:k, kt, :tokens] stationary and W row tiles moving.
+
+    W is an HBM [K, n_cols] weight (row tiles streamed per group) or an SBUF-resident [128, K chunk, n_cols] one.
 
     Column chunks of one PSUM bank; up to QKV_BANKS (token tile, chunk) accumulation groups are open at once, each
     in its own bank, so every W row tile is loaded once per group. `evict(tile_index, c0, cw, psum_tile)`.
@@ -229,8 +243,11 @@ def _project(lhsT, k_parts, W, n_cols, tiles, evict):
         accs = [nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in group]
         for kt in range(n_k):
             k0, kn = k_parts[kt]
-            w = nl.ndarray((P_MAX, c_hi - c_lo), dtype=W.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=w[:kn], src=W[k0:k0 + kn, c_lo:c_hi])
+            if W.buffer == nl.sbuf:      # resident weight [128, K chunk, n_cols]
+                w = W[:, kt, c_lo:c_hi]
+            else:
+                w = nl.ndarray((P_MAX, c_hi - c_lo), dtype=W.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=w[:kn], src=W[k0:k0 + kn, c_lo:c_hi])
             for i, (ti, ch) in enumerate(group):
                 nt = tiles[ti][1]
                 c0, cw = ch * PSUM_F, min(PSUM_F, n_cols - ch * PSUM_F)
@@ -298,7 +315,7 @@ def _rope(cfg, qkv, cos, sin, tiles):
 def _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, b_lo, b_hi):
     """K/V rows of the new tokens -> cache[b, g, pos[b, 0] : pos[b, 0] + S] (dynamic start from a register)."""
     d, nq, nkv, S = cfg.d, cfg.nq, cfg.nkv, cfg.S
-    for ti, (t0, nt, tb0, nb) in enumerate(tiles):
+    for ti, (_t0, _nt, tb0, nb) in enumerate(tiles):
         for bl in range(nb):
             b = tb0 + bl
             start = nisa.register_alloc()
@@ -485,13 +502,13 @@ def _attend_pack(cfg, qm, neg_eye, ps_sc, ps_o, K_cache, V_cache, position_ids, 
     return o
 
 
-def _output_projection(cfg, o_tok, W_o, bias_o, out, tiles):
+def _output_projection(cfg, o_tok, wo, bias_o, out, tiles):
     """out[tokens, H] = o @ W_o (+ bias): o^T chunks of 128 (head, dim) rows stationary, W_o row tiles moving."""
     K = cfg.nq * cfg.d
     n_k = (K + P_MAX - 1) // P_MAX
     k_parts = tuple((k * P_MAX, min(P_MAX, K - k * P_MAX)) for k in range(n_k))
     oTs = []
-    for ti, (t0, nt, _, _) in enumerate(tiles):
+    for ti, (_t0, nt, _, _) in enumerate(tiles):
         oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=o_tok[ti].dtype, buffer=nl.sbuf)
         if K % P_MAX == 0:
             _transpose_into(oT, o_tok[ti], nt, P_MAX, n_k)
@@ -514,7 +531,7 @@ def _output_projection(cfg, o_tok, W_o, bias_o, out, tiles):
             nisa.tensor_copy(dst=res[:nt, :cw], src=acc[:nt, :cw])
         nisa.dma_copy(dst=out[t0:t0 + nt, c0:c0 + cw], src=res[:nt, :cw])
 
-    _project(tuple(oTs), k_parts, W_o, cfg.H, tiles, evict)
+    _project(tuple(oTs), k_parts, wo, cfg.H, tiles, evict)
 
 
 decode_attention_nki = nki.jit(decode_attention_kernel)
