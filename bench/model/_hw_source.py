@@ -39,7 +39,8 @@ def hardware_rows() -> list[dict]:
     t2, t3 = table.HARDWARE["trn2"], table.HARDWARE["trn3"]
     for label, obj, attr in (
         ("chip BF16 FLOP/s", "chip", "bf16_flops"), ("chip HBM bytes", "chip", "hbm_bytes"),
-        ("chip HBM B/s", "chip", "hbm_bytes_per_s"), ("core BF16 FLOP/s (kernel roofline)", "core", "tensor_bf16_flops"),
+        ("chip HBM B/s", "chip", "hbm_bytes_per_s"),
+        ("core BF16 FLOP/s (kernel roofline)", "core", "tensor_bf16_flops"),
         ("core HBM B/s share", "core", "hbm_bytes_per_s"), ("core DMA B/s", "core", "dma_bytes_per_s"),
         ("instance chips", "instance", "chips"), ("default LNC", "instance", "default_lnc"),
         ("intra-instance link B/s per chip", "instance", "link_bytes_per_s_per_chip"),

@@ -157,7 +157,9 @@ def memory_heatmap(grid: dict[tuple[int, int], dict], tps: list[int], dps: list[
         return to_svg(fig, salt)
     vals = [[grid.get((tp, dp), {}).get("mem_total_gib", math.nan) for tp in tps] for dp in dps]
     finite = [v for row in vals for v in row if not math.isnan(v)]
-    im = ax.imshow(vals, cmap="viridis_r", aspect="auto", norm=LogNorm(vmin=max(min(finite), 1e-3), vmax=max(finite)))
+    vmin, vmax = max(min(finite), 1e-3), max(finite)
+    vmax = max(vmax, vmin * 1.01)
+    im = ax.imshow(vals, cmap="viridis_r", aspect="auto", norm=LogNorm(vmin=vmin, vmax=vmax))
     for yi, dp in enumerate(dps):
         for xi, tp in enumerate(tps):
             cell = grid.get((tp, dp))
@@ -165,7 +167,8 @@ def memory_heatmap(grid: dict[tuple[int, int], dict], tps: list[int], dps: list[
                 ax.text(xi, yi, "invalid", ha="center", va="center", fontsize=6.5, color="#888")
                 continue
             fits = cell["fits"]
-            r_, g_, b_, _ = im.cmap(im.norm(cell["mem_total_gib"]))
+            v = min(max(cell["mem_total_gib"], vmin), vmax)
+            r_, g_, b_, _ = im.cmap(math.log(v / vmin) / math.log(vmax / vmin))
             light = 0.299 * r_ + 0.587 * g_ + 0.114 * b_ > 0.55
             ax.text(xi, yi, f"{cell['mem_total_gib']:.1f}" + ("" if fits else "\n✗ fit"), ha="center", va="center",
                     fontsize=7, color=("#1d2733" if light else "white") if fits else "#ff8a80", fontweight="bold")

@@ -32,7 +32,7 @@ def test_fixture_splits_into_row_kinds(data):
 
 
 def test_every_section_present(html):
-    for sid, name in SECTIONS:
+    for sid, _name in SECTIONS:
         assert f'<section id="{sid}">' in html, sid
         assert f'href="#{sid}"' in html
     for text in ("Kernel roofline", "Pareto frontier", "Memory per rank over tp × dp", "Collectives per layer",

@@ -4,29 +4,14 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
+from tests.nkisim.examples.kernels import tiled_matmul
+
 TK, TM, TN = 128, 128, 512
 
 
-@nki.jit
-def matmul_nki11(lhsT, rhs):
-    """The tiled matmul of nki-api.md §11: fresh SBUF tiles each step (the model gives every allocation its own
-    memory, so loads of step k+1 may overlap the matmul of step k)."""
-    K, M = lhsT.shape
-    _, N = rhs.shape
-    out = nl.ndarray((M, N), dtype=lhsT.dtype, buffer=nl.shared_hbm)
-    for m in range(M // TM):
-        for n in range(N // TN):
-            acc = nl.ndarray((TM, TN), dtype=nl.float32, buffer=nl.psum)
-            for k in range(K // TK):
-                a = nl.ndarray((TK, TM), dtype=lhsT.dtype, buffer=nl.sbuf)
-                b = nl.ndarray((TK, TN), dtype=rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=a, src=lhsT[k * TK:(k + 1) * TK, m * TM:(m + 1) * TM])
-                nisa.dma_copy(dst=b, src=rhs[k * TK:(k + 1) * TK, n * TN:(n + 1) * TN])
-                nisa.nc_matmul(dst=acc, stationary=a, moving=b, accumulate=(k > 0))
-            res = nl.ndarray((TM, TN), dtype=out.dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=res, src=acc)
-            nisa.dma_copy(dst=out[m * TM:(m + 1) * TM, n * TN:(n + 1) * TN], src=res)
-    return out
+# The tiled matmul of nki-api.md §11 (fresh SBUF tiles each step: the model gives every allocation its own memory, so
+# loads of step k+1 may overlap the matmul of step k).
+matmul_nki11 = tiled_matmul
 
 
 @nki.jit
