@@ -59,7 +59,8 @@ def published_comparison(rows: list[dict]) -> list[dict]:
             "published_ms": p["tpot_ms"], "modelled_ms": modelled, "roof_ms": r["t_roof_us"] / 1e3,
             "ratio": p["tpot_ms"] / modelled if modelled else float("nan"), "bound": r["bound"], "fits": r["fits"],
             "mem_gib": r["mem_total_gib"], "collective_ms": r["t_collective_us"] / 1e3,
-            "memory_ms": r["t_memory_us"] / 1e3, "efficiency": modelled / p["tpot_ms"] if p["tpot_ms"] else 0.0,
+            "memory_ms": r["t_memory_us"] / 1e3, "kernel_sources": r.get("kernel_sources", []),
+            "efficiency": modelled / p["tpot_ms"] if p["tpot_ms"] else 0.0,
         })
     return out
 

@@ -138,7 +138,9 @@ def latency_breakdown(rows: list[dict], title: str, salt: str, max_rows: int = 1
         ax.barh(ys, vals, left=left, color=PART_COLORS.get(n, "#999"), label=n, height=0.72)
         left = [a + b for a, b in zip(left, vals, strict=True)]
     for y, r in zip(ys, rows, strict=True):
-        ax.text(left[y], y, f"  {r['t_step_us'] / 1e3:.2f} ms · {r['bound']}", va="center", fontsize=7, color="#333")
+        src = " · attn nkisim" if "attention" in r.get("kernel_sources", []) else ""
+        ax.text(left[y], y, f"  {r['t_step_us'] / 1e3:.2f} ms · {r['bound']}{src}", va="center", fontsize=7,
+                color="#333")
     ax.set_yticks(ys, labels, fontsize=7.5)
     ax.invert_yaxis()
     ax.set_xlabel("modelled step latency (ms)")
@@ -272,5 +274,5 @@ def published_bars(rows: list[dict]) -> str:
     ax.set_xlabel("decode latency per step (ms)")
     ax.set_title("Published decode latency vs the model (×: published / modelled step)")
     ax.grid(axis="y", visible=False)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.6 / max(len(rows), 2) - 0.1), ncol=3)
     return to_svg(fig, "pub")

@@ -42,8 +42,13 @@ def kernel_row(b: dict) -> dict | None:
         target = x.get("target", "trn2")
         bound = x.get("bound", "")
         source = "measured (device)"
-    name = x.get("kernel") or b.get("name", "").split("[")[0].removeprefix("test_")
-    bucket = x.get("bucket") or b.get("param") or ""
+    params = b.get("params") or {}
+    stem = b.get("name", "").split("[")[0].removeprefix("test_").removesuffix("_modelled")
+    name = x.get("kernel") or params.get("case") or stem
+    if not x.get("kernel") and "case" not in params and isinstance(params.get("model"), str):
+        name = f"{stem} · {params['model']}"
+    bucket = x.get("bucket") or ", ".join(f"{k}={v}" for k, v in params.items()
+                                           if k not in ("target", "case", "model")) or b.get("param") or ""
     ai = flops / nbytes if nbytes else None
     return {
         "kernel": str(name), "bucket": str(bucket), "target": str(target), "latency_s": latency, "flops": flops,

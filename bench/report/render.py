@@ -88,7 +88,7 @@ def build_context(data: dict, mem_limit_gib: float | None = None, title: str = "
     ctx: dict = {"title": title or "NKI performance report", "sections": SECTIONS, "fmt": _fmt, "bytes": _bytes,
                  "cfg_label": analysis.cfg_label}
     ctx["generated"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    ctx["run_datetime"] = data.get("datetime", "")
+    ctx["run_datetime"] = str(data.get("datetime", ""))[:19].replace("T", " ")
     mi = data.get("machine_info") or {}
     ctx["machine"] = f"{mi.get('node', '?')} · {mi.get('machine', '')} · Python {mi.get('python_version', '')}"
     ctx["pytest_benchmark_version"] = data.get("version", "")

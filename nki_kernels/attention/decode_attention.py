@@ -1,8 +1,9 @@
 """Fused decode attention block (token generation) for one tensor-parallel rank.
 
-RMSNorm + QKV projection (+bias) + RoPE + KV-cache update + flash-decoding attention over the cache (GQA, several
-KV heads per rank, sinks, sliding window, in-kernel masks from positions) + partial O-projection, everything kept in
-SBUF between the hidden-state input and the O-projection output. See DESIGN.md beside this file.
+RMSNorm + QKV projection (+bias) + RoPE + flash-decoding attention over the KV cache (GQA, several KV heads per rank,
+sinks, sliding window, in-kernel masks from positions, contiguous or paged/block cache) + partial O-projection +
+KV-cache update, everything kept in SBUF between the hidden-state input and the O-projection output.
+See DESIGN.md beside this file.
 """
 
 import nki
@@ -12,13 +13,17 @@ import nki.language as nl
 # ---- tile sizes -----------------------------------------------------------------------------------------------
 P_MAX = 128            # SBUF/PSUM partitions; also the matmul contraction tile (K) and TensorE transpose size
 PSUM_F = 512           # fp32 elements in one 2 KiB PSUM bank = max matmul moving free size on trn2
-QKV_BANKS = 4          # PSUM banks open at once in the projections (one accumulation group per bank)
+QKV_BANKS = 4          # PSUM banks open at once in the QKV projection (one accumulation group per bank)
+OPROJ_BANKS = 8        # PSUM banks open at once in the O-projection (all of them: it streams with W_o's arrival)
 TRANSPOSE_GROUP = 8    # TensorE transposes [<=128, 128] (bf16) batched into one PSUM bank before one eviction
-FA_TILE_MAX = 2048     # context positions per flash-decoding step: 4 PSUM banks of scores -> fewer rescales
-FA_TILE_MIN = 512      # one PSUM bank of scores
-KT_BUDGET = 16384      # bf16 elements per partition for the K^T tiles of a batch pack (32 KiB; V tiles the same)
+FA_SUB = 1024          # context positions per online-softmax step: 2 PSUM banks of scores, double-buffered
+FA_TILE_MAX = 4096     # context positions per K/V load (one DMA per batch and K/V): >= 4 KiB per partition
+PV_COLS = 1024         # PV output columns (pack batches x d): 2 PSUM banks
+KV_BUFS = 2            # K/V load slots (ring); slot t+2 is reloaded once the compute of slot t has read it
+KV_SBUF_MAX = 128 * 1024   # bytes per partition for the K/V ring (less when the resident weights are large)
+SBUF_RESERVE = 24 * 1024   # bytes per partition kept for everything else (q, masks, P tiles, accumulators)
+W_QKV_DMAS = 4         # W_qkv is loaded in this many DMAs (>= 2 KiB contiguous per partition each)
 MASK_NEG = -1.0e30     # additive mask value: exp underflows to 0; two of them still sum to a finite fp32
-RUN_MAX_INIT = -3.0e38  # running max before the first tile: alpha = exp(scale*(init - m)) == 0
 MAX_S_TKG = 8          # new tokens per sequence
 MAX_BATCH = 64
 MAX_HEAD_DIM = 128     # head dim lives on the partitions for QK^T
@@ -56,17 +61,19 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
     Notes:
         - LNC=2 splits the batch between the two cores (each core owns whole sequences); B = 1 runs on core 0.
         - Masks are generated in-kernel from position_ids; no mask tensor in HBM.
-        - The cache is updated before it is read, so new tokens attend to themselves and to each other causally.
+        - The new tokens' K/V are used from SBUF (the "active" step); cache positions >= the first new position are
+          masked, so the cache reads never wait for the cache update, which is written last.
         - Scores, softmax statistics and all accumulations are fp32; P is rounded to bf16 for the PV matmul.
 
     Pseudocode:
         xn = rmsnorm(X) ; qkv = xn @ W_qkv + b ; q, k = rope(q), rope(k)
-        K_cache[b, :, pos[b]] = k ; V_cache[b, :, pos[b]] = v
         for kv head g, batch pack (batches whose g*S query rows share 128 partitions):
-            for context tile t: s = q K_t^T + mask ; m' = max(m, rowmax s) ; p = exp(scale (s - m'))
-                                l = l e^{scale(m - m')} + sum p ; acc = acc e^{scale(m - m')} + p V_t
+            active step: s = q k_new^T (causal among the new tokens) ; m = rowmax s ; p = exp(scale (s - m))
+                         l = sum p ; acc = p v_new
+            for context tile t (keys j < pos[b, 0]): s = q K_t^T + mask ; m' = max(m, rowmax s)
+                         p = exp(scale (s - m')) ; l = l e^{scale(m - m')} + sum p ; acc = acc e^{scale(m - m')} + p V_t
             o = acc / (l + exp(sink - scale m))
-        out = o @ W_o + b_o
+        out = o @ W_o + b_o ; K_cache[b, :, pos[b]] = k ; V_cache[b, :, pos[b]] = v
     """
     cfg = _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
                            context_len, softmax_scale, hidden_actual, sliding_window)
@@ -77,35 +84,47 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
     b_lo = nl.program_id(0) * per_core
     b_hi = min(cfg.B, b_lo + per_core)
     if b_lo < b_hi:
+        # DMA instructions issue in program order: small inputs first, then W_qkv, every K/V load of the attention,
+        # W_o (its arrival paces the O-projection), and the stores last, so no load waits behind a store.
         tiles = _token_tiles(cfg, b_lo, b_hi)
-        wo = _prefetch_w_o(cfg, W_o)
-        xT = _rmsnorm(cfg, X, gamma, tiles, eps)
-        qkv = _qkv_projection(cfg, xT, W_qkv, bias_qkv, tiles)
-        qkv = _rope(cfg, qkv, cos, sin, tiles)
-        _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, b_lo, b_hi)
-        qT = _transpose_q(cfg, qkv, tiles)
-        o_tok = _attention_flash_decode(cfg, qT, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi)
-        _output_projection(cfg, o_tok, wo, bias_o, out, tiles)
+        ins = _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles)
+        consts = _Constants(cfg)
+        xT = _rmsnorm(cfg, consts, ins, tiles, eps)
+        qkv = _qkv_projection(cfg, consts, xT, W_qkv, ins.bias_qkv, tiles)
+        qkv = _rope(cfg, qkv, ins, tiles)
+        qkT = _transpose_qk(cfg, qkv, tiles)
+        o_tok = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo,
+                                        b_hi)
+        wo = _load_w_o(cfg, W_o)
+        _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles)
+        _output_projection(cfg, consts, o_tok, wo, ins.bias_o, out, tiles)
     return out
 
 
 class _Config(nl.NKIObject):
     """Static shapes and options of one launch (compile-time values only)."""
 
-    def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window):
+    def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize):
         self.B, self.S, self.H, self.d, self.nkv, self.nq = B, S, H, d, nkv, nq
         self.s_max, self.L, self.scale, self.h_actual, self.window = s_max, L, scale, h_actual, window
         self.group = nq // nkv                 # query heads per KV head
         self.R = self.group * S                # query rows of one (batch, KV head): (s, h) order
         self.C = (nq + 2 * nkv) * d            # fused QKV columns
-        self.KT = H // P_MAX                   # contraction tiles over H
+        self.KT = H // P_MAX                   # contraction tiles over H (H index p * KT + kt on partition p)
         self.tile_tok = (P_MAX // S) * S       # tokens per token tile: whole sequences only
-        self.pack = max(1, min(B, P_MAX // self.R))   # batches sharing the partitions of one score tile
-        # PV moving operand = V of every batch of the pack side by side: <= 2 PSUM banks of output.
-        self.pack = min(self.pack, max(1, 2 * PSUM_F // d))
-        ft = (KT_BUDGET // self.pack) // FA_TILE_MIN * FA_TILE_MIN
-        ft = min(FA_TILE_MAX, max(FA_TILE_MIN, ft))
-        self.fa_tile = min(ft, (L + P_MAX - 1) // P_MAX * P_MAX)
+        self.L_prior = L - S                   # cache keys read: j < pos[b, 0] <= L - S
+        self.pack = max(1, min(B, P_MAX // self.R, PV_COLS // d))   # batches sharing one score tile
+        # K/V ring: KV_BUFS slots of pack x FT positions (K^T [d, FT] + V [128, FT/128, d] per batch) in SBUF.
+        n_k = (nq * d + P_MAX - 1) // P_MAX
+        resident = self.KT * self.C * itemsize + n_k * H * itemsize     # W_qkv and W_o, bytes per partition
+        budget = min(KV_SBUF_MAX, max(32 * 1024, 208 * 1024 - SBUF_RESERVE - resident))
+        per_pos = itemsize + (itemsize * d + P_MAX - 1) // P_MAX
+        while self.pack > 1 and KV_BUFS * self.pack * 2 * FA_SUB * per_pos > budget:
+            self.pack -= 1
+        ft = FA_TILE_MAX
+        while ft > FA_SUB and KV_BUFS * self.pack * ft * per_pos > budget:
+            ft -= FA_SUB
+        self.fa_tile = max(P_MAX, min(ft, (self.L_prior + P_MAX - 1) // P_MAX * P_MAX))
 
 
 def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
@@ -152,7 +171,7 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     assert 1 <= h_act <= H, f"hidden_actual={h_act} must be in 1..H={H}"
     assert sliding_window >= 0, f"sliding_window={sliding_window} must be >= 0"
     scale = softmax_scale if softmax_scale != 0.0 else 1.0 / (d ** 0.5)
-    return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window)
+    return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window, X.dtype.itemsize)
 
 
 def _token_tiles(cfg, b_lo, b_hi):
@@ -167,55 +186,546 @@ def _token_tiles(cfg, b_lo, b_hi):
     return tuple(tiles)
 
 
-def _load_row_broadcast(vec, parts, width, dtype):
-    """[1, width] HBM row replicated on `parts` partitions (stride-0 partition access pattern)."""
-    t = nl.ndarray((parts, width), dtype=dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=vec.ap([[0, parts], [1, width]], offset=0))
-    return t
+class _Inputs(nl.NKIObject):
+    """Small per-launch inputs in SBUF (loaded before the weights so they never queue behind them)."""
+
+    def __init__(self):
+        self.x, self.cos, self.sin = (), (), ()
+        self.gamma, self.bias_qkv, self.bias_o = None, None, None
 
 
-def _transpose_into(dst, src, rows, cols_per, n_chunks):
-    """dst[:cols, c, :rows] = src[:rows, c*cols_per : ...]^T for each chunk c, via TensorE into grouped PSUM."""
-    for c0 in range(0, n_chunks, TRANSPOSE_GROUP):
-        nc = min(TRANSPOSE_GROUP, n_chunks - c0)
-        ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=src.dtype, buffer=nl.psum)
-        for c in range(nc):
-            nisa.nc_transpose(dst=ps[:cols_per, c, :rows], data=src[:rows, (c0 + c) * cols_per:(c0 + c + 1) * cols_per])
-        nisa.tensor_copy(dst=dst[:cols_per, c0:c0 + nc, :rows], src=ps[:cols_per, :nc, :rows])
-
-
-def _rmsnorm(cfg, X, gamma, tiles, eps):
-    """Per token tile: xn = x * rsqrt(mean(x^2) + eps) * gamma, returned transposed: [128 (H), KT, tokens] bf16."""
+def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles):
+    ins = _Inputs()
     X2 = X.reshape((cfg.B * cfg.S, cfg.H))
-    gam = None
-    if gamma != None:  # noqa: E711
-        gam = _load_row_broadcast(gamma, P_MAX, cfg.H, gamma.dtype)
-    xTs = []
+    xs = []
     for t0, nt, _, _ in tiles:
         x = nl.ndarray((P_MAX, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=x[:nt], src=X2[t0:t0 + nt, :])
-        xn = x
-        if gam != None:  # noqa: E711
-            sq = nl.ndarray((P_MAX, cfg.h_actual), dtype=nl.float32, buffer=nl.sbuf)
-            ss = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=sq[:nt], op=nl.square, data=x[:nt, :cfg.h_actual], reduce_op=nl.add,
-                            reduce_res=ss[:nt], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-            ms = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=ms[:nt], data=ss[:nt], op0=nl.multiply, operand0=1.0 / cfg.h_actual,
-                               op1=nl.add, operand1=eps)
-            rstd = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=rstd[:nt], op=nl.rsqrt, data=ms[:nt])
-            xn = nl.ndarray((P_MAX, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
-            nisa.scalar_tensor_tensor(dst=xn[:nt], data=x[:nt], op0=nl.multiply, operand0=rstd[:nt],
-                                      op1=nl.multiply, operand1=gam[:nt])
-        xT = nl.ndarray((P_MAX, cfg.KT, P_MAX), dtype=X.dtype, buffer=nl.sbuf)
-        _transpose_into(xT, xn, nt, P_MAX, cfg.KT)
-        xTs.append(xT)
+        xs.append(x)
+    ins.x = tuple(xs)
+    if gamma != None:  # noqa: E711 - NKI has no `is`
+        # gamma[p * KT + kt] on partition p, column kt: the H layout of the transposed activations and of W_qkv.
+        ins.gamma = nl.ndarray((P_MAX, cfg.KT), dtype=gamma.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ins.gamma, src=gamma.reshape((P_MAX, cfg.KT)))
+    if bias_qkv != None:  # noqa: E711
+        ins.bias_qkv = nl.ndarray((1, cfg.C), dtype=bias_qkv.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ins.bias_qkv, src=bias_qkv)
+    if bias_o != None:  # noqa: E711
+        ins.bias_o = nl.ndarray((1, cfg.H), dtype=bias_o.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ins.bias_o, src=bias_o)
+    if cos != None:  # noqa: E711
+        h2 = cfg.d // 2
+        cos2 = cos.reshape((cfg.B * cfg.S, h2))
+        sin2 = sin.reshape((cfg.B * cfg.S, h2))
+        cs, sn = [], []
+        for t0, nt, _, _ in tiles:
+            c = nl.ndarray((P_MAX, h2), dtype=cos.dtype, buffer=nl.sbuf)
+            s = nl.ndarray((P_MAX, h2), dtype=sin.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=c[:nt], src=cos2[t0:t0 + nt, :])
+            nisa.dma_copy(dst=s[:nt], src=sin2[t0:t0 + nt, :])
+            cs.append(c)
+            sn.append(s)
+        ins.cos, ins.sin = tuple(cs), tuple(sn)
+    return ins
+
+
+class _Constants(nl.NKIObject):
+    """SBUF constants: identity (selection matmuls), MASK_NEG * identity (mask folding), ones."""
+
+    def __init__(self, cfg):
+        ones = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=ones, value=1.0)
+        self.ones = ones
+        self.ident = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.affine_select(dst=self.ident, pattern=[[-1, P_MAX]], channel_multiplier=1, on_true_tile=ones,
+                           on_false_value=0.0, cmp_op=nl.equal)
+        fill = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=fill, value=MASK_NEG)
+        self.neg_eye = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.affine_select(dst=self.neg_eye, pattern=[[-1, P_MAX]], channel_multiplier=1, on_true_tile=fill,
+                           on_false_value=0.0, cmp_op=nl.equal)
+        self.ones_f32 = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=self.ones_f32, value=1.0)
+
+
+def _ones_row(consts, dtype, n):
+    """[1, n] ones of `dtype` (stationary of a K=1 bias matmul)."""
+    if dtype == nl.bfloat16:
+        return consts.ones[:1, :n]
+    t = nl.ndarray((1, P_MAX), dtype=dtype, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=1.0)
+    return t[:1, :n]
+
+
+def _token_tiles(cfg, b_lo, b_hi):
+    """Token tiles of this core: tuples (first token, token count, first batch, batch count); whole sequences."""
+    tiles = []
+    per_tile = cfg.tile_tok // cfg.S
+    b = b_lo
+    while b < b_hi:
+        nb = min(per_tile, b_hi - b)
+        tiles.append((b * cfg.S, nb * cfg.S, b, nb))
+        b += nb
+    return tuple(tiles)
+
+
+def _evict(i, dst, src):
+    """PSUM -> SBUF copy, alternating VectorE and ScalarE so that evictions of independent banks overlap."""
+    if i % 2 == 0:
+        nisa.tensor_copy(dst=dst, src=src)
+    else:
+        nisa.activation(dst=dst, op=nl.copy, data=src)
+
+
+def _rmsnorm(cfg, consts, ins, tiles, eps):
+    """xT[tile] = [128 (H), KT, tokens] bf16 with H index p * KT + kt: rmsnorm(x) transposed.
+
+    x^T comes from TensorE transposes of strided column sets of x; the sum of squares is a ones-matmul over the
+    partitions (broadcast to all 128), so every elementwise step runs on KT * tokens elements instead of H.
+    """
+    KT = cfg.KT
+    xTs = []
+    for ti, (_t0, nt, _, _) in enumerate(tiles):
+        x = ins.x[ti]
+        xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+        for c0 in range(0, KT, TRANSPOSE_GROUP):
+            nc = min(TRANSPOSE_GROUP, KT - c0)
+            ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x.dtype, buffer=nl.psum)
+            for c in range(nc):
+                kt = c0 + c
+                nisa.nc_transpose(dst=ps[:, c, :nt], data=x[:nt, kt:kt + (P_MAX - 1) * KT + 1:KT])
+            nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, :nt])
+        if ins.gamma == None:  # noqa: E711
+            xTs.append(xT)
+            continue
+        sq = nl.ndarray((P_MAX, KT, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sq[:, :, :nt], op=nl.square, data=xT[:, :, :nt])
+        ss = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.psum)
+        first = True
+        for kt in range(KT):
+            n_p = min(P_MAX, max(0, (cfg.h_actual - kt + KT - 1) // KT))   # partitions p with p*KT + kt < H_actual
+            if n_p > 0:
+                nisa.nc_matmul(dst=ss[:, :nt], stationary=consts.ones_f32[:n_p, :], moving=sq[:n_p, kt, :nt],
+                               accumulate=not first)
+                first = False
+        ms = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=ms[:, :nt], data=ss[:, :nt], op0=nl.multiply, operand0=1.0 / cfg.h_actual,
+                           op1=nl.add, operand1=eps)
+        rstd = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=rstd[:, :nt], op=nl.rsqrt, data=ms[:, :nt])
+        xr = nl.ndarray((P_MAX, KT, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=xr[:, :, :nt], data1=xT[:, :, :nt], data2=rstd[:, :nt].expand_dim(1).broadcast(1, KT),
+                           op=nl.multiply)
+        xn = nl.ndarray((P_MAX, KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=xn[:, :, :nt], data1=xr[:, :, :nt], data2=ins.gamma.expand_dim(2).broadcast(2, nt),
+                           op=nl.multiply)
+        xTs.append(xn)
     return tuple(xTs)
 
 
-def _prefetch_w_o(cfg, W_o):
-    """W_o resident in SBUF as [128 (head, dim) rows, K chunk, H]; issued first so its DMA overlaps everything."""
+def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
+    """qkv[tile] = [tokens, C] bf16 = xn @ W_qkv (+ bias), fp32 accumulation in PSUM over H/128 tiles.
+
+    W_qkv is resident in SBUF as [128, KT, C] (row p * KT + kt on partition p: KT * C contiguous elements per
+    partition), loaded in W_QKV_DMAS large DMAs so the first accumulation group starts on the first part. The bias
+    is one more K=1 matmul (ones x bias) into the same accumulator.
+    """
+    KT, C = cfg.KT, cfg.C
+    wq = nl.ndarray((P_MAX, KT, C), dtype=W_qkv.dtype, buffer=nl.sbuf)
+    w3 = W_qkv.reshape((P_MAX, KT, C))
+    n_dma = min(W_QKV_DMAS, KT)
+    for i in range(n_dma):
+        k0, k1 = i * KT // n_dma, (i + 1) * KT // n_dma
+        nisa.dma_copy(dst=wq[:, k0:k1, :], src=w3[:, k0:k1, :])
+    qkv = tuple(nl.ndarray((P_MAX, C), dtype=W_qkv.dtype, buffer=nl.sbuf) for _ in tiles)
+    n_chunks = (C + PSUM_F - 1) // PSUM_F
+    pairs = [(ti, ch) for ch in range(n_chunks) for ti in range(len(tiles))]
+    n_ev = 0
+    for g0 in range(0, len(pairs), QKV_BANKS):
+        group = pairs[g0:g0 + QKV_BANKS]
+        accs = [nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in group]
+        if bias != None:  # noqa: E711
+            for i, (ti, ch) in enumerate(group):
+                nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
+                nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=_ones_row(consts, bias.dtype, nt),
+                               moving=bias[:1, c0:c0 + cw], accumulate=False)
+        for kt in range(KT):
+            for i, (ti, ch) in enumerate(group):
+                nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
+                nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=xT[ti][:, kt, :nt], moving=wq[:, kt, c0:c0 + cw],
+                               accumulate=(kt > 0 or bias != None))  # noqa: E711
+        for i, (ti, ch) in enumerate(group):
+            nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
+            _evict(n_ev, qkv[ti][:nt, c0:c0 + cw], accs[i][:nt, :cw])
+            n_ev += 1
+    return qkv
+
+
+def _rope(cfg, qkv, ins, tiles):
+    """Half-split RoPE on the q and k heads of each token tile (fp32 math, bf16 result); v columns copied."""
+    if len(ins.cos) == 0:
+        return qkv
+    d, h2 = cfg.d, cfg.d // 2
+    nh = cfg.nq + cfg.nkv
+    out = []
+    for ti, (_t0, nt, _, _) in enumerate(tiles):
+        src = qkv[ti]
+        cb = ins.cos[ti][:nt].expand_dim(1).broadcast(1, nh)
+        sb = ins.sin[ti][:nt].expand_dim(1).broadcast(1, nh)
+        heads = src[:nt, :nh * d].reshape((nt, nh, d))
+        x1, x2 = heads[:, :, :h2], heads[:, :, h2:]
+        dst = nl.ndarray((P_MAX, cfg.C), dtype=src.dtype, buffer=nl.sbuf)
+        rot = dst[:nt, :nh * d].reshape((nt, nh, d))
+        ta = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
+        tb = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
+        tc = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
+        td = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
+        # The four products are independent: two on VectorE, two on GpSimd.
+        nisa.tensor_tensor(dst=ta[:nt], data1=x1, data2=cb, op=nl.multiply)
+        nisa.tensor_tensor(dst=tb[:nt], data1=x2, data2=sb, op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=tc[:nt], data1=x2, data2=cb, op=nl.multiply)
+        nisa.tensor_tensor(dst=td[:nt], data1=x1, data2=sb, op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=rot[:, :, :h2], data1=ta[:nt], data2=tb[:nt], op=nl.subtract)
+        nisa.tensor_tensor(dst=rot[:, :, h2:], data1=tc[:nt], data2=td[:nt], op=nl.add)
+        nisa.tensor_copy(dst=dst[:nt, nh * d:], src=src[:nt, nh * d:], engine=nisa.engine.gpsimd)
+        out.append(dst)
+    return tuple(out)
+
+
+def _transpose_qk(cfg, qkv, tiles):
+    """qkT[:d, token, head] (d on partitions) for q heads 0..nq-1 and k heads nq..nq+nkv-1 (QK^T operands)."""
+    n_tok = tiles[-1][0] + tiles[-1][1] - tiles[0][0]
+    nh = cfg.nq + cfg.nkv
+    qkT = nl.ndarray((P_MAX, n_tok, nh), dtype=qkv[0].dtype, buffer=nl.sbuf)
+    base = tiles[0][0]
+    for ti, (t0, nt, _, _) in enumerate(tiles):
+        for h0 in range(0, nh, TRANSPOSE_GROUP):
+            n = min(TRANSPOSE_GROUP, nh - h0)
+            ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=qkv[ti].dtype, buffer=nl.psum)
+            for h in range(n):
+                nisa.nc_transpose(dst=ps[:cfg.d, h, :nt], data=qkv[ti][:nt, (h0 + h) * cfg.d:(h0 + h + 1) * cfg.d])
+            nisa.tensor_copy(dst=qkT[:cfg.d, t0 - base:t0 - base + nt, h0:h0 + n].permute((0, 2, 1)),
+                             src=ps[:cfg.d, :n, :nt])
+    return qkT
+
+
+# ---- attention --------------------------------------------------------------------------------------------------
+
+class _AttnState(nl.NKIObject):
+    """Buffers shared by every pack and step of the attention, multi-buffered explicitly (the cost model and the
+    hardware both serialise on reuse): 2 score tiles of FA_SUB fp32 (4 PSUM banks), the PV output (2 banks), one
+    transpose bank, one selection bank; KV_BUFS K/V load slots; 2 masked-query stationaries."""
+
+    def __init__(self, cfg, dtype):
+        d, pack = cfg.d, cfg.pack
+        self.ps_sc = tuple(nl.ndarray((P_MAX, FA_SUB), dtype=nl.float32, buffer=nl.psum) for _ in range(2))
+        self.ps_o = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.psum)
+        self.ps_t = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=dtype, buffer=nl.psum)
+        self.ps_sel = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
+        self.kT = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile), dtype=dtype, buffer=nl.sbuf) for _ in range(KV_BUFS))
+        self.v = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX + 1, d), dtype=dtype, buffer=nl.sbuf)
+                       for _ in range(KV_BUFS))
+        # Masked stationaries: qm[:, j, :] holds the queries of the pack's j-th batch in columns j*R..(j+1)*R and
+        # zeros elsewhere; accumulating qm_j^T K_j over j yields a packed score tile where row block j only saw
+        # batch j's keys. Zeroed once; every pack rewrites the same diagonal blocks.
+        self.qm = tuple(nl.ndarray((P_MAX, pack, pack * cfg.R), dtype=dtype, buffer=nl.sbuf) for _ in range(2))
+        for q in self.qm:
+            nisa.memset(dst=q[:d], value=0.0)
+        self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
+        self.iotas = {}
+
+    def scores(self):
+        buf = self.ps_sc[self.n_scores % 2]
+        self.n_scores += 1
+        return buf
+
+    def iota(self, key, pattern, cols):
+        """Constant fp32 [128, cols] key offsets (same on every partition), built once per layout."""
+        if key not in self.iotas:
+            t = nl.ndarray((P_MAX, FA_SUB), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.iota(dst=t[:, :cols], pattern=pattern, offset=0, channel_multiplier=0)
+            self.iotas[key] = t
+        return self.iotas[key]
+
+
+class _Softmax(nl.NKIObject):
+    """Running statistics of one pack: max m, sum l (fp32 [rows, 1]) and the PV accumulator (fp32 [rows, nb*d])."""
+
+    def __init__(self):
+        self.m, self.l, self.acc = None, None, None
+
+
+def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi):
+    """Flash-decoding for every (KV head, batch pack); returns o_tok[tile] = [tokens, nq*d] bf16."""
+    st = _AttnState(cfg, qkT.dtype)
+    # bmask[r, j] = 1.0 iff row r belongs to the pack's batch j (j*R <= r < (j+1)*R).
+    lo = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+    ones = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    nisa.affine_select(dst=lo, pattern=[[-cfg.R, cfg.pack]], channel_multiplier=1, on_true_tile=ones,
+                       on_false_value=0.0, cmp_op=nl.greater_equal)
+    bmask = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.affine_select(dst=bmask, pattern=[[-cfg.R, cfg.pack]], channel_multiplier=1, on_true_tile=lo,
+                       on_false_value=0.0, cmp_op=nl.less, offset=-cfg.R)
+    o_acc = tuple(nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
+    for g in range(cfg.nkv):
+        for p0 in range(b_lo, b_hi, cfg.pack):
+            nb = min(cfg.pack, b_hi - p0)
+            o_rows = _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0,
+                                  nb, bmask)
+            _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
+    o_tok = []
+    for ti, (_t0, nt, _, _) in enumerate(tiles):
+        o = nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=qkT.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=o[:nt], src=o_acc[ti][:nt])
+        o_tok.append(o)
+    return tuple(o_tok)
+
+
+def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0, nb, bmask):
+    """One batch pack of KV head g: rows (batch j, token s, head h). Returns o_rows [rows, d] bf16 (normalised)."""
+    d, S, R, G = cfg.d, cfg.S, cfg.R, cfg.group
+    rows = nb * R
+    base = tiles[0][0]
+    qm = st.qm[st.n_packs % 2]
+    st.n_packs += 1
+    for j in range(nb):
+        t = (p0 + j) * S - base
+        nisa.tensor_copy(dst=qm[:d, j, j * R:(j + 1) * R].reshape((d, S, G)),
+                         src=qkT[:d, t:t + S, g * G:(g + 1) * G])
+    # First new position of each row's sequence, and each row's own position (fp32, [rows, 1]).
+    p_first = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=p_first[:rows], src=position_ids.ap([[S, nb], [0, S], [0, G]], offset=p0 * S))
+    q_pos = p_first
+    if S > 1 or cfg.window > 0:
+        q_pos = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=q_pos[:rows], src=position_ids.ap([[S, nb], [1, S], [0, G]], offset=p0 * S))
+    sm = _Softmax()
+    _active_step(cfg, consts, st, sm, qm, qkT, qkv, tiles, g, p0, nb, p_first, q_pos)
+    _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
+    # Final normalisation; sinks join the denominator only.
+    l_fin = sm.l
+    if sinks != None:  # noqa: E711
+        sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sk[:rows], src=sinks.ap([[0, nb], [0, S], [1, G]], offset=g * G))
+        nb_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=nb_f[:rows], data=sm.m[:rows], op0=nl.multiply, operand0=-cfg.scale)
+        e_sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=e_sk[:rows], op=nl.exp, data=sk[:rows], bias=nb_f[:rows], scale=1.0)
+        l_fin = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=l_fin[:rows], data1=sm.l[:rows], data2=e_sk[:rows], op=nl.add)
+    rinv = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=rinv[:rows], data=l_fin[:rows])
+    # o = acc / l on the diagonal blocks only (others zeroed by bmask), then summed over the batch blocks:
+    # o_rows[r, :] = the row's own batch block, rounded to bf16 (the reference's rounding point).
+    o_m = nl.ndarray((P_MAX, cfg.pack, d), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=o_m[:rows, :nb, :], data=sm.acc[:rows, :nb * d].reshape((rows, nb, d)),
+                              op0=nl.multiply, operand0=rinv[:rows], op1=nl.multiply,
+                              operand1=bmask[:rows, :nb].expand_dim(2).broadcast(2, d))
+    o_rows = nl.ndarray((P_MAX, d), dtype=qkT.dtype, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=o_rows[:rows], op=nl.add, data=o_m[:rows, :nb, :].permute((0, 2, 1)), axis=(2,))
+    return o_rows
+
+
+def _active_step(cfg, consts, st, sm, qm, qkT, qkv, tiles, g, p0, nb, p_first, q_pos):
+    """Scores of the S new tokens of each sequence, K^T/V straight from SBUF; causal among the new tokens.
+
+    Initialises the running statistics: every row sees at least its own key, so m is finite from here on.
+    """
+    d, S, R = cfg.d, cfg.S, cfg.R
+    rows = nb * R
+    base = tiles[0][0]
+    sc = st.scores()
+    for j in range(nb):
+        t = (p0 + j) * S - base
+        nisa.nc_matmul(dst=sc[:rows, :S], stationary=qm[:d, j, :rows], moving=qkT[:d, t:t + S, cfg.nq + g],
+                       accumulate=(j > 0))
+    if S > 1:
+        # key s' is invalid for the row of token s if s' > s, or (sliding window) s' <= s - W
+        s_row = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=s_row[:rows], data1=q_pos[:rows], data2=p_first[:rows], op=nl.subtract)
+        key = st.iota(f"a{S}", [[1, S]], S)
+        _fold_mask(cfg, consts, sc, rows, S, key, s_row, nl.greater, 0.0)
+        if 0 < cfg.window < S:
+            _fold_mask(cfg, consts, sc, rows, S, key, s_row, nl.less_equal, -float(cfg.window))
+    m0 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=m0[:rows], op=nl.maximum, data=sc[:rows, :S], axis=(1,))
+    nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nbias[:rows], data=m0[:rows], op0=nl.multiply, operand0=-cfg.scale)
+    p = nl.ndarray((P_MAX, MAX_S_TKG), dtype=qkT.dtype, buffer=nl.sbuf)
+    l0 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p[:rows, :S], op=nl.exp, data=sc[:rows, :S], bias=nbias[:rows], scale=cfg.scale,
+                    reduce_op=nl.add, reduce_res=l0[:rows], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    nisa.nc_transpose(dst=st.ps_t[:S, 0, :rows], data=p[:rows, :S])
+    pT = nl.ndarray((P_MAX, P_MAX), dtype=qkT.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=pT[:S, :rows], src=st.ps_t[:S, 0, :rows])
+    # V of the new tokens as [token s', batch j * d]: selection matmuls (identity columns) out of the token layout.
+    va = st.scores()
+    vcol = (cfg.nq + cfg.nkv + g) * d
+    for j in range(nb):
+        t = (p0 + j) * S
+        ti = (t - base) // cfg.tile_tok
+        r, nt = t - tiles[ti][0], tiles[ti][1]
+        nisa.nc_matmul(dst=va[:S, j * d:(j + 1) * d], stationary=consts.ident[:nt, r:r + S],
+                       moving=qkv[ti][:nt, vcol:vcol + d], accumulate=False)
+    v_new = nl.ndarray((P_MAX, PV_COLS), dtype=qkT.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=v_new[:S, :nb * d], src=va[:S, :nb * d])
+    half = max(1, PSUM_F // d)
+    for h0 in range(0, nb, half):
+        hn = min(half, nb - h0)
+        nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:S, :rows],
+                       moving=v_new[:S, h0 * d:(h0 + hn) * d], accumulate=False)
+    acc = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=acc[:rows, :nb * d], src=st.ps_o[:rows, :nb * d])
+    sm.m, sm.l, sm.acc = m0, l0, acc
+
+
+def _fold_mask(cfg, consts, sc, rows, cols, key, thr_base, cmp, shift):
+    """sc[:rows, :cols] += MASK_NEG where cmp(key offset, thr_base + shift) (key offsets per column, thresholds per
+    row): the 0/1 mask is built on GpSimd and folded into the score PSUM by a matmul with MASK_NEG * I."""
+    thr = thr_base
+    if shift != 0.0:
+        thr = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=thr[:rows], data=thr_base[:rows], op0=nl.add, operand0=shift)
+    m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=m[:rows, :cols], data1=key[:rows, :cols], data2=thr[:rows].broadcast(1, cols), op=cmp,
+                       engine=nisa.engine.gpsimd)
+    for c0 in range(0, cols, PSUM_F):
+        cw = min(PSUM_F, cols - c0)
+        nisa.nc_matmul(dst=sc[:rows, c0:c0 + cw], stationary=consts.neg_eye[:rows, :rows], moving=m[:rows, c0:c0 + cw],
+                       accumulate=True)
+
+
+def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos):
+    """Cache keys j < pos[b, 0]: K/V load slots of fa_tile positions, online-softmax steps of <= FA_SUB positions.
+
+    Slot layout: K^T [d, w] by DMA transpose; V so that partition q holds positions q*n + i (n = w // 128, one
+    contiguous run of n*d elements per partition), the last w % 128 positions as one more block. A step covers
+    i in [i0, i0 + ni) for all q: score column q*ni + il <-> position q*n + i0 + il, so the P^T block of V block
+    i0 + il is the stride-ni column set il::ni of P.
+    """
+    d, R, W = cfg.d, cfg.R, cfg.window
+    rows = nb * R
+    n_sub = FA_SUB // P_MAX
+    thr_hi = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)     # key invalid if j > pos[b, 0] - 1
+    nisa.tensor_scalar(dst=thr_hi[:rows], data=p_first[:rows], op0=nl.add, operand0=-1.0)
+    thr_lo = None
+    if W > 0:                                                            # key invalid if j <= pos - W
+        thr_lo = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=thr_lo[:rows], data=q_pos[:rows], op0=nl.add, operand0=-float(W))
+    for j0 in range(0, cfg.L_prior, cfg.fa_tile):
+        w = min(cfg.fa_tile, cfg.L_prior - j0)
+        n, rem = w // P_MAX, w % P_MAX
+        kT = st.kT[st.n_slots % KV_BUFS]
+        v = st.v[st.n_slots % KV_BUFS]
+        st.n_slots += 1
+        for j in range(nb):
+            b = p0 + j
+            nisa.dma_transpose(dst=kT[:d, j, :w], src=K_cache[b, g, j0:j0 + w, :])
+            if n > 0:
+                nisa.dma_copy(dst=v[:, j, :n, :], src=V_cache[b, g, j0:j0 + n * P_MAX, :].reshape((P_MAX, n * d)))
+            if rem:
+                nisa.dma_copy(dst=v[:rem, j, n, :], src=V_cache[b, g, j0 + n * P_MAX:j0 + w, :])
+        for i0 in range(0, n, n_sub):
+            ni = min(n_sub, n - i0)
+            cols = P_MAX * ni
+            sc = st.scores()
+            qc = min(P_MAX, PSUM_F // ni)
+            for q0 in range(0, P_MAX, qc):
+                for j in range(nb):
+                    nisa.nc_matmul(dst=sc[:rows, q0 * ni:(q0 + qc) * ni].reshape((rows, qc, ni)),
+                                   stationary=qm[:d, j, :rows],
+                                   moving=kT[:d, j, :n * P_MAX].reshape((d, P_MAX, n))[:, q0:q0 + qc, i0:i0 + ni],
+                                   accumulate=(j > 0))
+            key = st.iota(f"s{n}_{ni}", [[n, P_MAX], [1, ni]], cols)
+            blocks = tuple((il, ni, P_MAX, i0 + il) for il in range(ni))
+            _masked_online_step(cfg, consts, st, sm, sc, rows, nb, cols, key, j0 + i0, thr_hi, thr_lo, v, blocks)
+        if rem:
+            sc = st.scores()
+            for j in range(nb):
+                nisa.nc_matmul(dst=sc[:rows, :rem], stationary=qm[:d, j, :rows], moving=kT[:d, j, n * P_MAX:w],
+                               accumulate=(j > 0))
+            key = st.iota(f"r{rem}", [[1, rem]], rem)
+            _masked_online_step(cfg, consts, st, sm, sc, rows, nb, rem, key, j0 + n * P_MAX, thr_hi, thr_lo, v,
+                                ((0, 1, rem, n),))
+
+
+def _masked_online_step(cfg, consts, st, sm, sc, rows, nb, cols, key, pos0, thr_hi, thr_lo, v, blocks):
+    """Masks (keys at pos0 + key offset) + one online-softmax update + PV.
+
+    blocks: (first column, column stride, positions K, V block index) of each P^T block.
+    """
+    d, scale = cfg.d, cfg.scale
+    _fold_mask(cfg, consts, sc, rows, cols, key, thr_hi, nl.greater, -float(pos0))
+    if thr_lo != None:  # noqa: E711
+        _fold_mask(cfg, consts, sc, rows, cols, key, thr_lo, nl.less_equal, -float(pos0))
+    m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=sc[:rows, :cols], axis=(1,))
+    m_new = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=m_new[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum)
+    nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nbias[:rows], data=m_new[:rows], op0=nl.multiply, operand0=-scale)
+    alpha = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=alpha[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)
+    p = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
+    l_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p[:rows, :cols], op=nl.exp, data=sc[:rows, :cols], bias=nbias[:rows], scale=scale,
+                    reduce_op=nl.add, reduce_res=l_t[:rows], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    l_new = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=l_new[:rows], data=sm.l[:rows], op0=nl.multiply, operand0=alpha[:rows],
+                              op1=nl.add, operand1=l_t[:rows])
+    # P^T blocks [positions, rows] via TensorE transposes (one PSUM bank), then PV with every batch's V side by
+    # side (only the diagonal blocks are used).
+    nblk = len(blocks)
+    pT = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+    for i, (c0, stride, k, _vb) in enumerate(blocks):
+        nisa.nc_transpose(dst=st.ps_t[:k, i, :rows], data=p[:rows, c0:c0 + (k - 1) * stride + 1:stride])
+    kmax = blocks[0][2]
+    nisa.tensor_copy(dst=pT[:kmax, :nblk, :rows], src=st.ps_t[:kmax, :nblk, :rows])
+    half = max(1, PSUM_F // d)
+    for h0 in range(0, nb, half):
+        hn = min(half, nb - h0)
+        for i, (_c0, _s, k, vb) in enumerate(blocks):
+            nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:k, i, :rows],
+                           moving=v[:k, h0:h0 + hn, vb, :], accumulate=(i > 0))
+    acc = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=acc[:rows, :nb * d], data=sm.acc[:rows, :nb * d], op0=nl.multiply,
+                              operand0=alpha[:rows], op1=nl.add, operand1=st.ps_o[:rows, :nb * d])
+    sm.m, sm.l, sm.acc = m_new, l_new, acc
+
+
+def _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb):
+    """o_acc[tile][token, (g*G + h)*d + e] = o_rows[row(token, h), e] by selection matmuls: Sel_h[r, t] = 1 iff
+    r = G*(t - base) + h (rows are (batch, token, head) = G*token + head), one matmul per head."""
+    d, S, G = cfg.d, cfg.S, cfg.group
+    rows = nb * cfg.R
+    hg = max(1, PSUM_F // d)
+    for ti, (_t0, nt, tb0, tnb) in enumerate(tiles):
+        if max(p0, tb0) >= min(p0 + nb, tb0 + tnb):
+            continue
+        base_t = (p0 - tb0) * S
+        sel = nl.ndarray((P_MAX, G, P_MAX), dtype=o_rows.dtype, buffer=nl.sbuf)
+        nisa.affine_select(dst=sel[:rows, :, :nt], pattern=[[-1, G], [-G, nt]], channel_multiplier=1,
+                           on_true_tile=consts.ones[:rows, :nt].expand_dim(1).broadcast(1, G), on_false_value=0.0,
+                           cmp_op=nl.equal, offset=G * base_t)
+        for h0 in range(0, G, hg):
+            hn = min(hg, G - h0)
+            for h in range(h0, h0 + hn):
+                nisa.nc_matmul(dst=st.ps_sel[:nt, (h - h0) * d:(h - h0 + 1) * d], stationary=sel[:rows, h, :nt],
+                               moving=o_rows[:rows, :d], accumulate=False)
+            c0 = (g * G + h0) * d
+            if p0 <= tb0:      # first pack of this tile: plain copy, later packs add (disjoint non-zero rows)
+                nisa.tensor_copy(dst=o_acc[ti][:nt, c0:c0 + hn * d], src=st.ps_sel[:nt, :hn * d])
+            else:
+                nisa.tensor_tensor(dst=o_acc[ti][:nt, c0:c0 + hn * d], data1=o_acc[ti][:nt, c0:c0 + hn * d],
+                                   data2=st.ps_sel[:nt, :hn * d], op=nl.add)
+
+
+# ---- O-projection and cache update ----------------------------------------------------------------------------
+
+def _load_w_o(cfg, W_o):
+    """W_o resident in SBUF as [128 (head, dim) rows, K chunk, H]; one DMA per K chunk (issued after the K/V loads,
+    its arrival paces the O-projection, which therefore streams instead of running after the last load)."""
     K = cfg.nq * cfg.d
     n_k = (K + P_MAX - 1) // P_MAX
     wo = nl.ndarray((P_MAX, n_k, cfg.H), dtype=W_o.dtype, buffer=nl.sbuf)
@@ -225,95 +735,10 @@ def _prefetch_w_o(cfg, W_o):
     return wo
 
 
-def _project(lhsT, k_parts, W, n_cols, tiles, evict):
-    """out[tokens, n_cols] = lhs @ W with lhsT[tile][:k, kt, :tokens] stationary and W row tiles moving.
+def _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles):
+    """K/V rows of the new tokens -> cache[b, g, pos[b, 0] : pos[b, 0] + S] (dynamic start from a register).
 
-    W is an HBM [K, n_cols] weight (row tiles streamed per group) or an SBUF-resident [128, K chunk, n_cols] one.
-
-    Column chunks of one PSUM bank; up to QKV_BANKS (token tile, chunk) accumulation groups are open at once, each
-    in its own bank, so every W row tile is loaded once per group. `evict(tile_index, c0, cw, psum_tile)`.
-    """
-    n_chunks = (n_cols + PSUM_F - 1) // PSUM_F
-    pairs = [(ti, ch) for ch in range(n_chunks) for ti in range(len(tiles))]
-    n_k = len(k_parts)
-    for g0 in range(0, len(pairs), QKV_BANKS):
-        group = pairs[g0:g0 + QKV_BANKS]
-        c_lo = min([ch for _, ch in group]) * PSUM_F
-        c_hi = min(n_cols, (max([ch for _, ch in group]) + 1) * PSUM_F)
-        accs = [nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in group]
-        for kt in range(n_k):
-            k0, kn = k_parts[kt]
-            if W.buffer == nl.sbuf:      # resident weight [128, K chunk, n_cols]
-                w = W[:, kt, c_lo:c_hi]
-            else:
-                w = nl.ndarray((P_MAX, c_hi - c_lo), dtype=W.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=w[:kn], src=W[k0:k0 + kn, c_lo:c_hi])
-            for i, (ti, ch) in enumerate(group):
-                nt = tiles[ti][1]
-                c0, cw = ch * PSUM_F, min(PSUM_F, n_cols - ch * PSUM_F)
-                nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=lhsT[ti][:kn, kt, :nt],
-                               moving=w[:kn, c0 - c_lo:c0 - c_lo + cw], accumulate=(kt > 0))
-        for i, (ti, ch) in enumerate(group):
-            c0, cw = ch * PSUM_F, min(PSUM_F, n_cols - ch * PSUM_F)
-            evict(ti, c0, cw, accs[i])
-
-
-def _qkv_projection(cfg, xT, W_qkv, bias_qkv, tiles):
-    """qkv[tile] = [tokens, C] bf16 = xn @ W_qkv (+ bias), fp32 accumulation in PSUM over H/128 tiles."""
-    qkv = tuple(nl.ndarray((P_MAX, cfg.C), dtype=W_qkv.dtype, buffer=nl.sbuf) for _ in tiles)
-    bias = None
-    if bias_qkv != None:  # noqa: E711
-        bias = _load_row_broadcast(bias_qkv, P_MAX, cfg.C, bias_qkv.dtype)
-
-    def evict(ti, c0, cw, acc):
-        nt = tiles[ti][1]
-        if bias != None:  # noqa: E711
-            nisa.tensor_tensor(dst=qkv[ti][:nt, c0:c0 + cw], data1=acc[:nt, :cw], data2=bias[:nt, c0:c0 + cw],
-                               op=nl.add)
-        else:
-            nisa.tensor_copy(dst=qkv[ti][:nt, c0:c0 + cw], src=acc[:nt, :cw])
-
-    k_parts = tuple((kt * P_MAX, P_MAX) for kt in range(cfg.KT))
-    _project(xT, k_parts, W_qkv, cfg.C, tiles, evict)
-    return qkv
-
-
-def _rope(cfg, qkv, cos, sin, tiles):
-    """Half-split RoPE on the q and k heads of each token tile (fp32 math, bf16 result); v columns copied."""
-    if cos == None:  # noqa: E711
-        return qkv
-    d, h2 = cfg.d, cfg.d // 2
-    nh = cfg.nq + cfg.nkv
-    cos2 = cos.reshape((cfg.B * cfg.S, h2))
-    sin2 = sin.reshape((cfg.B * cfg.S, h2))
-    out = []
-    for ti, (t0, nt, _, _) in enumerate(tiles):
-        src = qkv[ti]
-        c = nl.ndarray((P_MAX, h2), dtype=cos.dtype, buffer=nl.sbuf)
-        s = nl.ndarray((P_MAX, h2), dtype=sin.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=c[:nt], src=cos2[t0:t0 + nt, :])
-        nisa.dma_copy(dst=s[:nt], src=sin2[t0:t0 + nt, :])
-        cb = c[:nt].expand_dim(1).broadcast(1, nh)
-        sb = s[:nt].expand_dim(1).broadcast(1, nh)
-        heads = src[:nt, :nh * d].reshape((nt, nh, d))
-        x1, x2 = heads[:, :, :h2], heads[:, :, h2:]
-        dst = nl.ndarray((P_MAX, cfg.C), dtype=src.dtype, buffer=nl.sbuf)
-        rot = dst[:nt, :nh * d].reshape((nt, nh, d))
-        ta = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
-        tb = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=ta[:nt], data1=x1, data2=cb, op=nl.multiply)
-        nisa.tensor_tensor(dst=tb[:nt], data1=x2, data2=sb, op=nl.multiply)
-        nisa.tensor_tensor(dst=rot[:, :, :h2], data1=ta[:nt], data2=tb[:nt], op=nl.subtract)
-        nisa.tensor_tensor(dst=ta[:nt], data1=x2, data2=cb, op=nl.multiply)
-        nisa.tensor_tensor(dst=tb[:nt], data1=x1, data2=sb, op=nl.multiply)
-        nisa.tensor_tensor(dst=rot[:, :, h2:], data1=ta[:nt], data2=tb[:nt], op=nl.add)
-        nisa.tensor_copy(dst=dst[:nt, nh * d:], src=src[:nt, nh * d:])
-        out.append(dst)
-    return tuple(out)
-
-
-def _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, b_lo, b_hi):
-    """K/V rows of the new tokens -> cache[b, g, pos[b, 0] : pos[b, 0] + S] (dynamic start from a register)."""
+    Issued after every cache read in program order (the attention used the new tokens from SBUF)."""
     d, nq, nkv, S = cfg.d, cfg.nq, cfg.nkv, cfg.S
     for ti, (_t0, _nt, tb0, nb) in enumerate(tiles):
         for bl in range(nb):
@@ -328,210 +753,69 @@ def _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, b_lo, b_hi):
                               src=qkv[ti][r0:r0 + S, (nq + nkv + g) * d:(nq + nkv + g + 1) * d])
 
 
-def _transpose_q(cfg, qkv, tiles):
-    """qT[:d, token, head] (d on partitions) for the QK^T stationary operands."""
-    n_tok = tiles[-1][0] + tiles[-1][1] - tiles[0][0]
-    qT = nl.ndarray((P_MAX, n_tok, cfg.nq), dtype=qkv[0].dtype, buffer=nl.sbuf)
-    base = tiles[0][0]
-    for ti, (t0, nt, _, _) in enumerate(tiles):
-        for h0 in range(0, cfg.nq, TRANSPOSE_GROUP):
-            nh = min(TRANSPOSE_GROUP, cfg.nq - h0)
-            ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=qkv[ti].dtype, buffer=nl.psum)
-            for h in range(nh):
-                nisa.nc_transpose(dst=ps[:cfg.d, h, :nt], data=qkv[ti][:nt, (h0 + h) * cfg.d:(h0 + h + 1) * cfg.d])
-            nisa.tensor_copy(dst=qT[:cfg.d, t0 - base:t0 - base + nt, h0:h0 + nh].permute((0, 2, 1)),
-                             src=ps[:cfg.d, :nh, :nt])
-    return qT
-
-
-def _neg_identity(n):
-    """[n, n] bf16 with MASK_NEG on the diagonal: matmul(stationary=this, moving=m) adds MASK_NEG * m to PSUM."""
-    fill = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.memset(dst=fill, value=MASK_NEG)
-    eye = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.affine_select(dst=eye[:n, :n], pattern=[[-1, n]], channel_multiplier=1, on_true_tile=fill[:n, :n],
-                       on_false_value=0.0, cmp_op=nl.equal)
-    return eye
-
-
-def _attention_flash_decode(cfg, qT, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi):
-    """Flash-decoding over the cache for every (KV head, batch pack); returns o_tok[tile] = [tokens, nq*d] bf16."""
-    d, S, R = cfg.d, cfg.S, cfg.R
-    o_tok = tuple(nl.ndarray((P_MAX, cfg.nq * d), dtype=qT.dtype, buffer=nl.sbuf) for _ in tiles)
-    neg_eye = _neg_identity(min(P_MAX, cfg.pack * R))
-    # Masked stationaries: qm[:, j, :] holds the queries of the pack's j-th batch in columns j*R..(j+1)*R, zeros
-    # elsewhere; accumulating qm_j^T K_j over j yields a packed score tile where row block j only saw batch j's keys.
-    qm = nl.ndarray((P_MAX, cfg.pack, cfg.pack * R), dtype=qT.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=qm[:d], value=0.0)
-    ps_sc = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.float32, buffer=nl.psum)
-    ps_o = nl.ndarray((P_MAX, 2 * PSUM_F), dtype=nl.float32, buffer=nl.psum)
-    for g in range(cfg.nkv):
-        for p0 in range(b_lo, b_hi, cfg.pack):
-            nb = min(cfg.pack, b_hi - p0)
-            for j in range(nb):
-                t = (p0 + j) * S - tiles[0][0]
-                nisa.tensor_copy(dst=qm[:d, j, j * R:(j + 1) * R].reshape((d, S, cfg.group)),
-                                 src=qT[:d, t:t + S, g * cfg.group:(g + 1) * cfg.group])
-            o_pack = _attend_pack(cfg, qm, neg_eye, ps_sc, ps_o, K_cache, V_cache, position_ids, sinks, g, p0, nb)
-            for j in range(nb):
-                t = (p0 + j) * S
-                ti = (t - tiles[0][0]) // cfg.tile_tok
-                r = t - tiles[ti][0]
-                nisa.dma_copy(dst=o_tok[ti][r:r + S, g * cfg.group * d:(g + 1) * cfg.group * d],
-                              src=o_pack[j * R:(j + 1) * R, j * d:(j + 1) * d])
-    return o_tok
-
-
-def _attend_pack(cfg, qm, neg_eye, ps_sc, ps_o, K_cache, V_cache, position_ids, sinks, g, p0, nb):
-    """One batch pack of KV head g: rows (batch j, token s, head h); returns o [rows, nb*d] (diagonal blocks)."""
-    d, S, R, G = cfg.d, cfg.S, cfg.R, cfg.group
-    rows = nb * R
-    scale = cfg.scale
-    # Query position of every row (fp32), and the window's lower bound.
-    qpos = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=qpos[:rows], src=position_ids.ap([[S, nb], [1, S], [0, G]], offset=p0 * S))
-    qlo = None
-    if cfg.window > 0:
-        qlo = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=qlo[:rows], data=qpos[:rows], op0=nl.subtract, operand0=float(cfg.window))
-    m_run = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=m_run[:rows], value=RUN_MAX_INIT)
-    l_run = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=l_run[:rows], value=0.0)
-    acc = nl.ndarray((P_MAX, cfg.pack * d), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=acc[:rows, :nb * d], value=0.0)
-    half = min(nb, PSUM_F // d)   # batches per PV matmul (one PSUM bank of output)
-
-    FT = cfg.fa_tile
-    for j0 in range(0, cfg.L, FT):
-        w = min(FT, cfg.L - j0)
-        n_blk = (w + P_MAX - 1) // P_MAX
-        # K^T [d, w] per batch (HBM -> SBUF DMA transpose) and V [128 pos, batch, blk, d].
-        kT = nl.ndarray((P_MAX, cfg.pack, FT), dtype=K_cache.dtype, buffer=nl.sbuf)
-        v = nl.ndarray((P_MAX, cfg.pack, FT // P_MAX, d), dtype=V_cache.dtype, buffer=nl.sbuf)
-        n_full = w // P_MAX
-        for j in range(nb):
-            b = p0 + j
-            nisa.dma_transpose(dst=kT[:d, j, :w], src=K_cache[b, g, j0:j0 + w, :])
-            # Partition q holds positions j0 + q*n_full + i (i < n_full): n_full*d contiguous elements per partition
-            # (efficient DMA); the P^T blocks below take the matching strided columns of P.
-            if n_full > 0:
-                nisa.dma_copy(dst=v[:, j, :n_full, :],
-                              src=V_cache[b, g, j0:j0 + n_full * P_MAX, :].reshape((P_MAX, n_full * d)))
-            if w % P_MAX:
-                nisa.dma_copy(dst=v[:w % P_MAX, j, n_full, :], src=V_cache[b, g, j0 + n_full * P_MAX:j0 + w, :])
-        # Masks from positions: invalid (key j > query position, or j <= position - window) -> 1.0, else 0.0.
-        jpos = nl.ndarray((P_MAX, FT), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=jpos[:rows, :w], pattern=[[1, w]], offset=j0, channel_multiplier=0)
-        m_hi = nl.ndarray((P_MAX, FT), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=m_hi[:rows, :w], data1=jpos[:rows, :w], data2=qpos[:rows].broadcast(1, w),
-                           op=nl.greater, engine=nisa.engine.gpsimd)
-        m_lo = None
-        if cfg.window > 0:
-            m_lo = nl.ndarray((P_MAX, FT), dtype=nl.bfloat16, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=m_lo[:rows, :w], data1=jpos[:rows, :w], data2=qlo[:rows].broadcast(1, w),
-                               op=nl.less_equal, engine=nisa.engine.gpsimd)
-        # Scores: one PSUM bank per 512 positions; batches of the pack + mask accumulate into the packed tile.
-        for c0 in range(0, w, PSUM_F):
-            cw = min(PSUM_F, w - c0)
-            for j in range(nb):
-                nisa.nc_matmul(dst=ps_sc[:rows, c0:c0 + cw], stationary=qm[:d, j, :rows],
-                               moving=kT[:d, j, c0:c0 + cw], accumulate=(j > 0))
-            nisa.nc_matmul(dst=ps_sc[:rows, c0:c0 + cw], stationary=neg_eye[:rows, :rows],
-                           moving=m_hi[:rows, c0:c0 + cw], accumulate=True)
-            if cfg.window > 0:
-                nisa.nc_matmul(dst=ps_sc[:rows, c0:c0 + cw], stationary=neg_eye[:rows, :rows],
-                               moving=m_lo[:rows, c0:c0 + cw], accumulate=True)
-        # Online softmax statistics (fp32).
-        m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=ps_sc[:rows, :w], axis=(1,))
-        m_new = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=m_new[:rows], data1=m_run[:rows], data2=m_t[:rows], op=nl.maximum)
-        diff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=diff[:rows], data1=m_run[:rows], data2=m_new[:rows], op=nl.subtract)
-        alpha = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=alpha[:rows], op=nl.exp, data=diff[:rows], scale=scale)
-        nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=nbias[:rows], data=m_new[:rows], op0=nl.multiply, operand0=-scale)
-        p = nl.ndarray((P_MAX, FT), dtype=nl.bfloat16, buffer=nl.sbuf)
-        l_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=p[:rows, :w], op=nl.exp, data=ps_sc[:rows, :w], bias=nbias[:rows], scale=scale,
-                        reduce_op=nl.add, reduce_res=l_t[:rows], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        l_new = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=l_new[:rows], data=l_run[:rows], op0=nl.multiply, operand0=alpha[:rows],
-                                  op1=nl.add, operand1=l_t[:rows])
-        l_run = l_new
-        m_run = m_new
-        # P^T [pos, rows] via TensorE transposes, then PV with every batch's V side by side (diagonal blocks used).
-        pT = nl.ndarray((P_MAX, FT // P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
-        for c0 in range(0, n_full, TRANSPOSE_GROUP):
-            nc = min(TRANSPOSE_GROUP, n_full - c0)
-            ps_t = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=nl.bfloat16, buffer=nl.psum)
-            for c in range(nc):
-                i = c0 + c
-                nisa.nc_transpose(dst=ps_t[:, c, :rows], data=p[:rows, i:i + (P_MAX - 1) * n_full + 1:n_full])
-            nisa.tensor_copy(dst=pT[:, c0:c0 + nc, :rows], src=ps_t[:, :nc, :rows])
-        if w % P_MAX:
-            ps_r = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.psum)
-            rem = w % P_MAX
-            nisa.nc_transpose(dst=ps_r[:rem, :rows], data=p[:rows, n_full * P_MAX:w])
-            nisa.tensor_copy(dst=pT[:rem, n_full, :rows], src=ps_r[:rem, :rows])
-        for h0 in range(0, nb, half):
-            hn = min(half, nb - h0)
-            for i in range(n_blk):
-                bw = min(P_MAX, w - i * P_MAX)
-                nisa.nc_matmul(dst=ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:bw, i, :rows],
-                               moving=v[:bw, h0:h0 + hn, i, :], accumulate=(i > 0))
-        nisa.scalar_tensor_tensor(dst=acc[:rows, :nb * d], data=acc[:rows, :nb * d], op0=nl.multiply,
-                                  operand0=alpha[:rows], op1=nl.add, operand1=ps_o[:rows, :nb * d])
-    # Final normalisation; sinks join the denominator only.
-    if sinks != None:  # noqa: E711
-        sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=sk[:rows], src=sinks.ap([[0, nb], [0, S], [1, G]], offset=g * G))
-        nb_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=nb_f[:rows], data=m_run[:rows], op0=nl.multiply, operand0=-scale)
-        e_sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=e_sk[:rows], op=nl.exp, data=sk[:rows], bias=nb_f[:rows], scale=1.0)
-        l_tot = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=l_tot[:rows], data1=l_run[:rows], data2=e_sk[:rows], op=nl.add)
-        l_run = l_tot
-    rinv = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=rinv[:rows], data=l_run[:rows])
-    o = nl.ndarray((P_MAX, cfg.pack * d), dtype=qm.dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=o[:rows, :nb * d], data=acc[:rows, :nb * d], op0=nl.multiply, operand0=rinv[:rows])
-    return o
-
-
-def _output_projection(cfg, o_tok, wo, bias_o, out, tiles):
-    """out[tokens, H] = o @ W_o (+ bias): o^T chunks of 128 (head, dim) rows stationary, W_o row tiles moving."""
+def _transpose_o(cfg, o_tok, tiles):
+    """oT[tile] = [128 (head, dim) rows, K chunk, tokens]: the stationaries of the O-projection."""
     K = cfg.nq * cfg.d
     n_k = (K + P_MAX - 1) // P_MAX
-    k_parts = tuple((k * P_MAX, min(P_MAX, K - k * P_MAX)) for k in range(n_k))
     oTs = []
     for ti, (_t0, nt, _, _) in enumerate(tiles):
         oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=o_tok[ti].dtype, buffer=nl.sbuf)
-        if K % P_MAX == 0:
-            _transpose_into(oT, o_tok[ti], nt, P_MAX, n_k)
-        else:
-            for k, (k0, kn) in enumerate(k_parts):
-                ps = nl.ndarray((P_MAX, P_MAX), dtype=o_tok[ti].dtype, buffer=nl.psum)
-                nisa.nc_transpose(dst=ps[:kn, :nt], data=o_tok[ti][:nt, k0:k0 + kn])
-                nisa.tensor_copy(dst=oT[:kn, k, :nt], src=ps[:kn, :nt])
+        for c0 in range(0, n_k, TRANSPOSE_GROUP):
+            nc = min(TRANSPOSE_GROUP, n_k - c0)
+            ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=o_tok[ti].dtype, buffer=nl.psum)
+            kn_max = min(P_MAX, K - c0 * P_MAX)
+            for c in range(nc):
+                k0 = (c0 + c) * P_MAX
+                kn = min(P_MAX, K - k0)
+                nisa.nc_transpose(dst=ps[:kn, c, :nt], data=o_tok[ti][:nt, k0:k0 + kn])
+            if K % P_MAX == 0 or c0 + nc < n_k:
+                nisa.tensor_copy(dst=oT[:kn_max, c0:c0 + nc, :nt], src=ps[:kn_max, :nc, :nt])
+            else:   # the last chunk is partial: copy it separately
+                if nc > 1:
+                    nisa.tensor_copy(dst=oT[:, c0:c0 + nc - 1, :nt], src=ps[:, :nc - 1, :nt])
+                kl = K - (n_k - 1) * P_MAX
+                nisa.tensor_copy(dst=oT[:kl, n_k - 1, :nt], src=ps[:kl, nc - 1, :nt])
         oTs.append(oT)
-    bias = None
-    if bias_o != None:  # noqa: E711
-        bias = _load_row_broadcast(bias_o, P_MAX, cfg.H, bias_o.dtype)
+    return tuple(oTs)
 
-    def evict(ti, c0, cw, acc):
-        t0, nt = tiles[ti][0], tiles[ti][1]
-        res = nl.ndarray((P_MAX, PSUM_F), dtype=out.dtype, buffer=nl.sbuf)
+
+def _output_projection(cfg, consts, o_tok, wo, bias, out, tiles):
+    """out[tokens, H] = o @ W_o (+ bias): o^T chunks stationary, resident W_o rows moving.
+
+    All OPROJ_BANKS accumulators are open at once and the K-chunk loop is outermost, so the matmuls of W_o chunk k
+    run as soon as its DMA lands; the bias is a K=1 matmul issued first. One store per (token tile, bank group).
+    """
+    K = cfg.nq * cfg.d
+    n_k = (K + P_MAX - 1) // P_MAX
+    oTs = _transpose_o(cfg, o_tok, tiles)
+    n_chunks = (cfg.H + PSUM_F - 1) // PSUM_F
+    pairs = [(ti, ch) for ti in range(len(tiles)) for ch in range(n_chunks)]
+    res = tuple(nl.ndarray((P_MAX, cfg.H), dtype=out.dtype, buffer=nl.sbuf) for _ in tiles)
+    n_ev = 0
+    for g0 in range(0, len(pairs), OPROJ_BANKS):
+        group = pairs[g0:g0 + OPROJ_BANKS]
+        accs = [nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in group]
         if bias != None:  # noqa: E711
-            nisa.tensor_tensor(dst=res[:nt, :cw], data1=acc[:nt, :cw], data2=bias[:nt, c0:c0 + cw], op=nl.add)
-        else:
-            nisa.tensor_copy(dst=res[:nt, :cw], src=acc[:nt, :cw])
-        nisa.dma_copy(dst=out[t0:t0 + nt, c0:c0 + cw], src=res[:nt, :cw])
-
-    _project(tuple(oTs), k_parts, wo, cfg.H, tiles, evict)
+            for i, (ti, ch) in enumerate(group):
+                nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, cfg.H - ch * PSUM_F)
+                nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=_ones_row(consts, bias.dtype, nt),
+                               moving=bias[:1, c0:c0 + cw], accumulate=False)
+        for k in range(n_k):
+            kn = min(P_MAX, K - k * P_MAX)
+            for i, (ti, ch) in enumerate(group):
+                nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, cfg.H - ch * PSUM_F)
+                nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=oTs[ti][:kn, k, :nt], moving=wo[:kn, k, c0:c0 + cw],
+                               accumulate=(k > 0 or bias != None))  # noqa: E711
+        for i, (ti, ch) in enumerate(group):
+            nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, cfg.H - ch * PSUM_F)
+            _evict(n_ev, res[ti][:nt, c0:c0 + cw], accs[i][:nt, :cw])
+            n_ev += 1
+        for ti in range(len(tiles)):
+            chs = [ch for t, ch in group if t == ti]
+            if len(chs) > 0:
+                t0, nt = tiles[ti][0], tiles[ti][1]
+                c_lo, c_hi = min(chs) * PSUM_F, min(cfg.H, (max(chs) + 1) * PSUM_F)
+                nisa.dma_copy(dst=out[t0:t0 + nt, c_lo:c_hi], src=res[ti][:nt, c_lo:c_hi])
 
 
 decode_attention_nki = nki.jit(decode_attention_kernel)
