@@ -632,10 +632,11 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
             sc = st.scores()
             qc = min(P_MAX, PSUM_F // ni)
             for q0 in range(0, P_MAX, qc):
+                qn = min(qc, P_MAX - q0)
                 for j in range(nb):
-                    nisa.nc_matmul(dst=sc[:rows, q0 * ni:(q0 + qc) * ni].reshape((rows, qc, ni)),
+                    nisa.nc_matmul(dst=sc[:rows, q0 * ni:(q0 + qn) * ni].reshape((rows, qn, ni)),
                                    stationary=qm[:d, j, :rows],
-                                   moving=kT[:d, j, :n * P_MAX].reshape((d, P_MAX, n))[:, q0:q0 + qc, i0:i0 + ni],
+                                   moving=kT[:d, j, :n * P_MAX].reshape((d, P_MAX, n))[:, q0:q0 + qn, i0:i0 + ni],
                                    accumulate=(j > 0))
             key = st.iota(f"s{n}_{ni}", [[n, P_MAX], [1, ni]], cols)
             blocks = tuple((il, ni, P_MAX, i0 + il) for il in range(ni))

@@ -1,10 +1,10 @@
 """Example kernels written as real NKI code, each against NumPy (nki-library tolerance conventions)."""
 
 import ml_dtypes
+import nki
 import numpy as np
 import pytest
 
-import nki
 from tests.nkisim.examples import kernels as K
 
 BF16 = ml_dtypes.bfloat16
