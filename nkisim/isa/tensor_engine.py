@@ -183,7 +183,9 @@ def _open_group(ctx, dst, start):
     a = dst.alloc
     if a.psum_addr is None:
         return
-    bank = a.psum_addr // ctx.target.psum_bank_bytes
+    row = a.storage.size // a.shape[0] if a.shape[0] else 1
+    # the bank the view itself starts in (a multi-bank PSUM tile holds one group per bank)
+    bank = (a.psum_addr + (dst.offset % row) * dst.dtype.itemsize) // ctx.target.psum_bank_bytes
     groups = getattr(ctx, "psum_groups", None)
     if groups is None:
         groups = ctx.psum_groups = {}

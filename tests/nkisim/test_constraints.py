@@ -643,3 +643,17 @@ def test_c20_range_applies_to_scaled_input_and_nan_passes():
     d = tile((4, 4))
     nisa.activation(dst=d, op=nl.log, data=sb(np.full((4, 4), np.nan, np.float32)))
     assert np.isnan(rd(d)).all()
+
+
+def test_c6_one_accumulation_group_per_bank_of_a_multibank_tile_is_clean():
+    # A [128, 2048] fp32 PSUM tile spans 4 banks; one accumulation group per bank is the safe pattern: no warning.
+    s, m = tile((128, 128), nl.bfloat16), tile((128, 512), nl.bfloat16)
+    nisa.memset(s, 1.0)
+    nisa.memset(m, 1.0)
+    acc = nl.ndarray((128, 2048), nl.float32, buffer=nl.psum)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NkiPsumAccumulationWarning)
+        for k in range(3):
+            for b in range(4):
+                nisa.nc_matmul(dst=acc[:, b * 512:(b + 1) * 512], stationary=s, moving=m, accumulate=(k > 0))
+    assert np.all(rd(acc) == 3 * 128)
