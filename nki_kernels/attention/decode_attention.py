@@ -1,8 +1,8 @@
 """Fused decode attention block (token generation) for one tensor-parallel rank.
 
 RMSNorm + QKV projection (+bias) + RoPE + flash-decoding attention over the KV cache (GQA, several KV heads per rank,
-sinks, sliding window, in-kernel masks from positions, contiguous or paged/block cache) + partial O-projection +
-KV-cache update, everything kept in SBUF between the hidden-state input and the O-projection output.
+sinks, sliding window, in-kernel masks from positions) + partial O-projection + KV-cache update, everything kept in
+SBUF between the hidden-state input and the O-projection output.
 See DESIGN.md beside this file.
 """
 
@@ -19,7 +19,8 @@ TRANSPOSE_GROUP = 8    # TensorE transposes [<=128, 128] (bf16) batched into one
 FA_SUB = 1024          # context positions per online-softmax step: 2 PSUM banks of scores, double-buffered
 FA_TILE_MAX = 4096     # context positions per K/V load (one DMA per batch and K/V): >= 4 KiB per partition
 PV_COLS = 1024         # PV output columns (pack batches x d): 2 PSUM banks
-KV_BUFS = 2            # K/V load slots (ring); slot t+2 is reloaded once the compute of slot t has read it
+KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
+PACK_MIN = 4           # smallest batch pack the K/V ring sizing may shrink to (for longer, more efficient DMAs)
 KV_SBUF_MAX = 128 * 1024   # bytes per partition for the K/V ring (less when the resident weights are large)
 SBUF_RESERVE = 24 * 1024   # bytes per partition kept for everything else (q, masks, P tiles, accumulators)
 W_QKV_DMAS = 4         # W_qkv is loaded in this many DMAs (>= 2 KiB contiguous per partition each)
@@ -88,14 +89,14 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         # W_o (its arrival paces the O-projection), and the stores last, so no load waits behind a store.
         tiles = _token_tiles(cfg, b_lo, b_hi)
         ins = _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles)
-        consts = _Constants(cfg)
+        consts = _Constants(cfg, X.dtype)
+        _transpose_bias_o(cfg, ins)
         xT = _rmsnorm(cfg, consts, ins, tiles, eps)
         qkv = _qkv_projection(cfg, consts, xT, W_qkv, ins.bias_qkv, tiles)
         qkv = _rope(cfg, qkv, ins, tiles)
         qkT = _transpose_qk(cfg, qkv, tiles)
-        o_tok = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo,
-                                        b_hi)
-        wo = _load_w_o(cfg, W_o)
+        o_tok, wo = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles,
+                                            b_lo, b_hi, W_o)
         _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles)
         _output_projection(cfg, consts, o_tok, wo, ins.bias_o, out, tiles)
     return out
@@ -113,18 +114,30 @@ class _Config(nl.NKIObject):
         self.KT = H // P_MAX                   # contraction tiles over H (H index p * KT + kt on partition p)
         self.tile_tok = (P_MAX // S) * S       # tokens per token tile: whole sequences only
         self.L_prior = L - S                   # cache keys read: j < pos[b, 0] <= L - S
+        # d <= 64: kpp = 128 // d batches share the partitions of one K^T / query stack (batch j on partitions
+        # (j % kpp) * d ..), so one score matmul contracts over 128 partitions and covers kpp batches.
+        self.kpp = P_MAX // d if (2 * d <= P_MAX and P_MAX % d == 0) else 1
+        self.pad = P_MAX - d if self.kpp > 1 else 0      # qkv tile column padding for the stacked transposes
         self.pack = max(1, min(B, P_MAX // self.R, PV_COLS // d))   # batches sharing one score tile
-        # K/V ring: KV_BUFS slots of pack x FT positions (K^T [d, FT] + V [128, FT/128, d] per batch) in SBUF.
+        # K/V ring: KV_BUFS slots of pack x FT positions (K^T stacks [128, FT] + V [128, FT/128, d] per batch).
         n_k = (nq * d + P_MAX - 1) // P_MAX
         resident = self.KT * self.C * itemsize + n_k * H * itemsize     # W_qkv and W_o, bytes per partition
         budget = min(KV_SBUF_MAX, max(32 * 1024, 208 * 1024 - SBUF_RESERVE - resident))
-        per_pos = itemsize + (itemsize * d + P_MAX - 1) // P_MAX
-        while self.pack > 1 and KV_BUFS * self.pack * 2 * FA_SUB * per_pos > budget:
+        # FT target: V runs of >= 4 KiB per partition (DMA efficiency), i.e. FT * d * itemsize / 128 >= 4 KiB.
+        self.kv_bufs = KV_BUFS if d <= 64 else KV_BUFS + 1
+        ft_target = min(FA_TILE_MAX, max(2 * FA_SUB, 4096 * P_MAX // (d * itemsize) // FA_SUB * FA_SUB))
+        while self.pack > PACK_MIN and self.kv_bufs * _slot_bytes(self.pack, ft_target, self.kpp, d, itemsize) > budget:
             self.pack -= 1
         ft = FA_TILE_MAX
-        while ft > FA_SUB and KV_BUFS * self.pack * ft * per_pos > budget:
+        while ft > FA_SUB and self.kv_bufs * _slot_bytes(self.pack, ft, self.kpp, d, itemsize) > budget:
             ft -= FA_SUB
+        self.nst = (self.pack + self.kpp - 1) // self.kpp          # K^T / query stacks per pack
         self.fa_tile = max(P_MAX, min(ft, (self.L_prior + P_MAX - 1) // P_MAX * P_MAX))
+
+
+def _slot_bytes(pack, ft, kpp, d, itemsize):
+    """Bytes per partition of one K/V load slot: K^T stacks [128, ft] and V [128, ft / 128, d] per batch."""
+    return ((pack + kpp - 1) // kpp * ft + pack * ft * d // P_MAX) * itemsize
 
 
 def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
@@ -191,7 +204,7 @@ class _Inputs(nl.NKIObject):
 
     def __init__(self):
         self.x, self.cos, self.sin = (), (), ()
-        self.gamma, self.bias_qkv, self.bias_o = None, None, None
+        self.gamma, self.bias_qkv, self.bias_o, self.bias_o_rows = None, None, None, None
 
 
 def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles):
@@ -211,8 +224,12 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles):
         ins.bias_qkv = nl.ndarray((1, cfg.C), dtype=bias_qkv.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=ins.bias_qkv, src=bias_qkv)
     if bias_o != None:  # noqa: E711
-        ins.bias_o = nl.ndarray((1, cfg.H), dtype=bias_o.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=ins.bias_o, src=bias_o)
+        # bias_o[c * 128 + p] on partition p, column c (a per-partition scalar of the transposed O-projection):
+        # a contiguous [H/128, 128] load and one TensorE transpose.
+        n_c = cfg.H // P_MAX
+        b_rows = nl.ndarray((P_MAX, P_MAX), dtype=bias_o.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=b_rows[:n_c, :], src=bias_o.reshape((n_c, P_MAX)))
+        ins.bias_o_rows = b_rows
     if cos != None:  # noqa: E711
         h2 = cfg.d // 2
         cos2 = cos.reshape((cfg.B * cfg.S, h2))
@@ -229,10 +246,23 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles):
     return ins
 
 
+def _transpose_bias_o(cfg, ins):
+    """ins.bias_o = [128, H/128] fp32 from the [H/128, 128] rows (H/128 <= 128 chunks per transpose)."""
+    if ins.bias_o_rows == None:  # noqa: E711
+        return
+    n_c = cfg.H // P_MAX
+    ins.bias_o = nl.ndarray((P_MAX, n_c), dtype=nl.float32, buffer=nl.sbuf)
+    for c0 in range(0, n_c, P_MAX):
+        nc = min(P_MAX, n_c - c0)
+        ps = nl.ndarray((P_MAX, P_MAX), dtype=ins.bias_o_rows.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=ps[:, :nc], data=ins.bias_o_rows[c0:c0 + nc, :])
+        nisa.tensor_copy(dst=ins.bias_o[:, c0:c0 + nc], src=ps[:, :nc])
+
+
 class _Constants(nl.NKIObject):
     """SBUF constants: identity (selection matmuls), MASK_NEG * identity (mask folding), ones."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, dtype):
         ones = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.memset(dst=ones, value=1.0)
         self.ones = ones
@@ -246,6 +276,14 @@ class _Constants(nl.NKIObject):
                            on_false_value=0.0, cmp_op=nl.equal)
         self.ones_f32 = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=self.ones_f32, value=1.0)
+        # Masked stationaries of the attention (double-buffered over packs): stack jj of qm holds the queries of
+        # the pack's batch j = jj*kpp + u on partitions u*d..(u+1)*d, columns j*R..(j+1)*R, zeros elsewhere;
+        # accumulating qm_jj^T K_jj over the stacks yields a packed score tile where row block j only saw batch
+        # j's keys. Zeroed once (early, while VectorE is idle); every pack rewrites the same blocks.
+        self.qm = tuple(nl.ndarray((P_MAX, cfg.nst, cfg.pack * cfg.R), dtype=dtype, buffer=nl.sbuf)
+                        for _ in range(2))
+        for q in self.qm:
+            nisa.memset(dst=q[:cfg.kpp * cfg.d], value=0.0)
 
 
 def _ones_row(consts, dtype, n):
@@ -337,7 +375,7 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
     for i in range(n_dma):
         k0, k1 = i * KT // n_dma, (i + 1) * KT // n_dma
         nisa.dma_copy(dst=wq[:, k0:k1, :], src=w3[:, k0:k1, :])
-    qkv = tuple(nl.ndarray((P_MAX, C), dtype=W_qkv.dtype, buffer=nl.sbuf) for _ in tiles)
+    qkv = tuple(_qkv_tile(cfg, W_qkv.dtype, tiles[ti][1]) for ti in range(len(tiles)))
     n_chunks = (C + PSUM_F - 1) // PSUM_F
     pairs = [(ti, ch) for ch in range(n_chunks) for ti in range(len(tiles))]
     n_ev = 0
@@ -356,9 +394,20 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
                                accumulate=(kt > 0 or bias != None))  # noqa: E711
         for i, (ti, ch) in enumerate(group):
             nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
-            _evict(n_ev, qkv[ti][:nt, c0:c0 + cw], accs[i][:nt, :cw])
+            _evict(n_ev, qkv[ti][:nt, cfg.pad + c0:cfg.pad + c0 + cw], accs[i][:nt, :cw])
             n_ev += 1
+        accs = None    # release the banks before the next group allocates
     return qkv
+
+
+def _qkv_tile(cfg, dtype, nt):
+    """[128, pad | C | pad] token-layout q/k/v tile; the zeroed pads let every head be transposed from a 128-column
+    window that puts it on partitions u*d (the stacked layout, see _transpose_qk)."""
+    t = nl.ndarray((P_MAX, cfg.C + 2 * cfg.pad), dtype=dtype, buffer=nl.sbuf)
+    if cfg.pad > 0:
+        nisa.memset(dst=t[:nt, :cfg.pad], value=0.0, engine=nisa.engine.gpsimd)
+        nisa.memset(dst=t[:nt, cfg.pad + cfg.C:], value=0.0, engine=nisa.engine.gpsimd)
+    return t
 
 
 def _rope(cfg, qkv, ins, tiles):
@@ -372,10 +421,11 @@ def _rope(cfg, qkv, ins, tiles):
         src = qkv[ti]
         cb = ins.cos[ti][:nt].expand_dim(1).broadcast(1, nh)
         sb = ins.sin[ti][:nt].expand_dim(1).broadcast(1, nh)
-        heads = src[:nt, :nh * d].reshape((nt, nh, d))
+        pad = cfg.pad
+        heads = src[:nt, pad:pad + nh * d].reshape((nt, nh, d))
         x1, x2 = heads[:, :, :h2], heads[:, :, h2:]
-        dst = nl.ndarray((P_MAX, cfg.C), dtype=src.dtype, buffer=nl.sbuf)
-        rot = dst[:nt, :nh * d].reshape((nt, nh, d))
+        dst = _qkv_tile(cfg, src.dtype, nt)
+        rot = dst[:nt, pad:pad + nh * d].reshape((nt, nh, d))
         ta = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
         tb = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
         tc = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
@@ -387,25 +437,31 @@ def _rope(cfg, qkv, ins, tiles):
         nisa.tensor_tensor(dst=td[:nt], data1=x1, data2=sb, op=nl.multiply, engine=nisa.engine.gpsimd)
         nisa.tensor_tensor(dst=rot[:, :, :h2], data1=ta[:nt], data2=tb[:nt], op=nl.subtract)
         nisa.tensor_tensor(dst=rot[:, :, h2:], data1=tc[:nt], data2=td[:nt], op=nl.add)
-        nisa.tensor_copy(dst=dst[:nt, nh * d:], src=src[:nt, nh * d:], engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=dst[:nt, pad + nh * d:pad + cfg.C], src=src[:nt, pad + nh * d:pad + cfg.C],
+                         engine=nisa.engine.gpsimd)
         out.append(dst)
     return tuple(out)
 
 
 def _transpose_qk(cfg, qkv, tiles):
-    """qkT[:d, token, head] (d on partitions) for q heads 0..nq-1 and k heads nq..nq+nkv-1 (QK^T operands)."""
+    """qkT[:, u, token, head] = head^T on partitions u*d..(u+1)*d (u < kpp; d on partitions for QK^T), for the q
+    heads 0..nq-1 and k heads nq..nq+nkv-1: TensorE transposes of 128-column windows (d columns when kpp = 1)."""
+    d, kpp = cfg.d, cfg.kpp
     n_tok = tiles[-1][0] + tiles[-1][1] - tiles[0][0]
     nh = cfg.nq + cfg.nkv
-    qkT = nl.ndarray((P_MAX, n_tok, nh), dtype=qkv[0].dtype, buffer=nl.sbuf)
+    width = d if kpp == 1 else P_MAX
+    qkT = nl.ndarray((P_MAX, kpp, n_tok, nh), dtype=qkv[0].dtype, buffer=nl.sbuf)
     base = tiles[0][0]
     for ti, (t0, nt, _, _) in enumerate(tiles):
-        for h0 in range(0, nh, TRANSPOSE_GROUP):
-            n = min(TRANSPOSE_GROUP, nh - h0)
-            ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=qkv[ti].dtype, buffer=nl.psum)
-            for h in range(n):
-                nisa.nc_transpose(dst=ps[:cfg.d, h, :nt], data=qkv[ti][:nt, (h0 + h) * cfg.d:(h0 + h + 1) * cfg.d])
-            nisa.tensor_copy(dst=qkT[:cfg.d, t0 - base:t0 - base + nt, h0:h0 + n].permute((0, 2, 1)),
-                             src=ps[:cfg.d, :n, :nt])
+        for u in range(kpp):
+            for h0 in range(0, nh, TRANSPOSE_GROUP):
+                n = min(TRANSPOSE_GROUP, nh - h0)
+                ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=qkv[ti].dtype, buffer=nl.psum)
+                for h in range(n):
+                    c0 = cfg.pad + (h0 + h - u) * d
+                    nisa.nc_transpose(dst=ps[:width, h, :nt], data=qkv[ti][:nt, c0:c0 + width])
+                nisa.tensor_copy(dst=qkT[u * d:(u + 1) * d, u, t0 - base:t0 - base + nt, h0:h0 + n].permute((0, 2, 1)),
+                                 src=ps[u * d:(u + 1) * d, :n, :nt])
     return qkT
 
 
@@ -416,21 +472,17 @@ class _AttnState(nl.NKIObject):
     hardware both serialise on reuse): 2 score tiles of FA_SUB fp32 (4 PSUM banks), the PV output (2 banks), one
     transpose bank, one selection bank; KV_BUFS K/V load slots; 2 masked-query stationaries."""
 
-    def __init__(self, cfg, dtype):
+    def __init__(self, cfg, dtype, qm):
         d, pack = cfg.d, cfg.pack
         self.ps_sc = tuple(nl.ndarray((P_MAX, FA_SUB), dtype=nl.float32, buffer=nl.psum) for _ in range(2))
         self.ps_o = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.psum)
         self.ps_t = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=dtype, buffer=nl.psum)
         self.ps_sel = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
-        self.kT = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile), dtype=dtype, buffer=nl.sbuf) for _ in range(KV_BUFS))
+        self.kT = tuple(nl.ndarray((P_MAX, cfg.nst, cfg.fa_tile), dtype=dtype, buffer=nl.sbuf)
+                        for _ in range(cfg.kv_bufs))
         self.v = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX + 1, d), dtype=dtype, buffer=nl.sbuf)
-                       for _ in range(KV_BUFS))
-        # Masked stationaries: qm[:, j, :] holds the queries of the pack's j-th batch in columns j*R..(j+1)*R and
-        # zeros elsewhere; accumulating qm_j^T K_j over j yields a packed score tile where row block j only saw
-        # batch j's keys. Zeroed once; every pack rewrites the same diagonal blocks.
-        self.qm = tuple(nl.ndarray((P_MAX, pack, pack * cfg.R), dtype=dtype, buffer=nl.sbuf) for _ in range(2))
-        for q in self.qm:
-            nisa.memset(dst=q[:d], value=0.0)
+                       for _ in range(cfg.kv_bufs))
+        self.qm = qm
         self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
         self.iotas = {}
 
@@ -452,12 +504,16 @@ class _Softmax(nl.NKIObject):
     """Running statistics of one pack: max m, sum l (fp32 [rows, 1]) and the PV accumulator (fp32 [rows, nb*d])."""
 
     def __init__(self):
-        self.m, self.l, self.acc = None, None, None
+        self.m, self.l, self.acc, self.pending = None, None, None, None
 
 
-def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi):
-    """Flash-decoding for every (KV head, batch pack); returns o_tok[tile] = [tokens, nq*d] bf16."""
-    st = _AttnState(cfg, qkT.dtype)
+def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi, W_o):
+    """Flash-decoding for every (KV head, batch pack); returns (o_tok[tile] = [tokens, nq*d] bf16, resident W_o).
+
+    Packs are balanced (ceil(batches / packs) each). W_o's load is issued before the last pack's K/V loads when
+    there are several packs (the K/V ring then stalls the DMA queue on compute; W_o fills that gap), else after.
+    """
+    st = _AttnState(cfg, qkT.dtype, consts.qm)
     # bmask[r, j] = 1.0 iff row r belongs to the pack's batch j (j*R <= r < (j+1)*R).
     lo = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
     ones = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
@@ -469,17 +525,24 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
                        on_false_value=0.0, cmp_op=nl.less, offset=-cfg.R)
     o_acc = tuple(nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
     for g in range(cfg.nkv):
-        for p0 in range(b_lo, b_hi, cfg.pack):
-            nb = min(cfg.pack, b_hi - p0)
+        n_packs = (b_hi - b_lo + cfg.pack - 1) // cfg.pack
+        per = (b_hi - b_lo + n_packs - 1) // n_packs
+        for pi in range(n_packs):
+            p0 = b_lo + pi * per
+            nb = min(per, b_hi - p0)
+            if g == cfg.nkv - 1 and pi == n_packs - 1 and (n_packs > 1 or cfg.nkv > 1):
+                wo = _load_w_o(cfg, W_o)
             o_rows = _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0,
                                   nb, bmask)
             _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
+    if n_packs == 1 and cfg.nkv == 1:
+        wo = _load_w_o(cfg, W_o)
     o_tok = []
     for ti, (_t0, nt, _, _) in enumerate(tiles):
         o = nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=qkT.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=o[:nt], src=o_acc[ti][:nt])
         o_tok.append(o)
-    return tuple(o_tok)
+    return tuple(o_tok), wo
 
 
 def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0, nb, bmask):
@@ -489,10 +552,15 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     base = tiles[0][0]
     qm = st.qm[st.n_packs % 2]
     st.n_packs += 1
+    kact = nl.ndarray((P_MAX, cfg.nst, MAX_S_TKG), dtype=qkT.dtype, buffer=nl.sbuf)   # new keys, stacked
     for j in range(nb):
         t = (p0 + j) * S - base
-        nisa.tensor_copy(dst=qm[:d, j, j * R:(j + 1) * R].reshape((d, S, G)),
-                         src=qkT[:d, t:t + S, g * G:(g + 1) * G])
+        jj, u0 = j // cfg.kpp, (j % cfg.kpp) * d
+        u = j % cfg.kpp
+        nisa.tensor_copy(dst=qm[u0:u0 + d, jj, j * R:(j + 1) * R].reshape((d, S, G)),
+                         src=qkT[u0:u0 + d, u, t:t + S, g * G:(g + 1) * G], engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=kact[u0:u0 + d, jj, :S], src=qkT[u0:u0 + d, u, t:t + S, cfg.nq + g],
+                         engine=nisa.engine.gpsimd)
     # First new position of each row's sequence, and each row's own position (fp32, [rows, 1]).
     p_first = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=p_first[:rows], src=position_ids.ap([[S, nb], [0, S], [0, G]], offset=p0 * S))
@@ -501,8 +569,9 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         q_pos = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=q_pos[:rows], src=position_ids.ap([[S, nb], [1, S], [0, G]], offset=p0 * S))
     sm = _Softmax()
-    _active_step(cfg, consts, st, sm, qm, qkT, qkv, tiles, g, p0, nb, p_first, q_pos)
+    _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, q_pos)
     _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
+    _flush_acc(cfg, st, sm, rows, nb)
     # Final normalisation; sinks join the denominator only.
     l_fin = sm.l
     if sinks != None:  # noqa: E711
@@ -527,7 +596,7 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     return o_rows
 
 
-def _active_step(cfg, consts, st, sm, qm, qkT, qkv, tiles, g, p0, nb, p_first, q_pos):
+def _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, q_pos):
     """Scores of the S new tokens of each sequence, K^T/V straight from SBUF; causal among the new tokens.
 
     Initialises the running statistics: every row sees at least its own key, so m is finite from here on.
@@ -536,53 +605,61 @@ def _active_step(cfg, consts, st, sm, qm, qkT, qkv, tiles, g, p0, nb, p_first, q
     rows = nb * R
     base = tiles[0][0]
     sc = st.scores()
-    for j in range(nb):
-        t = (p0 + j) * S - base
-        nisa.nc_matmul(dst=sc[:rows, :S], stationary=qm[:d, j, :rows], moving=qkT[:d, t:t + S, cfg.nq + g],
-                       accumulate=(j > 0))
+    for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
+        kp = min(cfg.kpp, nb - jj * cfg.kpp) * d
+        nisa.nc_matmul(dst=sc[:rows, :S], stationary=qm[:kp, jj, :rows], moving=kact[:kp, jj, :S],
+                       accumulate=(jj > 0))
     if S > 1:
         # key s' is invalid for the row of token s if s' > s, or (sliding window) s' <= s - W
         s_row = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=s_row[:rows], data1=q_pos[:rows], data2=p_first[:rows], op=nl.subtract)
         key = st.iota(f"a{S}", [[1, S]], S)
-        _fold_mask(cfg, consts, sc, rows, S, key, s_row, nl.greater, 0.0)
+        _fold_mask(cfg, consts, sc, rows, ((0, S, 0),), key, s_row, nl.greater, 0.0)
         if 0 < cfg.window < S:
-            _fold_mask(cfg, consts, sc, rows, S, key, s_row, nl.less_equal, -float(cfg.window))
+            _fold_mask(cfg, consts, sc, rows, ((0, S, 0),), key, s_row, nl.less_equal, -float(cfg.window))
     m0 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=m0[:rows], op=nl.maximum, data=sc[:rows, :S], axis=(1,))
     nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=nbias[:rows], data=m0[:rows], op0=nl.multiply, operand0=-cfg.scale)
-    p = nl.ndarray((P_MAX, MAX_S_TKG), dtype=qkT.dtype, buffer=nl.sbuf)
+    p = nl.ndarray((P_MAX, MAX_S_TKG), dtype=kact.dtype, buffer=nl.sbuf)
     l0 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=p[:rows, :S], op=nl.exp, data=sc[:rows, :S], bias=nbias[:rows], scale=cfg.scale,
                     reduce_op=nl.add, reduce_res=l0[:rows], reduce_cmd=nisa.reduce_cmd.reset_reduce)
     nisa.nc_transpose(dst=st.ps_t[:S, 0, :rows], data=p[:rows, :S])
-    pT = nl.ndarray((P_MAX, P_MAX), dtype=qkT.dtype, buffer=nl.sbuf)
+    pT = nl.ndarray((P_MAX, P_MAX), dtype=kact.dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=pT[:S, :rows], src=st.ps_t[:S, 0, :rows])
     # V of the new tokens as [token s', batch j * d]: selection matmuls (identity columns) out of the token layout.
     va = st.scores()
-    vcol = (cfg.nq + cfg.nkv + g) * d
+    vcol = cfg.pad + (cfg.nq + cfg.nkv + g) * d
     for j in range(nb):
         t = (p0 + j) * S
         ti = (t - base) // cfg.tile_tok
         r, nt = t - tiles[ti][0], tiles[ti][1]
         nisa.nc_matmul(dst=va[:S, j * d:(j + 1) * d], stationary=consts.ident[:nt, r:r + S],
                        moving=qkv[ti][:nt, vcol:vcol + d], accumulate=False)
-    v_new = nl.ndarray((P_MAX, PV_COLS), dtype=qkT.dtype, buffer=nl.sbuf)
+    v_new = nl.ndarray((P_MAX, PV_COLS), dtype=kact.dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=v_new[:S, :nb * d], src=va[:S, :nb * d])
     half = max(1, PSUM_F // d)
     for h0 in range(0, nb, half):
         hn = min(half, nb - h0)
         nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:S, :rows],
                        moving=v_new[:S, h0 * d:(h0 + hn) * d], accumulate=False)
-    acc = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=acc[:rows, :nb * d], src=st.ps_o[:rows, :nb * d])
-    sm.m, sm.l, sm.acc = m0, l0, acc
+    sm.m, sm.l, sm.pending = m0, l0, l0    # acc = PV, flushed after the next step's statistics
 
 
-def _fold_mask(cfg, consts, sc, rows, cols, key, thr_base, cmp, shift):
-    """sc[:rows, :cols] += MASK_NEG where cmp(key offset, thr_base + shift) (key offsets per column, thresholds per
-    row): the 0/1 mask is built on GpSimd and folded into the score PSUM by a matmul with MASK_NEG * I."""
+def _cols(t, rows, c0, c1, inner):
+    """t[:rows, c0:c1], viewed [rows, (c1 - c0) / inner, inner] when inner > 0 (the score matmuls' dst shape; the
+    mask matmuls must use the same view to continue the same PSUM accumulation group)."""
+    if inner == 0:
+        return t[:rows, c0:c1]
+    return t[:rows, c0:c1].reshape((rows, (c1 - c0) // inner, inner))
+
+
+def _fold_mask(cfg, consts, sc, rows, chunks, key, thr_base, cmp, shift):
+    """sc[:rows, chunks] += MASK_NEG where cmp(key offset, thr_base + shift) (key offsets per column, thresholds
+    per row): the 0/1 mask is built on GpSimd and folded into the score PSUM by a matmul with MASK_NEG * I, one per
+    score accumulation chunk (c0, c1, inner)."""
+    cols = chunks[-1][1]
     thr = thr_base
     if shift != 0.0:
         thr = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -590,76 +667,130 @@ def _fold_mask(cfg, consts, sc, rows, cols, key, thr_base, cmp, shift):
     m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=m[:rows, :cols], data1=key[:rows, :cols], data2=thr[:rows].broadcast(1, cols), op=cmp,
                        engine=nisa.engine.gpsimd)
-    for c0 in range(0, cols, PSUM_F):
-        cw = min(PSUM_F, cols - c0)
-        nisa.nc_matmul(dst=sc[:rows, c0:c0 + cw], stationary=consts.neg_eye[:rows, :rows], moving=m[:rows, c0:c0 + cw],
-                       accumulate=True)
+    for c0, c1, inner in chunks:
+        nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=consts.neg_eye[:rows, :rows],
+                       moving=_cols(m, rows, c0, c1, inner), accumulate=True)
 
 
-def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos):
-    """Cache keys j < pos[b, 0]: K/V load slots of fa_tile positions, online-softmax steps of <= FA_SUB positions.
+class _Step(nl.NKIObject):
+    """One online-softmax step over the cache: slot index, score chunks, key layout and P^T / V blocks."""
+
+    def __init__(self, slot, pos0, chunks, key_id, key_pattern, blocks):
+        self.slot, self.pos0, self.chunks = slot, pos0, chunks
+        self.key_id, self.key_pattern, self.blocks = key_id, key_pattern, blocks
+        self.cols = chunks[-1][1]
+        self.sc, self.thr_hi, self.thr_lo = None, None, None
+
+
+def _plan(cfg):
+    """Slots (j0, w) of the cache scan and the steps over them (static).
 
     Slot layout: K^T [d, w] by DMA transpose; V so that partition q holds positions q*n + i (n = w // 128, one
     contiguous run of n*d elements per partition), the last w % 128 positions as one more block. A step covers
-    i in [i0, i0 + ni) for all q: score column q*ni + il <-> position q*n + i0 + il, so the P^T block of V block
-    i0 + il is the stride-ni column set il::ni of P.
+    i in [i0, i0 + ni) for all q (ni a power of two, so 512-column score chunks align with the PSUM banks):
+    score column q*ni + il <-> position q*n + i0 + il, so the P^T block of V block i0 + il is the stride-ni column
+    set il::ni of P. Keys beyond L - S are read only up to the next multiple of 128 (and S_max): they are masked.
     """
-    d, R, W = cfg.d, cfg.R, cfg.window
-    rows = nb * R
-    n_sub = FA_SUB // P_MAX
-    thr_hi = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)     # key invalid if j > pos[b, 0] - 1
-    nisa.tensor_scalar(dst=thr_hi[:rows], data=p_first[:rows], op0=nl.add, operand0=-1.0)
-    thr_lo = None
-    if W > 0:                                                            # key invalid if j <= pos - W
-        thr_lo = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=thr_lo[:rows], data=q_pos[:rows], op0=nl.add, operand0=-float(W))
-    for j0 in range(0, cfg.L_prior, cfg.fa_tile):
-        w = min(cfg.fa_tile, cfg.L_prior - j0)
+    scan = min(cfg.s_max, (cfg.L_prior + P_MAX - 1) // P_MAX * P_MAX)
+    # Slots of fa_tile positions, the last one split so that only FA_SUB positions arrive last (the compute left
+    # after the last K/V byte is then one step).
+    bounds = list(range(0, scan, cfg.fa_tile)) + [scan]
+    if len(bounds) >= 2 and bounds[-1] - bounds[-2] > FA_SUB:
+        bounds.insert(len(bounds) - 1, bounds[-1] - FA_SUB)
+    slots, steps = [], []
+    for si in range(len(bounds) - 1):
+        j0, w = bounds[si], bounds[si + 1] - bounds[si]
         n, rem = w // P_MAX, w % P_MAX
-        kT = st.kT[st.n_slots % KV_BUFS]
-        v = st.v[st.n_slots % KV_BUFS]
+        k = len(slots)
+        slots.append((j0, w))
+        i0 = 0
+        while i0 < n:
+            ni = FA_SUB // P_MAX
+            while ni > n - i0:
+                ni //= 2
+            qc = min(P_MAX, PSUM_F // ni)
+            chunks = tuple((q0 * ni, min(P_MAX, q0 + qc) * ni, ni) for q0 in range(0, P_MAX, qc))
+            blocks = tuple((il, ni, P_MAX, i0 + il) for il in range(ni))
+            steps.append(_Step(k, j0 + i0, chunks, f"s{n}_{ni}", [[n, P_MAX], [1, ni]], blocks))
+            i0 += ni
+        if rem:
+            steps.append(_Step(k, j0 + n * P_MAX, ((0, rem, 0),), f"r{rem}", [[1, rem]], ((0, 1, rem, n),)))
+    return tuple(slots), tuple(steps)
+
+
+def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos):
+    """Cache keys j < pos[b, 0] (and > pos - W): K/V slots in a KV_BUFS ring, software-pipelined steps.
+
+    Program order per step k: loads of the next slot when step k+1 starts one, scores + masks of step k+1, then the
+    softmax / P^T / PV of step k, so TensorE computes the next scores while Vector/Scalar work on this step.
+    """
+    rows = nb * cfg.R
+    slots, steps = _plan(cfg)
+    if len(steps) == 0:
+        return
+    # Per-step mask thresholds (tiny, all issued up front so the GpSimd masks never wait for VectorE).
+    for step in steps:
+        step.thr_hi = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)   # invalid if j > pos[b, 0] - 1
+        nisa.tensor_scalar(dst=step.thr_hi[:rows], data=p_first[:rows], op0=nl.add, operand0=-1.0 - step.pos0)
+        if cfg.window > 0:                                                       # invalid if j <= pos - W
+            step.thr_lo = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=step.thr_lo[:rows], data=q_pos[:rows], op0=nl.add,
+                               operand0=-float(cfg.window) - step.pos0)
+    views = []
+    _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[0], views)
+    for k in range(len(steps)):
+        if k + 1 < len(steps):
+            _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[k + 1], views)
+        step = steps[k]
+        _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks)
+        step.sc = None
+
+
+def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step, views):
+    """Loads of the step's slot (when first needed), then its scores and masks into the next score buffer."""
+    d, rows = cfg.d, nb * cfg.R
+    while len(views) <= step.slot:
+        j0, w = slots[len(views)]
+        n, rem = w // P_MAX, w % P_MAX
+        kT = st.kT[st.n_slots % cfg.kv_bufs]
+        v = st.v[st.n_slots % cfg.kv_bufs]
         st.n_slots += 1
         for j in range(nb):
             b = p0 + j
-            nisa.dma_transpose(dst=kT[:d, j, :w], src=K_cache[b, g, j0:j0 + w, :])
+            u0 = (j % cfg.kpp) * d
+            nisa.dma_transpose(dst=kT[u0:u0 + d, j // cfg.kpp, :w], src=K_cache[b, g, j0:j0 + w, :])
             if n > 0:
                 nisa.dma_copy(dst=v[:, j, :n, :], src=V_cache[b, g, j0:j0 + n * P_MAX, :].reshape((P_MAX, n * d)))
             if rem:
                 nisa.dma_copy(dst=v[:rem, j, n, :], src=V_cache[b, g, j0 + n * P_MAX:j0 + w, :])
-        for i0 in range(0, n, n_sub):
-            ni = min(n_sub, n - i0)
-            cols = P_MAX * ni
-            sc = st.scores()
-            qc = min(P_MAX, PSUM_F // ni)
-            for q0 in range(0, P_MAX, qc):
-                qn = min(qc, P_MAX - q0)
-                for j in range(nb):
-                    nisa.nc_matmul(dst=sc[:rows, q0 * ni:(q0 + qn) * ni].reshape((rows, qn, ni)),
-                                   stationary=qm[:d, j, :rows],
-                                   moving=kT[:d, j, :n * P_MAX].reshape((d, P_MAX, n))[:, q0:q0 + qn, i0:i0 + ni],
-                                   accumulate=(j > 0))
-            key = st.iota(f"s{n}_{ni}", [[n, P_MAX], [1, ni]], cols)
-            blocks = tuple((il, ni, P_MAX, i0 + il) for il in range(ni))
-            _masked_online_step(cfg, consts, st, sm, sc, rows, nb, cols, key, j0 + i0, thr_hi, thr_lo, v, blocks)
-        if rem:
-            sc = st.scores()
-            for j in range(nb):
-                nisa.nc_matmul(dst=sc[:rows, :rem], stationary=qm[:d, j, :rows], moving=kT[:d, j, n * P_MAX:w],
-                               accumulate=(j > 0))
-            key = st.iota(f"r{rem}", [[1, rem]], rem)
-            _masked_online_step(cfg, consts, st, sm, sc, rows, nb, rem, key, j0 + n * P_MAX, thr_hi, thr_lo, v,
-                                ((0, 1, rem, n),))
+        views.append((kT, v))
+    kT = views[step.slot][0]
+    j0, w = slots[step.slot]
+    n = w // P_MAX
+    sc = st.scores()
+    for c0, c1, inner in step.chunks:
+        for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
+            kp = min(cfg.kpp, nb - jj * cfg.kpp) * d
+            if inner > 0:
+                i0 = step.pos0 - j0
+                mov = kT[:kp, jj, :n * P_MAX].reshape((kp, P_MAX, n))[:, c0 // inner:c1 // inner, i0:i0 + inner]
+            else:
+                mov = kT[:kp, jj, n * P_MAX:w]
+            nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=qm[:kp, jj, :rows], moving=mov,
+                           accumulate=(jj > 0))
+    key = st.iota(step.key_id, step.key_pattern, step.cols)
+    _fold_mask(cfg, consts, sc, rows, step.chunks, key, step.thr_hi, nl.greater, 0.0)
+    if step.thr_lo != None:  # noqa: E711
+        _fold_mask(cfg, consts, sc, rows, step.chunks, key, step.thr_lo, nl.less_equal, 0.0)
+    step.sc = sc
 
 
-def _masked_online_step(cfg, consts, st, sm, sc, rows, nb, cols, key, pos0, thr_hi, thr_lo, v, blocks):
-    """Masks (keys at pos0 + key offset) + one online-softmax update + PV.
+def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks):
+    """One online-softmax update over the masked scores sc[:rows, :cols] + PV.
 
     blocks: (first column, column stride, positions K, V block index) of each P^T block.
     """
     d, scale = cfg.d, cfg.scale
-    _fold_mask(cfg, consts, sc, rows, cols, key, thr_hi, nl.greater, -float(pos0))
-    if thr_lo != None:  # noqa: E711
-        _fold_mask(cfg, consts, sc, rows, cols, key, thr_lo, nl.less_equal, -float(pos0))
     m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=sc[:rows, :cols], axis=(1,))
     m_new = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -682,17 +813,29 @@ def _masked_online_step(cfg, consts, st, sm, sc, rows, nb, cols, key, pos0, thr_
     for i, (c0, stride, k, _vb) in enumerate(blocks):
         nisa.nc_transpose(dst=st.ps_t[:k, i, :rows], data=p[:rows, c0:c0 + (k - 1) * stride + 1:stride])
     kmax = blocks[0][2]
-    nisa.tensor_copy(dst=pT[:kmax, :nblk, :rows], src=st.ps_t[:kmax, :nblk, :rows])
+    nisa.activation(dst=pT[:kmax, :nblk, :rows], op=nl.copy, data=st.ps_t[:kmax, :nblk, :rows])   # ScalarE
+    _flush_acc(cfg, st, sm, rows, nb)     # previous step's PV, placed after this step's statistics on VectorE
     half = max(1, PSUM_F // d)
     for h0 in range(0, nb, half):
         hn = min(half, nb - h0)
         for i, (_c0, _s, k, vb) in enumerate(blocks):
             nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:k, i, :rows],
                            moving=v[:k, h0:h0 + hn, vb, :], accumulate=(i > 0))
+    sm.m, sm.l, sm.pending = m_new, l_new, alpha
+
+
+def _flush_acc(cfg, st, sm, rows, nb):
+    """acc = acc * alpha + PV of the pending step (ps_o), or acc = PV for the first step."""
+    if sm.pending == None:  # noqa: E711
+        return
     acc = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=acc[:rows, :nb * d], data=sm.acc[:rows, :nb * d], op0=nl.multiply,
-                              operand0=alpha[:rows], op1=nl.add, operand1=st.ps_o[:rows, :nb * d])
-    sm.m, sm.l, sm.acc = m_new, l_new, acc
+    n = nb * cfg.d
+    if sm.acc == None:  # noqa: E711
+        nisa.tensor_copy(dst=acc[:rows, :n], src=st.ps_o[:rows, :n])
+    else:
+        nisa.scalar_tensor_tensor(dst=acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,
+                                  operand0=sm.pending[:rows], op1=nl.add, operand1=st.ps_o[:rows, :n])
+    sm.acc, sm.pending = acc, None
 
 
 def _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb):
@@ -748,10 +891,9 @@ def _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles):
             nisa.register_load(dst=start, src=position_ids[b, 0])
             r0 = bl * S
             for g in range(nkv):
-                nisa.dma_copy(dst=K_cache[b, g, nl.ds(start, S), :],
-                              src=qkv[ti][r0:r0 + S, (nq + g) * d:(nq + g + 1) * d])
-                nisa.dma_copy(dst=V_cache[b, g, nl.ds(start, S), :],
-                              src=qkv[ti][r0:r0 + S, (nq + nkv + g) * d:(nq + nkv + g + 1) * d])
+                kc, vc = cfg.pad + (nq + g) * d, cfg.pad + (nq + nkv + g) * d
+                nisa.dma_copy(dst=K_cache[b, g, nl.ds(start, S), :], src=qkv[ti][r0:r0 + S, kc:kc + d])
+                nisa.dma_copy(dst=V_cache[b, g, nl.ds(start, S), :], src=qkv[ti][r0:r0 + S, vc:vc + d])
 
 
 def _transpose_o(cfg, o_tok, tiles):
@@ -780,43 +922,43 @@ def _transpose_o(cfg, o_tok, tiles):
     return tuple(oTs)
 
 
-def _output_projection(cfg, consts, o_tok, wo, bias, out, tiles):
-    """out[tokens, H] = o @ W_o (+ bias): o^T chunks stationary, resident W_o rows moving.
-
-    All OPROJ_BANKS accumulators are open at once and the K-chunk loop is outermost, so the matmuls of W_o chunk k
-    run as soon as its DMA lands; the bias is a K=1 matmul issued first. One store per (token tile, bank group).
+def _output_projection(cfg, consts, o_tok, wo, bias_T, out, tiles):
+    """out[tokens, H] = o @ W_o (+ bias), computed transposed: out^T chunk c [128 (H), tokens] = sum over K chunks
+    of matmul(stationary = W_o rows [K chunk, 128 H columns], moving = o^T [K chunk, tokens]) -- max(tokens, 64)
+    cycles per matmul instead of 512 with W_o moving. The bias is a per-partition scalar of out^T (added by the
+    eviction), then TensorE transposes bring [tokens, H] back for one contiguous store per token tile.
     """
     K = cfg.nq * cfg.d
     n_k = (K + P_MAX - 1) // P_MAX
+    n_c = (cfg.H + P_MAX - 1) // P_MAX
     oTs = _transpose_o(cfg, o_tok, tiles)
-    n_chunks = (cfg.H + PSUM_F - 1) // PSUM_F
-    pairs = [(ti, ch) for ti in range(len(tiles)) for ch in range(n_chunks)]
-    res = tuple(nl.ndarray((P_MAX, cfg.H), dtype=out.dtype, buffer=nl.sbuf) for _ in tiles)
-    n_ev = 0
-    for g0 in range(0, len(pairs), OPROJ_BANKS):
-        group = pairs[g0:g0 + OPROJ_BANKS]
-        accs = [nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in group]
-        if bias != None:  # noqa: E711
-            for i, (ti, ch) in enumerate(group):
-                nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, cfg.H - ch * PSUM_F)
-                nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=_ones_row(consts, bias.dtype, nt),
-                               moving=bias[:1, c0:c0 + cw], accumulate=False)
-        for k in range(n_k):
-            kn = min(P_MAX, K - k * P_MAX)
-            for i, (ti, ch) in enumerate(group):
-                nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, cfg.H - ch * PSUM_F)
-                nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=oTs[ti][:kn, k, :nt], moving=wo[:kn, k, c0:c0 + cw],
-                               accumulate=(k > 0 or bias != None))  # noqa: E711
-        for i, (ti, ch) in enumerate(group):
-            nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, cfg.H - ch * PSUM_F)
-            _evict(n_ev, res[ti][:nt, c0:c0 + cw], accs[i][:nt, :cw])
-            n_ev += 1
-        for ti in range(len(tiles)):
-            chs = [ch for t, ch in group if t == ti]
-            if len(chs) > 0:
-                t0, nt = tiles[ti][0], tiles[ti][1]
-                c_lo, c_hi = min(chs) * PSUM_F, min(cfg.H, (max(chs) + 1) * PSUM_F)
-                nisa.dma_copy(dst=out[t0:t0 + nt, c_lo:c_hi], src=res[ti][:nt, c_lo:c_hi])
+    for ti, (t0, nt, _, _) in enumerate(tiles):
+        per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, nt <= 128] fp32 per bank
+        outT = nl.ndarray((P_MAX, n_c, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
+        for c0 in range(0, n_c, per_bank):
+            ncb = min(per_bank, n_c - c0)
+            ps = nl.ndarray((P_MAX, per_bank, P_MAX), dtype=nl.float32, buffer=nl.psum)
+            for c in range(c0, c0 + ncb):                   # one accumulation group at a time per bank
+                for k in range(n_k):
+                    kn = min(P_MAX, K - k * P_MAX)
+                    nisa.nc_matmul(dst=ps[:, c - c0, :nt], stationary=wo[:kn, k, c * P_MAX:(c + 1) * P_MAX],
+                                   moving=oTs[ti][:kn, k, :nt], accumulate=(k > 0))
+            if bias_T != None:  # noqa: E711
+                nisa.tensor_tensor(dst=outT[:, c0:c0 + ncb, :nt], data1=ps[:, :ncb, :nt],
+                                   data2=bias_T[:, c0:c0 + ncb].expand_dim(2).broadcast(2, nt), op=nl.add)
+            else:
+                _evict(c0 // per_bank, outT[:, c0:c0 + ncb, :nt], ps[:, :ncb, :nt])
+            ps = None
+        res = nl.ndarray((P_MAX, cfg.H), dtype=out.dtype, buffer=nl.sbuf)
+        for c0 in range(0, n_c, TRANSPOSE_GROUP):
+            nc = min(TRANSPOSE_GROUP, n_c - c0)
+            pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
+            for c in range(nc):
+                nisa.nc_transpose(dst=pt[:nt, c, :], data=outT[:, c0 + c, :nt])
+            _evict(c0 // TRANSPOSE_GROUP, res[:nt, c0 * P_MAX:(c0 + nc) * P_MAX].reshape((nt, nc, P_MAX)),
+                   pt[:nt, :nc, :])
+            pt = None
+        nisa.dma_copy(dst=out[t0:t0 + nt, :], src=res[:nt, :])
 
 
 decode_attention_nki = nki.jit(decode_attention_kernel)

@@ -211,3 +211,11 @@ def test_errors_before_any_work():
         decode_attention_nki(*args, **kw)
     assert torch.equal(args[2], k_before)
     check_positions(args[4], 256)
+
+
+# ---- K/V ring, packs, slots -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("B,S,ctx,shape", [(13, 2, 2500, LLAMA31_8B_TP8), (20, 1, 5000, GPT_OSS_20B_TP8)])
+def test_ring_wrap_balanced_packs_partial_slots(B, S, ctx, shape):
+    """Several packs (balanced), K/V ring slots reused across packs, a context that is not a multiple of 128."""
+    run_and_check(B, S, s_max=ctx + 40, ctx=ctx, shape=shape)
