@@ -112,6 +112,8 @@ class CoreSpec(_Sourced):
     scalar_fixed_cycles: int        # ScalarE per-instruction fixed cost (dependent-instruction II)
     matmul_min_cycles: int          # MultiplyMoving minimum initiation interval
     sbuf_access_overhead_cycles: int
+    sbuf_fast_stride_bytes: int     # innermost-stride limit of full-bandwidth engine SBUF access
+    sbuf_strided_factor: float      # streaming-time factor of an engine SBUF access above that stride
     sources: dict = field(default_factory=dict, compare=False, repr=False)
 
     def peak_flops(self, dtype: str = "bfloat16", double_row: bool = False, mx: bool = False) -> float:
@@ -223,6 +225,10 @@ _COMMON_OVERHEADS = dict(
     matmul_min_cycles=(64, "[SDK:arch1]/[SDK:perf] nki-api.md §8.4: MultiplyMoving II ~ max(N, 64 cycles)"),
     sbuf_access_overhead_cycles=(60, "[SDK:arch1] nki-api.md §8.4: ~60 cycles per SBUF/PSUM access request (v2); "
                                      "folded into static_instruction_cycles by the cost model"),
+    sbuf_fast_stride_bytes=(16, "[SDK] memory-hierarchy-overview.rst, [SDK:arch1] nki-api.md §8.4: engine SBUF "
+                                "read/write 128 elems/cycle/interface; >16-byte innermost stride halves bandwidth"),
+    sbuf_strided_factor=(2.0, "[SDK] memory-hierarchy-overview.rst nki-api.md §8.4: half bandwidth above "
+                              "sbuf_fast_stride_bytes -> 2x the streaming time (upper bound, applied whole)"),
 )
 
 

@@ -33,7 +33,7 @@ from .dtypes import (  # noqa: F401 - re-exported as nl.<dtype>
 )
 from .errors import NkiValidationError
 from .memory import Allocation, check_buffer, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
-from .runtime import current
+from .runtime import access_of, current
 from .tensor import DynSlice, NkiTensor, VirtualRegister, ds, read  # noqa: F401
 
 FP32_MIN = float(np.finfo(np.float32).min)
@@ -278,11 +278,20 @@ def fori_loop(lower, upper, body_fun, step=1):
     lo = scalar_value(lower, "fori_loop lower")
     hi = scalar_value(upper, "fori_loop upper")
     reg = VirtualRegister(lo, frozen=True)
-    for i in range(lo, hi, step):
-        reg.value = i
-        ctx.emit("loop_iter", "sync", (), ())
-        if body_fun(reg) is not None:
-            raise NkiValidationError("nl.fori_loop: body_fun must return None")
+    # Cost model: with register / tensor bounds every instruction of the loop depends on their producers (control
+    # dependency); the induction register itself has no recorded writer (each engine steps its own copy).
+    prev = ctx.ctrl
+    dyn = tuple(access_of(b) for b in (lower, upper) if isinstance(b, (VirtualRegister, NkiTensor)))
+    if dyn:
+        ctx.ctrl = prev + dyn
+    try:
+        for i in range(lo, hi, step):
+            reg.value = i
+            ctx.emit("loop_iter", "sync", (), ())
+            if body_fun(reg) is not None:
+                raise NkiValidationError("nl.fori_loop: body_fun must return None")
+    finally:
+        ctx.ctrl = prev
 
 
 def while_loop(init, body_fun):
@@ -292,12 +301,18 @@ def while_loop(init, body_fun):
     if ctx.no_reorder_depth:
         raise NkiValidationError("nl.while_loop is not allowed inside nl.no_reorder()")
     cond = init
-    while (cond.value if isinstance(cond, VirtualRegister) else int(cond)) != 0:
-        ctx.emit("loop_iter", "sync", (), ())
-        cur = cond.value if isinstance(cond, VirtualRegister) else int(cond)
-        cond = body_fun(VirtualRegister(cur))
-        if not isinstance(cond, (VirtualRegister, int, np.integer)):
-            raise NkiValidationError("nl.while_loop: body_fun must return the next condition (a VirtualRegister)")
+    prev = ctx.ctrl
+    try:
+        while (cond.value if isinstance(cond, VirtualRegister) else int(cond)) != 0:
+            # cost model: this iteration's instructions depend on the writer of the condition register
+            ctx.ctrl = prev + (access_of(cond),) if isinstance(cond, VirtualRegister) else prev
+            ctx.emit("loop_iter", "sync", (), ())
+            cur = cond.value if isinstance(cond, VirtualRegister) else int(cond)
+            cond = body_fun(VirtualRegister(cur))
+            if not isinstance(cond, (VirtualRegister, int, np.integer)):
+                raise NkiValidationError("nl.while_loop: body_fun must return the next condition (a VirtualRegister)")
+    finally:
+        ctx.ctrl = prev
 
 
 @contextlib.contextmanager

@@ -3,6 +3,12 @@
 Every ISA op appends one `Instruction` to its core's trace: what engine ran it, which byte ranges of which
 allocations it read and wrote, and op-specific sizes. The cost model schedules that trace; nothing in it keeps a
 tensor alive (only allocation ids), so recording never changes capacity accounting.
+
+Address dependencies: an operand's `Access.deps` lists what computing its address reads — the index tensor of an
+indirect (vector_offset / vector_select) view, and the registers or 1-element tensors of a dynamic offset (nl.ds,
+`.ap(scalar_offset=...)`, a register index). A `VirtualRegister` is a pseudo-allocation of buffer "reg" (alloc_id
+-id): register ops write it, views built from it read it. `Instruction.deps` holds control dependencies: inside a
+loop whose bounds / condition come from registers (nl.fori_loop, nl.while_loop) every instruction depends on them.
 """
 
 import math
@@ -12,20 +18,28 @@ import warnings
 
 from .memory import MemoryPool
 from .target import resolve_target
+from .tensor import VirtualRegister
 
 
 class Access:
     """One operand's footprint: allocation, buffer, byte range, bytes, partitions, contiguous bytes per run."""
 
-    __slots__ = ("alloc_id", "buffer", "lo", "hi", "nbytes", "partitions", "run_bytes", "box")
+    __slots__ = ("alloc_id", "buffer", "lo", "hi", "nbytes", "partitions", "run_bytes", "box", "deps",
+                 "stride_bytes")
 
-    def __init__(self, alloc_id, buffer, lo, hi, nbytes, partitions, run_bytes, box=None):
+    def __init__(self, alloc_id, buffer, lo, hi, nbytes, partitions, run_bytes, box=None, deps=(), stride_bytes=0):
         self.alloc_id, self.buffer, self.lo, self.hi = alloc_id, buffer, lo, hi
         self.nbytes, self.partitions, self.run_bytes = nbytes, partitions, run_bytes
         # (row_bytes, row_lo, row_hi, col_lo, col_hi): footprint as a box over [dim0, rest] of the allocation
         # (rows inclusive, byte columns half-open), or None when the view does not fit one; the cost model's
         # dependency tracking uses it so that disjoint column slices of one tile do not look overlapping.
         self.box = box
+        # Accesses read to compute this operand's address (index tensor, offset registers/tensors): the instruction
+        # depends on their producers, but they are not data the instruction moves or computes on.
+        self.deps = deps
+        # |stride| in bytes of the innermost free dim with more than one element (itemsize when there is none):
+        # SBUF engine access runs at half bandwidth above 16 B (nki-api.md §8.4).
+        self.stride_bytes = stride_bytes
 
     def __repr__(self):
         return f"Access({self.buffer}#{self.alloc_id} [{self.lo},{self.hi}) {self.nbytes}B)"
@@ -39,6 +53,8 @@ def access_of(t):
 
 
 def _access_of(t):
+    if t.__class__ is VirtualRegister:
+        return Access(-t.id, "reg", 0, 4, 4, 1, 4, None, (), 4)
     isz = t.dtype.itemsize
     lo = hi = t.offset
     for n, s in zip(t.shape, t.strides):
@@ -55,11 +71,24 @@ def _access_of(t):
             run *= n
         else:
             break
+    on_chip = t.alloc.buffer.on_chip
+    inner = 1
+    for j in range(len(t.shape) - 1, 0 if on_chip else -1, -1):   # free dims only on chip
+        if t.shape[j] > 1:
+            inner = abs(t.strides[j])
+            break
+    deps = ()
     if t.gather is not None:
         lo, hi = 0, t.alloc.storage.size * t.alloc.dtype.itemsize // isz
+        ia = access_of(t.gather.index)
+        deps = (ia,) + ia.deps
+    if t._regs:
+        for r in t._regs:
+            ra = access_of(r)
+            deps += (ra,) + ra.deps
     nbytes = math.prod(t.shape) * isz
     return Access(t.alloc.id, t.alloc.buffer.name, lo * isz, (hi + 1) * isz, nbytes,
-                  t.shape[0] if t.buffer.on_chip else 1, run * isz, _box(t, lo, hi, isz))
+                  t.shape[0] if on_chip else 1, run * isz, _box(t, lo, hi, isz), deps, inner * isz)
 
 
 def _box(t, lo, hi, isz):
@@ -81,11 +110,12 @@ def _box(t, lo, hi, isz):
 class Instruction:
     """One executed ISA instruction, as the cost model sees it."""
 
-    __slots__ = ("seq", "core", "op", "engine", "reads", "writes", "meta")
+    __slots__ = ("seq", "core", "op", "engine", "reads", "writes", "meta", "deps")
 
-    def __init__(self, seq, core, op, engine, reads, writes, meta):
+    def __init__(self, seq, core, op, engine, reads, writes, meta, deps=()):
         self.seq, self.core, self.op, self.engine = seq, core, op, engine
         self.reads, self.writes, self.meta = reads, writes, meta
+        self.deps = deps    # control dependencies (registers of enclosing dynamic loops); RAW only
 
     def __repr__(self):
         return f"Instruction({self.seq}, core={self.core}, {self.op}@{self.engine}, {self.meta})"
@@ -127,12 +157,14 @@ class CoreContext:
         self.shared_alloc_count = 0
         self.is_default = False
         self.env_target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+        self.ctrl = ()        # Accesses every instruction depends on (registers bounding enclosing dynamic loops)
 
     def emit(self, opname, engine, reads=(), writes=(), **meta):
+        """Record one instruction. `reads`/`writes` are NkiTensors or VirtualRegisters."""
         if self.record:
             self.trace.append(Instruction(self.seq, self.program_id, opname, engine,
                                           tuple(access_of(t) for t in reads),
-                                          tuple(access_of(t) for t in writes), meta))
+                                          tuple(access_of(t) for t in writes), meta, self.ctrl))
         self.seq += 1
 
     def warn_once(self, key, message, category):

@@ -6,6 +6,7 @@ integer-indexed dims (at least 1-D). Views share storage and cost nothing; `.ap(
 directly. Indices are bounds-checked (stricter than NumPy's clamping of slices): an out-of-range slice is a bug.
 """
 
+import itertools
 import math
 
 import numpy as np
@@ -16,15 +17,25 @@ from .errors import NkiValidationError
 _BINARY_OP_ERROR = "binary operators on tensors not supported. Use nki.isa directly (or nl.add, nl.multiply, ...)."
 
 
-class VirtualRegister:
-    """A 32-bit engine register (`nisa.register_alloc`). Its value is the interpreter's current value."""
+_REGISTER_IDS = itertools.count(1)
 
-    __slots__ = ("value", "name", "frozen")
+
+class VirtualRegister:
+    """A 32-bit engine register (`nisa.register_alloc`). Its value is the interpreter's current value.
+
+    For the cost model a register is a pseudo-allocation (buffer "reg", alloc_id -id): register_alloc / move / load
+    record a write of it, and a view whose address uses it (nl.ds, `.ap(scalar_offset=...)`, an index) records it
+    as an address dependency, so the instruction waits for the register's last writer (`writer` = its seq)."""
+
+    __slots__ = ("value", "name", "frozen", "id", "writer", "_access")
 
     def __init__(self, state=None, frozen=False, name=None):
         self.value = 0 if state is None else int(state)
         self.name = name
         self.frozen = frozen
+        self.id = next(_REGISTER_IDS)
+        self.writer = None      # seq of the last recorded instruction that wrote the register (None: never)
+        self._access = None     # cached pseudo-Access (nkisim.runtime.access_of)
 
     def __index__(self):
         return self.value
@@ -75,10 +86,15 @@ class Indirect:
         self.rows = rows            # number of rows in the base (bound for oob_mode)
 
 
-class NkiTensor:
-    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "gather", "_npv", "_access")
+def _dynamic(x):
+    """The register or 1-element tensor behind a dynamic offset, else None (compile-time ints)."""
+    return x if isinstance(x, (VirtualRegister, NkiTensor)) else None
 
-    def __init__(self, alloc, shape, strides, offset, dtype=None, indirect=None):
+
+class NkiTensor:
+    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "gather", "_npv", "_access", "_regs")
+
+    def __init__(self, alloc, shape, strides, offset, dtype=None, indirect=None, regs=None):
         self.alloc = alloc
         self.shape = tuple(int(s) for s in shape)
         self.strides = tuple(int(s) for s in strides)
@@ -87,6 +103,9 @@ class NkiTensor:
         self.gather = indirect
         self._npv = None      # cached NumPy view (views are immutable; storage is never reallocated)
         self._access = None   # cached cost-model footprint (nkisim.runtime.access_of)
+        # registers / 1-element tensors this view's offset was computed from (nl.ds(reg, n), scalar_offset=reg,
+        # t[reg]); the cost model makes instructions on the view wait for their producers. None when static.
+        self._regs = regs
 
     # ---- attributes of the real NkiTensor -------------------------------------------------------------------
     @property
@@ -135,8 +154,10 @@ class NkiTensor:
     def __iter__(self):
         raise TypeError("NkiTensor is not iterable; index it with integers, slices or nl.ds")
 
-    def _with(self, shape, strides, offset):
-        return NkiTensor(self.alloc, shape, strides, offset, self.dtype)
+    def _with(self, shape, strides, offset, regs=None):
+        if self._regs:
+            regs = self._regs + regs if regs else self._regs
+        return NkiTensor(self.alloc, shape, strides, offset, self.dtype, None, regs)
 
     # ---- indexing -----------------------------------------------------------------------------------------
     def __getitem__(self, key):
@@ -150,10 +171,12 @@ class NkiTensor:
         if len(key) > self.ndim:
             raise IndexError(f"too many indices for tensor '{self.name}' of shape {self.shape}: {len(key)}")
         key = key + (slice(None),) * (self.ndim - len(key))
-        shape, strides, offset, ints = [], [], self.offset, []
+        shape, strides, offset, ints, regs = [], [], self.offset, [], None
         for d, (k, n, s) in enumerate(zip(key, self.shape, self.strides)):
             if isinstance(k, (slice, DynSlice)):
                 start, size, step = _slice_bounds(k, n, d, self)
+                if k.__class__ is DynSlice and k.start.__class__ is not int and _dynamic(k.start) is not None:
+                    regs = (regs or ()) + (k.start,)
                 offset += start * s
                 shape.append(size)
                 strides.append(s * step)
@@ -161,7 +184,11 @@ class NkiTensor:
                 raise IndexError("tensor indices (advanced indexing) are not supported in NKI 0.6; use slices, "
                                  "nl.ds, .ap(vector_offset=...) or .vector_select")
             else:
-                i = scalar_value(k, f"index of dim {d}") if not isinstance(k, (int, np.integer)) else int(k)
+                if isinstance(k, (int, np.integer)):
+                    i = int(k)
+                else:
+                    i = scalar_value(k, f"index of dim {d}")
+                    regs = (regs or ()) + (k,)
                 if i < 0:
                     i += n
                 if not 0 <= i < n:
@@ -183,7 +210,7 @@ class NkiTensor:
         drop = set(ints) - keep
         shape = [x for j, x in enumerate(shape) if j not in drop]
         strides = [x for j, x in enumerate(strides) if j not in drop]
-        return self._with(shape, strides, offset)
+        return self._with(shape, strides, offset, regs)
 
     # ---- view methods (NKI 0.5+) --------------------------------------------------------------------------
     def slice(self, dim, start, end, step=1):
@@ -194,7 +221,7 @@ class NkiTensor:
     def select(self, dim, index):
         i = scalar_value(index, "select index")
         key = [slice(None)] * self.ndim
-        key[dim] = i
+        key[dim] = index if _dynamic(index) is not None else i
         return self[tuple(key)]
 
     def permute(self, dims):
@@ -312,9 +339,11 @@ class NkiTensor:
     def vector_select(self, dim, vector_offset):
         if dim != 0:
             raise NkiValidationError(f"vector_select(dim={dim}): dim must be 0")
-        return self.ap([[self.strides[0], vector_offset.shape[0]]] + [[s, n] for s, n in
-                                                                      zip(self.strides[1:], self.shape[1:])],
-                       offset=self.offset, vector_offset=vector_offset)
+        v = self.ap([[self.strides[0], vector_offset.shape[0]]] + [[s, n] for s, n in
+                                                                   zip(self.strides[1:], self.shape[1:])],
+                    offset=self.offset, vector_offset=vector_offset)
+        v._regs = self._regs
+        return v
 
     def view(self, dtype):
         d = dt.as_dtype(dtype)
@@ -329,7 +358,8 @@ class NkiTensor:
                                      f"of {den} B, or the view is not {den}-byte aligned")
         self.alloc.flat(d)
         return NkiTensor(self.alloc, self.shape[:-1] + (last // den,),
-                         tuple(s * num // den for s in self.strides[:-1]) + (1,), self.offset * num // den, d)
+                         tuple(s * num // den for s in self.strides[:-1]) + (1,), self.offset * num // den, d,
+                         None, self._regs)
 
     reinterpret_cast = view
 
@@ -348,8 +378,11 @@ class NkiTensor:
             if len(pattern) - 1 > 4:
                 raise NkiValidationError(f".ap(): {len(pattern) - 1} free-dim levels exceed the hardware's 4 (C14)")
         off = int(offset) if offset is not None else 0
+        regs = None
         if scalar_offset is not None:
             off += scalar_value(scalar_offset, ".ap scalar_offset") * math.prod(base.shape[indirect_dim + 1:])
+            if _dynamic(scalar_offset) is not None:
+                regs = (scalar_offset,)
         shape = [n for _, n in pattern]
         strides = [s for s, _ in pattern]
         if d is not base.dtype:
@@ -362,7 +395,7 @@ class NkiTensor:
                 raise NkiValidationError(".ap(vector_offset=...) must be a (P, 1) tensor of row indices")
             indirect = Indirect(vector_offset, math.prod(base.shape[1:]), base.shape[0])
             strides[0] = 0
-        return NkiTensor(base, shape, strides, off, d, indirect)
+        return NkiTensor(base, shape, strides, off, d, indirect, regs)
 
     def indirect(self, index, num_elem=None):
         raise NkiValidationError(".indirect() tensor indirection (Trn3) is not supported by nkisim yet")

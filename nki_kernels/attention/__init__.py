@@ -16,7 +16,7 @@ from .decode_attention import decode_attention_kernel, decode_attention_nki
 from .decode_attention_torch import decode_attention_torch
 
 __all__ = ["decode_attention", "decode_attention_kernel", "decode_attention_nki", "decode_attention_torch",
-           "check_positions"]
+           "check_positions", "check_block_table"]
 
 BACKENDS = ("auto", "nki", "nkisim", "torch")
 
@@ -34,6 +34,25 @@ def check_positions(position_ids, s_max, context_len=None):
         raise ValueError("position_ids must be consecutive within each sequence (pos[b, s] = pos[b, 0] + s)")
 
 
+def check_block_table(block_table, num_blocks, block_size, position_ids, context_len=None):
+    """Host-side checks of a paged cache's block table (the kernel sees its entries only as data): every entry the
+    kernel reads -- the first ceil((context_len - S_tkg) / u) * u / block_size columns, u = max(128, block_size),
+    and the blocks of the new positions -- must be a valid block id in [0, num_blocks)."""
+    bt = np.asarray(block_table.cpu() if hasattr(block_table, "cpu") else block_table).astype(np.int64)
+    pos = np.asarray(position_ids.cpu() if hasattr(position_ids, "cpu") else position_ids).astype(np.int64)
+    if bt.ndim != 2 or bt.shape[0] != pos.shape[0]:
+        raise ValueError(f"block_table must be [B={pos.shape[0]}, max_blocks_per_seq], got shape {bt.shape}")
+    s_max = bt.shape[1] * block_size
+    L = s_max if not context_len else int(context_len)
+    unit = max(128, block_size)
+    n_read = min(bt.shape[1], ((L - pos.shape[1] + unit - 1) // unit * unit) // block_size)
+    used = np.concatenate([bt[:, :n_read].reshape(-1), bt[np.arange(bt.shape[0])[:, None], pos // block_size]
+                           .reshape(-1)]) if pos.size else bt[:, :n_read].reshape(-1)
+    if used.size and (used.min() < 0 or used.max() >= num_blocks):
+        raise ValueError(f"block_table entries read by the kernel must be in [0, num_blocks={num_blocks}); got "
+                         f"[{used.min()}, {used.max()}] (pad unused entries with any valid block id)")
+
+
 def _to_torch(x):
     if x is None:
         return None
@@ -48,23 +67,28 @@ def _to_torch(x):
 
 def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None, sinks=None,
                      bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0, sliding_window=0,
-                     backend="auto", lnc=1):
+                     block_table=None, backend="auto", lnc=1):
     """Fused decode attention for one TP rank. See `decode_attention_kernel` for shapes and semantics."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
     if lnc not in (1, 2):
         raise ValueError(f"lnc={lnc} must be 1 or 2")
-    check_positions(position_ids, K_cache.shape[2], context_len)
+    if block_table is None:
+        check_positions(position_ids, K_cache.shape[2], context_len)
+    else:
+        check_positions(position_ids, block_table.shape[1] * K_cache.shape[2], context_len)
+        check_block_table(block_table, K_cache.shape[0], K_cache.shape[2], position_ids, context_len)
     if backend == "auto":
         backend = "nkisim" if nkisim.active() else "nki"
     kwargs = dict(gamma=gamma, bias_qkv=bias_qkv, sinks=sinks, bias_o=bias_o, context_len=int(context_len),
                   softmax_scale=float(softmax_scale), eps=float(eps), hidden_actual=int(hidden_actual),
-                  sliding_window=int(sliding_window))
+                  sliding_window=int(sliding_window), block_table=block_table)
     args = (X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o)
     if backend == "torch":
         is_np = isinstance(X, np.ndarray)
         targs = [_to_torch(a) for a in args]
-        tkw = {k: (_to_torch(v) if k in ("gamma", "bias_qkv", "sinks", "bias_o") else v) for k, v in kwargs.items()}
+        tkw = {k: (_to_torch(v) if k in ("gamma", "bias_qkv", "sinks", "bias_o", "block_table") else v)
+               for k, v in kwargs.items()}
         tkw["context_len"] = tkw["context_len"] or None
         tkw["softmax_scale"] = tkw["softmax_scale"] or None
         out = decode_attention_torch(*targs, **tkw)

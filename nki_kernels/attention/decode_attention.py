@@ -29,11 +29,13 @@ MAX_S_TKG = 8          # new tokens per sequence
 MAX_BATCH = 64
 MAX_HEAD_DIM = 128     # head dim lives on the partitions for QK^T
 MAX_TOKENS = 512       # B * S_tkg handled per launch (4 token tiles of 128)
+MIN_BLOCK, MAX_BLOCK = 16, 512   # paged KV cache: block sizes (powers of two) in this range
+MAX_CACHE_ROWS = 1 << 24   # paged cache rows num_blocks * kv_heads * block_size: exact in fp32 (row ids on-chip)
 
 
 def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None,
                             sinks=None, bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0,
-                            sliding_window=0):
+                            sliding_window=0, block_table=None):
     """Fused decode attention block: out = O_proj(Attn(RoPE(QKV(RMSNorm(X)))), with in-place KV-cache update.
 
     Dimensions:
@@ -44,7 +46,9 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
     Args:
         X ([B, S, H] @ HBM): hidden states (bf16).
         W_qkv ([H, (nq + 2*nkv) * d] @ HBM): fused QKV weight; columns [q heads | k heads | v heads].
-        K_cache, V_cache ([B, nkv, S_max, d] @ HBM): caches, updated in place at the new positions.
+        K_cache, V_cache ([B, nkv, S_max, d] @ HBM): caches, updated in place at the new positions. Paged layout
+            (block_table given): [num_blocks, nkv, block_size, d]; position j of sequence b lives in block
+            block_table[b, j // block_size] at row j % block_size (block_size a power of two in 16..512).
         position_ids ([B, S] int32 @ HBM): position of each new token; consecutive within a sequence.
         cos, sin ([B, S, d/2] @ HBM): RoPE tables of the new positions, half-split layout (None: no RoPE).
         W_o ([nq * d, H] @ HBM): O-projection shard.
@@ -55,6 +59,9 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         softmax_scale (float): 0.0 = 1/sqrt(d). eps (float): RMSNorm epsilon.
         hidden_actual (int): real hidden size for the RMSNorm mean (e.g. 2880 of 3072); 0 = H.
         sliding_window (int): 0 = full attention, else keys j with p - W < j <= p.
+        block_table ([B, max_blocks] int32 @ HBM): paged KV cache (vLLM style); None = contiguous cache. S_max is
+            then max_blocks * block_size; every entry the scan touches (the first ceil(context_len / u) * u / block_size
+            blocks, u = max(128, block_size)) must be a valid block id (pad unused entries with any valid id).
 
     Returns:
         out ([B * S, H] @ HBM, shared_hbm): partial O-projection (sum over ranks = full output), input dtype.
@@ -77,7 +84,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         out = o @ W_o + b_o ; K_cache[b, :, pos[b]] = k ; V_cache[b, :, pos[b]] = v
     """
     cfg = _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
-                           context_len, softmax_scale, hidden_actual, sliding_window)
+                           context_len, softmax_scale, hidden_actual, sliding_window, block_table)
     out = nl.ndarray((cfg.B * cfg.S, cfg.H), dtype=X.dtype, buffer=nl.shared_hbm)
 
     n_prog = nl.num_programs()
@@ -89,6 +96,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         # W_o (its arrival paces the O-projection), and the stores last, so no load waits behind a store.
         tiles = _token_tiles(cfg, b_lo, b_hi)
         ins = _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles)
+        rows = _paged_rows(cfg, position_ids, block_table, tiles)
         consts = _Constants(cfg, X.dtype)
         _transpose_bias_o(cfg, ins)
         xT = _rmsnorm(cfg, consts, ins, tiles, eps)
@@ -96,8 +104,8 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         qkv = _rope(cfg, qkv, ins, tiles)
         qkT = _transpose_qk(cfg, qkv, tiles)
         o_tok, wo = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles,
-                                            b_lo, b_hi, W_o)
-        _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles)
+                                            b_lo, b_hi, W_o, block_table)
+        _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, rows)
         _output_projection(cfg, consts, o_tok, wo, ins.bias_o, out, tiles)
     return out
 
@@ -105,8 +113,9 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
 class _Config(nl.NKIObject):
     """Static shapes and options of one launch (compile-time values only)."""
 
-    def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize):
+    def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize, bs=0, mb=0):
         self.B, self.S, self.H, self.d, self.nkv, self.nq = B, S, H, d, nkv, nq
+        self.paged, self.bs, self.mb = bs > 0, bs, mb    # paged cache: block size, block-table columns
         self.s_max, self.L, self.scale, self.h_actual, self.window = s_max, L, scale, h_actual, window
         self.group = nq // nkv                 # query heads per KV head
         self.R = self.group * S                # query rows of one (batch, KV head): (s, h) order
@@ -114,6 +123,11 @@ class _Config(nl.NKIObject):
         self.KT = H // P_MAX                   # contraction tiles over H (H index p * KT + kt on partition p)
         self.tile_tok = (P_MAX // S) * S       # tokens per token tile: whole sequences only
         self.L_prior = L - S                   # cache keys read: j < pos[b, 0] <= L - S
+        # Scan of the cache: whole 128-position tiles (paged: whole u-position units, u = max(128, block size)).
+        self.unit = max(P_MAX, bs)
+        self.scan = (self.L_prior + self.unit - 1) // self.unit * self.unit
+        if not self.paged:
+            self.scan = min(s_max, self.scan)
         # d <= 64: kpp = 128 // d batches share the partitions of one K^T / query stack (batch j on partitions
         # (j % kpp) * d ..), so one score matmul contracts over 128 partitions and covers kpp batches.
         self.kpp = P_MAX // d if (2 * d <= P_MAX and P_MAX % d == 0) else 1
@@ -132,7 +146,12 @@ class _Config(nl.NKIObject):
         while ft > FA_SUB and self.kv_bufs * _slot_bytes(self.pack, ft, self.kpp, d, itemsize) > budget:
             ft -= FA_SUB
         self.nst = (self.pack + self.kpp - 1) // self.kpp          # K^T / query stacks per pack
-        self.fa_tile = max(P_MAX, min(ft, (self.L_prior + P_MAX - 1) // P_MAX * P_MAX))
+        self.fa_tile = max(P_MAX, min(ft, (self.scan + P_MAX - 1) // P_MAX * P_MAX))
+        if self.paged:     # paged slots are 128 * 2^m positions (block-aligned gathers)
+            ft = P_MAX
+            while 2 * ft <= self.fa_tile:
+                ft *= 2
+            self.fa_tile = ft
 
 
 def _slot_bytes(pack, ft, kpp, d, itemsize):
@@ -141,12 +160,28 @@ def _slot_bytes(pack, ft, kpp, d, itemsize):
 
 
 def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
-                     context_len, softmax_scale, hidden_actual, sliding_window):
+                     context_len, softmax_scale, hidden_actual, sliding_window, block_table=None):
     """Check every static limit before any work; messages name the argument and the limit."""
     assert len(X.shape) == 3, f"X must be [B, S_tkg, H], got shape {X.shape}"
     B, S, H = X.shape
-    assert len(K_cache.shape) == 4, f"K_cache must be [B, kv_heads, S_max, d], got shape {K_cache.shape}"
-    Bc, nkv, s_max, d = K_cache.shape
+    paged = block_table != None  # noqa: E711 - NKI has no `is`
+    if paged:
+        assert len(K_cache.shape) == 4, \
+            f"K_cache (paged) must be [num_blocks, kv_heads, block_size, d], got shape {K_cache.shape}"
+        n_blocks, nkv, bs, d = K_cache.shape
+        assert len(block_table.shape) == 2 and block_table.shape[0] == B, \
+            f"block_table must be [B={B}, max_blocks_per_seq], got shape {block_table.shape}"
+        assert block_table.dtype == nl.int32, f"block_table must be int32, got {block_table.dtype}"
+        assert MIN_BLOCK <= bs <= MAX_BLOCK and (bs & (bs - 1)) == 0, \
+            f"K_cache: block_size={bs} must be a power of two in {MIN_BLOCK}..{MAX_BLOCK}"
+        assert n_blocks * nkv * bs <= MAX_CACHE_ROWS, \
+            f"K_cache: num_blocks * kv_heads * block_size = {n_blocks * nkv * bs} rows exceeds {MAX_CACHE_ROWS}"
+        mb = block_table.shape[1]
+        Bc, s_max = B, mb * bs
+    else:
+        assert len(K_cache.shape) == 4, f"K_cache must be [B, kv_heads, S_max, d], got shape {K_cache.shape}"
+        Bc, nkv, s_max, d = K_cache.shape
+        bs, mb = 0, 0
     assert 1 <= B <= MAX_BATCH, f"X: batch {B} must be in 1..{MAX_BATCH}"
     assert 1 <= S <= MAX_S_TKG, f"X: S_tkg {S} must be in 1..{MAX_S_TKG}"
     assert H % P_MAX == 0, f"X: hidden size H={H} must be a multiple of {P_MAX} (pad it; see hidden_actual)"
@@ -180,11 +215,17 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     L = s_max if context_len == 0 else context_len
     assert 1 <= L <= s_max, f"context_len={L} must be in 1..S_max={s_max} (cache too short)"
     assert L >= S, f"context_len={L} is shorter than S_tkg={S}"
+    if paged:
+        unit = max(P_MAX, bs)
+        need = (L - S + unit - 1) // unit * unit
+        assert need <= s_max, (f"block_table: {mb} blocks of {bs} = {s_max} positions; the scan of context_len={L} "
+                               f"reads {need} positions ({need // bs} blocks; whole units of {unit}): cache too short "
+                               "(pad the block table with any valid block id)")
     h_act = H if hidden_actual == 0 else hidden_actual
     assert 1 <= h_act <= H, f"hidden_actual={h_act} must be in 1..H={H}"
     assert sliding_window >= 0, f"sliding_window={sliding_window} must be >= 0"
     scale = softmax_scale if softmax_scale != 0.0 else 1.0 / (d ** 0.5)
-    return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window, X.dtype.itemsize)
+    return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window, X.dtype.itemsize, bs, mb)
 
 
 def _token_tiles(cfg, b_lo, b_hi):
@@ -484,6 +525,7 @@ class _AttnState(nl.NKIObject):
                        for _ in range(cfg.kv_bufs))
         self.qm = qm
         self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
+        self.block_table = None
         self.iotas = {}
 
     def scores(self):
@@ -507,13 +549,15 @@ class _Softmax(nl.NKIObject):
         self.m, self.l, self.acc, self.pending = None, None, None, None
 
 
-def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi, W_o):
+def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi, W_o,
+                            block_table=None):
     """Flash-decoding for every (KV head, batch pack); returns (o_tok[tile] = [tokens, nq*d] bf16, resident W_o).
 
     Packs are balanced (ceil(batches / packs) each). W_o's load is issued before the last pack's K/V loads when
     there are several packs (the K/V ring then stalls the DMA queue on compute; W_o fills that gap), else after.
     """
     st = _AttnState(cfg, qkT.dtype, consts.qm)
+    st.block_table = block_table
     # bmask[r, j] = 1.0 iff row r belongs to the pack's batch j (j*R <= r < (j+1)*R).
     lo = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
     ones = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
@@ -682,8 +726,33 @@ class _Step(nl.NKIObject):
         self.sc, self.thr_hi, self.thr_lo = None, None, None
 
 
-def _plan(cfg):
-    """Slots (j0, w) of the cache scan and the steps over them (static).
+def _slot_bounds(cfg, lo, hi):
+    """Slot boundaries over scan positions [lo, hi).
+
+    Contiguous: slots of fa_tile positions, the last one split so that only FA_SUB positions arrive last (the
+    compute left after the last K/V byte is then one step). Paged: slots of 128 * 2^m positions, each starting at a
+    multiple of its own size (so a slot is whole blocks, or lies inside one block), largest first.
+    """
+    if not cfg.paged:
+        bounds = list(range(lo, hi, cfg.fa_tile)) + [hi]
+        if len(bounds) >= 2 and bounds[-1] - bounds[-2] > FA_SUB:
+            bounds.insert(len(bounds) - 1, bounds[-1] - FA_SUB)
+        return bounds
+    bounds = [lo]
+    j = lo
+    while j < hi:
+        w = cfg.fa_tile
+        while w > P_MAX and (j % w != 0 or j + w > hi):
+            w //= 2
+        if w > FA_SUB and j + w == hi:     # last slot: halve down to FA_SUB positions arriving last
+            w //= 2
+        j += w
+        bounds.append(j)
+    return bounds
+
+
+def _plan(cfg, lo=0, hi=None):
+    """Slots (j0, w) of the cache scan [lo, hi) (default: the whole scan) and the steps over them (static).
 
     Slot layout: K^T [d, w] by DMA transpose; V so that partition q holds positions q*n + i (n = w // 128, one
     contiguous run of n*d elements per partition), the last w % 128 positions as one more block. A step covers
@@ -691,12 +760,7 @@ def _plan(cfg):
     score column q*ni + il <-> position q*n + i0 + il, so the P^T block of V block i0 + il is the stride-ni column
     set il::ni of P. Keys beyond L - S are read only up to the next multiple of 128 (and S_max): they are masked.
     """
-    scan = min(cfg.s_max, (cfg.L_prior + P_MAX - 1) // P_MAX * P_MAX)
-    # Slots of fa_tile positions, the last one split so that only FA_SUB positions arrive last (the compute left
-    # after the last K/V byte is then one step).
-    bounds = list(range(0, scan, cfg.fa_tile)) + [scan]
-    if len(bounds) >= 2 and bounds[-1] - bounds[-2] > FA_SUB:
-        bounds.insert(len(bounds) - 1, bounds[-1] - FA_SUB)
+    bounds = _slot_bounds(cfg, lo, cfg.scan if hi == None else hi)  # noqa: E711
     slots, steps = [], []
     for si in range(len(bounds) - 1):
         j0, w = bounds[si], bounds[si + 1] - bounds[si]
@@ -755,14 +819,18 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         kT = st.kT[st.n_slots % cfg.kv_bufs]
         v = st.v[st.n_slots % cfg.kv_bufs]
         st.n_slots += 1
-        for j in range(nb):
-            b = p0 + j
-            u0 = (j % cfg.kpp) * d
-            nisa.dma_transpose(dst=kT[u0:u0 + d, j // cfg.kpp, :w], src=K_cache[b, g, j0:j0 + w, :])
-            if n > 0:
-                nisa.dma_copy(dst=v[:, j, :n, :], src=V_cache[b, g, j0:j0 + n * P_MAX, :].reshape((P_MAX, n * d)))
-            if rem:
-                nisa.dma_copy(dst=v[:rem, j, n, :], src=V_cache[b, g, j0 + n * P_MAX:j0 + w, :])
+        if cfg.paged:
+            _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w)
+        else:
+            for j in range(nb):
+                b = p0 + j
+                u0 = (j % cfg.kpp) * d
+                nisa.dma_transpose(dst=kT[u0:u0 + d, j // cfg.kpp, :w], src=K_cache[b, g, j0:j0 + w, :])
+                if n > 0:
+                    nisa.dma_copy(dst=v[:, j, :n, :],
+                                  src=V_cache[b, g, j0:j0 + n * P_MAX, :].reshape((P_MAX, n * d)))
+                if rem:
+                    nisa.dma_copy(dst=v[:rem, j, n, :], src=V_cache[b, g, j0 + n * P_MAX:j0 + w, :])
         views.append((kT, v))
     kT = views[step.slot][0]
     j0, w = slots[step.slot]
@@ -783,6 +851,38 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
     if step.thr_lo != None:  # noqa: E711
         _fold_mask(cfg, consts, sc, rows, step.chunks, key, step.thr_lo, nl.less_equal, 0.0)
     step.sc = sc
+
+
+def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w):
+    """K^T / V of scan positions [j0, j0 + w) for every batch of the pack from a paged cache, by indirect DMAs.
+
+    The slot is whole blocks (w >= block size: blocks j0/bs .. in groups of <= 128, one block per DMA row) or a
+    part of one block (w < block size: one row of w positions at offset j0 % bs). The block ids come from one small
+    DMA of block_table columns into an SBUF index tile [row t, batch j, group c] = block_table[b, b0 + c*128 + t].
+    K^T: DMA transpose of the gathered [blocks, span, d] into the slot's columns (block-major, via a permuted dst);
+    V: the gathered rows land in the slot's `q*n + i` layout (the same element order, so one DMA per group).
+    """
+    d, bs, n = cfg.d, cfg.bs, w // P_MAX
+    span = min(bs, w)
+    nblk = w // span
+    groups = (nblk + P_MAX - 1) // P_MAX
+    t_max = min(P_MAX, nblk)
+    b0, in_off = j0 // bs, j0 % bs
+    idx = nl.ndarray((P_MAX, cfg.pack, groups), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=idx[:t_max, :nb, :], src=st.block_table.ap([[1, t_max], [cfg.mb, nb], [P_MAX, groups]],
+                                                                 offset=p0 * cfg.mb + b0, dtype=nl.uint32))
+    row = cfg.nkv * bs * d                       # elements per block of the cache (the indexed rows)
+    off = (g * bs + in_off) * d
+    for j in range(nb):
+        u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
+        for c in range(groups):
+            gb = min(P_MAX, nblk - c * P_MAX)
+            c0 = c * P_MAX * span
+            src_k = K_cache.ap([[row, gb], [d, span], [1, d]], offset=off, vector_offset=idx[:gb, j, c])
+            dst_k = kT[u0:u0 + d, jj, c0:c0 + gb * span].reshape((d, gb, span)).permute((0, 2, 1))
+            nisa.dma_transpose(dst=dst_k, src=src_k, dge_mode=nisa.dge_mode.swdge)
+            src_v = V_cache.ap([[row, gb], [1, span * d]], offset=off, vector_offset=idx[:gb, j, c])
+            nisa.dma_copy(dst=v[c0 // n:(c0 + gb * span) // n, j, :n, :], src=src_v, dge_mode=nisa.dge_mode.swdge)
 
 
 def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks):
@@ -879,11 +979,59 @@ def _load_w_o(cfg, W_o):
     return wo
 
 
-def _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles):
-    """K/V rows of the new tokens -> cache[b, g, pos[b, 0] : pos[b, 0] + S] (dynamic start from a register).
+def _paged_rows(cfg, position_ids, block_table, tiles):
+    """Paged cache: per new token, a register with its cache row block_table[b, p // bs] * nkv * bs + p % bs
+    (rows of [num_blocks * nkv * block_size, d]; + g * bs for KV head g). Issued early (tiny DMAs, off the
+    critical path); the stores that use the registers come last. Returns per token tile a tuple of registers."""
+    if not cfg.paged:
+        return ()
+    bs, S = cfg.bs, cfg.S
+    pos2 = position_ids.reshape((cfg.B * cfg.S, 1))
+    out = []
+    for t0, nt, _tb0, _nb in tiles:
+        p_i = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=p_i[:nt], src=pos2[t0:t0 + nt, :])
+        p_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=p_f[:nt], src=p_i[:nt])
+        off = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)          # p % bs
+        nisa.tensor_scalar(dst=off[:nt], data=p_f[:nt], op0=nl.mod, operand0=float(bs))
+        col = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)            # p // bs (exact: bs = 2^k)
+        nisa.tensor_scalar(dst=col[:nt], data=p_f[:nt], op0=nl.subtract, operand0=off[:nt], op1=nl.multiply,
+                           operand1=1.0 / bs)
+        blk = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+        for t in range(nt):
+            r = nisa.register_alloc()
+            nisa.register_load(dst=r, src=col[t:t + 1, 0:1])
+            nisa.dma_copy(dst=blk[t:t + 1, 0:1], src=block_table[(t0 + t) // S:(t0 + t) // S + 1, nl.ds(r, 1)])
+        blk_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=blk_f[:nt], src=blk[:nt])
+        lin = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)            # blk * nkv * bs + p % bs
+        nisa.scalar_tensor_tensor(dst=lin[:nt], data=blk_f[:nt], op0=nl.multiply, operand0=float(cfg.nkv * bs),
+                                  op1=nl.add, operand1=off[:nt])
+        regs = []
+        for t in range(nt):
+            r = nisa.register_alloc()
+            nisa.register_load(dst=r, src=lin[t:t + 1, 0:1])
+            regs.append(r)
+        out.append(tuple(regs))
+    return tuple(out)
+
+
+def _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, rows=()):
+    """K/V rows of the new tokens -> cache[b, g, pos[b, 0] : pos[b, 0] + S] (dynamic start from a register); paged:
+    one row per token, K_cache[rows[t] + g * bs] of the [num_blocks * nkv * bs, d] row view (see _paged_rows).
 
     Issued after every cache read in program order (the attention used the new tokens from SBUF)."""
     d, nq, nkv, S = cfg.d, cfg.nq, cfg.nkv, cfg.S
+    if cfg.paged:
+        for ti, (_t0, nt, _tb0, _nb) in enumerate(tiles):
+            for t in range(nt):
+                for g in range(nkv):
+                    kc, vc = cfg.pad + (nq + g) * d, cfg.pad + (nq + nkv + g) * d
+                    for cache, c in ((K_cache, kc), (V_cache, vc)):
+                        nisa.dma_copy(dst=cache.ap([[d, 1], [1, d]], offset=g * cfg.bs * d, scalar_offset=rows[ti][t],
+                                                   indirect_dim=2), src=qkv[ti][t:t + 1, c:c + d])
+        return
     for ti, (_t0, _nt, tb0, nb) in enumerate(tiles):
         for bl in range(nb):
             b = tb0 + bl

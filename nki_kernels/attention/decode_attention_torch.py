@@ -10,7 +10,7 @@ import torch
 
 def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None,
                            sinks=None, bias_o=None, context_len=None, softmax_scale=None, eps=1e-5,
-                           hidden_actual=0, sliding_window=0):
+                           hidden_actual=0, sliding_window=0, block_table=None):
     """Reference forward. Updates K_cache / V_cache in place at `position_ids` and returns out [B*S_tkg, H].
 
     Shapes: X [B, S, H]; W_qkv [H, (nq + 2*nkv)*d]; K_cache/V_cache [B, nkv, S_max, d]; position_ids [B, S] int;
@@ -18,10 +18,17 @@ def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W
     bias_qkv [1, (nq+2nkv)*d]; sinks [nq] (per q head, logit units after scaling); bias_o [1, H].
     Key j is visible to a query at position p iff j <= p and (sliding_window == 0 or j > p - sliding_window), and
     j < context_len.
+    Paged layout (block_table [B, max_blocks] int): K_cache/V_cache [num_blocks, nkv, block_size, d]; position j of
+    sequence b is row j % block_size of block block_table[b, j // block_size]; S_max = max_blocks * block_size.
     """
     dt = X.dtype
     B, S, H = X.shape
-    _, nkv, s_max, d = K_cache.shape
+    if block_table is not None:
+        _, nkv, bs, d = K_cache.shape
+        bt = block_table.long()
+        s_max = bt.shape[1] * bs
+    else:
+        _, nkv, s_max, d = K_cache.shape
     nq = W_qkv.shape[1] // d - 2 * nkv
     g_sz = nq // nkv
     L = s_max if context_len is None else int(context_len)
@@ -49,10 +56,20 @@ def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W
     pos = position_ids.reshape(B, S).long()
     for b in range(B):
         for s in range(S):
-            K_cache[b, :, pos[b, s]] = k[b * S + s].to(K_cache.dtype)
-            V_cache[b, :, pos[b, s]] = v[b * S + s].to(V_cache.dtype)
-    kc = K_cache[:, :, :L].float()
-    vc = V_cache[:, :, :L].float()
+            p = int(pos[b, s])
+            if block_table is not None:
+                K_cache[bt[b, p // bs], :, p % bs] = k[b * S + s].to(K_cache.dtype)
+                V_cache[bt[b, p // bs], :, p % bs] = v[b * S + s].to(V_cache.dtype)
+            else:
+                K_cache[b, :, p] = k[b * S + s].to(K_cache.dtype)
+                V_cache[b, :, p] = v[b * S + s].to(V_cache.dtype)
+    if block_table is not None:   # logical [B, nkv, S_max, d] views of the blocks each sequence uses
+        nb_l = (L + bs - 1) // bs
+        kc = K_cache[bt[:, :nb_l]].permute(0, 2, 1, 3, 4).reshape(B, nkv, nb_l * bs, d)[:, :, :L].float()
+        vc = V_cache[bt[:, :nb_l]].permute(0, 2, 1, 3, 4).reshape(B, nkv, nb_l * bs, d)[:, :, :L].float()
+    else:
+        kc = K_cache[:, :, :L].float()
+        vc = V_cache[:, :, :L].float()
     j = torch.arange(L)
     out = torch.empty(B * S, nq, d)
     for b in range(B):

@@ -3,6 +3,9 @@
 `instruction_cost(ins, core_spec)` turns one recorded `Instruction` into an `OpCost`: which engine it occupies, for
 how long, the DMA split over queues and fixed start latency, the TensorE FLOPs and their time at the datasheet
 peak, and the HBM bytes it reads and writes. All figures are modelled.
+
+Only `ins.reads` / `ins.writes` (the data operands) are costed; address dependencies (`Access.deps`: DMA index
+tensors, offset registers) and control dependencies (`ins.deps`) only order instructions in the scheduler.
 """
 
 import math
@@ -92,22 +95,48 @@ def dma_cost(ins, core):
                   hbm_write=wr, dma_bytes=moved, efficiency=eff, note=note)
 
 
+def _strided(a, core):
+    """An SBUF operand whose innermost stride exceeds the full-bandwidth limit (>16 B, nki-api.md §8.4)."""
+    return a.buffer == "sbuf" and a.stride_bytes > core.sbuf_fast_stride_bytes
+
+
+def _stride_factor(ins, core):
+    """Streaming-time factor of a compute instruction: 2x (half SBUF bandwidth) when any SBUF operand, read or
+    written, streams with an innermost stride > 16 B. Per-partition scalars have no free-dim stride and never
+    trigger it. Applied to the whole streaming part (an upper bound: "up to 2x")."""
+    for a in ins.reads:
+        if _strided(a, core):
+            return core.sbuf_strided_factor
+    for a in ins.writes:
+        if _strided(a, core):
+            return core.sbuf_strided_factor
+    return 1.0
+
+
 def _matmul_cost(ins, core):
     m = ins.meta
     k, mm, n = int(m.get("k", 128)), int(m.get("m", 128)), int(m.get("n", 1))
+    if ins.op == "nc_transpose":
+        # TensorE transpose = matmul with `data` [p, f] as stationary and a [p, p] identity as moving: the moving
+        # free size is p (the data's partitions), not f
+        n = int(m.get("p", n))
     dtypes = {str(m.get("dtype", "bfloat16")), str(m.get("stationary_dtype", m.get("dtype", "bfloat16")))}
     double_row = bool(m.get("double_row"))
     mx = ins.op.startswith("nc_matmul_mx") or bool(m.get("mx"))
-    cycles = max(n, core.matmul_min_cycles)
     note = ""
+    # the moving operand streams one column per cycle from SBUF: a >16 B innermost stride halves that rate
+    stream = float(n)
+    if ins.op != "nc_transpose" and len(ins.reads) > 1 and _strided(ins.reads[1], core):
+        stream, note = n * core.sbuf_strided_factor, "strided moving"
+    cycles = max(stream, core.matmul_min_cycles)
     if dtypes & _FP32_MATMUL:
         cycles *= 4
-        note = "fp32 4x"
+        note = "fp32 4x" + (", " + note if note else "")
     transpose = bool(m.get("transpose")) or ins.op == "nc_transpose"
     contraction = k * (2 if double_row else 1) * (4 if mx and core.nc_version >= 4 else 1)
     flops = 0.0 if transpose else 2.0 * contraction * mm * n
     if double_row:
-        note = "double_row 2x"
+        note = "double_row 2x" + (", " + note if note else "")
     dtype = "float32" if dtypes & _FP32_MATMUL else sorted(dtypes)[0]
     peak = core.peak_flops(dtype, double_row=double_row, mx=mx)
     return OpCost("tensor", busy_s=cycles / core.tensor_clock_hz, cycles=cycles, flops=flops,
@@ -137,8 +166,9 @@ def _all_dtypes(ins):
 def _vector_cost(ins, core):
     n = int(ins.meta.get("n", 1))
     inputs = max(1, _streaming_inputs(ins))
-    cycles = n * inputs
-    note = ""
+    sf = _stride_factor(ins, core)
+    cycles = n * inputs * sf
+    note = "strided SBUF 2x" if sf != 1.0 else ""
     if core.nc_version >= 3 and ins.engine == "vector":
         lowp = _LOWP | (_FP8 if core.nc_version >= 4 else frozenset())
         operands = [a for a, _ in _streaming(ins)] + list(ins.writes)
@@ -157,15 +187,19 @@ def _scalar_cost(ins, core):
     n = int(ins.meta.get("n", 1))
     lowp = _LOWP | _FP8
     width = core.scalar_elems_per_cycle_lowp if _all_dtypes(ins) <= lowp else core.scalar_elems_per_cycle
-    cycles = n * core.partitions / width + core.scalar_fixed_cycles
-    return OpCost("scalar", busy_s=cycles / core.scalar_clock_hz, cycles=cycles)
+    sf = _stride_factor(ins, core)
+    cycles = n * core.partitions / width * sf + core.scalar_fixed_cycles
+    return OpCost("scalar", busy_s=cycles / core.scalar_clock_hz, cycles=cycles,
+                  note="strided SBUF 2x" if sf != 1.0 else "")
 
 
 def _gpsimd_cost(ins, core):
     n = int(ins.meta.get("n", 1))
     inputs = max(1, _streaming_inputs(ins))
-    cycles = n * inputs * core.partitions / core.gpsimd_elems_per_cycle + core.static_instruction_cycles
-    return OpCost("gpsimd", busy_s=cycles / core.gpsimd_clock_hz, cycles=cycles)
+    sf = _stride_factor(ins, core)
+    cycles = n * inputs * core.partitions / core.gpsimd_elems_per_cycle * sf + core.static_instruction_cycles
+    return OpCost("gpsimd", busy_s=cycles / core.gpsimd_clock_hz, cycles=cycles,
+                  note="strided SBUF 2x" if sf != 1.0 else "")
 
 
 def instruction_cost(ins, core) -> OpCost:

@@ -9,6 +9,10 @@ Rules (all modelled):
 - DMA instructions are issued in program order (an instruction is not issued before the previous one) and, after
   the fixed start latency, split into pieces spread over the core's DMA queues, each piece going to the queue that
   frees first; queues transfer in FIFO order;
+- address dependencies (`Access.deps`: the index tensor of an indirect DMA, the registers / 1-element tensors of
+  a dynamic offset) and control dependencies (`Instruction.deps`: registers bounding an enclosing dynamic loop)
+  are RAW dependencies of the instruction; index / offset tensors are also tracked as reads for WAR, registers
+  (buffer "reg") are not (an engine reads a register when it issues the instruction);
 - the sync engine (registers, loop bookkeeping) is ordered but takes no time;
 - under LNC=2, the k-th sync instruction of each core (core_barrier / sendrecv on the same pipe) pair up: both
   start no earlier than the later of the two cores' ready times (sendrecv then moves its data like a DMA).
@@ -86,6 +90,10 @@ class Scheduler:
             for a, end, idx in st.writers.get(r.alloc_id, ()):
                 if overlaps(r, a):
                     bump(end, idx, "RAW")
+        for r in _side_reads(ins):
+            for a, end, idx in st.writers.get(r.alloc_id, ()):
+                if overlaps(r, a):
+                    bump(end, idx, "RAW register" if r.buffer == "reg" else "RAW address")
         for w in ins.writes:
             for a, end, idx in st.readers.get(w.alloc_id, ()):
                 if overlaps(w, a):
@@ -134,6 +142,9 @@ class Scheduler:
     def _track(st, ins, ev):
         for r in ins.reads:
             st.readers.setdefault(r.alloc_id, []).append((r, ev.end, ev.idx))
+        for r in _side_reads(ins):
+            if r.buffer != "reg":
+                st.readers.setdefault(r.alloc_id, []).append((r, ev.end, ev.idx))
         for w in ins.writes:
             for table in (st.readers, st.writers):
                 lst = table.get(w.alloc_id)
@@ -184,6 +195,18 @@ class Scheduler:
                 for c in waiting:   # unpaired (LNC=1 barrier, or mismatched streams): runs locally
                     step(c)
         return self.events
+
+
+def _side_reads(ins):
+    """Address and control dependencies of an instruction (not data it moves or computes on)."""
+    out = list(ins.deps)
+    for a in ins.reads:
+        if a.deps:
+            out.extend(a.deps)
+    for a in ins.writes:
+        if a.deps:
+            out.extend(a.deps)
+    return out
 
 
 def _pairs(a, b):

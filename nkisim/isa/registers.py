@@ -1,4 +1,9 @@
-"""Engine registers (`VirtualRegister`) for dynamic control flow and dynamic addressing."""
+"""Engine registers (`VirtualRegister`) for dynamic control flow and dynamic addressing.
+
+Register instructions run on the "sync" sequencer (no time in the cost model) and record the register as a
+pseudo-allocation they write (and, for register_move/register_store, read), so that instructions addressing memory
+through a register wait for the register_load that set it, which itself waits for the producer of its source tile.
+"""
 
 import numpy as np
 
@@ -19,8 +24,15 @@ def _clip32(v):
 
 def register_alloc(x=None):
     v = 0 if x is None else (x.value if isinstance(x, VirtualRegister) else _clip32(x))
-    current().emit("register_alloc", "sync", (), ())
-    return VirtualRegister(v)
+    reg = VirtualRegister(v)
+    _emit_write("register_alloc", reg, (x,) if isinstance(x, VirtualRegister) else ())
+    return reg
+
+
+def _emit_write(op, reg, reads):
+    ctx = current()
+    reg.writer = ctx.seq
+    ctx.emit(op, "sync", reads, (reg,))
 
 
 def register_move(dst, src):
@@ -29,7 +41,7 @@ def register_move(dst, src):
     if dst.frozen:
         fail("register_move", "dst is a frozen loop-induction register and cannot be written")
     dst.value = src.value if isinstance(src, VirtualRegister) else _clip32(src)
-    current().emit("register_move", "sync", (), ())
+    _emit_write("register_move", dst, (src,) if isinstance(src, VirtualRegister) else ())
 
 
 def register_load(dst, src):
@@ -42,7 +54,7 @@ def register_load(dst, src):
         fail(op, "dst is a frozen loop-induction register and cannot be written")
     val = np.asarray(read(src, op)).reshape(-1)[0]
     dst.value = int(val) if src.dtype.is_int else int(np.float32(val))
-    current().emit(op, "sync", (src,), ())
+    _emit_write(op, dst, (src,))
 
 
 def register_store(dst, src):
@@ -52,7 +64,7 @@ def register_store(dst, src):
     if not isinstance(src, VirtualRegister):
         fail(op, f"src must be a VirtualRegister, got {type(src).__name__}")
     write(dst, dt.cast(np.array([src.value]), dst.dtype).reshape(dst.shape), op)
-    current().emit(op, "sync", (), (dst,))
+    current().emit(op, "sync", (src,), (dst,))
 
 
 def get_nc_version():

@@ -50,9 +50,44 @@ def make_inputs(B, S, H, d, nkv, nq, s_max, ctx, gamma=True, bias=True, sinks=Tr
     return args, kw
 
 
-def run_and_check(B, S, s_max, ctx, window=0, lnc=1, shape=GPT_OSS_20B_TP8, seed=0, rope=True):
+def to_paged(args, kw, block_size, extra_blocks=3, seed=0):
+    """Contiguous caches [B, nkv, S_max, d] -> paged caches [num_blocks, nkv, block_size, d] (blocks in a random
+    order, extra blocks of noise) + block_table [B, S_max / block_size] int32 (vLLM layout)."""
+    K, V = args[2], args[3]
+    B, nkv, s_max, d = K.shape
+    mb = s_max // block_size
+    g = torch.Generator().manual_seed(seed + 7)
+    n_blocks = B * mb + extra_blocks
+    table = torch.randperm(n_blocks, generator=g)[:B * mb].reshape(B, mb).to(torch.int32)
+    paged = []
+    for c in (K, V):
+        p = torch.randn(n_blocks, nkv, block_size, d, generator=g).to(c.dtype)
+        p[table.reshape(-1).long()] = c.reshape(B, nkv, mb, block_size, d).permute(0, 2, 1, 3, 4).reshape(
+            B * mb, nkv, block_size, d)
+        paged.append(p)
+    kw = dict(kw, block_table=table)
+    return (args[0], args[1], paged[0], paged[1]) + tuple(args[4:]), kw
+
+
+def _written_rows(args, kw, B):
+    """[rows of the cache's dim 0, rows of dim 2] mask of the cache rows the new tokens write."""
+    K, pos, table = args[2], args[4], kw.get("block_table")
+    written = torch.zeros(K.shape[0], K.shape[2], dtype=torch.bool)
+    for bi in range(B):
+        for p in pos[bi].long():
+            if table is None:
+                written[bi, p] = True
+            else:
+                bs = K.shape[2]
+                written[table[bi, p // bs].long(), p % bs] = True
+    return written
+
+
+def run_and_check(B, S, s_max, ctx, window=0, lnc=1, shape=GPT_OSS_20B_TP8, seed=0, rope=True, block_size=0):
     shape = dict(shape)
     args, kw = make_inputs(B, S, s_max=s_max, ctx=ctx, seed=seed, rope=rope, **shape)
+    if block_size:
+        args, kw = to_paged(args, kw, block_size, seed=seed)
     kw["sliding_window"] = window
     ref_args = [a.clone() if a is not None else None for a in args]
     ref = decode_attention_torch(*ref_args, **kw)
@@ -66,9 +101,7 @@ def run_and_check(B, S, s_max, ctx, window=0, lnc=1, shape=GPT_OSS_20B_TP8, seed
     cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
     assert cos >= MIN_COS, cos
     # Caches: written rows match the reference within one bf16 step of the value range; all other rows untouched.
-    written = torch.zeros(args[2].shape[0], args[2].shape[2], dtype=torch.bool)
-    for bi in range(B):
-        written[bi, args[4][bi].long()] = True
+    written = _written_rows(args, kw, B)
     for got, want in ((args[2], ref_args[2]), (args[3], ref_args[3])):
         sel = written[:, None, :, None].expand_as(got)
         assert torch.equal(got[~sel], want[~sel])
@@ -219,3 +252,44 @@ def test_errors_before_any_work():
 def test_ring_wrap_balanced_packs_partial_slots(B, S, ctx, shape):
     """Several packs (balanced), K/V ring slots reused across packs, a context that is not a multiple of 128."""
     run_and_check(B, S, s_max=ctx + 40, ctx=ctx, shape=shape)
+
+
+# ---- paged KV cache (block table) ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("B,S,s_max,ctx,bs,shape", [
+    (2, 1, 512, 300, 16, GPT_OSS_20B_TP8),        # small blocks: two blocks per V partition
+    (3, 4, 1024, 1000, 32, LLAMA31_8B_TP8),       # d = 128, S_tkg = 4 crossing block boundaries
+    (16, 1, 2048, 2048, 64, GPT_OSS_20B_TP8),     # one pack of 16, 128 blocks per gather
+    (2, 2, 1024, 700, 256, GPT_OSS_20B_TP8),      # slots inside one block (w < block size)
+    (2, 3, 2048, 2048, 512, MULTI_KV),            # 2 KV heads per rank, largest block
+    (1, 1, 8192, 8192, 16, GPT_OSS_20B_TP8),      # > 128 blocks per slot: several gathers per slot
+])
+def test_paged_cache(B, S, s_max, ctx, bs, shape):
+    run_and_check(B, S, s_max=s_max, ctx=ctx, shape=shape, block_size=bs)
+
+
+def test_paged_matches_contiguous():
+    """Same logical cache, contiguous vs paged: the same bits (same scan, same arithmetic)."""
+    args, kw = make_inputs(4, 2, s_max=1024, ctx=1000, **GPT_OSS_20B_TP8)
+    pargs, pkw = to_paged([a.clone() if a is not None else None for a in args], kw, 32)
+    out_c = decode_attention(*args, **kw, backend="nkisim")
+    out_p = decode_attention(*pargs, **pkw, backend="nkisim")
+    assert torch.equal(out_c, out_p)
+
+
+def test_paged_bad_inputs():
+    args, kw = _bad(s_max=512, ctx=512)
+    pargs, pkw = to_paged(args, kw, 32)
+    bad_bs = to_paged(args, kw, 8)
+    with pytest.raises(AssertionError, match="block_size=8 must be a power of two in 16..512"):
+        decode_attention_nki(*bad_bs[0], **bad_bs[1])
+    with pytest.raises(AssertionError, match=r"block_table must be \[B=2"):
+        decode_attention_nki(*pargs, **dict(pkw, block_table=pkw["block_table"][:1]))
+    with pytest.raises(AssertionError, match="block_table must be int32"):
+        decode_attention_nki(*pargs, **dict(pkw, block_table=pkw["block_table"].to(torch.int16)))
+    with pytest.raises(AssertionError, match="cache too short"):
+        decode_attention_nki(*pargs, **dict(pkw, block_table=pkw["block_table"][:, :8], context_len=512))
+    table = pkw["block_table"].clone()
+    table[1, 0] = 10_000
+    with pytest.raises(ValueError, match="num_blocks"):
+        decode_attention(*pargs, **dict(pkw, block_table=table), backend="nkisim")

@@ -91,3 +91,66 @@ def test_dma_rules():
     assert instruction_cost(tr, T2).busy_s == pytest.approx(c.busy_s / T2.dma_transpose_efficiency)
     tiny = Instruction(0, 0, "dma_copy", "dma", (hbm(1, 64, 64),), (sb(2, 1, 16, 4),), {})
     assert instruction_cost(tiny, T2).pieces == 1
+
+
+def test_sbuf_innermost_stride_above_16_bytes_doubles_streaming_time():
+    s, n = T2.static_instruction_cycles, 2048
+
+    def strided(ins, which, stride, buffer="sbuf"):
+        ops = list(ins.reads if which == "read" else ins.writes)
+        a = ops[0]
+        ops[0] = Access(a.alloc_id, buffer, a.lo, a.hi, a.nbytes, a.partitions, 4, stride_bytes=stride)
+        if which == "read":
+            ins.reads = tuple(ops)
+        else:
+            ins.writes = tuple(ops)
+        return ins
+
+    # VectorE: a strided input or output doubles the N-per-input streaming part, not the static overhead
+    tt = strided(vec("tensor_tensor", n, ("float32",) * 3), "read", 32)
+    assert instruction_cost(tt, T2).cycles == 2 * (2 * n) + s
+    assert instruction_cost(strided(vec("tensor_copy", n, ("float32",) * 2), "write", 20), T2).cycles == 2 * n + s
+    assert instruction_cost(strided(vec("tensor_copy", n, ("float32",) * 2), "read", 16), T2).cycles == n + s
+    # bf16 strided: no perf mode (not contiguous) and the 2x
+    assert instruction_cost(strided(vec("tensor_copy", n, ("bfloat16",) * 2), "read", 32), T2).cycles == 2 * n + s
+    # PSUM operands are not subject to the SBUF rule
+    ps = strided(vec("tensor_copy", n, ("float32",) * 2, buffers=("sbuf", "psum")), "read", 32, "psum")
+    assert instruction_cost(ps, T2).cycles == n + s
+    # ScalarE and GpSimd
+    act = strided(vec("activation", 1024, ("float32", "float32"), engine="scalar"), "read", 64)
+    assert instruction_cost(act, T2).cycles == 2 * 1024 + T2.scalar_fixed_cycles
+    gp = strided(vec("tensor_tensor", 512, ("float32",) * 3, engine="gpsimd"), "write", 32)
+    assert instruction_cost(gp, T2).cycles == 2 * (2 * 512) + s
+    # TensorE: a strided moving operand streams N columns at half rate; max(2N, 64); stationary is not streamed
+    m = mm(512)
+    m.reads = (m.reads[0], Access(2, "sbuf", 0, 1, 1, 128, 2, stride_bytes=32))
+    assert instruction_cost(m, T2).cycles == 1024 and "strided" in instruction_cost(m, T2).note
+    m16 = mm(16)
+    m16.reads = (m16.reads[0], Access(2, "sbuf", 0, 1, 1, 128, 2, stride_bytes=32))
+    assert instruction_cost(m16, T2).cycles == 64
+    m.meta = dict(m.meta, dtype="float32", stationary_dtype="float32")
+    assert instruction_cost(m, T2).cycles == 4 * 1024
+    st = mm(512)
+    st.reads = (Access(1, "sbuf", 0, 1, 1, 128, 2, stride_bytes=32), st.reads[1])
+    assert instruction_cost(st, T2).cycles == 512
+
+
+def test_address_dependencies_are_not_costed():
+    idx = Access(7, "sbuf", 0, 512, 512, 128, 4)
+    base = hbm(1, 128 * 4096, 4096)
+    gathered = Access(1, "hbm", 0, 128 * 4096, 128 * 4096, 1, 4096, deps=(idx,))
+    dst = sb(2, 128, 1024, 4)
+    plain = instruction_cost(Instruction(0, 0, "dma_copy", "dma", (base,), (dst,), {}), T2)
+    ind = instruction_cost(Instruction(0, 0, "dma_copy", "dma", (gathered,), (dst,), {"indirect": True},
+                                       deps=(idx,)), T2)
+    assert ind.busy_s == plain.busy_s and ind.dma_bytes == plain.dma_bytes and ind.hbm_read == plain.hbm_read
+
+
+def test_tensor_engine_transpose_streams_the_identity():
+    # nc_transpose of data [p, f] on TensorE: data is stationary, a [p, p] identity is moving -> max(p, 64) cycles
+    def tr(p, f):
+        meta = dict(k=p, m=p, n=f, p=p, f=f, dtype="bfloat16", transpose=True)
+        return Instruction(0, 0, "nc_transpose", "tensor", (sb(1, p, f, 2),), (sb(2, f, p, 2, "psum"),), meta)
+    assert instruction_cost(tr(128, 32), T2).cycles == 128
+    assert instruction_cost(tr(32, 128), T2).cycles == 64
+    assert instruction_cost(tr(128, 128), T2).flops == 0
