@@ -67,7 +67,10 @@ def _cmd_sweep(args) -> int:
         from bench.model.kernel_table import KernelTable
         from bench.report.data import load
 
-        lookup = KernelTable.from_benchmarks(load(args.kernels)["benchmarks"]) or None
+        lookup = KernelTable.from_benchmarks(load(args.kernels)["benchmarks"])
+        if not len(lookup):  # asked for kernel latencies but none usable: say so rather than sweep without them
+            raise ValueError(f"--kernels {args.kernels}: no LNC=1 decode-attention rows with modelled_latency_s in "
+                             "extra_info (write one with pytest bench/test_decode_attention.py --benchmark-json=PATH)")
     benchmarks, skipped = [], []
     with Progress(TextColumn("[bold]model sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   transient=False) as bar:
@@ -87,6 +90,9 @@ def _cmd_sweep(args) -> int:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(data))
     print(f"{len(benchmarks)} configurations, {len(skipped)} skipped with reasons -> {args.output}")
+    if lookup is not None:
+        print(f"decode attention at its nkisim-modelled latency in {lookup.hits} of {lookup.lookups} lookups "
+              "(the rest at roofline time: shard or bucket not benchmarked)")
     if args.report:
         from bench.report import write_report
 

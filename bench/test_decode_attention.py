@@ -2,6 +2,8 @@
 
 Grid: batch x context for the GPT-OSS-20B TP=8 shard (8 q / 1 kv head, d 64, H 3072, sinks, biases) and the
 Llama-3.1-8B TP=8 shard (4 q / 1 kv head, d 128, H 4096), on trn2 and trn3, S_tkg = 1, LNC = 1.
+Extra rows (trn2): the paged KV layout (block table, block sizes 16 / 128) next to the contiguous one, and the
+GPT-OSS sliding-window layers (W = 128) whose cost must not grow with the context.
 bound = max(HBM bytes / HBM bandwidth of the core, TensorE FLOPs / peak); fraction = modelled latency / bound
 (target from the issue: <= 1.3 at batch >= 8 and context >= 4K on trn2). Figures go to benchmark.extra_info.
 """
@@ -15,15 +17,17 @@ import nkisim
 from nki_kernels.attention.decode_attention import decode_attention_nki
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "nki_kernels" / "attention"))
-from test_decode_attention import GPT_OSS_20B_TP8, LLAMA31_8B_TP8, make_inputs  # noqa: E402
+from test_decode_attention import GPT_OSS_20B_TP8, LLAMA31_8B_TP8, make_inputs, to_paged  # noqa: E402
 
 SHAPES = {"gpt-oss-20b-tp8": GPT_OSS_20B_TP8, "llama-3.1-8b-tp8": LLAMA31_8B_TP8}
 BATCHES = (1, 8, 16, 64)
 CONTEXTS = (1024, 4096, 16384)
 
 
-def modelled(shape, B, ctx, target, window=0):
+def modelled(shape, B, ctx, target, window=0, block_size=0):
     args, kw = make_inputs(B, 1, s_max=ctx, ctx=ctx, **shape)
+    if block_size:
+        args, kw = to_paged(args, kw, block_size)
     _, rep = nkisim.profile(decode_attention_nki, *args, target=target, sliding_window=window, **kw)
     hbm = rep.hbm_read_bytes + rep.hbm_write_bytes
     bound = max(hbm / rep.hbm_bytes_per_s, rep.flops / rep.peak_flops)
@@ -43,3 +47,33 @@ def test_decode_attention_modelled(benchmark, model, B, ctx, target):
                  "modelled_critical_path_s": rep.critical_path_s})
     benchmark.extra_info.update(info)
     assert rep.latency_s >= bound * 0.999  # a modelled latency can never beat its own roofline
+
+
+def _record(benchmark, rep, bound, **labels):
+    info = rep.extra_info()
+    info.update({f"modelled_{k}" if k not in ("model", "batch", "context") else k: v for k, v in labels.items()})
+    info.update({"s_tkg": 1, "lnc": 1, "modelled_bound_s": bound,
+                 "modelled_latency_over_bound": rep.latency_s / bound,
+                 "modelled_critical_path_s": rep.critical_path_s})
+    benchmark.extra_info.update(info)
+    assert rep.latency_s >= bound * 0.999
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("ctx", (4096, 16384))
+@pytest.mark.parametrize("B", (1, 16))
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_decode_attention_paged_modelled(benchmark, model, B, ctx, block_size):
+    """Paged KV cache (vLLM block table) on trn2; compare with the contiguous rows of the main grid."""
+    rep, bound = benchmark.pedantic(modelled, args=(SHAPES[model], B, ctx, "trn2"),
+                                    kwargs=dict(block_size=block_size), rounds=1, iterations=1)
+    _record(benchmark, rep, bound, model=model, batch=B, context=ctx, block_size=block_size, layout="paged")
+
+
+@pytest.mark.parametrize("ctx", CONTEXTS)
+@pytest.mark.parametrize("B", BATCHES)
+def test_decode_attention_swa_modelled(benchmark, B, ctx):
+    """GPT-OSS sliding-window layers (W = 128) on trn2: the windowed scan's latency is flat in the context."""
+    rep, bound = benchmark.pedantic(modelled, args=(GPT_OSS_20B_TP8, B, ctx, "trn2"), kwargs=dict(window=128),
+                                    rounds=1, iterations=1)
+    _record(benchmark, rep, bound, model="gpt-oss-20b-tp8", batch=B, context=ctx, sliding_window=128)

@@ -167,8 +167,7 @@ def mean(x, axis, dtype=None, keepdims=False):
 
 def var(x, axis, dtype=None, keepdims=False):
     """Population variance over trailing free axes (keepdims is ignored, as in NKI)."""
-    shape, axes = _reduce_shape(x, axis, False)
-    n = math.prod([x.shape[a] for a in axes])
+    shape, _ = _reduce_shape(x, axis, False)
     m = mean(x, axis, _dt.float32)
     sq = _new(x.shape, _dt.float32)
     _isa.activation(dst=sq, op=square, data=x)  # noqa: F821
@@ -177,7 +176,6 @@ def var(x, axis, dtype=None, keepdims=False):
     m2 = _new(m.shape, _dt.float32)
     _isa.tensor_tensor(dst=m2, data1=m, data2=m, op=multiply)  # noqa: F821
     _isa.tensor_tensor(dst=out, data1=ms, data2=m2, op=subtract)  # noqa: F821
-    del n
     return out
 
 
@@ -207,6 +205,9 @@ def rms_norm(x, w, axis, n, epsilon=1e-6, dtype=None, compute_dtype=None):
     """x / sqrt(mean(x^2 over axis, divided by n) + epsilon) * w; x [P, F], w the same shape as x."""
     if x.ndim != 2 or axis not in (1, -1, (1,), [1]):
         raise NkiValidationError(f"nl.rms_norm: supports 2-D [P, F] tiles over axis 1, got {x.shape} axis={axis}")
+    if compute_dtype is not None and _dt.as_dtype(compute_dtype) is not _dt.float32:
+        raise NkiValidationError(f"nl.rms_norm: compute_dtype={compute_dtype!r} is not supported by nkisim (fp32 "
+                                 "statistics only)")
     p = x.shape[0]
     sq = _new(x.shape, _dt.float32)
     ss = _new((p, 1), _dt.float32)
@@ -254,6 +255,9 @@ def dropout(x, rate, dtype=None):
 
 
 def gather_flattened(data, indices, axis=0, dtype=None):
+    if axis != 0:
+        raise NkiValidationError(f"nl.gather_flattened: axis={axis} is not supported (per-partition gather over the "
+                                 "flattened free dims, axis=0)")
     out = _new(indices.shape, data.dtype)  # nc_n_gather keeps data's dtype; cast afterwards if asked
     _isa.nc_n_gather(dst=out, data=data, indices=indices)
     if dtype is not None and _dt.as_dtype(dtype) is not out.dtype:

@@ -390,6 +390,8 @@ def transpose(x, dtype=None):
         raise NkiValidationError(f"nl.transpose: x must be 2-D, got {x.shape}")
     t = ndarray((x.shape[1], x.shape[0]), x.dtype, psum)
     _isa.nc_transpose(dst=t, data=x)
+    if dtype is not None and _dt.as_dtype(dtype) is not t.dtype:
+        return copy(t, dtype)  # nc_transpose keeps the input dtype (C5); honour dtype= with a cast, as load_transpose2d
     return t
 
 

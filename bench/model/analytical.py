@@ -198,7 +198,7 @@ def _neuron_config_check(cfg: ParallelConfig) -> None:
     """Validate with modules.config.NeuronConfig (the seeds' rules) when it is importable, else the same rules here."""
     try:
         from modules.config import NeuronConfig
-    except Exception:  # modules layer unavailable (e.g. torch missing): same rules, inline
+    except ImportError:  # modules layer unavailable (e.g. torch missing): same rules, inline
         NeuronConfig = None
     if NeuronConfig is not None:
         try:
@@ -250,7 +250,7 @@ def validate_vision(model: VisionModelSpec, inst: Instance, cfg: ParallelConfig,
         raise InvalidConfig("component DP sizes do not apply to the vision encoder")
     try:
         from modules.config import VisionNeuronConfig
-    except Exception:
+    except ImportError:  # modules layer unavailable (e.g. torch missing): the checks below still apply
         VisionNeuronConfig = None
     if VisionNeuronConfig is not None:
         try:

@@ -76,7 +76,7 @@ def memory_grid(rows: list[dict], model: str, instance: str, batch: int, ctx: in
     return grid
 
 
-def _summ(colls: list, layers_only: bool = True) -> dict:
+def _summ(colls: list) -> dict:
     real = [c for c in colls if c["op"] != "slice" and c["n"] > 1]
     return {"count": len(real), "ops": len(colls), "bytes": sum(c["bytes"] for c in real),
             "time_us": sum(c["time_s"] for c in real) * 1e6}

@@ -81,6 +81,10 @@ def _band_curves() -> tuple[dict, float, float]:
 
 
 def build_context(data: dict, mem_limit_gib: float | None = None, title: str = "") -> dict:
+    # A zero, negative or NaN limit would silently empty the best-configuration table: reject it up front.
+    if mem_limit_gib is not None and not (isinstance(mem_limit_gib, (int, float)) and mem_limit_gib > 0):
+        raise ValueError(f"mem_limit_gib={mem_limit_gib!r} must be a positive number of GiB per rank (or None for "
+                         "the HBM capacity of one rank)")
     parts = split(data)
     ext = extras(data)
     rows = parts["model"]

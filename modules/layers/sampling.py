@@ -11,6 +11,9 @@ def sharded_greedy_sample(local_logits: torch.Tensor, tp_group, vocab_start: int
     (2 values per token per rank instead of V/n), then reduced locally. Ties go to the lowest token id, as
     torch.argmax does. valid: number of real (unpadded) columns in this shard."""
     if valid is not None:
+        # A slice past the end would silently ignore a wrong `valid`; name the limit instead.
+        if not 0 <= valid <= local_logits.shape[-1]:
+            raise ValueError(f"valid={valid} must be in [0, {local_logits.shape[-1]}] (columns of this rank's shard)")
         local_logits = local_logits[..., :valid]
     if local_logits.shape[-1] == 0:
         vals = local_logits.new_full(local_logits.shape[:-1], float("-inf"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,8 @@ class SafetensorsCheckpoint:
 
         rank/world_size are the model's TP rank and size (loaders of component layers override the rank).
         mappings: param name → checkpoint key (or role → key); unmapped params use their own name.
-        strict=False skips parameters whose tensors are missing instead of raising.
+        strict=False skips parameters whose tensors are missing instead of raising (one warning names them all;
+        they keep their initial values and are absent from the returned dict).
         Returns the rank's sharded state {param name: tensor}.
         """
         if not 0 <= rank < world_size:
@@ -97,6 +99,7 @@ class SafetensorsCheckpoint:
         if unknown:
             raise KeyError(f"mappings name parameters the model does not have: {unknown}")
         out: dict[str, torch.Tensor] = {}
+        skipped: list[str] = []
         with self.open() as h:
             for name, param in params.items():
                 target = mappings.get(name, name)
@@ -104,6 +107,7 @@ class SafetensorsCheckpoint:
                 missing = [k for k in keys.values() if k not in self]
                 if missing:
                     if not strict:
+                        skipped.append(f"{name} (no {missing[0]!r})")
                         continue
                     raise KeyError(f"checkpoint {str(self.path)!r} has no tensor {missing[0]!r} "
                                    f"(needed by parameter {name!r})")
@@ -121,6 +125,9 @@ class SafetensorsCheckpoint:
                 with torch.no_grad():
                     param.copy_(tensor)
                 out[name] = tensor
+        if skipped:
+            warnings.warn(f"load_sharded(strict=False): {len(skipped)} parameter(s) not loaded, left at their "
+                          f"initial values: {', '.join(skipped)}", stacklevel=2)
         return out
 
     # The seed's name. Reads are sequential here; a device backend can overlap reads with host→device copies.

@@ -262,25 +262,42 @@ class StaticGroup:
         return f"StaticGroup(world_size={self.world_size}, rank_in_group={self.rank_in_group})"
 
     def _bypass(self, op: str, x: torch.Tensor) -> torch.Tensor:
-        self.log.record(op, self.name, x, self.world_size)
+        # Refuse before logging: the log must hold only collectives that ran (or were bypassed).
         if self.world_size != 1:
             raise RuntimeError(f"StaticGroup {self.name!r} (world_size={self.world_size}) cannot run {op}")
+        self.log.record(op, self.name, x, self.world_size)
         return x
+
+    def _check_single_piece(self, op: str, x: torch.Tensor, dim: int, arg: str, sizes) -> None:
+        """At size 1 a per-rank size list must be exactly [x.shape[dim]]; anything else would be dropped silently."""
+        if sizes is None or self.world_size != 1:
+            return
+        sizes = [int(s) for s in sizes]
+        if sizes != [x.shape[dim]]:
+            raise ValueError(f"{op}: {arg}={sizes} must be [x.shape[{dim}]]=[{x.shape[dim]}] on size-1 group "
+                             f"{self.name!r}")
 
     def all_reduce(self, x):
         return self._bypass("all_reduce", x)
 
     def all_gather(self, x, dim=0):
+        _norm_dim(x, dim)
         return self._bypass("all_gather", x)
 
     def all_gatherv(self, x, sizes, dim=0):
+        dim = _norm_dim(x, dim)
+        self._check_single_piece("all_gatherv", x, dim, "sizes", sizes)
         return self._bypass("all_gather", x)
 
     def reduce_scatter(self, x, dim=0):
+        _norm_dim(x, dim)
         return self._bypass("reduce_scatter", x)
 
     def all_to_all(self, x, dim=0, input_split_sizes=None, output_split_sizes=None):
+        dim = _norm_dim(x, dim)
+        self._check_single_piece("all_to_all", x, dim, "input_split_sizes", input_split_sizes)
+        self._check_single_piece("all_to_all", x, dim, "output_split_sizes", output_split_sizes)
         return self._bypass("all_to_all", x)
 
     def barrier(self) -> None:
-        pass
+        pass  # nobody to wait for

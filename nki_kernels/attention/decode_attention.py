@@ -97,6 +97,8 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         tiles = _token_tiles(cfg, b_lo, b_hi)
         ins = _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles)
         rows = _paged_rows(cfg, position_ids, block_table, tiles)
+        starts = _window_starts(cfg, position_ids, b_lo, b_hi)
+        block_ids = _load_block_ids(cfg, block_table, b_lo, b_hi, starts)
         consts = _Constants(cfg, X.dtype)
         _transpose_bias_o(cfg, ins)
         xT = _rmsnorm(cfg, consts, ins, tiles, eps)
@@ -104,7 +106,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         qkv = _rope(cfg, qkv, ins, tiles)
         qkT = _transpose_qk(cfg, qkv, tiles)
         o_tok, wo = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles,
-                                            b_lo, b_hi, W_o, block_table)
+                                            b_lo, b_hi, W_o, block_ids, starts)
         _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, rows)
         _output_projection(cfg, consts, o_tok, wo, ins.bias_o, out, tiles)
     return out
@@ -128,6 +130,19 @@ class _Config(nl.NKIObject):
         self.scan = (self.L_prior + self.unit - 1) // self.unit * self.unit
         if not self.paged:
             self.scan = min(s_max, self.scan)
+        # Sliding window: scan only the W - 1 cache keys before each sequence's first new position, from a dynamic
+        # start (a register per sequence): start = clamp(pos[b, 0] - W + 1, 0, cap - scan_w) (paged: rounded down
+        # to a multiple of u, and u more positions scanned). The cost no longer grows with the context.
+        self.dyn = False
+        self.cap = s_max if not self.paged else s_max // self.unit * self.unit
+        if window > 0:
+            scan_w = 0
+            if window > 1 and self.paged:
+                scan_w = (window - 1 + self.unit - 1) // self.unit * self.unit + self.unit
+            elif window > 1:
+                scan_w = (window - 1 + P_MAX - 1) // P_MAX * P_MAX
+            if scan_w < self.scan and scan_w <= self.cap:
+                self.scan, self.dyn = scan_w, scan_w > 0
         # d <= 64: kpp = 128 // d batches share the partitions of one K^T / query stack (batch j on partitions
         # (j % kpp) * d ..), so one score matmul contracts over 128 partitions and covers kpp batches.
         self.kpp = P_MAX // d if (2 * d <= P_MAX and P_MAX % d == 0) else 1
@@ -525,7 +540,7 @@ class _AttnState(nl.NKIObject):
                        for _ in range(cfg.kv_bufs))
         self.qm = qm
         self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
-        self.block_table = None
+        self.block_ids, self.starts = None, None
         self.iotas = {}
 
     def scores(self):
@@ -550,14 +565,14 @@ class _Softmax(nl.NKIObject):
 
 
 def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi, W_o,
-                            block_table=None):
+                            block_ids=None, starts=None):
     """Flash-decoding for every (KV head, batch pack); returns (o_tok[tile] = [tokens, nq*d] bf16, resident W_o).
 
     Packs are balanced (ceil(batches / packs) each). W_o's load is issued before the last pack's K/V loads when
     there are several packs (the K/V ring then stalls the DMA queue on compute; W_o fills that gap), else after.
     """
     st = _AttnState(cfg, qkT.dtype, consts.qm)
-    st.block_table = block_table
+    st.block_ids, st.starts = block_ids, starts
     # bmask[r, j] = 1.0 iff row r belongs to the pack's batch j (j*R <= r < (j+1)*R).
     lo = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
     ones = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
@@ -568,12 +583,10 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
     nisa.affine_select(dst=bmask, pattern=[[-cfg.R, cfg.pack]], channel_multiplier=1, on_true_tile=lo,
                        on_false_value=0.0, cmp_op=nl.less, offset=-cfg.R)
     o_acc = tuple(nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
+    packs = _packs(cfg, b_lo, b_hi)
+    n_packs = len(packs)
     for g in range(cfg.nkv):
-        n_packs = (b_hi - b_lo + cfg.pack - 1) // cfg.pack
-        per = (b_hi - b_lo + n_packs - 1) // n_packs
-        for pi in range(n_packs):
-            p0 = b_lo + pi * per
-            nb = min(per, b_hi - p0)
+        for pi, (p0, nb) in enumerate(packs):
             if g == cfg.nkv - 1 and pi == n_packs - 1 and (n_packs > 1 or cfg.nkv > 1):
                 wo = _load_w_o(cfg, W_o)
             o_rows = _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0,
@@ -587,6 +600,13 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
         nisa.tensor_copy(dst=o[:nt], src=o_acc[ti][:nt])
         o_tok.append(o)
     return tuple(o_tok), wo
+
+
+def _packs(cfg, b_lo, b_hi):
+    """Balanced batch packs of this core: (first batch, batch count), ceil(batches / packs) each."""
+    n_packs = (b_hi - b_lo + cfg.pack - 1) // cfg.pack
+    per = (b_hi - b_lo + n_packs - 1) // n_packs
+    return tuple((b_lo + pi * per, min(per, b_hi - b_lo - pi * per)) for pi in range(n_packs))
 
 
 def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0, nb, bmask):
@@ -614,6 +634,13 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         nisa.dma_copy(dst=q_pos[:rows], src=position_ids.ap([[S, nb], [1, S], [0, G]], offset=p0 * S))
     sm = _Softmax()
     _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, q_pos)
+    if cfg.dyn:      # windowed scan: key offsets are relative to each sequence's start
+        start = _start_rows(cfg, p_first, rows)
+        pf_rel = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=pf_rel[:rows], data1=p_first[:rows], data2=start[:rows], op=nl.subtract)
+        qp_rel = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=qp_rel[:rows], data1=q_pos[:rows], data2=start[:rows], op=nl.subtract)
+        p_first, q_pos = pf_rel, qp_rel
     _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
     _flush_acc(cfg, st, sm, rows, nb)
     # Final normalisation; sinks join the denominator only.
@@ -694,7 +721,7 @@ def _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, 
 def _cols(t, rows, c0, c1, inner):
     """t[:rows, c0:c1], viewed [rows, (c1 - c0) / inner, inner] when inner > 0 (the score matmuls' dst shape; the
     mask matmuls must use the same view to continue the same PSUM accumulation group)."""
-    if inner == 0:
+    if inner <= 0:
         return t[:rows, c0:c1]
     return t[:rows, c0:c1].reshape((rows, (c1 - c0) // inner, inner))
 
@@ -768,6 +795,17 @@ def _plan(cfg, lo=0, hi=None):
         k = len(slots)
         slots.append((j0, w))
         i0 = 0
+        while cfg.paged and i0 < n:      # i-major score layout: column il*128 + q' (see _load_slot_paged)
+            ni = FA_SUB // P_MAX
+            while ni > n - i0:
+                ni //= 2
+            K = _slot_split(cfg, w)
+            per = PSUM_F // P_MAX
+            chunks = tuple((il0 * P_MAX, min(ni, il0 + per) * P_MAX, -1) for il0 in range(0, ni, per))
+            blocks = tuple((il * P_MAX, 1, P_MAX, i0 + il) for il in range(ni))
+            key = [[1, ni], [n, P_MAX]] if K == 1 else [[1, ni], [n, K], [K * n, P_MAX // K]]
+            steps.append(_Step(k, j0 + i0, chunks, f"p{n}_{ni}_{K}", key, blocks))
+            i0 += ni
         while i0 < n:
             ni = FA_SUB // P_MAX
             while ni > n - i0:
@@ -825,6 +863,10 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
             for j in range(nb):
                 b = p0 + j
                 u0 = (j % cfg.kpp) * d
+                if cfg.dyn:     # windowed scan: positions start[b] + j0 .. (register-addressed)
+                    _load_slot_window(cfg, st.starts[b], K_cache, V_cache, kT[u0:u0 + d, j // cfg.kpp, :w],
+                                      v[:, j], b, g, j0, w)
+                    continue
                 nisa.dma_transpose(dst=kT[u0:u0 + d, j // cfg.kpp, :w], src=K_cache[b, g, j0:j0 + w, :])
                 if n > 0:
                     nisa.dma_copy(dst=v[:, j, :n, :],
@@ -839,7 +881,14 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
     for c0, c1, inner in step.chunks:
         for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
             kp = min(cfg.kpp, nb - jj * cfg.kpp) * d
-            if inner > 0:
+            if inner < 0:                   # paged, i-major: columns (il, q') of K^T, q' = r*T + t
+                i0, K = step.pos0 - j0, _slot_split(cfg, w)
+                il0, il1 = i0 + c0 // P_MAX, i0 + c1 // P_MAX
+                if K == 1:
+                    mov = kT[:kp, jj, il0 * P_MAX:il1 * P_MAX]
+                else:
+                    mov = kT[:kp, jj, :w].reshape((kp, K, n, P_MAX // K))[:, :, il0:il1, :].permute((0, 2, 1, 3))
+            elif inner > 0:
                 i0 = step.pos0 - j0
                 mov = kT[:kp, jj, :n * P_MAX].reshape((kp, P_MAX, n))[:, c0 // inner:c1 // inner, i0:i0 + inner]
             else:
@@ -853,36 +902,152 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
     step.sc = sc
 
 
-def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w):
-    """K^T / V of scan positions [j0, j0 + w) for every batch of the pack from a paged cache, by indirect DMAs.
+def _load_slot_window(cfg, start, K_cache, V_cache, kT, v, b, g, j0, w):
+    """Contiguous cache, windowed scan: K^T / V of positions start + j0 .. start + j0 + w (start: a register)."""
+    d, s_max = cfg.d, cfg.s_max
+    n, rem = w // P_MAX, w % P_MAX
+    base = ((b * cfg.nkv + g) * s_max + j0) * d
+    nisa.dma_transpose(dst=kT, src=K_cache.ap([[d, w], [1, d]], offset=base, scalar_offset=start, indirect_dim=2))
+    if n > 0:
+        nisa.dma_copy(dst=v[:, :n, :], src=V_cache.ap([[n * d, P_MAX], [1, n * d]], offset=base, scalar_offset=start,
+                                                     indirect_dim=2))
+    if rem:
+        nisa.dma_copy(dst=v[:rem, n, :], src=V_cache.ap([[d, rem], [1, d]], offset=base + n * P_MAX * d,
+                                                       scalar_offset=start, indirect_dim=2))
 
-    The slot is whole blocks (w >= block size: blocks j0/bs .. in groups of <= 128, one block per DMA row) or a
-    part of one block (w < block size: one row of w positions at offset j0 % bs). The block ids come from one small
-    DMA of block_table columns into an SBUF index tile [row t, batch j, group c] = block_table[b, b0 + c*128 + t].
-    K^T: DMA transpose of the gathered [blocks, span, d] into the slot's columns (block-major, via a permuted dst);
-    V: the gathered rows land in the slot's `q*n + i` layout (the same element order, so one DMA per group).
+
+def _slot_split(cfg, w):
+    """Paged slot of w = 128 * n positions: K = bs / n partitions share one block when n < bs <= w (T = w / bs
+    blocks; partition q = r*T + t holds rows r*n .. r*n + n - 1 of block t), else K = 1 (partition q holds
+    positions q*n .. q*n + n - 1: whole blocks per partition, or the slot lies inside one block)."""
+    n = w // P_MAX
+    if not cfg.paged or n >= cfg.bs or w < cfg.bs:
+        return 1
+    return cfg.bs // n
+
+
+def _start_rows(cfg, p_first, rows):
+    """fp32 [rows, 1]: first scanned position of each row's sequence (windowed scan; see _Config)."""
+    x = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=x[:rows], data=p_first[:rows], op0=nl.add, operand0=1.0 - cfg.window, op1=nl.maximum,
+                       operand1=0.0)
+    if cfg.paged:
+        m = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=m[:rows], data=x[:rows], op0=nl.mod, operand0=float(cfg.unit))
+        x2 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=x2[:rows], data1=x[:rows], data2=m[:rows], op=nl.subtract)
+        x = x2
+    out = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out[:rows], data=x[:rows], op0=nl.minimum, operand0=float(cfg.cap - cfg.scan))
+    return out
+
+
+def _window_starts(cfg, position_ids, b_lo, b_hi):
+    """Windowed scan: a register per sequence b with its first scanned position (paged: block), keyed b."""
+    regs = {}
+    if not cfg.dyn:
+        return regs
+    nbat = b_hi - b_lo
+    p_i = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=p_i[:nbat], src=position_ids.ap([[cfg.S, nbat], [1, 1]], offset=b_lo * cfg.S))
+    p_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=p_f[:nbat], src=p_i[:nbat])
+    st = _start_rows(cfg, p_f, nbat)
+    s_i = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=s_i[:nbat], data=st[:nbat], op0=nl.multiply, operand0=1.0 / cfg.bs if cfg.paged else 1.0)
+    for j in range(nbat):
+        r = nisa.register_alloc()
+        nisa.register_load(dst=r, src=s_i[j:j + 1, 0:1])
+        regs[b_lo + j] = r
+    return regs
+
+
+def _load_block_ids(cfg, block_table, b_lo, b_hi, starts=None):
+    """Paged cache: SBUF tiles of block ids (uint32, one per partition: the gathers' vector offsets) for every
+    (pack, slot) of the scan, keyed (first batch, slot start). Issued at the start of the kernel: the partition
+    dim of these tiles walks block_table with 4-byte runs (slow DMAs), which then hide under the weight loads."""
+    ids = {}
+    if not cfg.paged:
+        return ids
+    slots, _steps = _plan(cfg)
+    for p0, nb in _packs(cfg, b_lo, b_hi):
+        for j0, w in slots:
+            b0, n, K = j0 // cfg.bs, w // P_MAX, _slot_split(cfg, w)
+            if w < cfg.bs:           # one block: a [1, nb] row (read into registers)
+                idx = nl.ndarray((1, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
+                if cfg.dyn:          # windowed scan: block columns from each sequence's start register
+                    for j in range(nb):
+                        nisa.dma_copy(dst=idx[:1, j:j + 1], src=block_table.ap(
+                            [[cfg.mb, 1], [1, 1]], offset=(p0 + j) * cfg.mb + b0, scalar_offset=starts[p0 + j],
+                            indirect_dim=1))
+                else:
+                    nisa.dma_copy(dst=idx[:1, :nb], src=block_table.ap([[cfg.mb, 1], [cfg.mb, nb]],
+                                                                       offset=p0 * cfg.mb + b0))
+            else:                    # [t, batch, gather]: block b0 + t*ns + i (K = 1) or b0 + t (K > 1)
+                ns = n // cfg.bs if K == 1 else 1
+                t_n = P_MAX if K == 1 else w // cfg.bs
+                idx = nl.ndarray((P_MAX, cfg.pack, ns), dtype=nl.uint32, buffer=nl.sbuf)
+                if cfg.dyn:
+                    for j in range(nb):
+                        nisa.dma_copy(dst=idx[:t_n, j, :], src=block_table.ap(
+                            [[ns, t_n], [1, ns]], offset=(p0 + j) * cfg.mb + b0, scalar_offset=starts[p0 + j],
+                            indirect_dim=1, dtype=nl.uint32))
+                else:
+                    nisa.dma_copy(dst=idx[:t_n, :nb, :], src=block_table.ap([[ns, t_n], [cfg.mb, nb], [1, ns]],
+                                                                            offset=p0 * cfg.mb + b0, dtype=nl.uint32))
+            ids[(p0, j0)] = idx
+    return ids
+
+
+def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w):
+    """K^T / V of scan positions [j0, j0 + w) for every batch of the pack from a paged cache (indirect DMAs).
+
+    K^T lands in the natural order of a DMA transpose (one contiguous range per partition), "i-major":
+      K = 1: column i*128 + q holds position q*n + i;  K > 1: column r*n*T + i*T + t holds row r*n + i of block t.
+    V: partition q' (q' = q, or r*T + t) holds the same positions, block i of the slot. The steps use the matching
+    i-major score layout (see _plan), so score chunks read contiguous K^T columns and P^T blocks are contiguous.
+      n >= bs: n/bs indirect gathers of 128 blocks each (block q*(n/bs) + i' on partition q);
+      n < bs <= w: K^T by one 4-D transpose [T, K, n, d] -> [d, K, n, T]; V by K gathers of T partitions;
+      w < bs: the slot lies in one block: one register-addressed DMA each.
     """
     d, bs, n = cfg.d, cfg.bs, w // P_MAX
-    span = min(bs, w)
-    nblk = w // span
-    groups = (nblk + P_MAX - 1) // P_MAX
-    t_max = min(P_MAX, nblk)
-    b0, in_off = j0 // bs, j0 % bs
-    idx = nl.ndarray((P_MAX, cfg.pack, groups), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=idx[:t_max, :nb, :], src=st.block_table.ap([[1, t_max], [cfg.mb, nb], [P_MAX, groups]],
-                                                                 offset=p0 * cfg.mb + b0, dtype=nl.uint32))
     row = cfg.nkv * bs * d                       # elements per block of the cache (the indexed rows)
-    off = (g * bs + in_off) * d
+    swdge = nisa.dge_mode.swdge
+    idx = st.block_ids[(p0, j0)]
+    if w < bs:
+        off = (g * bs + j0 % bs) * d
+        for j in range(nb):
+            u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
+            blk = nisa.register_alloc()
+            nisa.register_load(dst=blk, src=idx[0:1, j:j + 1])
+            nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, n, P_MAX)),
+                               src=K_cache.ap([[n * d, P_MAX], [d, n], [1, d]], offset=off, scalar_offset=blk))
+            nisa.dma_copy(dst=v[:, j, :n, :], src=V_cache.ap([[n * d, P_MAX], [1, n * d]], offset=off,
+                                                            scalar_offset=blk))
+        return
+    K = _slot_split(cfg, w)
+    off = g * bs * d
     for j in range(nb):
         u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
-        for c in range(groups):
-            gb = min(P_MAX, nblk - c * P_MAX)
-            c0 = c * P_MAX * span
-            src_k = K_cache.ap([[row, gb], [d, span], [1, d]], offset=off, vector_offset=idx[:gb, j, c])
-            dst_k = kT[u0:u0 + d, jj, c0:c0 + gb * span].reshape((d, gb, span)).permute((0, 2, 1))
-            nisa.dma_transpose(dst=dst_k, src=src_k, dge_mode=nisa.dge_mode.swdge)
-            src_v = V_cache.ap([[row, gb], [1, span * d]], offset=off, vector_offset=idx[:gb, j, c])
-            nisa.dma_copy(dst=v[c0 // n:(c0 + gb * span) // n, j, :n, :], src=src_v, dge_mode=nisa.dge_mode.swdge)
+        if K == 1:
+            for i in range(n // bs):
+                vo = idx[:, j, i]
+                nisa.dma_transpose(dst=kT[u0:u0 + d, jj, i * bs * P_MAX:(i + 1) * bs * P_MAX].reshape((d, bs, P_MAX)),
+                                   src=K_cache.ap([[row, P_MAX], [d, bs], [1, d]], offset=off, vector_offset=vo),
+                                   dge_mode=swdge)
+                nisa.dma_copy(dst=v[:, j, i * bs:(i + 1) * bs, :],
+                              src=V_cache.ap([[row, P_MAX], [1, bs * d]], offset=off, vector_offset=vo),
+                              dge_mode=swdge)
+        else:
+            T = w // bs
+            vo = idx[:T, j, 0]
+            nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, K, n, T)),
+                               src=K_cache.ap([[row, T], [n * d, K], [d, n], [1, d]], offset=off, vector_offset=vo),
+                               dge_mode=swdge)
+            for r in range(K):
+                nisa.dma_copy(dst=v[r * T:(r + 1) * T, j, :n, :],
+                              src=V_cache.ap([[row, T], [1, n * d]], offset=off + r * n * d, vector_offset=vo),
+                              dge_mode=swdge)
 
 
 def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks):

@@ -37,7 +37,7 @@ def _check_dtypes(op, stationary, moving, dst, v, double_row):
         fail(op, f"dst dtype {dst.dtype.name} must be {' or '.join(ok_dst)} on NeuronCore-v{v} (C4)")
 
 
-def _check_tiling(op, tile_position, tile_size, k, m, v, double_row):
+def _check_tiling(op, tile_position, tile_size, v, double_row):
     if not tile_position and not tile_size:
         return 128, 128
     if not tile_position or not tile_size:
@@ -85,7 +85,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     else:
         m = free_size(stationary)
         n_shape = moving.shape[1:]
-    rs, cs = _check_tiling(op, tile_position, tile_size, k, m, v, double_row)
+    rs, cs = _check_tiling(op, tile_position, tile_size, v, double_row)
     if k > rs:
         fail(op, f"stationary partition (K) {k} exceeds {rs} (the row tile size; C3)")
     if m > cs:
@@ -107,7 +107,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             s = s.reshape(k, 2, m).reshape(2 * k, m)
             mv = mv.reshape(k, 2, n).reshape(2 * k, n)
         result = s.T @ mv
-    _accumulate(op, ctx, dst, result.reshape(dst.shape), accumulate, v, is_transpose)
+    _accumulate(op, ctx, dst, result.reshape(dst.shape), accumulate, v)
     ctx.emit(op, "tensor", (stationary, moving), (dst,), k=k, m=m, n=n,
              dtype=moving.dtype.name, stationary_dtype=stationary.dtype.name,
              double_row=double_row, transpose=bool(is_transpose),
@@ -145,7 +145,7 @@ def _check_bank(op, ctx, dst):
                  f"(512 fp32) on {ctx.target.name} (C6)")
 
 
-def _accumulate(op, ctx, dst, result, accumulate, v, is_transpose):
+def _accumulate(op, ctx, dst, result, accumulate, v):
     state = psum_state_view(dst)
     view = np_view(dst)
     if accumulate is False or state is None:

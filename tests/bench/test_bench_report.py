@@ -79,3 +79,26 @@ def test_cli_rejects_non_benchmark_json(tmp_path):
     bad.write_text(json.dumps({"x": 1}))
     with pytest.raises(ValueError, match="not a pytest-benchmark JSON"):
         cli_main(["report", str(bad), "-o", str(tmp_path / "o.html")])
+
+
+@pytest.mark.parametrize("limit", ["0", "-1", "nan"])
+def test_cli_rejects_non_positive_mem_limit(tmp_path, limit):
+    out = tmp_path / "r.html"
+    with pytest.raises(ValueError, match=r"mem_limit_gib=.* must be a positive number"):
+        cli_main(["report", str(FIXTURE), "-o", str(out), "--mem-limit-gib", limit])
+    assert not out.exists()  # rejected before any work
+
+
+def test_cli_sweep_rejects_kernels_json_without_kernel_rows(tmp_path):
+    out = tmp_path / "sweep.json"
+    with pytest.raises(ValueError, match=r"--kernels .*no LNC=1 decode-attention rows"):
+        cli_main(["sweep", "-o", str(out), "--kernels", str(_fixture_without_kernel_rows(tmp_path))])
+    assert not out.exists()  # rejected before the sweep ran
+
+
+def _fixture_without_kernel_rows(tmp_path):
+    data = json.loads(FIXTURE.read_text())
+    data["benchmarks"] = [b for b in data["benchmarks"] if "modelled_latency_s" not in (b.get("extra_info") or {})]
+    path = tmp_path / "no_kernels.json"
+    path.write_text(json.dumps(data))
+    return path

@@ -531,6 +531,8 @@ def test_c6_groups_in_separate_banks_do_not_warn():
         for k in range(2):
             for t in tiles:
                 nisa.nc_matmul(dst=t[:, 0:1], stationary=s, moving=m, accumulate=k > 0)
+    for t in tiles:  # both groups accumulated correctly: 2 steps x K=8 ones
+        np.testing.assert_array_equal(rd(t[:, 0:1]), np.full((4, 1), 16.0, np.float32))
 
 
 # ---- C17: sentinel fill ----------------------------------------------------------------------------------------------

@@ -782,6 +782,9 @@ def test_nl_matmul_and_transpose():
     t = nl.transpose(sb(a))
     assert t.buffer is nl.psum
     np.testing.assert_array_equal(rd(t), a.T)
+    tb = nl.transpose(sb(a), dtype=nl.bfloat16)  # dtype= is honoured, not dropped
+    assert tb.dtype is nl.bfloat16
+    np.testing.assert_allclose(rd(tb).astype(np.float32), a.T, rtol=1e-2, atol=1e-2)
     lt = nl.load_transpose2d(hbm(a))
     np.testing.assert_array_equal(rd(lt), a.T)
 

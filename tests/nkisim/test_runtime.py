@@ -124,9 +124,9 @@ def test_kernel_state_is_isolated_per_call():
         nisa.dma_copy(dst=out, src=x)
         return out
 
-    x = np.ones((1, 1), np.float32)
-    for _ in range(3):  # each call gets a fresh core: SBUF does not leak between calls
-        big(x)
+    x = np.full((1, 1), 7.0, np.float32)
+    for _ in range(3):  # each call gets a fresh core: SBUF does not leak (a leak fails the 2nd call on capacity)
+        np.testing.assert_array_equal(big(x), x)
 
 
 # ---- LNC=2 ----------------------------------------------------------------------------------------------------------

@@ -99,3 +99,15 @@ def test_rmsnorm_reference_and_padding():
         norm(torch.zeros(2, 7))
     with pytest.raises(ValueError, match=r"padded_size=4 < hidden_size=6"):
         RMSNorm(6, padded_size=4)
+
+
+def test_greedy_sample_single_rank_and_bad_valid_named():
+    from modules.layers.sampling import sharded_greedy_sample
+
+    logits = torch.tensor([[0.1, 0.9, 0.9, -1.0], [2.0, 0.0, 0.0, 5.0]])
+    g = StaticGroup()
+    assert sharded_greedy_sample(logits, g, vocab_start=0).tolist() == [1, 3]           # first max wins ties
+    assert sharded_greedy_sample(logits, g, vocab_start=10, valid=3).tolist() == [11, 10]  # padding column ignored
+    for bad in (-1, 5):
+        with pytest.raises(ValueError, match=rf"valid={bad} must be in \[0, 4\]"):
+            sharded_greedy_sample(logits, g, vocab_start=0, valid=bad)

@@ -121,6 +121,17 @@ def test_static_group():
     assert g.all_reduce(x) is x and g.all_gather(x) is x and g.log.count(include_bypassed=True) == 2
     with pytest.raises(RuntimeError, match=r"world_size=4\) cannot run all_reduce"):
         StaticGroup(4, 1).all_reduce(x)
+    assert g.all_gatherv(x, sizes=[2]) is x and g.all_to_all(x, input_split_sizes=[2], output_split_sizes=[2]) is x
+    with pytest.raises(ValueError, match=r"sizes=\[3\] must be \[x.shape\[0\]\]=\[2\]"):
+        g.all_gatherv(x, sizes=[3])
+    with pytest.raises(ValueError, match=r"output_split_sizes=\[1, 1\] must be"):
+        g.all_to_all(x, output_split_sizes=[1, 1])
+    with pytest.raises(ValueError, match=r"dim=1 out of range"):
+        g.all_gather(x, dim=1)
+    refused = StaticGroup(4, 1)
+    with pytest.raises(RuntimeError):
+        refused.all_gather(x)
+    assert refused.log.count(include_bypassed=True) == 0  # a refused collective is not logged
     with pytest.raises(ValueError, match=r"rank_in_group=4 must be in \[0, world_size=4\)"):
         StaticGroup(4, 4)
 

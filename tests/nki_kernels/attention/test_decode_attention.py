@@ -269,12 +269,14 @@ def test_paged_cache(B, S, s_max, ctx, bs, shape):
 
 
 def test_paged_matches_contiguous():
-    """Same logical cache, contiguous vs paged: the same bits (same scan, same arithmetic)."""
+    """Same logical cache, contiguous vs paged: the same result up to fp32 reduction order (the block split permutes
+    the positions inside a slot)."""
     args, kw = make_inputs(4, 2, s_max=1024, ctx=1000, **GPT_OSS_20B_TP8)
     pargs, pkw = to_paged([a.clone() if a is not None else None for a in args], kw, 32)
     out_c = decode_attention(*args, **kw, backend="nkisim")
     out_p = decode_attention(*pargs, **pkw, backend="nkisim")
-    assert torch.equal(out_c, out_p)
+    err = (out_c.float() - out_p.float()).abs().max().item()
+    assert err <= 2e-3 * out_c.float().abs().max().item(), err   # same math; reduction order may differ
 
 
 def test_paged_bad_inputs():
@@ -293,3 +295,35 @@ def test_paged_bad_inputs():
     table[1, 0] = 10_000
     with pytest.raises(ValueError, match="num_blocks"):
         decode_attention(*pargs, **dict(pkw, block_table=table), backend="nkisim")
+
+
+# ---- sliding window: only the window is scanned ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("B,S,ctx,window,shape,bs", [
+    (8, 1, 4096, 128, GPT_OSS_20B_TP8, 0),      # GPT-OSS SWA layers, long context, clamped starts at both ends
+    (3, 4, 2048, 300, MULTI_KV, 0),             # W not a multiple of 128, S_tkg = 4, 2 KV heads
+    (4, 3, 640, 2, SMALL_D, 0),                 # W < S_tkg: no cache key visible
+    (4, 2, 4096, 128, GPT_OSS_20B_TP8, 16),     # paged + window: block-aligned dynamic start
+    (2, 1, 2048, 200, LLAMA31_8B_TP8, 256),     # paged, slots inside one block
+])
+def test_sliding_window_scan(B, S, ctx, window, shape, bs):
+    run_and_check(B, S, s_max=ctx, ctx=ctx, window=window, shape=shape, block_size=bs)
+
+
+def test_sliding_window_reads_only_the_window():
+    """Cache rows outside the scanned window hold NaN: the output must still match the reference (computed on the
+    clean cache), i.e. the kernel never reads them."""
+    B, S, ctx, W = 6, 2, 2048, 128
+    args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=5, **GPT_OSS_20B_TP8)
+    kw["sliding_window"] = W
+    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw)
+    scan = (W - 1 + 127) // 128 * 128
+    for b in range(B):
+        start = min(max(int(args[4][b, 0]) - W + 1, 0), ctx - scan)
+        for c in (args[2], args[3]):
+            c[b, :, :start] = float("nan")
+            c[b, :, start + scan:] = float("nan")
+    out = decode_attention(*args, **kw, backend="nkisim")
+    a, r = out.float(), ref.float()
+    assert not torch.isnan(a).any()
+    assert (a - r).abs().max().item() <= ATOL + RTOL * r.abs().max().item()
