@@ -3,7 +3,8 @@
 Grid: batch x context for the GPT-OSS-20B TP=8 shard (8 q / 1 kv head, d 64, H 3072, sinks, biases) and the
 Llama-3.1-8B TP=8 shard (4 q / 1 kv head, d 128, H 4096), on trn2 and trn3, S_tkg = 1, LNC = 1.
 Extra rows (trn2): the paged KV layout (block table, block sizes 16 / 128) next to the contiguous one, and the
-GPT-OSS sliding-window layers (W = 128) whose cost must not grow with the context.
+GPT-OSS sliding-window layers (W = 128) whose cost must not grow with the context, and LNC=2 with a single
+sequence (context split between the two cores).
 bound = max(HBM bytes / HBM bandwidth of the core, TensorE FLOPs / peak); fraction = modelled latency / bound
 (target from the issue: <= 1.3 at batch >= 8 and context >= 4K on trn2). Figures go to benchmark.extra_info.
 """
@@ -24,11 +25,12 @@ BATCHES = (1, 8, 16, 64)
 CONTEXTS = (1024, 4096, 16384)
 
 
-def modelled(shape, B, ctx, target, window=0, block_size=0):
+def modelled(shape, B, ctx, target, window=0, block_size=0, lnc=1):
     args, kw = make_inputs(B, 1, s_max=ctx, ctx=ctx, **shape)
     if block_size:
         args, kw = to_paged(args, kw, block_size)
-    _, rep = nkisim.profile(decode_attention_nki, *args, target=target, sliding_window=window, **kw)
+    kernel = decode_attention_nki if lnc == 1 else decode_attention_nki[lnc]
+    _, rep = nkisim.profile(kernel, *args, target=target, sliding_window=window, **kw)
     hbm = rep.hbm_read_bytes + rep.hbm_write_bytes
     bound = max(hbm / rep.hbm_bytes_per_s, rep.flops / rep.peak_flops)
     return rep, bound
@@ -77,3 +79,13 @@ def test_decode_attention_swa_modelled(benchmark, B, ctx):
     rep, bound = benchmark.pedantic(modelled, args=(GPT_OSS_20B_TP8, B, ctx, "trn2"), kwargs=dict(window=128),
                                     rounds=1, iterations=1)
     _record(benchmark, rep, bound, model="gpt-oss-20b-tp8", batch=B, context=ctx, sliding_window=128)
+
+
+@pytest.mark.parametrize("ctx", (4096, 16384))
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_decode_attention_lnc2_single_sequence_modelled(benchmark, model, ctx):
+    """LNC=2, B=1 on trn2: the two cores split the cache scan (compare with the B=1 rows of the main grid)."""
+    rep, bound = benchmark.pedantic(modelled, args=(SHAPES[model], 1, ctx, "trn2"), kwargs=dict(lnc=2),
+                                    rounds=1, iterations=1)
+    _record(benchmark, rep, bound, model=model, batch=1, context=ctx, context_split=True)
+    benchmark.extra_info["lnc"] = 2

@@ -39,8 +39,9 @@ class DecodeAttention(nn.Module):
         self.b_o = p(1, hidden_size) if bias else None
         self.sinks = p(num_heads, d=torch.float32) if sinks else None
 
-    def forward(self, x, k_cache, v_cache, position_ids, cos, sin, context_len=0):
-        """x [B, S, H] -> [B, S, H] (all-reduced); k_cache / v_cache [B, kv, S_max, d] updated in place."""
+    def forward(self, x, k_cache, v_cache, position_ids, cos, sin, context_len=0, block_table=None):
+        """x [B, S, H] -> [B, S, H] (all-reduced); k_cache / v_cache [B, kv, S_max, d] updated in place (paged:
+        [num_blocks, kv, block_size, d] with block_table [B, max_blocks] int32)."""
         B, S, H = x.shape
         # The O bias is added once across the group (by its first rank), so the all-reduce sums it exactly once.
         b_o = self.b_o if self.b_o is not None and self.tp_group.rank_in_group == 0 else None
@@ -50,5 +51,6 @@ class DecodeAttention(nn.Module):
                                    sinks=None if self.sinks is None else self.sinks.data,
                                    bias_o=None if b_o is None else b_o.data, context_len=context_len,
                                    softmax_scale=self.softmax_scale, eps=self.eps, hidden_actual=self.hidden_actual,
-                                   sliding_window=self.sliding_window, backend=self.backend, lnc=self.lnc)
+                                   sliding_window=self.sliding_window, block_table=block_table,
+                                   backend=self.backend, lnc=self.lnc)
         return self.tp_group.all_reduce(partial.float()).to(x.dtype).view(B, S, H)

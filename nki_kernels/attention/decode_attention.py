@@ -67,7 +67,11 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         out ([B * S, H] @ HBM, shared_hbm): partial O-projection (sum over ranks = full output), input dtype.
 
     Notes:
-        - LNC=2 splits the batch between the two cores (each core owns whole sequences); B = 1 runs on core 0.
+        - LNC=2 splits the batch between the two cores (each core owns whole sequences). With B = 1 the cores
+          split the cache scan instead (and the QKV contraction over H, and the O-projection's H columns); the
+          partial softmax states and QKV sums are exchanged with nisa.sendrecv.
+        - Sliding window: only the W - 1 keys before each sequence's first new position are read (dynamic start).
+        - Paged cache: blocks are gathered with indirect DMAs (.ap(vector_offset=...)), see DESIGN.md.
         - Masks are generated in-kernel from position_ids; no mask tensor in HBM.
         - The new tokens' K/V are used from SBUF (the "active" step); cache positions >= the first new position are
           masked, so the cache reads never wait for the cache update, which is written last.
@@ -91,6 +95,12 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
     per_core = (cfg.B + n_prog - 1) // n_prog
     b_lo = nl.program_id(0) * per_core
     b_hi = min(cfg.B, b_lo + per_core)
+    if n_prog > 1 and cfg.B < n_prog and cfg.scan >= 2 * cfg.unit:
+        # Fewer sequences than cores: both cores run every sequence and split the cache scan; the partial softmax
+        # states are exchanged with sendrecv and combined (same bits on both cores), then each core computes half
+        # of the O-projection's H columns. Core 0 alone writes the cache.
+        b_lo, b_hi = 0, cfg.B
+        _split_context(cfg, nl.program_id(0))
     if b_lo < b_hi:
         # DMA instructions issue in program order: small inputs first, then W_qkv, every K/V load of the attention,
         # W_o (its arrival paces the O-projection), and the stores last, so no load waits behind a store.
@@ -107,9 +117,21 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         qkT = _transpose_qk(cfg, qkv, tiles)
         o_tok, wo = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles,
                                             b_lo, b_hi, W_o, block_ids, starts)
-        _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, rows)
+        if cfg.core == 0:
+            _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, rows)
         _output_projection(cfg, consts, o_tok, wo, ins.bias_o, out, tiles)
     return out
+
+
+def _split_context(cfg, core):
+    """LNC=2 with B < 2: this core scans [lo, hi) of the cache (halves in units of cfg.unit) and owns the
+    O-projection columns [hc0 * 128, hc1 * 128)."""
+    mid = cfg.scan // cfg.unit // 2 * cfg.unit
+    n_c = cfg.H // P_MAX
+    half = (n_c + 1) // 2
+    cfg.split, cfg.core = True, core
+    cfg.lo, cfg.hi = (0, mid) if core == 0 else (mid, cfg.scan)
+    cfg.hc = (0, half) if core == 0 else (half, n_c)
 
 
 class _Config(nl.NKIObject):
@@ -162,6 +184,8 @@ class _Config(nl.NKIObject):
             ft -= FA_SUB
         self.nst = (self.pack + self.kpp - 1) // self.kpp          # K^T / query stacks per pack
         self.fa_tile = max(P_MAX, min(ft, (self.scan + P_MAX - 1) // P_MAX * P_MAX))
+        # Context split between the two cores of an LNC=2 launch (B < 2; see _split_context): defaults = no split.
+        self.split, self.core, self.lo, self.hi, self.hc = False, 0, 0, self.scan, (0, H // P_MAX)
         if self.paged:     # paged slots are 128 * 2^m positions (block-aligned gathers)
             ft = P_MAX
             while 2 * ft <= self.fa_tile:
@@ -423,15 +447,24 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
     W_qkv is resident in SBUF as [128, KT, C] (row p * KT + kt on partition p: KT * C contiguous elements per
     partition), loaded in W_QKV_DMAS large DMAs so the first accumulation group starts on the first part. The bias
     is one more K=1 matmul (ones x bias) into the same accumulator.
+    Context split (LNC=2, B < 2): each core contracts half of the KT tiles (and loads only those rows of W_qkv);
+    the fp32 partial sums are exchanged with sendrecv and added (same bits on both cores; bias on core 0's part).
     """
     KT, C = cfg.KT, cfg.C
+    qsplit = cfg.split and KT >= 2
+    kt0, kt1 = (0, KT) if not qsplit else ((0, KT // 2) if cfg.core == 0 else (KT // 2, KT))
+    if qsplit and cfg.core == 1:
+        bias = None
     wq = nl.ndarray((P_MAX, KT, C), dtype=W_qkv.dtype, buffer=nl.sbuf)
     w3 = W_qkv.reshape((P_MAX, KT, C))
-    n_dma = min(W_QKV_DMAS, KT)
+    n_dma = min(W_QKV_DMAS, kt1 - kt0)
     for i in range(n_dma):
-        k0, k1 = i * KT // n_dma, (i + 1) * KT // n_dma
+        k0, k1 = kt0 + i * (kt1 - kt0) // n_dma, kt0 + (i + 1) * (kt1 - kt0) // n_dma
         nisa.dma_copy(dst=wq[:, k0:k1, :], src=w3[:, k0:k1, :])
     qkv = tuple(_qkv_tile(cfg, W_qkv.dtype, tiles[ti][1]) for ti in range(len(tiles)))
+    part = ()
+    if qsplit:
+        part = tuple(nl.ndarray((P_MAX, C), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
     n_chunks = (C + PSUM_F - 1) // PSUM_F
     pairs = [(ti, ch) for ch in range(n_chunks) for ti in range(len(tiles))]
     n_ev = 0
@@ -443,16 +476,26 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
                 nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
                 nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=_ones_row(consts, bias.dtype, nt),
                                moving=bias[:1, c0:c0 + cw], accumulate=False)
-        for kt in range(KT):
+        for kt in range(kt0, kt1):
             for i, (ti, ch) in enumerate(group):
                 nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
                 nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=xT[ti][:, kt, :nt], moving=wq[:, kt, c0:c0 + cw],
-                               accumulate=(kt > 0 or bias != None))  # noqa: E711
+                               accumulate=(kt > kt0 or bias != None))  # noqa: E711
         for i, (ti, ch) in enumerate(group):
             nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
-            _evict(n_ev, qkv[ti][:nt, cfg.pad + c0:cfg.pad + c0 + cw], accs[i][:nt, :cw])
+            if qsplit:
+                _evict(n_ev, part[ti][:nt, c0:c0 + cw], accs[i][:nt, :cw])
+            else:
+                _evict(n_ev, qkv[ti][:nt, cfg.pad + c0:cfg.pad + c0 + cw], accs[i][:nt, :cw])
             n_ev += 1
         accs = None    # release the banks before the next group allocates
+    for ti in range(len(part)):
+        nt = tiles[ti][1]
+        other = nl.ndarray((P_MAX, C), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.sendrecv(src=part[ti][:nt, :], dst=other[:nt, :], send_to_rank=1 - cfg.core, recv_from_rank=1 - cfg.core,
+                      pipe_id=cfg.nkv + ti)
+        nisa.tensor_tensor(dst=qkv[ti][:nt, cfg.pad:cfg.pad + C], data1=part[ti][:nt, :], data2=other[:nt, :],
+                           op=nl.add)
     return qkv
 
 
@@ -633,7 +676,13 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         q_pos = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=q_pos[:rows], src=position_ids.ap([[S, nb], [1, S], [0, G]], offset=p0 * S))
     sm = _Softmax()
-    _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, q_pos)
+    if cfg.core == 0:
+        _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, q_pos)
+    else:            # second core of a context split: empty state (m = MASK_NEG, l = 0, no accumulator yet)
+        sm.m = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=sm.m[:rows], value=MASK_NEG)
+        sm.l = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=sm.l[:rows], value=0.0)
     if cfg.dyn:      # windowed scan: key offsets are relative to each sequence's start
         start = _start_rows(cfg, p_first, rows)
         pf_rel = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -643,6 +692,8 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         p_first, q_pos = pf_rel, qp_rel
     _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
     _flush_acc(cfg, st, sm, rows, nb)
+    if cfg.split:
+        _combine_cores(cfg, sm, rows, nb, g)
     # Final normalisation; sinks join the denominator only.
     l_fin = sm.l
     if sinks != None:  # noqa: E711
@@ -665,6 +716,39 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     o_rows = nl.ndarray((P_MAX, d), dtype=qkT.dtype, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=o_rows[:rows], op=nl.add, data=o_m[:rows, :nb, :].permute((0, 2, 1)), axis=(2,))
     return o_rows
+
+
+def _combine_cores(cfg, sm, rows, nb, g):
+    """Context split (LNC=2): exchange (m, l, acc) with the other core and merge the two partial softmax states:
+    m = max(m0, m1), l = sum_c l_c e^{scale (m_c - m)}, acc likewise. Each core adds its own term and the other's
+    (fp32 addition commutes), so both cores hold the same bits. A core whose half saw only masked keys has
+    m_c <= MASK_NEG: its weight e^{scale (m_c - m)} is exactly 0."""
+    n = nb * cfg.d
+    mine = nl.ndarray((P_MAX, 2 + PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=mine[:rows, 0:1], src=sm.m[:rows])
+    nisa.tensor_copy(dst=mine[:rows, 1:2], src=sm.l[:rows])
+    nisa.tensor_copy(dst=mine[:rows, 2:2 + n], src=sm.acc[:rows, :n])
+    other = nl.ndarray((P_MAX, 2 + PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    peer = 1 - cfg.core
+    nisa.sendrecv(src=mine[:rows, :2 + n], dst=other[:rows, :2 + n], send_to_rank=peer, recv_from_rank=peer,
+                  pipe_id=g)
+    m = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=m[:rows], data1=mine[:rows, 0:1], data2=other[:rows, 0:1], op=nl.maximum)
+    nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nbias[:rows], data=m[:rows], op0=nl.multiply, operand0=-cfg.scale)
+    a_mine = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=a_mine[:rows], op=nl.exp, data=mine[:rows, 0:1], bias=nbias[:rows], scale=cfg.scale)
+    a_other = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=a_other[:rows], op=nl.exp, data=other[:rows, 0:1], bias=nbias[:rows], scale=cfg.scale)
+    # [l | acc] of each core scaled by its weight, then summed: (mine * a_mine) + (other * a_other)
+    t_other = nl.ndarray((P_MAX, 1 + PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=t_other[:rows, :1 + n], data=other[:rows, 1:2 + n], op0=nl.multiply,
+                       operand0=a_other[:rows])
+    t_mine = nl.ndarray((P_MAX, 1 + PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=t_mine[:rows, :1 + n], data=mine[:rows, 1:2 + n], op0=nl.multiply, operand0=a_mine[:rows])
+    la = nl.ndarray((P_MAX, 1 + PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=la[:rows, :1 + n], data1=t_mine[:rows, :1 + n], data2=t_other[:rows, :1 + n], op=nl.add)
+    sm.m, sm.l, sm.acc = m, la[:, 0:1], la[:, 1:1 + PV_COLS]
 
 
 def _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, q_pos):
@@ -778,8 +862,8 @@ def _slot_bounds(cfg, lo, hi):
     return bounds
 
 
-def _plan(cfg, lo=0, hi=None):
-    """Slots (j0, w) of the cache scan [lo, hi) (default: the whole scan) and the steps over them (static).
+def _plan(cfg):
+    """Slots (j0, w) of this core's cache scan [cfg.lo, cfg.hi) and the steps over them (static).
 
     Slot layout: K^T [d, w] by DMA transpose; V so that partition q holds positions q*n + i (n = w // 128, one
     contiguous run of n*d elements per partition), the last w % 128 positions as one more block. A step covers
@@ -787,7 +871,7 @@ def _plan(cfg, lo=0, hi=None):
     score column q*ni + il <-> position q*n + i0 + il, so the P^T block of V block i0 + il is the stride-ni column
     set il::ni of P. Keys beyond L - S are read only up to the next multiple of 128 (and S_max): they are masked.
     """
-    bounds = _slot_bounds(cfg, lo, cfg.scan if hi == None else hi)  # noqa: E711
+    bounds = _slot_bounds(cfg, cfg.lo, cfg.hi)
     slots, steps = [], []
     for si in range(len(bounds) - 1):
         j0, w = bounds[si], bounds[si + 1] - bounds[si]
@@ -1138,9 +1222,10 @@ def _load_w_o(cfg, W_o):
     K = cfg.nq * cfg.d
     n_k = (K + P_MAX - 1) // P_MAX
     wo = nl.ndarray((P_MAX, n_k, cfg.H), dtype=W_o.dtype, buffer=nl.sbuf)
+    h0, h1 = cfg.hc[0] * P_MAX, cfg.hc[1] * P_MAX      # this core's output columns (all of H unless split)
     for k in range(n_k):
         kn = min(P_MAX, K - k * P_MAX)
-        nisa.dma_copy(dst=wo[:kn, k, :], src=W_o[k * P_MAX:k * P_MAX + kn, :])
+        nisa.dma_copy(dst=wo[:kn, k, h0:h1], src=W_o[k * P_MAX:k * P_MAX + kn, h0:h1])
     return wo
 
 
@@ -1244,12 +1329,13 @@ def _output_projection(cfg, consts, o_tok, wo, bias_T, out, tiles):
     K = cfg.nq * cfg.d
     n_k = (K + P_MAX - 1) // P_MAX
     n_c = (cfg.H + P_MAX - 1) // P_MAX
+    hc0, hc1 = cfg.hc                                        # this core's 128-column chunks of H
     oTs = _transpose_o(cfg, o_tok, tiles)
     for ti, (t0, nt, _, _) in enumerate(tiles):
         per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, nt <= 128] fp32 per bank
         outT = nl.ndarray((P_MAX, n_c, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
-        for c0 in range(0, n_c, per_bank):
-            ncb = min(per_bank, n_c - c0)
+        for c0 in range(hc0, hc1, per_bank):
+            ncb = min(per_bank, hc1 - c0)
             ps = nl.ndarray((P_MAX, per_bank, P_MAX), dtype=nl.float32, buffer=nl.psum)
             for c in range(c0, c0 + ncb):                   # one accumulation group at a time per bank
                 for k in range(n_k):
@@ -1263,15 +1349,15 @@ def _output_projection(cfg, consts, o_tok, wo, bias_T, out, tiles):
                 _evict(c0 // per_bank, outT[:, c0:c0 + ncb, :nt], ps[:, :ncb, :nt])
             ps = None
         res = nl.ndarray((P_MAX, cfg.H), dtype=out.dtype, buffer=nl.sbuf)
-        for c0 in range(0, n_c, TRANSPOSE_GROUP):
-            nc = min(TRANSPOSE_GROUP, n_c - c0)
+        for c0 in range(hc0, hc1, TRANSPOSE_GROUP):
+            nc = min(TRANSPOSE_GROUP, hc1 - c0)
             pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
             for c in range(nc):
                 nisa.nc_transpose(dst=pt[:nt, c, :], data=outT[:, c0 + c, :nt])
-            _evict(c0 // TRANSPOSE_GROUP, res[:nt, c0 * P_MAX:(c0 + nc) * P_MAX].reshape((nt, nc, P_MAX)),
+            _evict((c0 - hc0) // TRANSPOSE_GROUP, res[:nt, c0 * P_MAX:(c0 + nc) * P_MAX].reshape((nt, nc, P_MAX)),
                    pt[:nt, :nc, :])
             pt = None
-        nisa.dma_copy(dst=out[t0:t0 + nt, :], src=res[:nt, :])
+        nisa.dma_copy(dst=out[t0:t0 + nt, hc0 * P_MAX:hc1 * P_MAX], src=res[:nt, hc0 * P_MAX:hc1 * P_MAX])
 
 
 decode_attention_nki = nki.jit(decode_attention_kernel)

@@ -150,7 +150,49 @@ def test_lnc2(B, S, ctx, window, shape):
     out1 = run_and_check(B, S, s_max=ctx, ctx=ctx, window=window, shape=shape, lnc=2)
     args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, **shape)
     out2 = decode_attention(*args, **kw, sliding_window=window, backend="nkisim", lnc=1)
-    assert torch.equal(out1, out2), "LNC=2 must give the same bits as LNC=1 (whole sequences per core)"
+    if B >= 2:
+        assert torch.equal(out1, out2), "LNC=2 must give the same bits as LNC=1 (whole sequences per core)"
+    else:   # B = 1: the context is split between the cores (merged softmax states: fp32 order differs)
+        _assert_close_to_lnc1(out1, out2)
+
+
+def _assert_close_to_lnc1(out2, out1):
+    a, b = out2.float(), out1.float()
+    assert not torch.isnan(a).any()
+    assert (a - b).abs().max().item() <= 1e-2 * b.abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+    assert cos >= 0.9999, cos
+
+
+@pytest.mark.parametrize("S,ctx,pos0,window,shape,bs", [
+    (1, 4096, None, 0, GPT_OSS_20B_TP8, 0),      # both halves see keys
+    (4, 2048, 5, 0, LLAMA31_8B_TP8, 0),          # the second core's half is entirely masked
+    (2, 2048, 1030, 0, MULTI_KV, 32),            # paged; the new tokens just after the split point
+    (1, 4096, 3000, 1000, GPT_OSS_20B_TP8, 0),   # windowed scan split between the cores
+])
+def test_lnc2_single_sequence_splits_context(S, ctx, pos0, window, shape, bs):
+    """LNC=2 with B=1: each core scans half of the cache, the partial (max, sum, acc) are merged through sendrecv
+    and each core computes half of the O-projection columns. Checked against the reference and LNC=1."""
+    args, kw = make_inputs(1, S, s_max=ctx, ctx=ctx, seed=11, **shape)
+    if pos0 is not None:
+        args[4][0] = torch.arange(pos0, pos0 + S, dtype=torch.int32)
+    if bs:
+        args, kw = to_paged(args, kw, bs)
+    kw["sliding_window"] = window
+    outs = []
+    for lnc in (2, 1):
+        a = [x.clone() if x is not None else None for x in args]
+        ref_args = [x.clone() if x is not None else None for x in args]
+        ref = decode_attention_torch(*ref_args, **kw).float()
+        out = decode_attention(*a, **kw, backend="nkisim", lnc=lnc)
+        err = (out.float() - ref).abs().max().item()
+        assert err <= ATOL + RTOL * ref.abs().max().item(), (lnc, err)
+        for got, want in ((a[2], ref_args[2]), (a[3], ref_args[3])):   # the cache is written once, correctly
+            sel = _written_rows(a, kw, 1)[:, None, :, None].expand_as(got)
+            assert torch.equal(got[~sel], want[~sel])
+            assert torch.allclose(got[sel].float(), want[sel].float(), rtol=2e-2, atol=2e-2)
+        outs.append(out)
+    _assert_close_to_lnc1(outs[0], outs[1])
 
 
 # ---- determinism and sentinels ------------------------------------------------------------------------------------
