@@ -115,11 +115,11 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         qkv = _qkv_projection(cfg, consts, xT, W_qkv, ins.bias_qkv, tiles)
         qkv = _rope(cfg, qkv, ins, tiles)
         qkT = _transpose_qk(cfg, qkv, tiles)
-        o_tok, wo = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles,
-                                            b_lo, b_hi, W_o, block_ids, starts)
+        oT, wo = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles,
+                                         b_lo, b_hi, W_o, block_ids, starts)
         if cfg.core == 0:
             _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, rows)
-        _output_projection(cfg, consts, o_tok, wo, ins.bias_o, out, tiles)
+        _output_projection(cfg, consts, oT, wo, ins.bias_o, out, tiles)
     return out
 
 
@@ -182,6 +182,12 @@ class _Config(nl.NKIObject):
         ft = FA_TILE_MAX
         while ft > FA_SUB and self.kv_bufs * _slot_bytes(self.pack, ft, self.kpp, d, itemsize) > budget:
             ft -= FA_SUB
+        if self.kv_bufs == KV_BUFS and ft >= 2 * FA_SUB:
+            # Same SBUF as KV_BUFS slots of ft positions, as up to twice as many half-size slots: the first steps
+            # start on half the data and the ring runs further ahead of the compute (no queue stalls).
+            half = ft // 2 // FA_SUB * FA_SUB
+            self.kv_bufs = min(2 * KV_BUFS, KV_BUFS * ft // half)
+            ft = half
         self.nst = (self.pack + self.kpp - 1) // self.kpp          # K^T / query stacks per pack
         self.fa_tile = max(P_MAX, min(ft, (self.scan + P_MAX - 1) // P_MAX * P_MAX))
         # Context split between the two cores of an LNC=2 launch (B < 2; see _split_context): defaults = no split.
@@ -609,10 +615,11 @@ class _Softmax(nl.NKIObject):
 
 def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi, W_o,
                             block_ids=None, starts=None):
-    """Flash-decoding for every (KV head, batch pack); returns (o_tok[tile] = [tokens, nq*d] bf16, resident W_o).
+    """Flash-decoding for every (KV head, batch pack); returns (oT[tile] = [128 (head, dim), K chunk, tokens] bf16,
+    the O-projection's stationaries, and the resident W_o).
 
-    Packs are balanced (ceil(batches / packs) each). W_o's load is issued before the last pack's K/V loads when
-    there are several packs (the K/V ring then stalls the DMA queue on compute; W_o fills that gap), else after.
+    Packs are balanced (ceil(batches / packs) each). W_o's load is issued after every K/V load (the K/V ring has
+    enough slots that it does not stall the DMA queue on compute, so W_o only has to arrive before the O-projection).
     """
     st = _AttnState(cfg, qkT.dtype, consts.qm)
     st.block_ids, st.starts = block_ids, starts
@@ -625,24 +632,45 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
     bmask = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
     nisa.affine_select(dst=bmask, pattern=[[-cfg.R, cfg.pack]], channel_multiplier=1, on_true_tile=lo,
                        on_false_value=0.0, cmp_op=nl.less, offset=-cfg.R)
-    o_acc = tuple(nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
+    n_k = (cfg.nq * cfg.d + P_MAX - 1) // P_MAX
+    # Direct o^T (one token tile, heads on legal partition starts, all of o^T in one PSUM bank): the selection
+    # matmuls write o^T straight into the selection bank (every element exactly once), one eviction at the end.
+    direct = len(tiles) == 1 and cfg.d in (32, 64, 128) and n_k * tiles[0][1] <= PSUM_F
+    o_acc = ()
+    if not direct:
+        o_acc = tuple(nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
     packs = _packs(cfg, b_lo, b_hi)
     n_packs = len(packs)
     for g in range(cfg.nkv):
         for pi, (p0, nb) in enumerate(packs):
-            if g == cfg.nkv - 1 and pi == n_packs - 1 and (n_packs > 1 or cfg.nkv > 1):
-                wo = _load_w_o(cfg, W_o)
+            # last pack: the selection matmuls also pick each row's own batch block (TensorE is idle by then)
+            last = direct and g == cfg.nkv - 1 and pi == n_packs - 1
             o_rows = _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0,
-                                  nb, bmask)
-            _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
-    if n_packs == 1 and cfg.nkv == 1:
-        wo = _load_w_o(cfg, W_o)
+                                  nb, bmask, full=last)
+            if direct:
+                _rows_to_oT(cfg, consts, st, o_rows, tiles[0], g, p0, nb, full=last)
+            else:
+                _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
+    wo = _load_w_o(cfg, W_o)
+    if direct:
+        nt, K = tiles[0][1], cfg.nq * cfg.d
+        oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=qkT.dtype, buffer=nl.sbuf)
+        ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
+        if K % P_MAX == 0:
+            nisa.tensor_copy(dst=oT[:, :, :nt], src=ps)
+        else:
+            if n_k > 1:
+                nisa.tensor_copy(dst=oT[:, :n_k - 1, :nt], src=ps[:, :n_k - 1, :])
+            kl = K - (n_k - 1) * P_MAX
+            nisa.tensor_copy(dst=oT[:kl, n_k - 1, :nt], src=ps[:kl, n_k - 1, :])
+        return (oT,), wo
     o_tok = []
     for ti, (_t0, nt, _, _) in enumerate(tiles):
         o = nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=qkT.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=o[:nt], src=o_acc[ti][:nt])
         o_tok.append(o)
-    return tuple(o_tok), wo
+    st = None      # release the attention's PSUM banks before the transposes allocate theirs
+    return _transpose_o(cfg, tuple(o_tok), tiles), wo
 
 
 def _packs(cfg, b_lo, b_hi):
@@ -652,8 +680,10 @@ def _packs(cfg, b_lo, b_hi):
     return tuple((b_lo + pi * per, min(per, b_hi - b_lo - pi * per)) for pi in range(n_packs))
 
 
-def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0, nb, bmask):
-    """One batch pack of KV head g: rows (batch j, token s, head h). Returns o_rows [rows, d] bf16 (normalised)."""
+def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0, nb, bmask,
+                 full=False):
+    """One batch pack of KV head g: rows (batch j, token s, head h). Returns o_rows [rows, d] bf16 (normalised),
+    or with full=True the normalised accumulator [rows, nb*d] bf16 (every batch block; see _rows_to_oT)."""
     d, S, R, G = cfg.d, cfg.S, cfg.R, cfg.group
     rows = nb * R
     base = tiles[0][0]
@@ -691,8 +721,8 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         nisa.tensor_tensor(dst=qp_rel[:rows], data1=q_pos[:rows], data2=start[:rows], op=nl.subtract)
         p_first, q_pos = pf_rel, qp_rel
     _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
-    _flush_acc(cfg, st, sm, rows, nb)
     if cfg.split:
+        _flush_acc(cfg, st, sm, rows, nb)
         _combine_cores(cfg, sm, rows, nb, g)
     # Final normalisation; sinks join the denominator only.
     l_fin = sm.l
@@ -707,6 +737,11 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         nisa.tensor_tensor(dst=l_fin[:rows], data1=sm.l[:rows], data2=e_sk[:rows], op=nl.add)
     rinv = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=rinv[:rows], data=l_fin[:rows])
+    if full:
+        return _normalise_full(cfg, st, sm, rows, nb, rinv, qkT.dtype)
+    # The last step's PV is flushed only now: the denominator chain above needs only m and l, so VectorE runs it
+    # while TensorE finishes the last PV.
+    _flush_acc(cfg, st, sm, rows, nb)
     # o = acc / l on the diagonal blocks only (others zeroed by bmask), then summed over the batch blocks:
     # o_rows[r, :] = the row's own batch block, rounded to bf16 (the reference's rounding point).
     o_m = nl.ndarray((P_MAX, cfg.pack, d), dtype=nl.float32, buffer=nl.sbuf)
@@ -716,6 +751,27 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     o_rows = nl.ndarray((P_MAX, d), dtype=qkT.dtype, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=o_rows[:rows], op=nl.add, data=o_m[:rows, :nb, :].permute((0, 2, 1)), axis=(2,))
     return o_rows
+
+
+def _normalise_full(cfg, st, sm, rows, nb, rinv, dtype):
+    """o = (acc * alpha + PV) / l for every batch block (bf16), folding the pending flush into the normalisation:
+    acc * alpha / l is formed while TensorE finishes the last PV, then one pass PV / l + that."""
+    n = nb * cfg.d
+    o_n = nl.ndarray((P_MAX, PV_COLS), dtype=dtype, buffer=nl.sbuf)
+    if sm.pending == None:  # noqa: E711 - already flushed (context split)
+        nisa.tensor_scalar(dst=o_n[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply, operand0=rinv[:rows])
+        return o_n
+    if sm.acc == None:  # noqa: E711 - only the active step
+        nisa.activation(dst=o_n[:rows, :n], op=nl.copy, data=st.ps_o[:rows, :n], scale=rinv[:rows])
+        return o_n
+    a2 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=a2[:rows], data1=sm.pending[:rows], data2=rinv[:rows], op=nl.multiply)
+    acc_s = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)      # while TensorE finishes the PV
+    nisa.tensor_scalar(dst=acc_s[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply, operand0=a2[:rows])
+    nisa.scalar_tensor_tensor(dst=o_n[:rows, :n], data=st.ps_o[:rows, :n], op0=nl.multiply, operand0=rinv[:rows],
+                              op1=nl.add, operand1=acc_s[:rows, :n])
+    sm.pending = None
+    return o_n
 
 
 def _combine_cores(cfg, sm, rows, nb, g):
@@ -814,7 +870,13 @@ def _fold_mask(cfg, consts, sc, rows, chunks, key, thr_base, cmp, shift):
     """sc[:rows, chunks] += MASK_NEG where cmp(key offset, thr_base + shift) (key offsets per column, thresholds
     per row): the 0/1 mask is built on GpSimd and folded into the score PSUM by a matmul with MASK_NEG * I, one per
     score accumulation chunk (c0, c1, inner)."""
-    cols = chunks[-1][1]
+    m = _build_mask(cfg, rows, chunks[-1][1], key, thr_base, cmp, shift)
+    for chunk in chunks:
+        _fold_chunk(consts, sc, rows, m, chunk)
+
+
+def _build_mask(cfg, rows, cols, key, thr_base, cmp, shift):
+    """0/1 bf16 mask [rows, cols] = cmp(key offset, threshold + shift) on GpSimd (threshold a per-row scalar)."""
     thr = thr_base
     if shift != 0.0:
         thr = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -822,9 +884,14 @@ def _fold_mask(cfg, consts, sc, rows, chunks, key, thr_base, cmp, shift):
     m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=m[:rows, :cols], data1=key[:rows, :cols], data2=thr[:rows].broadcast(1, cols), op=cmp,
                        engine=nisa.engine.gpsimd)
-    for c0, c1, inner in chunks:
-        nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=consts.neg_eye[:rows, :rows],
-                       moving=_cols(m, rows, c0, c1, inner), accumulate=True)
+    return m
+
+
+def _fold_chunk(consts, sc, rows, m, chunk):
+    """sc[:rows, chunk] += MASK_NEG * m (a matmul with MASK_NEG * I, continuing the chunk's accumulation group)."""
+    c0, c1, inner = chunk
+    nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=consts.neg_eye[:rows, :rows],
+                   moving=_cols(m, rows, c0, c1, inner), accumulate=True)
 
 
 class _Step(nl.NKIObject):
@@ -962,6 +1029,10 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
     j0, w = slots[step.slot]
     n = w // P_MAX
     sc = st.scores()
+    key = st.iota(step.key_id, step.key_pattern, step.cols)
+    masks = [_build_mask(cfg, rows, step.cols, key, step.thr_hi, nl.greater, 0.0)]
+    if step.thr_lo != None:  # noqa: E711
+        masks.append(_build_mask(cfg, rows, step.cols, key, step.thr_lo, nl.less_equal, 0.0))
     for c0, c1, inner in step.chunks:
         for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
             kp = min(cfg.kpp, nb - jj * cfg.kpp) * d
@@ -979,10 +1050,8 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                 mov = kT[:kp, jj, n * P_MAX:w]
             nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=qm[:kp, jj, :rows], moving=mov,
                            accumulate=(jj > 0))
-    key = st.iota(step.key_id, step.key_pattern, step.cols)
-    _fold_mask(cfg, consts, sc, rows, step.chunks, key, step.thr_hi, nl.greater, 0.0)
-    if step.thr_lo != None:  # noqa: E711
-        _fold_mask(cfg, consts, sc, rows, step.chunks, key, step.thr_lo, nl.less_equal, 0.0)
+        for m in masks:          # each chunk's masks right after its scores: its row max can start early
+            _fold_chunk(consts, sc, rows, m, (c0, c1, inner))
     step.sc = sc
 
 
@@ -1214,6 +1283,45 @@ def _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb):
                                    data2=st.ps_sel[:nt, :hn * d], op=nl.add)
 
 
+def _rows_to_oT(cfg, consts, st, o_rows, tile, g, p0, nb, full=False):
+    """o^T[(hg*d + e) % 128, (hg*d + e) // 128, token] = o_rows[row(token, h), e] (hg = g*G + h) by selection
+    matmuls written straight into the selection PSUM bank ([128, n_k, tokens] fp32): stationary o_rows [rows, d],
+    moving Sel_h [rows, this pack's tokens] (Sel_h[r, t] = 1 iff r = G*(t - base) + h). Every (head, token) block
+    is written once (by its pack), so the bank holds all of o^T after the last pack. full=True: o_rows is the
+    normalised accumulator [rows, nb*d] with every batch block; one matmul per (batch j, head h) with stationary =
+    block j and moving = Sel_h on batch j's tokens keeps only the row's own block (no block mask / reduction)."""
+    d, S, G = cfg.d, cfg.S, cfg.group
+    rows = nb * cfg.R
+    _t0, nt, tb0, _tnb = tile
+    n_k = (cfg.nq * d + P_MAX - 1) // P_MAX
+    ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
+    c0, c1 = (p0 - tb0) * S, (p0 - tb0 + nb) * S      # this pack's token columns
+    sel = nl.ndarray((P_MAX, G, P_MAX), dtype=o_rows.dtype, buffer=nl.sbuf)
+    nisa.affine_select(dst=sel[:rows, :, :c1 - c0], pattern=[[-1, G], [-G, c1 - c0]], channel_multiplier=1,
+                       on_true_tile=consts.ones[:rows, :c1 - c0].expand_dim(1).broadcast(1, G), on_false_value=0.0,
+                       cmp_op=nl.equal, offset=0)
+    # Heads h with (g*G + h) % dup == u land on partitions u*d.. of consecutive chunks: one matmul covers them all
+    # (moving = their selection columns, stride dup heads).
+    dup = P_MAX // d
+    for u in range(dup):
+        h0 = (u - g * G) % dup
+        if h0 >= G:
+            continue
+        cnt = (G - h0 + dup - 1) // dup
+        k0 = (g * G + h0) // dup
+        if full:
+            for j in range(nb):
+                nisa.nc_matmul(dst=ps[u * d:(u + 1) * d, k0:k0 + cnt, c0 + j * S:c0 + (j + 1) * S],
+                               stationary=o_rows[:rows, j * d:(j + 1) * d],
+                               moving=sel[:rows, h0:h0 + (cnt - 1) * dup + 1:dup, j * S:(j + 1) * S], accumulate=False)
+            continue
+        per = max(1, PSUM_F // (c1 - c0))
+        for i0 in range(0, cnt, per):
+            i1 = min(cnt, i0 + per)
+            nisa.nc_matmul(dst=ps[u * d:(u + 1) * d, k0 + i0:k0 + i1, c0:c1], stationary=o_rows[:rows, :d],
+                           moving=sel[:rows, h0 + i0 * dup:h0 + (i1 - 1) * dup + 1:dup, :c1 - c0], accumulate=False)
+
+
 # ---- O-projection and cache update ----------------------------------------------------------------------------
 
 def _load_w_o(cfg, W_o):
@@ -1320,20 +1428,26 @@ def _transpose_o(cfg, o_tok, tiles):
     return tuple(oTs)
 
 
-def _output_projection(cfg, consts, o_tok, wo, bias_T, out, tiles):
+def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
     """out[tokens, H] = o @ W_o (+ bias), computed transposed: out^T chunk c [128 (H), tokens] = sum over K chunks
     of matmul(stationary = W_o rows [K chunk, 128 H columns], moving = o^T [K chunk, tokens]) -- max(tokens, 64)
     cycles per matmul instead of 512 with W_o moving. The bias is a per-partition scalar of out^T (added by the
-    eviction), then TensorE transposes bring [tokens, H] back for one contiguous store per token tile.
+    eviction), then TensorE transposes bring [tokens, H] back for one contiguous store per token tile (few tokens:
+    several chunks per transpose, see _store_packed).
     """
     K = cfg.nq * cfg.d
     n_k = (K + P_MAX - 1) // P_MAX
     n_c = (cfg.H + P_MAX - 1) // P_MAX
     hc0, hc1 = cfg.hc                                        # this core's 128-column chunks of H
-    oTs = _transpose_o(cfg, o_tok, tiles)
     for ti, (t0, nt, _, _) in enumerate(tiles):
         per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, nt <= 128] fp32 per bank
         outT = nl.ndarray((P_MAX, n_c, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
+        cpt = P_MAX // nt // per_bank * per_bank       # chunks per packed group: whole banks, dividing the range
+        while cpt > 0 and ((hc1 - hc0) % cpt != 0 or hc0 % cpt != 0):
+            cpt -= per_bank
+        packed = cpt > 0
+        if packed:        # [128, group, token, chunk of the group]: see _store_packed
+            outP = nl.ndarray((P_MAX, n_c // cpt, nt, cpt), dtype=out.dtype, buffer=nl.sbuf)
         for c0 in range(hc0, hc1, per_bank):
             ncb = min(per_bank, hc1 - c0)
             ps = nl.ndarray((P_MAX, per_bank, P_MAX), dtype=nl.float32, buffer=nl.psum)
@@ -1342,12 +1456,18 @@ def _output_projection(cfg, consts, o_tok, wo, bias_T, out, tiles):
                     kn = min(P_MAX, K - k * P_MAX)
                     nisa.nc_matmul(dst=ps[:, c - c0, :nt], stationary=wo[:kn, k, c * P_MAX:(c + 1) * P_MAX],
                                    moving=oTs[ti][:kn, k, :nt], accumulate=(k > 0))
+            dst = outT[:, c0:c0 + ncb, :nt]
+            if packed:
+                dst = outP[:, c0 // cpt, :, c0 % cpt:c0 % cpt + ncb].permute((0, 2, 1))
             if bias_T != None:  # noqa: E711
-                nisa.tensor_tensor(dst=outT[:, c0:c0 + ncb, :nt], data1=ps[:, :ncb, :nt],
+                nisa.tensor_tensor(dst=dst, data1=ps[:, :ncb, :nt],
                                    data2=bias_T[:, c0:c0 + ncb].expand_dim(2).broadcast(2, nt), op=nl.add)
             else:
-                _evict(c0 // per_bank, outT[:, c0:c0 + ncb, :nt], ps[:, :ncb, :nt])
+                _evict(c0 // per_bank, dst, ps[:, :ncb, :nt])
             ps = None
+        if packed:
+            _store_packed(cfg, outP, out, t0, nt, cpt)
+            continue
         res = nl.ndarray((P_MAX, cfg.H), dtype=out.dtype, buffer=nl.sbuf)
         for c0 in range(hc0, hc1, TRANSPOSE_GROUP):
             nc = min(TRANSPOSE_GROUP, hc1 - c0)
@@ -1358,6 +1478,27 @@ def _output_projection(cfg, consts, o_tok, wo, bias_T, out, tiles):
                    pt[:nt, :nc, :])
             pt = None
         nisa.dma_copy(dst=out[t0:t0 + nt, hc0 * P_MAX:hc1 * P_MAX], src=res[:nt, hc0 * P_MAX:hc1 * P_MAX])
+
+
+def _store_packed(cfg, outP, out, t0, nt, cpt):
+    """Few tokens (nt <= 32): out^T held as outP [128 (H), group q, token t, chunk c of the group] (cpt <= 128 / nt
+    chunks per group) goes back to [tokens, H] with ONE TensorE transpose per group: partition t * cpt + c of group
+    q holds out[t, (q * cpt + c) * 128 + p]. The transposes and evictions handle 128 rows instead of nt; one store
+    per token (disjoint rows, 256 B runs)."""
+    hc0, hc1 = cfg.hc
+    H = cfg.H
+    q_lo, n_g, rows = hc0 // cpt, (hc1 - hc0) // cpt, cpt * nt
+    res = nl.ndarray((P_MAX, n_g, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
+    for q0 in range(0, n_g, TRANSPOSE_GROUP):
+        qn = min(TRANSPOSE_GROUP, n_g - q0)
+        pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
+        for qi in range(qn):
+            nisa.nc_transpose(dst=pt[:rows, qi, :], data=outP[:, q_lo + q0 + qi, :, :].reshape((P_MAX, rows)))
+        _evict(q0 // TRANSPOSE_GROUP, res[:rows, q0:q0 + qn, :], pt[:rows, :qn, :])
+        pt = None
+    for t in range(nt):
+        nisa.dma_copy(dst=out.ap([[P_MAX, cpt], [cpt * P_MAX, n_g], [1, P_MAX]], offset=(t0 + t) * H + hc0 * P_MAX),
+                      src=res[t * cpt:(t + 1) * cpt, :, :])
 
 
 decode_attention_nki = nki.jit(decode_attention_kernel)
