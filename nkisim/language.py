@@ -33,10 +33,9 @@ from .dtypes import (  # noqa: F401 - re-exported as nl.<dtype>
 )
 from .errors import NkiValidationError
 from .memory import Allocation, check_buffer, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
+from .ops import FP32_MIN  # noqa: F401 - nl.FP32_MIN
 from .runtime import access_of, current
 from .tensor import DynSlice, NkiTensor, VirtualRegister, ds, read  # noqa: F401
-
-FP32_MIN = float(np.finfo(np.float32).min)
 
 
 class NKIObject:

@@ -58,6 +58,9 @@ ALU_BITVEC = {
     "right_shift": (np.right_shift, False),  # logical shift (arithmetic shift right unsupported)
 }
 TRN3_ONLY_ALU = {"abs_max", "abs_min"}
+# Reductions NumPy can do in one ufunc call (.reduce / .accumulate / .at).
+REDUCE_UFUNCS = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum}
+FP32_MIN = float(np.finfo(np.float32).min)  # nl.fp32.min: range_select's fill value
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 

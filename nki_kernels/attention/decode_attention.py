@@ -381,18 +381,6 @@ def _ones_row(consts, dtype, n):
     return t[:1, :n]
 
 
-def _token_tiles(cfg, b_lo, b_hi):
-    """Token tiles of this core: tuples (first token, token count, first batch, batch count); whole sequences."""
-    tiles = []
-    per_tile = cfg.tile_tok // cfg.S
-    b = b_lo
-    while b < b_hi:
-        nb = min(per_tile, b_hi - b)
-        tiles.append((b * cfg.S, nb * cfg.S, b, nb))
-        b += nb
-    return tuple(tiles)
-
-
 def _evict(i, dst, src):
     """PSUM -> SBUF copy, alternating VectorE and ScalarE so that evictions of independent banks overlap."""
     if i % 2 == 0:

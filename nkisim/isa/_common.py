@@ -70,6 +70,14 @@ def not_both_psum(op, a_name, a, b_name, b):
         fail(op, f"{a_name} and {b_name} cannot both be in PSUM (C9)")
 
 
+def emit(opname, engine, reads, writes, dst, **meta):
+    """Record an on-chip op sized by its dst (p partitions x n elements); non-tensor operands are skipped."""
+    reads = tuple(t for t in reads if isinstance(t, NkiTensor))
+    writes = tuple(t for t in writes if isinstance(t, NkiTensor))
+    current().emit(opname, engine, reads, writes, p=dst.shape[0], n=free_size(dst),
+                   dtype=dst.dtype.name, in_dtypes=tuple(t.dtype.name for t in reads), **meta)
+
+
 def check_engine(op, eng, allowed):
     if not isinstance(eng, engine):
         fail(op, f"engine={eng!r} must be an nki.isa.engine value (raw ints are rejected)")

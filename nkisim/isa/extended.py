@@ -12,7 +12,6 @@ from .. import _nl_math as _nlm
 from .. import dtypes as dt
 from .. import ops as alu_ops
 from ..memory import sbuf
-from ..runtime import current
 from ..tensor import NkiTensor, np_view, read
 from ._common import (
     as_pf,
@@ -26,6 +25,9 @@ from ._common import (
     scalar_operand,
     store,
 )
+from ._common import (
+    emit as _emit,
+)
 from .accum import _regs, scalar_accumulate, vector_accumulate
 from .enums import reduce_cmd as RC
 
@@ -38,19 +40,10 @@ __all__ = [
 MAX8_MIN, MAX8_MAX = 8, 16384          # elements per partition for max8 / nc_find_index8
 LOCAL_GATHER_ELEMS = (1, 2, 4, 8, 16, 32)
 LOCAL_GATHER_MAX_INDICES = 4096         # per GpSimd core
-_REDUCE_FNS = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum,
-               "abs_max": lambda a, b: np.maximum(np.abs(a), np.abs(b)),
-               "abs_min": lambda a, b: np.minimum(np.abs(a), np.abs(b))}
+_REDUCE_FNS = {n: alu_ops.ALU_ARITH[n][0] for n in ("add", "multiply", "maximum", "minimum", "abs_max", "abs_min")}
 _NL_REDUCTIONS = {"max": "maximum", "min": "minimum", "sum": "add", "prod": "multiply"}
-FP32_MIN = float(np.finfo(np.float32).min)  # nl.fp32.min; the only legal range_select on_false_value
+FP32_MIN = alu_ops.FP32_MIN  # the only legal range_select on_false_value
 _CMPS = ("equal", "less", "less_equal", "greater", "greater_equal")
-
-
-def _emit(opname, engine, reads, writes, dst, **meta):
-    reads = tuple(t for t in reads if isinstance(t, NkiTensor))
-    writes = tuple(t for t in writes if isinstance(t, NkiTensor))
-    current().emit(opname, engine, reads, writes, p=dst.shape[0], n=free_size(dst),
-                   dtype=dst.dtype.name, in_dtypes=tuple(t.dtype.name for t in reads), **meta)
 
 
 def _arith(opn, which, op):
@@ -86,8 +79,7 @@ def _row_reduce(name, x):
     with np.errstate(all="ignore"):
         if name in ("abs_max", "abs_min"):
             return (np.max if name == "abs_max" else np.min)(np.abs(x), axis=1)
-        return {"add": np.add, "multiply": np.multiply, "maximum": np.maximum,
-                "minimum": np.minimum}[name].reduce(x, axis=1, dtype=np.float32)
+        return alu_ops.REDUCE_UFUNCS[name].reduce(x, axis=1, dtype=np.float32)
 
 
 def _vector_or_scalar(opn, name, x, p, fp32_only=True):
@@ -197,7 +189,7 @@ def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=RC.
                 reg = (x[:, i] - reg).astype(np.float32)
                 out[:, i] = reg
         else:
-            uf = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum}[n1]
+            uf = alu_ops.REDUCE_UFUNCS[n1]
             out = uf.accumulate(np.concatenate([reg.reshape(p, 1).astype(np.float32), x], axis=1), axis=1,
                                 dtype=np.float32)[:, 1:]
     if out.shape[1]:

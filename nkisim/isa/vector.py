@@ -27,15 +27,13 @@ from ._common import (
     scalar_operand,
     store,
 )
+from ._common import (
+    emit as _emit,
+)
 from .enums import engine as Engine
 from .enums import reduce_cmd as _RC
 
 _INT32S = ("int32", "uint32")
-
-
-def _emit(opname, engine, reads, writes, dst, **meta):
-    current().emit(opname, engine, reads, writes, p=dst.shape[0], n=free_size(dst),
-                   dtype=dst.dtype.name, in_dtypes=tuple(t.dtype.name for t in reads), **meta)
 
 
 def _ints(t):
@@ -263,9 +261,8 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     else:
         x = dt.to_fp32(x)
         with np.errstate(all="ignore"):
-            if oname in ("add", "multiply", "maximum", "minimum"):
-                res = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum,
-                       "minimum": np.minimum}[oname].reduce(x, axis=-1, dtype=np.float32)
+            if oname in alu_ops.REDUCE_UFUNCS:
+                res = alu_ops.REDUCE_UFUNCS[oname].reduce(x, axis=-1, dtype=np.float32)
             else:
                 res = x[..., 0]
                 for j in range(1, x.shape[-1]):
