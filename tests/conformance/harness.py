@@ -1,0 +1,176 @@
+"""One conformance case = one nki-library kernel on one shape of the library's own tests, run unmodified under
+nkisim and compared with the library's torch reference using the library's tolerance rule.
+
+The tolerance rule is nki-library's `maxAllClose(mode="max")`: both sides cast to fp32, the case passes when every
+element satisfies |kernel - golden| <= atol + rtol * max|golden| (a global range, not per element); integer
+outputs (indices) compare exactly. The reference is called as the library's `torch_ref_wrapper` calls it: NumPy
+inputs become torch tensors with bf16/fp8 widened to fp32 and uint32 narrowed to int32.
+"""
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import nkilib
+
+TARGETS = ("trn2", "trn3")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A kernel, a shape of its library test, and how to compare it.
+
+    kernel / ref: `"module:attr"` paths inside `nkilib_src.nkilib` (the jit kernel and its torch reference).
+    inputs: seeded builder of the kernel's keyword arguments (NumPy arrays and Python values), shapes taken from
+        the library test named by `source`.
+    ref_inputs: builds the reference's keyword arguments from the kernel's (default: the same dict).
+    outputs: names the kernel's returned tensors after the reference's output keys (default: in order).
+    """
+
+    kernel: str
+    ref: str
+    shape_id: str
+    inputs: Callable[[], dict]
+    atol: float
+    rtol: float
+    source: str
+    target: str = "trn2"
+    lnc: int = 1
+    ref_inputs: Callable[[dict], dict] | None = None
+    outputs: Callable[[object, dict], dict] | None = None
+    exact: tuple[str, ...] = field(default=())
+
+    @property
+    def name(self) -> str:
+        return self.kernel.partition(":")[2]
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}-{self.shape_id}-{self.target}-lnc{self.lnc}"
+
+
+@dataclass
+class Result:
+    case: Case
+    passed: bool
+    max_err: float = float("nan")
+    tol: float = float("nan")
+    wall_s: float = 0.0
+    error: str = ""
+
+    def row(self) -> tuple:
+        verdict = "pass" if self.passed else ("FAIL" if not self.error else "ERROR")
+        return (self.case.name, self.case.shape_id, self.case.target, f"lnc{self.case.lnc}", verdict,
+                f"{self.max_err:.3g}", f"{self.tol:.3g}", f"{self.wall_s:.2f}s", self.error[:90])
+
+
+RESULTS: list[Result] = []
+
+
+def max_mode_error(actual: np.ndarray, golden: np.ndarray, atol: float, rtol: float) -> tuple[float, float]:
+    """(max |actual - golden|, atol + rtol * max|golden|) after casting both to fp32; NaN anywhere → inf error."""
+    a = np.asarray(actual, dtype=np.float32)
+    b = np.asarray(golden, dtype=np.float32)
+    if a.shape != b.shape:
+        raise AssertionError(f"shape {a.shape} != golden shape {b.shape}")
+    tol = float(atol + rtol * (np.max(np.abs(b)) if b.size else 0.0))
+    if not np.all(np.isfinite(a[np.isfinite(b)])) or np.isnan(a).sum() != np.isnan(b).sum():
+        return float("inf"), tol
+    diff = np.abs(a - b)
+    diff = diff[np.isfinite(diff)]
+    return (float(diff.max()) if diff.size else 0.0), tol
+
+
+def torch_inputs(kwargs: dict) -> dict:
+    """NumPy → torch as the library's torch_ref_wrapper does (bf16/fp8 widened to fp32, uint32 → int32)."""
+    import torch
+    out = {}
+    for key, value in kwargs.items():
+        if isinstance(value, np.ndarray):
+            name = str(value.dtype)
+            if "x4" in name:
+                out[key] = value
+                continue
+            if value.dtype == np.uint32:
+                value = value.astype(np.int32)
+            elif "bfloat16" in name or "float8" in name:
+                value = value.astype(np.float32)
+            t = torch.from_numpy(np.ascontiguousarray(value))
+            out[key] = t.float() if t.dtype == torch.float16 else t
+        else:
+            out[key] = value
+    return out
+
+
+def _to_numpy(value) -> np.ndarray:
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            value = value.float()
+        return value.numpy()
+    return np.asarray(value)
+
+
+def golden(case: Case, kernel_kwargs: dict) -> dict:
+    ref = nkilib.load(case.ref)
+    kwargs = case.ref_inputs(kernel_kwargs) if case.ref_inputs else kernel_kwargs
+    out = ref(**torch_inputs(kwargs))
+    if not isinstance(out, dict):
+        out = {"output_0": out} if not isinstance(out, (tuple, list)) else {f"output_{i}": o for i, o in enumerate(out)}
+    return {k: _to_numpy(v) for k, v in out.items()}
+
+
+def _name_outputs(case: Case, outs, gold: dict) -> dict:
+    if case.outputs:
+        return case.outputs(outs, gold)
+    seq = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    if len(seq) != len(gold):
+        raise AssertionError(f"kernel returned {len(seq)} outputs, reference {len(gold)} ({list(gold)})")
+    return dict(zip(gold, seq))
+
+
+def run_case(case: Case) -> Result:
+    """Run the kernel under nkisim on `case.target` and compare it with the reference."""
+    import nki
+
+    kernel = nkilib.load(case.kernel)
+    kwargs = case.inputs()
+    copies = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
+    gold = golden(case, kwargs)
+    previous = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = case.target
+    start = time.perf_counter()
+    try:
+        launch = kernel[case.lnc] if case.lnc != 1 else kernel
+        outs = nki.simulate(launch)(**copies)
+    finally:
+        if previous is None:
+            os.environ.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
+        else:
+            os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = previous
+    wall = time.perf_counter() - start
+    named = _name_outputs(case, outs, gold)
+    worst_err, worst_tol, passed = 0.0, 0.0, True
+    for key, ref in gold.items():
+        atol, rtol = (0.0, 0.0) if key in case.exact else (case.atol, case.rtol)
+        err, tol = max_mode_error(_to_numpy(named[key]), ref, atol, rtol)
+        passed &= err <= tol
+        if err - tol >= worst_err - worst_tol or key == next(iter(gold)):
+            worst_err, worst_tol = err, tol
+    return Result(case, passed, worst_err, worst_tol, wall)
+
+
+def table(results: list[Result]) -> str:
+    """The conformance table: kernel, shape, target, lnc, result, max error vs tolerance, wall time."""
+    head = ("kernel", "shape", "target", "lnc", "result", "max_err", "tol", "wall", "error")
+    rows = [head] + [r.row() for r in results]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    kernels = {r.case.name for r in results}
+    ok_kernels = {r.case.name for r in results} - {r.case.name for r in results if not r.passed}
+    passed = sum(r.passed for r in results)
+    lines.append(f"{passed}/{len(results)} cases pass; {len(ok_kernels)}/{len(kernels)} kernels pass every case")
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""Locating and importing AWS's nki-library from a checkout named by NKILIB_SRC (never vendored into the project).
+
+NKILIB_SRC is the root of a checkout of github.com/aws-neuron/nki-library; its kernels are importable as
+`nkilib_src.nkilib.<family>...` once `<root>/src` is on sys.path. nkisim is installed as `nki` first (forced), so
+the library's `import nki` resolves to the interpreter even where a real `nki` happens to be importable.
+"""
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+ENV = "NKILIB_SRC"
+PACKAGE = "nkilib_src.nkilib"
+
+
+def root() -> Path | None:
+    """The checkout named by NKILIB_SRC, or None when unset."""
+    raw = os.environ.get(ENV)
+    return Path(raw).expanduser().resolve() if raw else None
+
+
+def skip_reason() -> str | None:
+    """Why the conformance suite cannot run here, or None when it can."""
+    src = root()
+    if src is None:
+        return f"{ENV} is unset: point it at a checkout of aws-neuron/nki-library to run the conformance suite"
+    if not (src / "src" / "nkilib_src" / "nkilib").is_dir():
+        return f"{ENV}={src} has no src/nkilib_src/nkilib: not a checkout of aws-neuron/nki-library"
+    return None
+
+
+def activate() -> None:
+    """Put the library on sys.path behind the interpreter (idempotent)."""
+    import nkisim
+    nkisim.install(force=True)
+    src = str(root() / "src")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+
+
+def load(ref: str):
+    """`"core.cumsum.cumsum:cumsum"` → the object, imported from the library package."""
+    module, _, attr = ref.partition(":")
+    mod = importlib.import_module(f"{PACKAGE}.{module}")
+    return getattr(mod, attr) if attr else mod
