@@ -1,6 +1,7 @@
 """TensorE: nc_matmul (dst[M, N] (=|+=) stationary[K, M].T @ moving[K, N]) and nc_transpose."""
 
 import math
+import os
 
 import numpy as np
 
@@ -106,12 +107,31 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         if double_row:  # K split as partition x 2: rows (p, j) pair up identically in both operands
             s = s.reshape(k, 2, m).reshape(2 * k, m)
             mv = mv.reshape(k, 2, n).reshape(2 * k, n)
-        result = s.T @ mv
+        result = _product(op, s, mv)
     _accumulate(op, ctx, dst, result.reshape(dst.shape), accumulate, v)
     ctx.emit(op, "tensor", (stationary, moving), (dst,), k=k, m=m, n=n,
              dtype=moving.dtype.name, stationary_dtype=stationary.dtype.name,
              double_row=double_row, transpose=bool(is_transpose),
              onezero=bool(is_stationary_onezero or is_moving_onezero), tile=(rs, cs))
+
+
+def _product(op, s, mv):
+    """s.T @ mv in fp32.
+
+    Default: NumPy's fp32 BLAS, whose summation order depends on the whole operand shapes (OpenBLAS picks kernels
+    and blockings by M, N, K), so the same dot product can differ in the last bit between tiles of different sizes.
+    On TensorE an output element's accumulation depends only on its own row and column, which is what makes e.g.
+    a batch split bit-identical to the unsplit run. `NKISIM_MATMUL_ACC=fp64` models that: products (exact in fp64
+    for bf16/fp8/fp32 inputs) are summed in fp64 and rounded once to fp32, so the result is a function of the
+    element's own inputs only (up to fp64 rounding of sums whose terms span more than ~2^30) -- at several times
+    the cost, hence opt-in.
+    """
+    mode = os.environ.get("NKISIM_MATMUL_ACC", "fp32")
+    if mode == "fp32":
+        return s.T @ mv
+    if mode == "fp64":
+        return (s.T.astype(np.float64) @ mv.astype(np.float64)).astype(np.float32)
+    fail(op, f"NKISIM_MATMUL_ACC={mode!r} must be 'fp32' (default) or 'fp64'")
 
 
 def _transpose_mode(op, stationary, moving, dst, v):
