@@ -14,7 +14,7 @@ from .errors import NkiCapacityError, NkiValidationError  # noqa: F401
 from .jit import Kernel, RunResult, jit, run, simulate  # noqa: F401
 from .target import resolve_target  # noqa: F401
 
-_NAMES = ("nki", "nki.language", "nki.isa", "nki.typing")
+_NAMES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing")
 
 
 def _real_nki_available() -> bool:
@@ -34,15 +34,31 @@ def install(force: bool | None = None) -> bool:
     """
     from . import isa, language, nki_typing
     from . import nki as api
+    from .isa import constants
     if sys.modules.get("nki") is api:
         return True
     if force is None:
         force = os.environ.get("NKISIM", "") == "1"
     if not force and _real_nki_available():
         return False
-    for name, mod in zip(_NAMES, (api, language, isa, nki_typing)):
+    for name, mod in zip(_NAMES, (api, language, isa, constants, nki_typing)):
         sys.modules[name] = mod
+    _install_legacy_typing(nki_typing)
     return True
+
+
+def _install_legacy_typing(nki_typing) -> None:
+    """`neuronxcc.nki.typing` for kernels that import annotation types from the legacy package (AWS's nki-library
+    does) when neuronx-cc itself is absent. Only the typing module is provided: `neuronxcc.nki.language` and the rest
+    stay unimportable, and the linter still flags them (rule neuronxcc-import)."""
+    import types
+    if "neuronxcc" in sys.modules or importlib.util.find_spec("neuronxcc") is not None:
+        return
+    root = types.ModuleType("neuronxcc", "nkisim stand-in: only neuronxcc.nki.typing exists")
+    sub = types.ModuleType("neuronxcc.nki", "nkisim stand-in: only neuronxcc.nki.typing exists")
+    root.__path__, sub.__path__ = [], []  # packages with nothing else to import
+    root.nki, sub.typing = sub, nki_typing
+    sys.modules.update({"neuronxcc": root, "neuronxcc.nki": sub, "neuronxcc.nki.typing": nki_typing})
 
 
 def active() -> bool:

@@ -43,11 +43,16 @@ class DType:
     def __repr__(self):
         return f"nl.{self.name}"
 
+    def __str__(self):
+        # The real nl.<dtype> objects are the strings 'bfloat16', 'float32', ..., 'bool' (AWS's nki.language stub);
+        # kernels compare `str(dtype) == str(nl.bfloat16)`.
+        return "bool" if self is bool_ else self.name
+
     def __eq__(self, other):
         if isinstance(other, DType):
             return self.name == other.name
         if isinstance(other, str):
-            return other == self.name
+            return _BY_NAME.get(other) is self
         try:
             return self.name != "tfloat32" and as_dtype(other) is self
         except (TypeError, ValueError):
@@ -80,6 +85,7 @@ float4_e2m1fn_x4 = DType("float4_e2m1fn_x4", np.uint16, "packed")
 ALL = (bool_, int8, int16, int32, uint8, uint16, uint32, float16, bfloat16, tfloat32, float32, float8_e4m3,
        float8_e4m3fn, float8_e5m2, float8_e8m0fnu, float8_e4m3fn_x4, float8_e5m2_x4, float4_e2m1fn_x4)
 _BY_NAME = {d.name: d for d in ALL}
+_BY_NAME["bool"] = bool_  # the real nl.bool_ is the string 'bool'
 _BY_NP = {}
 for _d in ALL:
     if _d.kind in ("float", "int") and _d is not tfloat32:

@@ -39,7 +39,21 @@ from .tensor import DynSlice, NkiTensor, VirtualRegister, ds, read  # noqa: F401
 
 
 class NKIObject:
-    """Base class for user classes inside kernels (NKI accepts only classes derived from it)."""
+    """Base class for user classes inside kernels (NKI accepts only classes derived from it).
+
+    AWS's stub gives it `__init__(self, **kwargs)`: keyword arguments become attributes, so a plain annotated
+    subclass without an `__init__` of its own is built as `Dims(T=..., H=...)`. Annotated fields left out of the call
+    (and without a class default) read as None rather than raising. Dataclass subclasses use their generated
+    `__init__` and never reach this one.
+    """
+
+    def __init__(self, **kwargs):
+        for cls in reversed(type(self).__mro__):
+            for field in getattr(cls, "__annotations__", {}):
+                if field not in kwargs and not hasattr(self, field):
+                    object.__setattr__(self, field, None)
+        for key, value in kwargs.items():
+            object.__setattr__(self, key, value)
 
 
 class MemoryRegion:
@@ -221,8 +235,12 @@ def shared_constant(constant, dtype=None):
 
 
 def shared_identity_matrix(n, dtype=uint8, dst=None):
+    """An n x n identity in SBUF (AWS: "Create an identity matrix in SBUF"), or written into `dst` when given.
+
+    The result is an on-chip operand as AWS's kernels use it (`nc_matmul(moving=identity[...])`, `.ap()` on it).
+    """
     if dst is None:
-        dst = ndarray((n, n), dtype, shared_hbm)
+        dst = ndarray((n, n), dtype, sbuf)
     eye = np.eye(n)
     if dst.buffer.on_chip:
         from .tensor import write
@@ -257,6 +275,15 @@ def affine_range(start, stop=None, step=1):
 
 
 sequential_range = static_range = affine_range
+
+
+def range(start, stop=None, step=1):  # noqa: A001 - NKI's name; used as `nl.range(...)`
+    """`nl.range`: a Python range (NKI 0.7: the static range iterators "default to Python range")."""
+    import builtins
+    return builtins.range(start, stop, step) if stop is not None else builtins.range(start)
+
+
+bool = bool_  # noqa: A001 - `nl.bool`, the same dtype as `nl.bool_`
 
 
 def dynamic_range(start, stop=None, step=1):

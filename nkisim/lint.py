@@ -569,12 +569,24 @@ _REMOVED_NL = {"nki.language.arange": "nl.arange", "nki.language.mgrid": "nl.mgr
 _SKIP_FIELDS = {"annotation", "returns", "type_comment"}
 
 
+# `neuronxcc.nki.typing` only supplies signature annotations (`x: nt.mutable_tensor`), which are never traced:
+# AWS's hardware-tested nki-library imports it beside `import nki` (core/router_topk/router_topk.py). The namespace
+# error concerns the legacy language/ISA, so that one module is exempt.
+_NEURONXCC_ANNOTATION_ONLY = "neuronxcc.nki.typing"
+
+
+def _legacy(name: str) -> bool:
+    return (name == "neuronxcc" or name.startswith("neuronxcc.")) and name != _NEURONXCC_ANNOTATION_ONLY
+
+
 def _is_neuronxcc_import(node) -> bool:
     if isinstance(node, ast.Import):
-        return any(a.name == "neuronxcc" or a.name.startswith("neuronxcc.") for a in node.names)
+        return any(_legacy(a.name) for a in node.names)
     if isinstance(node, ast.ImportFrom):
         mod = node.module or ""
-        return not node.level and (mod == "neuronxcc" or mod.startswith("neuronxcc."))
+        if mod == "neuronxcc.nki" and all(a.name == "typing" for a in node.names):
+            return False
+        return not node.level and _legacy(mod)
     return False
 
 

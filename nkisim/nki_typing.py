@@ -12,3 +12,11 @@ class _TensorAnnotation:
 class tensor:  # noqa: N801 - NKI's name
     def __class_getitem__(cls, shape):
         return _TensorAnnotation(shape if isinstance(shape, tuple) else (shape,))
+
+
+class mutable_tensor(tensor):  # noqa: N801 - legacy neuronxcc.nki.typing name (an annotation for in-place outputs)
+    pass
+
+
+class scalar(tensor):  # noqa: N801 - legacy neuronxcc.nki.typing name
+    pass

@@ -369,7 +369,9 @@ class NkiTensor:
         d = dt.as_dtype(dtype) if dtype is not None else base.dtype
         pattern = [[int(s), int(n)] for s, n in pattern]
         if base.buffer.on_chip:
-            free = math.prod(base.shape[1:])
+            # Strides count elements of the access dtype: with dtype= a partition spans free*itemsize/new_itemsize.
+            free_bytes = math.prod(base.shape[1:]) * base.dtype.itemsize
+            free = free_bytes // d.itemsize if free_bytes % d.itemsize == 0 else free_bytes / d.itemsize
             if pattern[0][0] != free:
                 raise NkiValidationError(
                     f".ap() on on-chip tensor '{base.name}': the partition stride {pattern[0][0]} must equal the "

@@ -4,6 +4,7 @@ instruction for the cost model."""
 
 from ..errors import NkiValidationError  # noqa: F401
 from ..tensor import VirtualRegister  # noqa: F401
+from . import constants  # noqa: F401 - `nki.isa.constants` (registered as a module by nkisim.install)
 from .accum import accumulate as _accumulate  # noqa: F401
 from .dma import core_barrier, dma_compute, dma_copy, dma_transpose, sendrecv  # noqa: F401
 from .enums import (  # noqa: F401

@@ -1,6 +1,6 @@
 """Enums of `nki.isa` (objects, never raw ints: the compiler rejects raw-int enums since NKI 0.3.0)."""
 
-from enum import Enum
+from enum import Enum, IntEnum
 
 
 class engine(Enum):  # noqa: N801 - names follow the real nki.isa
@@ -38,7 +38,7 @@ class matmul_perf_mode(Enum):  # noqa: N801
     double_row = 1
 
 
-class nc_version(Enum):  # noqa: N801
+class nc_version(IntEnum):  # noqa: N801 - ordered, and comparable with ints (AWS's kernels write `>= 3`)
     gen2 = 2
     gen3 = 3
     gen4 = 4

@@ -2,6 +2,7 @@
 
 from .. import isa, language  # noqa: F401
 from .. import nki_typing as typing  # noqa: F401
+from ..dtypes import DType as dtype  # noqa: F401 - `nki.dtype`, the type of nl.bfloat16 & co. (annotations)
 from ..jit import Kernel, jit, simulate  # noqa: F401
 
 __version__ = "0.6.0+nkisim"

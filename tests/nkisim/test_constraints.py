@@ -449,7 +449,7 @@ def test_c15_raw_int_enums_rejected(case):
     h = nl.ndarray((4, 4), nl.float32, buffer=nl.shared_hbm)
     calls = {
         "engine": lambda: nisa.tensor_copy(dst=tile((4, 4)), src=a, engine=5),
-        "dge_mode": lambda: nisa.dma_copy(dst=h, src=a, dge_mode=1),
+        "dge_mode": lambda: nisa.dma_copy(dst=h, src=a, dge_mode=7),  # the valid ints 0..3 are accepted
         "oob_mode": lambda: nisa.dma_copy(dst=h, src=a, oob_mode=0),
         "reduce_cmd": lambda: nisa.activation(dst=tile((4, 4)), op=nl.exp, data=a, reduce_op=nl.add,
                                               reduce_res=tile((4, 1)), reduce_cmd=3),

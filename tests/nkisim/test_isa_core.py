@@ -864,7 +864,7 @@ def test_nl_shared_constant_identity_and_device_print(capsys, tmp_path):
     c2 = nl.shared_constant(str(tmp_path / "c.npy"), dtype=nl.bfloat16)
     assert rd(c2).dtype == BF16
     eye = nl.shared_identity_matrix(4)
-    assert eye.dtype == nl.uint8 and eye.buffer is nl.shared_hbm
+    assert eye.dtype == nl.uint8 and eye.buffer is nl.sbuf
     np.testing.assert_array_equal(rd(eye), np.eye(4))
     eye_sb = nl.shared_identity_matrix(4, dtype=nl.bfloat16, dst=tile((4, 4), nl.bfloat16))
     np.testing.assert_array_equal(rd(eye_sb).astype(np.float32), np.eye(4))

@@ -235,7 +235,7 @@ def test_ap_hbm_scalar_offset(h):
 
 def test_ap_dtype_and_vector_offset_rules(h):
     a = sb(np.zeros((2, 4), np.float32))
-    u = a.ap([[4, 2], [1, 8]], dtype=nl.bfloat16)
+    u = a.ap([[8, 2], [1, 8]], dtype=nl.bfloat16)  # strides count bf16 elements: 8 per fp32x4 partition
     assert u.dtype == nl.bfloat16 and rd(u).dtype == ml_dtypes.bfloat16
     idx = sb(np.array([[0], [1]], np.uint32))
     with pytest.raises(NkiValidationError, match=r"indirect_dim must be 0"):
