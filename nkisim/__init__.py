@@ -2,12 +2,15 @@
 checks, a kernel-source linter and a per-engine cost model.
 
 `nkisim.install()` is the one place that registers the interpreter under the names `nki`, `nki.language`,
-`nki.isa` and `nki.typing`: when the real `nki` package is not importable, or when `NKISIM=1` forces it.
+`nki.isa` and `nki.typing`: when the real `nki` package is not importable, or when `NKISIM=1` forces it. An
+installed but unusable `nki` is reported, never silently replaced (see `install`).
 """
 
+import importlib.machinery
 import importlib.util
 import os
 import sys
+import warnings
 
 from .cost import profile  # noqa: F401,E402
 from .errors import NkiCapacityError, NkiValidationError  # noqa: F401
@@ -15,22 +18,58 @@ from .jit import Kernel, RunResult, jit, run, simulate  # noqa: F401
 from .target import resolve_target  # noqa: F401
 
 _NAMES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing")
+_PLACEHOLDER_MARK = "WRONG PACKAGE"   # PyPI's `nki` 0.0.1 is a placeholder whose import raises this ImportError
 
 
-def _real_nki_available() -> bool:
-    if importlib.util.find_spec("nki") is None:
-        return False
+class RealNkiPlaceholderWarning(UserWarning):
+    """PyPI's placeholder `nki` wheel is installed (not AWS's package); nkisim serves `import nki` instead."""
+
+
+def _probe_real_nki():
+    """('absent' | 'ok' | 'placeholder' | 'broken', description) of the `nki` that `import nki` would load."""
     try:
-        import nki as real  # noqa: F401 - probing the installed package
-    except Exception:  # noqa: BLE001 - PyPI's placeholder wheel and broken installs count as absent
-        return False
-    return hasattr(real, "jit") and hasattr(real, "isa")
+        spec = importlib.util.find_spec("nki")
+    except ValueError:            # an `nki` module without a spec is already in sys.modules
+        spec = getattr(sys.modules.get("nki"), "__spec__", None) or importlib.machinery.ModuleSpec("nki", None)
+    if spec is None:
+        return "absent", ""
+    where = spec.origin or ", ".join(spec.submodule_search_locations or ()) or "?"
+    try:
+        import nki as real
+    except Exception as exc:  # noqa: BLE001 - every failure is reported below, with its type and message
+        _drop_real_modules()
+        if isinstance(exc, ImportError) and _PLACEHOLDER_MARK in str(exc):
+            return "placeholder", f"the installed `nki` ({where}) is PyPI's placeholder wheel: {exc}"
+        return "broken", f"importing the installed `nki` ({where}) raised {type(exc).__name__}: {exc}"
+    missing = [] if hasattr(real, "jit") else ["jit"]
+    if not hasattr(real, "isa") and importlib.util.find_spec("nki.isa") is None:
+        missing.append("isa")
+    if missing:
+        _drop_real_modules()
+        return "broken", (f"the importable `nki` ({where}) is not AWS's NKI package: it has no "
+                          f"{' / '.join('nki.' + m for m in missing)}")
+    return "ok", where
+
+
+def _drop_real_modules():
+    """Forget the modules a failed probe left behind (`nki.*` submodules that imported before the failure)."""
+    for name in [n for n in sys.modules if n == "nki" or n.startswith("nki.")]:
+        del sys.modules[name]
 
 
 def install(force: bool | None = None) -> bool:
     """Register nkisim as `nki` unless the real package is importable (or NKISIM=1 forces it).
 
     Returns True when nkisim serves `import nki`, False when the real package does.
+
+    When an `nki` is installed but unusable, nkisim never falls back silently:
+    - PyPI's placeholder wheel (`pip install nki` gives a 1 kB package whose import raises "WRONG PACKAGE ...";
+      AWS's package comes from the Neuron repository): nothing real could run, so nkisim serves `import nki` and
+      emits a `RealNkiPlaceholderWarning` saying so.
+    - any other failure (the import raises, or the module has no `nki.jit` / `nki.isa`, e.g. a local `nki/`
+      directory shadowing it): a Neuron install meant for the device is broken, and simulating would silently
+      turn device runs into CPU runs, so this raises ImportError naming the exception. Fix the installation, or
+      set NKISIM=1 (or call install(force=True)) to use the interpreter deliberately; forcing skips the probe.
     """
     from . import isa, language, nki_typing
     from . import nki as api
@@ -39,8 +78,18 @@ def install(force: bool | None = None) -> bool:
         return True
     if force is None:
         force = os.environ.get("NKISIM", "") == "1"
-    if not force and _real_nki_available():
-        return False
+    if not force:
+        status, detail = _probe_real_nki()
+        if status == "ok":
+            return False
+        if status == "placeholder":
+            warnings.warn(f"nkisim.install(): {detail} -- the real `nki` comes from AWS's Neuron package repository. "
+                          "Using the nkisim CPU interpreter for `import nki` (set NKISIM=1 to choose it explicitly, "
+                          "or `pip uninstall nki`).", RealNkiPlaceholderWarning, stacklevel=2)
+        elif status == "broken":
+            raise ImportError(f"nkisim.install(): {detail}. Not falling back to the CPU interpreter silently: fix "
+                              "the `nki` installation, or set NKISIM=1 to use nkisim deliberately.")
+    _drop_real_modules()
     for name, mod in zip(_NAMES, (api, language, isa, constants, nki_typing)):
         sys.modules[name] = mod
     _install_legacy_typing(nki_typing)
