@@ -87,7 +87,10 @@ class _Binding:
         if isinstance(x, np.ndarray) or _is_torch(x):
             return self._tensor(x, path)
         if isinstance(x, list):
-            raise NkiValidationError(f"kernel argument {path} is a list; NKI kernels take tuples (C15)")
+            if lint.parser_frontend():
+                raise NkiValidationError(f"kernel argument {path} is a list; NKI kernels take tuples under "
+                                         "NKI_COMPILER_FRONTEND=custom (C15)")
+            return [self.wrap(v, f"{path}[{i}]") for i, v in enumerate(x)]  # plain Python under tracing (0.7)
         if isinstance(x, tuple):
             return tuple(self.wrap(v, f"{path}[{i}]") for i, v in enumerate(x))
         if isinstance(x, dict):

@@ -1,4 +1,10 @@
-"""Static checker for the NKI 0.6 language rules.
+"""Static checker for the NKI language rules (0.7 tracing frontend by default, 0.6 parser rules on request).
+
+NKI 0.7 specializes kernels by Python *tracing* (the default frontend): kernel code is ordinary Python, so ``is``,
+generators, inheritance, any class, keyword-only parameters and list arguments are all fine.  The legacy parser stays
+selectable with ``NKI_COMPILER_FRONTEND=custom`` (AWS's switch; deprecated in Neuron 2.33, removed in 0.8) and only
+then are its Python-subset rules (``PARSER_RULES``) enforced.  Rules that are real errors under both frontends (legacy
+namespace, removed APIs and keywords, output buffer, nested jit) always apply.
 
 The official NKI simulator runs a kernel as ordinary Python, so a kernel can pass simulation and still be refused by the
 compiler.  This module closes that gap: at ``nki.jit`` time the interpreter calls :func:`check_kernel` (static, on the
@@ -6,18 +12,22 @@ source of the kernel and of the user helpers it references), :func:`check_call_a
 :func:`check_outputs` (returned tensors must live in ``nl.shared_hbm``).  Every finding is a :class:`Violation`
 carrying the file and line of the offending construct; :class:`NkiLanguageError` bundles them.
 
-Rule ids (see ``RULES``):
+Rule ids (see ``RULES``); the first group is ``PARSER_RULES`` (only under ``NKI_COMPILER_FRONTEND=custom``):
 
 ``kwonly-param``      keyword-only parameter in the kernel signature (``def k(a, *, b)``)
 ``is-compare``        ``is`` / ``is not`` (use ``==`` / ``!=``)
 ``list-arg``          a kernel argument is a Python list (use a tuple)
 ``class-base``        a user class that does not derive from ``nl.NKIObject``
+``dict-key``          a dict display with a non-string constant key (dict keys must be strings)
+``generator``         a generator function (``yield`` / ``yield from``)
+
+Always checked:
+
 ``neuronxcc-import``  ``import neuronxcc...`` / ``from neuronxcc...`` (legacy namespace)
 ``arange-mgrid``      ``nl.arange`` / ``nl.mgrid`` (removed; use slices, ``nl.ds`` or ``.ap()``)
 ``isa-mask-dtype``    ``mask=`` or ``dtype=`` passed to an ``nki.isa`` op (removed from every ISA op)
 ``output-buffer``     a returned tensor not allocated in ``nl.shared_hbm``
 ``nested-jit``        a sub-kernel decorated with ``nki.jit`` (only the top-level kernel may be)
-``dict-key``          a dict display with a non-string constant key (dict keys must be strings)
 
 The checker never executes kernel code.  Names are resolved by object identity against the ``nki``, ``nki.language``
 and ``nki.isa`` entries of ``sys.modules`` (so aliases such as ``nl``, ``nisa``, ``nki.isa.x`` or
@@ -41,6 +51,8 @@ import types
 from dataclasses import dataclass
 
 __all__ = [
+    "FRONTEND_ENV",
+    "PARSER_RULES",
     "RULES",
     "NkiLanguageError",
     "Violation",
@@ -48,6 +60,7 @@ __all__ = [
     "check_kernel",
     "check_outputs",
     "clear_cache",
+    "parser_frontend",
     "raise_if_violations",
 ]
 
@@ -55,14 +68,33 @@ RULES: dict[str, str] = {
     "kwonly-param": "keyword-only parameters are not allowed in the kernel signature",
     "is-compare": "'is' / 'is not' are not supported in NKI; use '==' / '!='",
     "list-arg": "list-typed kernel arguments are not allowed; pass a tuple",
-    "class-base": "classes used in NKI code must derive from nl.NKIObject",
+    "class-base": "classes used in NKI code must derive from nl.NKIObject and nothing else",
     "neuronxcc-import": "the legacy neuronxcc namespace is a compilation error since NKI 0.4.0; use 'import nki'",
     "arange-mgrid": "nl.arange / nl.mgrid were removed; use integer slices, nl.ds(start, size) or .ap()",
     "isa-mask-dtype": "mask= and dtype= were removed from all nki.isa ops (output dtype is the dst dtype)",
     "output-buffer": "kernel outputs must be allocated with buffer=nl.shared_hbm",
     "nested-jit": "sub-kernels must not be decorated with nki.jit; call a plain helper function instead",
     "dict-key": "dict keys must be strings",
+    "generator": "generator functions (yield) are not supported",
 }
+
+# The legacy parser's Python-subset rules: enforced only when the parser frontend is selected.
+PARSER_RULES: frozenset[str] = frozenset({"kwonly-param", "is-compare", "list-arg", "class-base", "dict-key",
+                                          "generator"})
+
+FRONTEND_ENV = "NKI_COMPILER_FRONTEND"
+
+
+def parser_frontend() -> bool:
+    """True when ``NKI_COMPILER_FRONTEND=custom`` selects the legacy (0.6) parser; the default is 0.7 tracing."""
+    return os.environ.get(FRONTEND_ENV, "").strip().lower() == "custom"
+
+
+def _for_frontend(violations) -> list:
+    """Drop the parser-only findings unless the parser frontend is selected."""
+    if parser_frontend():
+        return list(violations)
+    return [v for v in violations if v.rule not in PARSER_RULES]
 
 
 @dataclass(frozen=True)
@@ -579,6 +611,22 @@ def _legacy(name: str) -> bool:
     return (name == "neuronxcc" or name.startswith("neuronxcc.")) and name != _NEURONXCC_ANNOTATION_ONLY
 
 
+def _dict_bound_names(node) -> set[str]:
+    """Names assigned a dict display, dict comprehension or ``dict(...)`` call anywhere in ``node``: a later
+    ``name[key] = ...`` on them is a dict store whose key the parser requires to be a string."""
+    out: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, (ast.Assign, ast.AnnAssign)) and sub.value is not None:
+            value = sub.value
+            is_dict = isinstance(value, (ast.Dict, ast.DictComp)) or (
+                isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "dict")
+            if not is_dict:
+                continue
+            targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
+            out.update(t.id for t in targets if isinstance(t, ast.Name))
+    return out
+
+
 def _is_neuronxcc_import(node) -> bool:
     if isinstance(node, ast.Import):
         return any(_legacy(a.name) for a in node.names)
@@ -650,12 +698,21 @@ class _Checker:
                 self.add(v.file, v.line, v.rule, v.message)
 
     # -- classes -----------------------------------------------------------------------------------------------------
+    def _is_nkiobject(self, base) -> bool:
+        if self.nkiobject is not None:
+            return base is self.nkiobject
+        return base.__name__ == "NKIObject"
+
     def _class_ok(self, cls) -> bool:
+        """Every base is nl.NKIObject or itself such a class: the parser accepts no extra base classes."""
         if issubclass(cls, (enum.Enum, BaseException)):
             return True  # enums are NKI values in their own right; exceptions only abort compilation
-        if self.nkiobject is not None:
-            return issubclass(cls, self.nkiobject)
-        return any(base.__name__ == "NKIObject" for base in cls.__mro__[1:])
+        if self._is_nkiobject(cls):
+            return True
+        bases = [b for b in cls.__bases__ if b is not object]
+        if not bases or len(bases) != len(cls.__bases__):
+            return False
+        return all(self._class_ok(b) for b in bases)
 
     def check_class(self, cls) -> None:
         filename = _class_file(cls) or "<unknown>"
@@ -664,7 +721,8 @@ class _Checker:
         if not self._class_ok(cls):
             bases = ", ".join(b.__name__ for b in cls.__bases__)
             self.add(filename, line, "class-base",
-                     f"class {cls.__qualname__}({bases}) does not derive from nl.NKIObject: {RULES['class-base']}")
+                     f"class {cls.__qualname__}({bases}) does not derive only from nl.NKIObject: "
+                     f"{RULES['class-base']}")
         for value in vars(cls).values():
             member = _unwrap_member(value)
             if isinstance(member, types.FunctionType):
@@ -675,20 +733,13 @@ class _Checker:
         if ref is not None and ref.path == "nki.language.NKIObject":
             return True
         if ref is not None and isinstance(ref.obj, type):
-            return self._class_ok_base(ref.obj)
+            return self._class_ok(ref.obj)
         # unresolvable: accept on the spelling
         if isinstance(base_expr, ast.Attribute):
             return base_expr.attr == "NKIObject"
         if isinstance(base_expr, ast.Name):
             return base_expr.id == "NKIObject"
         return False
-
-    def _class_ok_base(self, base) -> bool:
-        if issubclass(base, (enum.Enum, BaseException)):
-            return True
-        if self.nkiobject is not None:
-            return issubclass(base, self.nkiobject)
-        return any(b.__name__ == "NKIObject" for b in base.__mro__)
 
     # -- functions ---------------------------------------------------------------------------------------------------
     def check_function(self, fn, is_kernel: bool) -> None:
@@ -704,8 +755,16 @@ class _Checker:
                 self.add(filename, arg.lineno, "kwonly-param",
                          f"kernel '{fn.__name__}' has keyword-only parameter '{arg.arg}': {RULES['kwonly-param']}")
 
+        dict_names = _dict_bound_names(node)
         for sub in self._walk(node, top=node):
             self._visit(sub, resolver, filename, what, top=node)
+            if isinstance(sub, ast.Subscript) and isinstance(sub.ctx, ast.Store) \
+                    and isinstance(sub.value, ast.Name) and sub.value.id in dict_names:
+                key = sub.slice
+                if (isinstance(key, ast.Constant) and not isinstance(key.value, str)) or isinstance(key, ast.Tuple):
+                    self.add(filename, sub.lineno, "dict-key",
+                             f"{ast.unparse(sub)} = ...: dict key {ast.unparse(key)} is not a string: "
+                             f"{RULES['dict-key']}")
 
     def _walk(self, node, top):
         """ast.walk, minus annotations and the decorators of the checked function itself."""
@@ -736,7 +795,8 @@ class _Checker:
             if not sub.bases or not all(self._static_class_base_ok(resolver, b) for b in sub.bases):
                 bases = ", ".join(ast.unparse(b) for b in sub.bases) or "object"
                 self.add(filename, sub.lineno, "class-base",
-                         f"class {sub.name}({bases}) does not derive from nl.NKIObject: {RULES['class-base']}")
+                         f"class {sub.name}({bases}) does not derive only from nl.NKIObject: "
+                         f"{RULES['class-base']}")
         elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and sub is not top:
             for deco in sub.decorator_list:
                 target = deco.func if isinstance(deco, ast.Call) else deco
@@ -746,6 +806,9 @@ class _Checker:
                              f"nested function '{sub.name}' is decorated with nki.jit: {RULES['nested-jit']}")
         elif isinstance(sub, ast.Call):
             self._visit_call(sub, resolver, filename)
+        elif isinstance(sub, (ast.Yield, ast.YieldFrom)):
+            spelled = "yield from" if isinstance(sub, ast.YieldFrom) else "yield"
+            self.add(filename, sub.lineno, "generator", f"'{spelled}' in {what}: {RULES['generator']}")
         elif isinstance(sub, ast.Dict):
             for key in sub.keys:
                 if isinstance(key, ast.Constant) and not isinstance(key.value, str):
@@ -817,12 +880,14 @@ def check_kernel(fn) -> list[Violation]:
     if cached is None:
         cached = tuple(_Checker().run(fn))
         _CACHE[key] = cached
-    return list(cached)
+    return _for_frontend(cached)
 
 
 def check_call_args(fn, args, kwargs) -> list[Violation]:
-    """Runtime part: list-typed kernel arguments (lists are not allowed, tuples are).  Reports the parameter name and
-    the kernel's def line."""
+    """Runtime part: list-typed kernel arguments (under the parser frontend lists are not allowed, tuples are).
+    Reports the parameter name and the kernel's def line."""
+    if not parser_frontend():
+        return []
     fn = _unwrap_kernel(fn)
     args = tuple(args or ())
     kwargs = dict(kwargs or {})

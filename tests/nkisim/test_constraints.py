@@ -467,7 +467,9 @@ def test_c15_string_buffers_rejected():
         nl.zeros((4, 4), nl.float32, buffer="psum")
 
 
-def test_c15_list_argument_rejected():
+def test_c15_list_argument_rejected_under_parser(monkeypatch):
+    monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")
+
     @nki.jit
     def k(xs):
         out = nl.ndarray((2, 2), nl.float32, buffer=nl.shared_hbm)
@@ -475,6 +477,19 @@ def test_c15_list_argument_rejected():
 
     with pytest.raises(NkiLanguageError, match=r"list-arg"):
         k([np.zeros((2, 2), np.float32)])
+
+
+def test_c15_list_argument_accepted_under_tracing(monkeypatch):
+    monkeypatch.delenv("NKI_COMPILER_FRONTEND", raising=False)
+
+    @nki.jit
+    def k(xs):
+        out = nl.ndarray((2, 2), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=xs[1])
+        return out
+
+    got = k([np.zeros((2, 2), np.float32), np.full((2, 2), 3.0, np.float32)])
+    np.testing.assert_array_equal(got, np.full((2, 2), 3.0, np.float32))
 
 
 def test_c15_tensor_arithmetic_operators_rejected():

@@ -1,4 +1,7 @@
-"""Tests for nkisim.lint, the static checker of the NKI 0.6 language rules.
+"""Tests for nkisim.lint, the static checker of the NKI language rules.
+
+The legacy parser's Python-subset rules (``lint.PARSER_RULES``) apply only under ``NKI_COMPILER_FRONTEND=custom``: each
+of them has a negative test under the ``parser`` fixture and a positive twin under the default (0.7 tracing) frontend.
 
 These tests do not need the interpreter modules: a minimal fake ``nki`` / ``nki.language`` / ``nki.isa`` is registered
 in ``sys.modules`` by a fixture (monkeypatch restores it), the small kernels live in ``lint_cases/`` and every
@@ -107,6 +110,18 @@ def fake_nki(monkeypatch):
     lint.clear_cache()
 
 
+@pytest.fixture(autouse=True)
+def tracing(monkeypatch):
+    """Every test starts under the default (0.7 tracing) frontend, whatever the caller's environment says."""
+    monkeypatch.delenv("NKI_COMPILER_FRONTEND", raising=False)
+
+
+@pytest.fixture
+def parser(monkeypatch):
+    """Select the legacy parser frontend, whose Python-subset rules are then enforced."""
+    monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")
+
+
 @pytest.fixture
 def no_nki(monkeypatch):
     """Make sure no nki module is registered (the checker must then fall back on names)."""
@@ -170,27 +185,27 @@ def line_of_def(fn):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def test_kwonly_param(fake_nki):
+def test_kwonly_param(fake_nki, parser):
     mod = load_case("bad_kernels")
     assert where(check_kernel(mod.kwonly_kernel)) == [expect("bad_kernels", "kwonly", "kwonly-param")]
 
 
-def test_is_compare(fake_nki):
+def test_is_compare(fake_nki, parser):
     mod = load_case("bad_kernels")
     assert where(check_kernel(mod.is_kernel)) == [expect("bad_kernels", "is", "is-compare")]
 
 
-def test_is_not_compare_in_comprehension(fake_nki):
+def test_is_not_compare_in_comprehension(fake_nki, parser):
     mod = load_case("bad_kernels")
     assert where(check_kernel(mod.is_not_kernel)) == [expect("bad_kernels", "is-not", "is-compare")]
 
 
-def test_is_compare_in_helper_of_another_module(fake_nki):
+def test_is_compare_in_helper_of_another_module(fake_nki, parser):
     mod = load_case("bad_kernels")
     assert where(check_kernel(mod.helper_is_kernel)) == [expect("bad_helpers", "helper-is", "is-compare")]
 
 
-def test_list_arg_positional_and_keyword(fake_nki):
+def test_list_arg_positional_and_keyword(fake_nki, parser):
     mod = load_case("bad_kernels")
     kernel = mod.helper_is_kernel
     def_line = line_of_def(kernel.__wrapped__)
@@ -202,18 +217,18 @@ def test_list_arg_positional_and_keyword(fake_nki):
     assert "'b'" in got[0].message
 
 
-def test_class_base_module_level_class(fake_nki):
+def test_class_base_module_level_class(fake_nki, parser):
     mod = load_case("bad_kernels")
     assert where(check_kernel(mod.class_kernel)) == [expect("bad_kernels", "options-class", "class-base")]
 
 
-def test_class_base_global_instance_of_plain_class(fake_nki):
+def test_class_base_global_instance_of_plain_class(fake_nki, parser):
     """A module-level instance of a plain class is flagged at the class; a user exception class is fine."""
     mod = load_case("bad_kernels")
     assert where(check_kernel(mod.global_instance_kernel)) == [expect("bad_kernels", "settings-class", "class-base")]
 
 
-def test_class_base_helper_class_and_its_methods(fake_nki):
+def test_class_base_helper_class_and_its_methods(fake_nki, parser):
     mod = load_case("bad_kernels")
     assert where(check_kernel(mod.helper_class_kernel)) == sorted([
         expect("bad_helpers", "plain-class", "class-base"),
@@ -221,7 +236,7 @@ def test_class_base_helper_class_and_its_methods(fake_nki):
     ])
 
 
-def test_class_base_nested_class(fake_nki):
+def test_class_base_nested_class(fake_nki, parser):
     mod = load_case("bad_kernels")
     assert where(check_kernel(mod.nested_class_kernel)) == [expect("bad_kernels", "nested-class", "class-base")]
 
@@ -289,12 +304,69 @@ def test_nested_jit_called_from_helper(fake_nki):
         expect("bad_helpers", "helper-jit-call", "nested-jit")]
 
 
-def test_dict_key(fake_nki):
+def test_dict_key(fake_nki, parser):
     mod = load_case("bad_kernels")
     assert where(check_kernel(mod.dict_key_kernel)) == [expect("bad_kernels", "dict-key", "dict-key")]
 
 
-def test_inline_indented_kernel_line_numbers(inline_nl):
+def test_dict_store_with_non_string_key(fake_nki, parser):
+    """`d[0] = ...` on a dict: the parser wants string keys in stores as well as in displays."""
+    mod = load_case("bad_kernels")
+    got = check_kernel(mod.dict_store_kernel)
+    assert where(got) == [expect("bad_kernels", "dict-store", "dict-key")]
+    assert "tiles[0]" in got[0].message
+
+
+def test_generator_functions(fake_nki, parser):
+    mod = load_case("bad_kernels")
+    got = check_kernel(mod.generator_kernel)
+    assert where(got) == sorted([expect("bad_kernels", "yield", "generator"),
+                                 expect("bad_kernels", "yield-from", "generator")])
+    assert any("'yield from'" in v.message for v in got)
+
+
+@pytest.mark.parametrize("kernel, tag", [("extra_base_kernel", "extra-base"),
+                                         ("nested_extra_base_kernel", "nested-extra-base")])
+def test_class_base_extra_base_class(fake_nki, parser, kernel, tag):
+    """Deriving from nl.NKIObject *and* something else is refused by the parser (module-level and nested classes)."""
+    mod = load_case("bad_kernels")
+    got = check_kernel(getattr(mod, kernel))
+    assert where(got) == [expect("bad_kernels", tag, "class-base")]
+    assert "does not derive only from nl.NKIObject" in got[0].message
+
+
+def test_class_base_inherited_nkiobject_passes_parser(fake_nki, parser):
+    mod = load_case("valid_kernels")
+    assert check_kernel(mod.inherited_config_kernel) == []
+
+
+PARSER_ONLY_KERNELS = ["kwonly_kernel", "is_kernel", "is_not_kernel", "helper_is_kernel", "class_kernel",
+                       "global_instance_kernel", "helper_class_kernel", "nested_class_kernel", "dict_key_kernel",
+                       "dict_store_kernel", "generator_kernel", "extra_base_kernel", "nested_extra_base_kernel"]
+
+
+@pytest.mark.parametrize("kernel", PARSER_ONLY_KERNELS)
+def test_parser_rules_do_not_apply_under_tracing(fake_nki, monkeypatch, kernel):
+    """Positive twins: under the default 0.7 tracing frontend these kernels are plain Python and pass; the same
+    kernels fail once NKI_COMPILER_FRONTEND=custom selects the parser (checked on the cached result too)."""
+    mod = load_case("bad_kernels")
+    k = getattr(mod, kernel)
+    assert check_kernel(k) == []
+    monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")
+    got = check_kernel(k)
+    assert got and {v.rule for v in got} <= lint.PARSER_RULES
+    monkeypatch.setenv("NKI_COMPILER_FRONTEND", "tracing")
+    assert check_kernel(k) == []
+
+
+def test_list_args_allowed_under_tracing(fake_nki):
+    mod = load_case("bad_kernels")
+    assert check_call_args(mod.helper_is_kernel, ([1, 2],), {}) == []
+    assert check_call_args(mod.is_kernel, (np.zeros(3),), {"b": [np.zeros(2)]}) == []
+
+
+@pytest.mark.parametrize("frontend", ["custom", "tracing"])
+def test_inline_indented_kernel_line_numbers(inline_nl, monkeypatch, frontend):
     """A decorated kernel nested (indented) in a test function: lines are real file lines."""
     import nki
 
@@ -308,12 +380,15 @@ def test_inline_indented_kernel_line_numbers(inline_nl):
         return t
 
     start = line_of_def(kernel.__wrapped__)
-    assert where(check_kernel(kernel)) == sorted([
-        ("kwonly-param", __file__, start),
-        ("isa-mask-dtype", __file__, start + 2),
-        ("is-compare", __file__, start + 3),
-        ("arange-mgrid", __file__, start + 4),
-    ])
+    always = [("isa-mask-dtype", __file__, start + 2), ("arange-mgrid", __file__, start + 4)]
+    if frontend == "custom":
+        monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")
+        assert where(check_kernel(kernel)) == sorted(always + [
+            ("kwonly-param", __file__, start),
+            ("is-compare", __file__, start + 3),
+        ])
+    else:
+        assert where(check_kernel(kernel)) == sorted(always)
 
 
 def test_unregistered_modules_recognised_by_name(no_nki, monkeypatch):
@@ -345,7 +420,7 @@ def test_unresolvable_conventional_aliases(no_nki, tmp_path, monkeypatch):
     assert where(check_kernel(mod.kernel)) == [("arange-mgrid", str(src), 4), ("isa-mask-dtype", str(src), 3)]
 
 
-def test_error_lists_every_violation_with_file_and_line(fake_nki):
+def test_error_lists_every_violation_with_file_and_line(fake_nki, parser):
     mod = load_case("bad_kernels")
     violations = check_kernel(mod.helper_class_kernel)
     err = NkiLanguageError(violations)
@@ -431,4 +506,5 @@ def test_violation_str():
     v = Violation("/x/k.py", 12, "is-compare", "boom")
     assert str(v) == "/x/k.py:12: [is-compare] boom"
     assert set(lint.RULES) >= {"kwonly-param", "is-compare", "list-arg", "class-base", "neuronxcc-import",
-                               "arange-mgrid", "isa-mask-dtype", "output-buffer", "nested-jit"}
+                               "arange-mgrid", "isa-mask-dtype", "output-buffer", "nested-jit", "generator"}
+    assert lint.PARSER_RULES < set(lint.RULES)

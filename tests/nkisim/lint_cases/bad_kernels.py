@@ -162,3 +162,48 @@ def dict_key_kernel(a):
     tiles = {"ok": a,
              0: a}  # <- dict-key
     return tiles["ok"]
+
+
+@nki.jit
+def dict_store_kernel(a):
+    tiles = {}
+    tiles["ok"] = a
+    tiles[0] = a  # <- dict-store
+    return tiles["ok"]
+
+
+def _tile_rows(a):
+    r = 0
+    while r < a.shape[0]:
+        yield r  # <- yield
+        r += 128
+
+
+def _all_rows(a):
+    yield from _tile_rows(a)  # <- yield-from
+
+
+@nki.jit
+def generator_kernel(a):
+    return [r for r in _all_rows(a)]
+
+
+class Mixin:
+    scale = 2.0
+
+
+class Both(nl.NKIObject, Mixin):  # <- extra-base
+    tile = 128
+
+
+@nki.jit
+def extra_base_kernel(a):
+    return a[0:Both().tile]
+
+
+@nki.jit
+def nested_extra_base_kernel(a):
+    class Pair(nl.NKIObject, tuple):  # <- nested-extra-base
+        pass
+
+    return Pair

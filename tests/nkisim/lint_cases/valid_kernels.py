@@ -97,3 +97,19 @@ def nested_helper_kernel(x):
     if x.shape[0] == square(2) or x.shape[0] != None:  # noqa: E711
         pass
     return out
+
+
+class TileBase(nl.NKIObject):
+    rows = 128
+
+
+class TileConfig(TileBase):
+    """Derives from nl.NKIObject only through another NKIObject class: fine under the parser as well."""
+
+    cols = 512
+
+
+@nki.jit
+def inherited_config_kernel(a):
+    cfg = TileConfig()
+    return a[0:cfg.rows, 0:cfg.cols]
