@@ -191,7 +191,7 @@ def run(kernel, args, kwargs, target=None, record=True):
         contexts = [ctx]
     else:
         outputs, contexts = _run_lnc(kernel.func, kernel.lnc, tgt, targs, tkwargs, record)
-    lint.raise_if_violations(lint.check_outputs(kernel.func, outputs))
+    lint.raise_if_violations(lint.check_outputs(kernel.func, outputs, [t.alloc for _, t, _ in binding.inputs]))
     binding.write_back()
     return RunResult(binding.unwrap(outputs), contexts, tgt)
 
@@ -199,8 +199,11 @@ def run(kernel, args, kwargs, target=None, record=True):
 def _run_core(func, ctx, args, kwargs):
     prev = set_current(ctx)
     ctx.in_kernel = True
+    ctx.defer_liveness()
     try:
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        ctx.pool.check_liveness()
+        return out
     finally:
         ctx.in_kernel = False
         set_current(prev)

@@ -159,8 +159,31 @@ class CoreContext:
         self.env_target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
         self.ctrl = ()        # Accesses every instruction depends on (registers bounding enclosing dynamic loops)
 
+    def defer_liveness(self):
+        """Inside a kernel: on-chip allocations live until their last use in the trace (MemoryPool docstring)."""
+        self.pool.clock = lambda: self.seq
+        self.pool.deferred = True
+
     def emit(self, opname, engine, reads=(), writes=(), **meta):
         """Record one instruction. `reads`/`writes` are NkiTensors or VirtualRegisters."""
+        if self.pool.deferred:
+            seq = self.seq
+            for group in (reads, writes):
+                for t in group:
+                    a = getattr(t, "alloc", None)
+                    if a is not None:
+                        rec = a.rec
+                        if rec is not None:
+                            if not rec[8]:
+                                rec[0], rec[8] = seq, True
+                            rec[1] = seq
+                        g = t.gather
+                        if g is not None and g.index.alloc.rec is not None:
+                            g.index.alloc.rec[1] = seq
+                        for r in t._regs or ():
+                            ra = getattr(r, "alloc", None)
+                            if ra is not None and ra.rec is not None:
+                                ra.rec[1] = seq
         if self.record:
             self.trace.append(Instruction(self.seq, self.program_id, opname, engine,
                                           tuple(access_of(t) for t in reads),

@@ -28,6 +28,8 @@ class Case:
         the library test named by `source`.
     ref_inputs: builds the reference's keyword arguments from the kernel's (default: the same dict).
     outputs: names the kernel's returned tensors after the reference's output keys (default: in order).
+    ref_lower_precision: the library's `torch_ref_wrapper(..., preserve_lower_precision=True)`: bf16 inputs stay
+        bf16 tensors in the reference and its outputs are rounded to the first low-precision input dtype.
     """
 
     kernel: str
@@ -42,6 +44,7 @@ class Case:
     ref_inputs: Callable[[dict], dict] | None = None
     outputs: Callable[[object, dict], dict] | None = None
     exact: tuple[str, ...] = field(default=())
+    ref_lower_precision: bool = False
 
     @property
     def name(self) -> str:
@@ -84,8 +87,9 @@ def max_mode_error(actual: np.ndarray, golden: np.ndarray, atol: float, rtol: fl
     return (float(diff.max()) if diff.size else 0.0), tol
 
 
-def torch_inputs(kwargs: dict) -> dict:
-    """NumPy → torch as the library's torch_ref_wrapper does (bf16/fp8 widened to fp32, uint32 → int32)."""
+def torch_inputs(kwargs: dict, lower_precision: bool = False) -> dict:
+    """NumPy → torch as the library's torch_ref_wrapper does (bf16/fp8 widened to fp32, uint32 → int32; with
+    `lower_precision`, bf16 stays a torch bf16 tensor)."""
     import torch
     out = {}
     for key, value in kwargs.items():
@@ -99,7 +103,11 @@ def torch_inputs(kwargs: dict) -> dict:
             elif "bfloat16" in name or "float8" in name:
                 value = value.astype(np.float32)
             t = torch.from_numpy(np.ascontiguousarray(value))
-            out[key] = t.float() if t.dtype == torch.float16 else t
+            if t.dtype == torch.float16:
+                t = t.float()
+            elif lower_precision and "bfloat16" in name:
+                t = t.to(torch.bfloat16)
+            out[key] = t
         else:
             out[key] = value
     return out
@@ -117,10 +125,16 @@ def _to_numpy(value) -> np.ndarray:
 def golden(case: Case, kernel_kwargs: dict) -> dict:
     ref = nkilib.load(case.ref)
     kwargs = case.ref_inputs(kernel_kwargs) if case.ref_inputs else kernel_kwargs
-    out = ref(**torch_inputs(kwargs))
+    out = ref(**torch_inputs(kwargs, case.ref_lower_precision))
     if not isinstance(out, dict):
         out = {"output_0": out} if not isinstance(out, (tuple, list)) else {f"output_{i}": o for i, o in enumerate(out)}
-    return {k: _to_numpy(v) for k, v in out.items()}
+    gold = {k: _to_numpy(v) for k, v in out.items()}
+    if case.ref_lower_precision:
+        low = next((v.dtype for v in kwargs.values() if isinstance(v, np.ndarray)
+                    and any(s in str(v.dtype) for s in ("bfloat16", "float8", "float16"))), None)
+        if low is not None:
+            gold = {k: v.astype(low) for k, v in gold.items()}
+    return gold
 
 
 def _name_outputs(case: Case, outs, gold: dict) -> dict:

@@ -252,16 +252,119 @@ def test_c7_sbuf_capacity_trn3(on_target):  # noqa: F811
     assert keep.size == 128 * 240000
 
 
-def test_c7_capacity_checked_inside_kernel():
+def test_c7_capacity_checked_inside_kernel_by_last_use():
+    """In a kernel a tile is live until its last use in the program: five 48000 B tiles all read at the end
+    overflow trn2's SBUF, and the error (raised after the trace) names the allocation site."""
     @nki.jit
     def k(x):
-        keep = []
+        tiles = []
         for _ in range(5):
-            keep.append(nl.ndarray((128, 12000), nl.float32, buffer=nl.sbuf))  # 48000 B each
+            t = nl.ndarray((128, 12000), nl.float32, buffer=nl.sbuf)  # 48000 B each
+            nisa.memset(dst=t, value=1.0)
+            tiles.append(t)
+        for t in tiles:
+            nisa.tensor_copy(dst=t, src=t)
         return x
 
-    with pytest.raises(NkiCapacityError, match=r"\(C7\)"):
+    with pytest.raises(NkiCapacityError, match=r"allocating 'sbuf_\d+' \(48000 B/partition at .*test_constraints.py:"
+                                               r"\d+\): 240000 B/partition live .*212984 B .*trn2 \(C7\)"):
         k(np.zeros((2, 2), np.float32))
+
+
+def test_c7_dead_tiles_do_not_count_while_python_references_them():
+    """The positive twin: the same five tiles, each used only before the next one is allocated, fit, although
+    the Python list keeps every one of them referenced."""
+    @nki.jit
+    def k(x):
+        tiles = []
+        for _ in range(5):
+            t = nl.ndarray((128, 12000), nl.float32, buffer=nl.sbuf)
+            nisa.memset(dst=t, value=1.0)
+            nisa.tensor_copy(dst=t, src=t)
+            tiles.append(t)
+        return x
+
+    k(np.zeros((2, 2), np.float32))
+
+
+def _live_together(shapes):
+    @nki.jit
+    def k(x):
+        tiles = []
+        for shape in shapes:
+            t = nl.ndarray(shape, nl.uint8, buffer=nl.sbuf)
+            nisa.memset(dst=t, value=0)
+            tiles.append(t)
+        for t in tiles:
+            nisa.tensor_copy(dst=t, src=t)
+        return x
+    return k(np.zeros((2, 2), np.float32))
+
+
+def test_c7_tiles_on_fewer_partitions_pack_by_quadrant():
+    """Two 64-partition tiles of 120000 B fit side by side (partitions 0-63 and 64-127); four 32-partition ones too."""
+    _live_together([(64, 120000), (64, 120000)])
+    _live_together([(32, 200000)] * 4)
+
+
+def test_c7_full_width_or_third_half_tile_does_not_fit():
+    with pytest.raises(NkiCapacityError, match=r"240000 B/partition live .*\(C7\)"):
+        _live_together([(128, 120000), (64, 120000)])
+    with pytest.raises(NkiCapacityError, match=r"240000 B/partition live .*\(C7\); largest live: .* on 64 partitions"):
+        _live_together([(64, 120000)] * 3)
+
+
+def test_c6_psum_explicit_address_reuse_aliases_storage():
+    """Re-using a PSUM address is legal, even while the Python object of the earlier tile is alive; both tiles
+    are the same memory (a write through one is read through the other)."""
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((4, 8), nl.float32, buffer=nl.shared_hbm)
+        keep = []
+        for i in range(12):   # 12 x 2 KiB tiles at 8 bank addresses: 4 banks reused
+            p = nl.ndarray((4, 512), nl.float32, buffer=nl.psum, address=(0, (i % 8) * 2048))
+            nisa.memset(dst=p, value=float(i))
+            keep.append(p)
+        again = nl.ndarray((4, 8), nl.float32, buffer=nl.psum, address=(0, 0))  # other layout: own storage
+        nisa.memset(dst=again, value=-1.0)
+        first = nl.ndarray((4, 512), nl.float32, buffer=nl.psum, address=(0, 2048))  # bank 1 as tile 9 left it
+        t = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=t, src=first[:, 0:8])
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    np.testing.assert_array_equal(k(np.zeros((2, 2), np.float32)), np.full((4, 8), 9.0, np.float32))
+
+
+def test_c6_psum_explicit_address_past_the_end():
+    with pytest.raises(NkiCapacityError, match=r"free_byte_offset=14336 needs 4096 B/partition: ends at 18432 B "
+                                               r"> PSUM size 16384 B \(C6\)"):
+        nl.ndarray((128, 1024), nl.float32, buffer=nl.psum, address=(0, 14336))
+
+
+def test_c6_psum_overflow_by_last_use_reported_after_the_trace():
+    """Nine full-bank PSUM tiles all read at the end cannot fit 8 banks: reported after the trace with the site;
+    the twin that uses each tile before allocating the next runs although Python keeps all nine referenced."""
+    def body(read_all_at_end):
+        @nki.jit
+        def k(x):
+            keep = []
+            for _ in range(9):
+                p = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
+                nisa.memset(dst=p, value=0.0)
+                keep.append(p)
+                if not read_all_at_end:
+                    nisa.tensor_copy(dst=p, src=p)
+            if read_all_at_end:
+                for p in keep:
+                    nisa.tensor_copy(dst=p, src=p)
+            return x
+        return k
+
+    with pytest.raises(NkiCapacityError, match=r"PSUM capacity exceeded allocating 'psum_\d+' \(2048 B/partition "
+                                               r"at .*test_constraints.py:\d+\): 18432 B/partition live .*\(C6\)"):
+        body(True)(np.zeros((2, 2), np.float32))
+    body(False)(np.zeros((2, 2), np.float32))
 
 
 # ---- C8: GpSimd and PSUM ---------------------------------------------------------------------------------------------
@@ -429,6 +532,28 @@ def test_c15_output_not_in_shared_hbm():
 
     with pytest.raises(NkiLanguageError, match=r"output-buffer"):
         k(np.zeros((2, 2), np.float32))
+
+
+def test_c15_output_may_be_an_argument_written_in_place():
+    """Returning a kernel argument (HBM, written in place) is legal at LNC=1 as at LNC=2; a fresh hbm one is not."""
+    @nki.jit
+    def k(x, out):
+        t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    x = np.arange(4, dtype=np.float32).reshape(2, 2)
+    np.testing.assert_array_equal(k(x, np.zeros_like(x)), x)
+
+    @nki.jit
+    def fresh(x):
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.hbm)
+        nisa.dma_copy(dst=out, src=x)
+        return out
+
+    with pytest.raises(NkiLanguageError, match=r"output-buffer"):
+        fresh(x)
 
 
 def test_c15_unknown_kwargs_raise_type_error():
