@@ -93,6 +93,7 @@ def install(force: bool | None = None) -> bool:
     for name, mod in zip(_NAMES, (api, language, isa, constants, nki_typing)):
         sys.modules[name] = mod
     _install_legacy_typing(nki_typing)
+    _install_neuron_dtypes()
     return True
 
 
@@ -108,6 +109,14 @@ def _install_legacy_typing(nki_typing) -> None:
     root.__path__, sub.__path__ = [], []  # packages with nothing else to import
     root.nki, sub.typing = sub, nki_typing
     sys.modules.update({"neuronxcc": root, "neuronxcc.nki": sub, "neuronxcc.nki.typing": nki_typing})
+
+
+def _install_neuron_dtypes() -> None:
+    """AWS's `neuron_dtypes` (Neuron SDK, not on PyPI) is what reference code casts with; serve ours if absent."""
+    if "neuron_dtypes" in sys.modules or importlib.util.find_spec("neuron_dtypes") is not None:
+        return
+    from . import neuron_dtypes
+    sys.modules["neuron_dtypes"] = neuron_dtypes
 
 
 def active() -> bool:

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 
 from . import dtypes as dt
-from . import lint
+from . import lint, mx
 from .errors import NkiValidationError
 from .memory import Allocation, hbm, shared_hbm
 from .runtime import CoreContext, LncShared, current, set_current
@@ -121,6 +121,8 @@ class _Binding:
     def unwrap(self, out):
         if isinstance(out, NkiTensor):
             arr = np.array(np_view(out))
+            if out.dtype.kind == "packed":
+                return mx.PackedArray(arr, out.dtype)  # x4 words keep their NKI dtype outside the kernel
             if arr.dtype != out.dtype.np and out.dtype.kind == "float":
                 arr = arr.astype(out.dtype.np)  # NKI_PRECISE_FP=0 storage back to the declared dtype
             return _numpy_to_torch(arr) if self.torch else arr
@@ -141,7 +143,8 @@ class _Binding:
             if is_torch:
                 orig.copy_(_numpy_to_torch(np.asarray(data).astype(t.dtype.np)).reshape(orig.shape))
             else:
-                orig[...] = np.asarray(data).astype(orig.dtype).reshape(orig.shape)
+                words = orig.view(np.ndarray)  # a PackedArray's .dtype is the NKI packed dtype, not its words'
+                words[...] = np.asarray(data).astype(words.dtype).reshape(orig.shape)
 
 
 def _is_torch(x):

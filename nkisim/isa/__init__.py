@@ -22,6 +22,7 @@ from .enums import (  # noqa: F401
     vector_engine,
 )
 from .gpsimd import affine_select, iota  # noqa: F401
+from .mx import nc_matmul_mx, quantize_mx  # noqa: F401
 from .registers import (  # noqa: F401
     get_nc_sub_version,
     get_nc_version,

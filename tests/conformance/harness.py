@@ -23,7 +23,9 @@ TARGETS = ("trn2", "trn3")
 class Case:
     """A kernel, a shape of its library test, and how to compare it.
 
-    kernel / ref: `"module:attr"` paths inside `nkilib_src.nkilib` (the jit kernel and its torch reference).
+    kernel / ref: `"module:attr"` paths inside `nkilib_src.nkilib` (the jit kernel and its torch reference), or a
+        callable: a thin kernel of ours that drives a library kernel or ISA op the way the library's test does (SBUF
+        operands, in-place outputs), or our own reference where the library ships none in its source tree.
     inputs: seeded builder of the kernel's keyword arguments (NumPy arrays and Python values), shapes taken from
         the library test named by `source`.
     ref_inputs: builds the reference's keyword arguments from the kernel's (default: the same dict).
@@ -32,8 +34,8 @@ class Case:
         bf16 tensors in the reference and its outputs are rounded to the first low-precision input dtype.
     """
 
-    kernel: str
-    ref: str
+    kernel: str | Callable
+    ref: str | Callable
     shape_id: str
     inputs: Callable[[], dict]
     atol: float
@@ -48,6 +50,8 @@ class Case:
 
     @property
     def name(self) -> str:
+        if callable(self.kernel):
+            return self.kernel.__name__
         return self.kernel.partition(":")[2]
 
     @property
@@ -114,6 +118,9 @@ def torch_inputs(kwargs: dict, lower_precision: bool = False) -> dict:
 
 
 def _to_numpy(value) -> np.ndarray:
+    from nkisim import mx
+    if mx.packed_dtype_of(value) is not None:
+        return mx.unpack(value)  # x4 MX words compare as their fp32 elements
     if hasattr(value, "detach"):
         value = value.detach().cpu()
         if str(value.dtype) == "torch.bfloat16":
@@ -151,6 +158,8 @@ def run_case(case: Case) -> Result:
     import nki
 
     kernel = nkilib.load(case.kernel)
+    if not getattr(kernel, "_is_nki_kernel", False):
+        kernel = nki.jit(kernel)
     kwargs = case.inputs()
     copies = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
     gold = golden(case, kwargs)

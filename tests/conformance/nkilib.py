@@ -40,7 +40,9 @@ def activate() -> None:
 
 
 def load(ref: str):
-    """`"core.cumsum.cumsum:cumsum"` → the object, imported from the library package."""
+    """`"core.cumsum.cumsum:cumsum"` → the object, imported from the library package (a callable passes through)."""
+    if callable(ref):
+        return ref
     module, _, attr = ref.partition(":")
     mod = importlib.import_module(f"{PACKAGE}.{module}")
     return getattr(mod, attr) if attr else mod

@@ -1,0 +1,22 @@
+"""`neuron_dtypes` as nkisim serves it when AWS's package (part of the Neuron SDK, not on PyPI) is absent.
+
+Only what reference code outside kernels calls: `static_cast(array, dtype)` converts a NumPy array to an NKI dtype
+with the engines' rounding (round to nearest even; integers saturate), and to x4 packed MX dtypes by packing four
+consecutive elements of the last dimension into one word (see nkisim.mx).
+"""
+
+import numpy as np
+
+from . import dtypes as _dt
+from . import mx as _mx
+
+
+def static_cast(array, dtype):
+    """`array` (NumPy) converted to `dtype` (an NKI, NumPy or ml_dtypes dtype); packed dtypes give a PackedArray."""
+    d = _dt.as_dtype(dtype)
+    a = np.asarray(array)
+    if _mx.is_packed(d):
+        return _mx.pack(a, d)
+    if a.dtype.kind in "iub" or d.kind != "float":
+        return _dt.cast(a, d, d.np)
+    return a.astype(d.np)
