@@ -108,6 +108,8 @@ class CoreSpec(_Sourced):
     dma_full_efficiency_bytes: int
     dma_overhead_bytes: int         # below this per-partition chunk a DMA is severely overhead-bound
     dma_transpose_efficiency: float
+    dma_transfer_overhead_s: float  # per DMA transfer, per DMA engine it uses (occupies the engine)
+    launch_overhead_s: float        # one kernel (NEFF) launch: reported separately, never in the kernel body
     static_instruction_cycles: int  # VectorE/ScalarE/GpSimd per-instruction static overhead (engine cycles)
     scalar_fixed_cycles: int        # ScalarE per-instruction fixed cost (dependent-instruction II)
     matmul_min_cycles: int          # MultiplyMoving minimum initiation interval
@@ -218,10 +220,14 @@ _COMMON_OVERHEADS = dict(
                              "point of eff = run/(run+256) (derived fit: 50% @256 B, 89% @2 KiB, 94% @4 KiB)"),
     dma_transpose_efficiency=(0.9, "[SDK:arch2] nki-api.md §8.4: HBM2SBUF dma_transpose <=90% DMA efficiency "
                                    "(upper bound used as the factor; real transposes are often slower)"),
-    static_instruction_cycles=(100, "[SDK:perf] nki-api.md §8.4: ~100 cycles static instruction overhead on "
-                                    "VectorE/ScalarE for tiny/dependent instructions"),
-    scalar_fixed_cycles=(264, "[SDK:perf] nki-api.md §8.4: observed 189 ns (264 ScalarE cycles) initiation "
-                              "interval of 1-element dependent ScalarE instructions (NC-v2 figure, reused)"),
+    static_instruction_cycles=(100, "[SDK:arch1] trainium_inferentia2_arch.rst VectorE cost model: 'static "
+                                    "instruction overhead of 100 engine cycles' added only for back-to-back "
+                                    "instructions with N << 128 or each depending on the previous output"),
+    scalar_fixed_cycles=(264, "[SDK:perf] nki_perf_guide.rst Opt #5a: observed 189 ns (264 ScalarE cycles) "
+                              "initiation interval of 1-element dependent ScalarE instructions (NC-v2 figure, "
+                              "reused); charged only in that case (small or dependent)"),
+    launch_overhead_s=(15e-6, "ASSUMPTION (no AWS figure found): per-launch NEFF/runtime overhead; reported only "
+                              "as 'with launch', never in the kernel body"),
     matmul_min_cycles=(64, "[SDK:arch1]/[SDK:perf] nki-api.md §8.4: MultiplyMoving II ~ max(N, 64 cycles)"),
     sbuf_access_overhead_cycles=(60, "[SDK:arch1] nki-api.md §8.4: ~60 cycles per SBUF/PSUM access request (v2); "
                                      "folded into static_instruction_cycles by the cost model"),
@@ -230,6 +236,15 @@ _COMMON_OVERHEADS = dict(
     sbuf_strided_factor=(2.0, "[SDK] memory-hierarchy-overview.rst nki-api.md §8.4: half bandwidth above "
                               "sbuf_fast_stride_bytes -> 2x the streaming time (upper bound, applied whole)"),
 )
+
+
+def _transfer_overhead(engine_bytes_per_s):
+    """Per-transfer DMA-engine overhead: 'each DMA engine can process one DMA transfer at a time', 'some
+    performance overhead at both DMA buffer and transfer levels', 'the transfer size ... should be larger than 32KiB
+    to achieve ideal bandwidth' ([SDK:arch1], [SDK:perf]); read as 90% efficiency at 32 KiB per engine transfer."""
+    t = 32 * KIB / (9 * engine_bytes_per_s)
+    return (t, f"[SDK:arch1]/[SDK:perf]: 32 KiB per engine transfer taken as the 90% point -> 32 KiB/(9 x "
+               f"{engine_bytes_per_s / 1e9:.0f} B/ns) = {t * 1e9:.0f} ns (interpretation of 'ideal', not a fit)")
 
 
 def _core_v2():
@@ -261,6 +276,7 @@ def _core_v2():
         dma_bytes_per_s=(272e9, "[SDK:dma] nki-api.md §8.1: 16 x 17 B/ns"),
         hbm_bytes_per_s=(0.41e12, "derived: Trainium chip 0.82 TB/s / 2 cores (nki-api.md §8.2; alt: 0.8 TB/s)"),
         dma_issue_s=(0.0, "HW-DGE does not exist on v2"),
+        dma_transfer_overhead_s=_transfer_overhead(17e9),
         **_COMMON_OVERHEADS,
     )
 
@@ -297,6 +313,7 @@ def _core_v3():
         hbm_bytes_per_s=(2.9e12 / 8, "derived: chip 2.9 TB/s / 8 cores = 0.3625 TB/s (nki-api.md §8.2; alt: 3 TB/s "
                                      "chip in [SDK:arch2] -> 0.375)"),
         dma_issue_s=(600e-9, "[SDK:arch2] nki-api.md §8.4: HW-DGE DMA instruction ~600 ns (hideable)"),
+        dma_transfer_overhead_s=_transfer_overhead(23e9),
         **_COMMON_OVERHEADS,
     )
 
@@ -307,8 +324,8 @@ def _core_v4():
         tensor_clock_hz=(2.4e9, "[SDK:arch3] nki-api.md §8.1"),
         tensor_rows=(128, "[SDK:arch3] 128x128 PE array"), tensor_cols=(128, "[SDK:arch3] 128x128 PE array"),
         tensor_bf16_flops=(79e12, "[SDK:arch3]/[SDK:hw3] nki-api.md §8.1: 79 BF16/FP16/TF32 TFLOPS"),
-        tensor_fp8_flops=(158e12, "derived: the double_row 2x rule of §8.4 applied to 79 TF (v4 datasheet lists "
-                                  "non-MX FP8 at 2x128 = BF16 width; alt: 79 TF)"),
+        tensor_fp8_flops=(79e12, "[SDK:arch3] trainium3_arch.rst TensorE data-path width: '2x128 (non-MXFP8 dense "
+                                 "input)' = the BF16 rate; only MXFP8/MXFP4 run faster (8x128)"),
         tensor_fp32_flops=(20e12, "[SDK:arch3] nki-api.md §8.1"),
         tensor_mxfp8_flops=(315e12, "[SDK:arch3] nki-api.md §8.1: 315 MXFP8/MXFP4 TFLOPS"),
         tensor_sparse_flops=(315e12, "[SDK:arch3] nki-api.md §8.1"),
@@ -332,6 +349,7 @@ def _core_v4():
         hbm_bytes_per_s=(4.9e12 / 8, "derived: chip 4.9 TB/s / 8 cores = 0.6125 TB/s (nki-api.md §8.2; alt: "
                                      "4.7 TB/s chip in [SDK:arch3]); DMA engines cap a core at 0.528 TB/s"),
         dma_issue_s=(600e-9, "v3 figure reused (no v4 number documented)"),
+        dma_transfer_overhead_s=_transfer_overhead(33e9),
         **_COMMON_OVERHEADS,
     )
 

@@ -345,10 +345,15 @@ def while_loop(init, body_fun):
 def no_reorder():
     ctx = current()
     ctx.no_reorder_depth += 1
+    start = ctx.seq
     try:
         yield
     finally:
         ctx.no_reorder_depth -= 1
+        if ctx.no_reorder_depth == 0 and ctx.seq > start:
+            # the cost model chains the instructions recorded in [start, end) (nkisim.cost.schedule)
+            spans = ctx.__dict__.setdefault("no_reorder_spans", [])
+            spans.append((start, ctx.seq))
 
 
 def device_print(print_prefix, tensor):

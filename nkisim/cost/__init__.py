@@ -9,59 +9,72 @@
 
 Design note
 -----------
-What is modelled (every figure printed is an estimate from this model, never a measurement):
-- per-instruction costs from nki-api.md §8.4 over the hardware table `nkisim.hardware` (trn1/trn2/trn3):
-  TensorE MultiplyMoving max(N, 64) cycles at the TensorE clock for bf16/fp16/tf32/fp8, fp32 4x slower, fp8
-  double_row doing twice the contraction in the same cycles (2x FLOP/s); nc_transpose of data [p, f] as a matmul
-  with data stationary and a [p, p] identity moving (max(p, 64) cycles, no useful FLOPs). VectorE N cycles per
-  streaming input (N = elements per partition; per-partition scalar operands are free), trn2+ perf modes for
-  bf16/fp16 (trn3 also fp8) SBUF-contiguous operands: tensor_copy/tensor_scalar 4x, tensor_tensor 2x; plus ~100
-  cycles static overhead. ScalarE N cycles (trn3: N/2 for 2-/1-byte dtypes) plus a
-  264-cycle fixed cost. GpSimd N cycles per streaming input plus static overhead. DMA: bytes over the queue
-  bandwidth, each queue capped at its share of the core's HBM bandwidth when it touches HBM (twice for HBM->HBM),
-  efficiency run/(run + 256 B) from the contiguous bytes per partition, dma_transpose at 90% of that, a fixed
-  1.3 us start latency that does not occupy a queue, the transfer split over up to 16 queues (>= 2 KiB each).
-  SBUF access stride: a compute instruction (VectorE/ScalarE/GpSimd) any of whose SBUF operands, read or written,
-  streams with an innermost free-dim stride > 16 B (`Access.stride_bytes`) takes 2x for its streaming part (half
-  SBUF bandwidth, applied whole — the "up to 2x" upper bound); for TensorE only the moving operand counts
-  (max(2N, 64)). Per-partition scalars and broadcasts (stride 0) never trigger it; PSUM operands are exempt.
-- dependencies beyond data operands (recorded at emit time, ordered by the scheduler, never costed):
-  * address dependencies `Access.deps`: the index tensor of an indirect view (`.ap(vector_offset=...)`,
-    `vector_select`, on a DMA's src or dst) and the registers / 1-element tensors a dynamic offset was built from
-    (`nl.ds(reg, n)`, `.ap(scalar_offset=reg)`, `t[reg]`, `select(dim, reg)`; kept by derived views in the slot
-    `NkiTensor._regs`). The instruction waits for their producers (reason "RAW address" / "RAW register"); index
-    and offset tensors also count as reads for WAR.
-  * registers: each `VirtualRegister` has an id and is a pseudo-allocation (buffer "reg", alloc_id -id).
-    register_alloc / register_move / register_load write it (and record `reg.writer`, the seq), register_move /
-    register_store read their source register; register_load reads its source tile, so it waits for that tile's
-    producer. Register reads create RAW only (an engine reads the register when it issues the instruction, so a
-    later register write does not wait for a DMA that used the old value). Register instructions run on the
-    "sync" sequencer: in program order, zero time (so a register_load that waits also delays later sync ops).
-  * control dependencies `Instruction.deps`: inside `nl.fori_loop` with register / tensor bounds and
-    `nl.while_loop` (the condition register) every instruction depends on the bound / condition's writer. The
-    induction register of fori_loop has no recorded writer (each engine steps its own copy): static loops are
-    unaffected. `nl.dynamic_range` (deprecated, returns a plain range) records no control dependency.
-- a list scheduler (`schedule.py`): engines in parallel, each in program order; RAW/WAR/WAW dependencies on
-  allocation footprints; in-order DMA issue with FIFO queues; LNC=2 cores coupled at sendrecv/core_barrier.
-- outputs: latency, busy time per engine, critical path (and its split per engine / DMA latency), HBM bytes,
-  TensorE FLOPs, MFU (vs the per-dtype datasheet TensorE peak), MBU (vs the core's HBM share), arithmetic
-  intensity, ridge point, roofs per resource, roofline bound (compute with its engine, or memory) and fraction.
-What is not modelled: SBUF/PSUM bank conflicts; the stride rule per operand (one strided input of two costs the
-same 2x as all); clock throttling or power ramps; cross-engine semaphore latency between compute engines;
-LoadStationary (assumed hidden in the background); concurrent TensorE row/column tiles; HBM page/refresh effects
-and sharing of one HBM stack between the two cores of an LNC pair beyond each core's 1/8 share; DMA
-descriptor-generation limits of SW-DGE (GpSimd); allocator address reuse (distinct allocations never alias, so
-buffering depth is what the kernel allocates); instruction fetch, control flow and register-loop overheads
-(sync-engine instructions take no time); collectives beyond the two-core LNC sync.
-Calibration status: no constant has been calibrated on hardware (no Trainium here). Clocks, widths, peaks, SBUF/
-PSUM sizes, DMA and HBM bandwidths are datasheet values (nkisim.hardware, with sources); the fixed overheads
-(1.3 us DMA latency, 100-cycle static overhead, 264-cycle ScalarE cost, 64-cycle matmul II) are documented
-approximations; the DMA efficiency curve and the 90% dma_transpose factor are fits to documented statements.
-Open doubts (kept, not clearly wrong): trn2/trn3 VectorE is listed at 256 non-perf-mode elems/cycle (§8.1) while
-the model uses the §8.4 per-instruction rule (N cycles per input = 128/cycle), possibly 2x pessimistic for fp32;
-GpSimd is modelled at 128 elems/cycle for every dtype although v2/v3 SIMD lanes hold 32 x 16-bit (2x for bf16);
-the 264-cycle ScalarE fixed cost is the II of *dependent* 1-element instructions (an NC-v2 figure) and is charged
-to every ScalarE instruction; DMA dtype casts and HW-DGE descriptor time (600 ns, assumed hidden) cost nothing.
+Every figure is an estimate of this model, never a measurement. Sources: [arch1] trainium_inferentia2_arch.rst,
+[arch2] trainium2_arch.rst, [arch3] trainium3_arch.rst, [perf] nki_perf_guide.rst, [dma] nki-dma-overview.rst,
+[bw] nki-dma-bandwidth-guide.rst, [sched] how-to-scheduling-apis.rst + nki.language.no_reorder, [dge] nki-dge.rst
+(all in aws-neuron/aws-neuron-sdk), [api] /work/shared/docs/nki-api.md §8.
+
+Scheduling rules (schedule.py), each with its source:
+1. Engines: "each compute engine has its own sequencer ... four independent instruction streams asynchronously in
+   parallel"; cross-engine data dependencies are semaphores inserted by the compiler [arch1]. Modelled: one
+   in-order stream per engine (tensor, vector, scalar, gpsimd, sync); RAW/WAR/WAW on allocation footprints become
+   dependency edges. Semaphore latency between compute engines is not charged (no figure published).
+2. Compiler reordering: "Without this directive [no_reorder], the compiler scheduler is free to reorder
+   independent operations" [sched]. How well it does so is not documented, so it is a switch reported as two
+   bounds (`bounds(result)`): order="ready" (default; each stream takes instructions as their dependencies are
+   met — a list schedule) and order="program" (no reordering: every stream and DMA queue in program order).
+3. no_reorder: "a no-reorder block is a section of code where dependency edges are automatically [inserted]
+   between every pair of instructions", dynamically scoped [sched]. Modelled: each instruction recorded inside the
+   outermost block depends on (starts after the end of) the previous instruction of the block, in both orders.
+4. DMA triggers and queues: a DMA is triggered by an engine sequencer instruction that waits on the semaphores of
+   its inputs; "the queue ID is typically tied to the trigger engine"; "DMA transfers within a queue on the same DMA
+   engine are executed in order", different queues round-robin (v2/v3) [dma]. Modelled: the queue is the
+   dma_copy `engine=` (else one default queue); in program order a queue issues in program order; each DMA
+   engine serves its transfers FIFO across queues (round-robin sharing is approximated by FIFO: same throughput).
+5. DMA engines: "each DMA engine is typically responsible for moving data for eight SBUF partitions" and a
+   [4, 4096] load uses one engine [dma]; "each DMA engine can process one DMA transfer at a time" [arch1]. Modelled:
+   a transfer uses engines first_partition//8 .. last_partition//8 (HBM->HBM: split over >= 2 KiB pieces on the
+   least-loaded engines), each moving its share.
+6. DMA time = fixed start latency (~1300 ns semaphore-to-start, [bw]; does not occupy an engine) + per engine:
+   transfer overhead ("overhead at both DMA buffer and transfer levels" [arch1]; "larger than 32KiB to achieve
+   ideal bandwidth" [perf] read as 90% at 32 KiB: 32 KiB/(9 x engine B/ns)) + bytes / (engine rate x buffer
+   efficiency), buffer efficiency run/(run + 256 B) from the contiguous bytes per partition ([bw]: < 256 B severely
+   overhead-bound, >= 2 KiB approaches, >= 4 KiB saturates); engine rate 17/23/33 B/ns [bw], capped per engine at
+   the core's HBM share / 16 when it touches HBM (twice for HBM->HBM); dma_transpose at 90% [arch2].
+   AWS's DMA throughput curve ([dma] figure, single [128, B] transfers) is flat-time up to 2 KiB/partition, i.e.
+   dominated by the fixed latency, which rule 6 reproduces (~1.3 us + overhead).
+7. Fixed instruction costs only where documented: VectorE/GpSimd 100 static cycles and ScalarE 264 cycles
+   (observed II of dependent 1-element ScalarE instructions) are charged for instructions with N < 128 elements
+   per partition, or when the instruction reads the output of the previous instruction on the same engine
+   ([arch1] VectorE cost model, [perf] Opt #5a); independent large instructions pay none.
+8. register_load reads memory into a sequencer register: from HBM it is charged as a DMA round trip (start latency
+   + transfer overhead + bytes) on the sync sequencer, which waits for it; from SBUF one SBUF access (60 cycles,
+   [arch1]). Other register ops take no time.
+9. LNC=2: the k-th core_barrier / sendrecv of the two cores pair up and start together.
+
+Per-instruction costs (costs.py), [api] §8.4 over nkisim.hardware: TensorE max(N, 64) cycles (fp32 4x, double_row
+FP8 twice the contraction in the same cycles on trn2; trn3 runs non-MX FP8 at the BF16 rate [arch3]); nc_transpose
+as a matmul with a [p, p] identity moving. VectorE N cycles per streaming input (128 lanes: the "256 input/output
+elements per cycle" of [arch3]'s table counts one input and one output per lane), trn2+ perf modes for bf16/fp16
+SBUF-contiguous operands (tensor_copy/tensor_scalar 4x, tensor_tensor 2x; trn3 also fp8) [arch2]. ScalarE N
+cycles (trn3: N/2 for 2-/1-byte). GpSimd 8 x 512-bit SIMD: 128 fp32 / 256 16-bit / 512 8-bit elements per cycle
+on v2/v3, 128 for all dtypes on v4. SBUF innermost stride > 16 B: 2x the streaming part (TensorE: moving operand).
+
+Launch: `CostReport.latency_s` is the kernel body; `latency_with_launch_s` adds `launch_s`
+(hardware.launch_overhead_s — an ASSUMPTION, no AWS figure found). FLOPs: `flops_issued` is what TensorE executes
+(padding, mask folding, selection matmuls included); `flops` is the useful work, equal to issued unless declared
+(`analyze(..., useful_flops=)`, `profile(..., useful_flops=)`, `CostReport.declare_useful_flops`); MFU and
+arithmetic intensity use the useful FLOPs.
+
+Outputs: latency, busy time per engine, critical path (split per engine / DMA latency), HBM bytes, FLOPs, MFU,
+MBU, arithmetic intensity, ridge point, roofs, roofline bound and fraction (`roofline_s`, the bench's one bound).
+Not modelled: SBUF/PSUM bank conflicts; the stride rule per operand; clock throttling; semaphore latency between
+compute engines; LoadStationary (assumed hidden); HBM page effects and stack sharing beyond each core's 1/8 share;
+SW-DGE descriptor generation time on GpSimd and HW-DGE's ~600 ns per instruction (assumed hidden behind the
+trigger engine); DMA casts; allocator address reuse (buffering depth is what the kernel allocates); instruction
+fetch and control-flow overheads; collectives beyond the two-core LNC sync.
+Calibration: bench/calibration compares this model with AWS's published, hardware-measured tutorial timings (no
+constant is fitted to them); see its table for where the model stands.
 """
 
 from collections import namedtuple
@@ -69,24 +82,39 @@ from collections import namedtuple
 from ..hardware import HARDWARE, hardware  # noqa: F401
 from .costs import OpCost, instruction_cost  # noqa: F401
 from .report import MODELLED, CostReport, check_chrome_trace  # noqa: F401
-from .schedule import Event, Scheduler  # noqa: F401
+from .schedule import ORDERS, Event, Scheduler  # noqa: F401
 
 Profile = namedtuple("Profile", ["outputs", "report"])
+Bounds = namedtuple("Bounds", ["ready", "program"])
 
 
-def analyze(result, target=None, kernel_name="") -> CostReport:
-    """Schedule the traces of a `RunResult` (from nkisim.run) and return the modelled CostReport."""
+def analyze(result, target=None, kernel_name="", order="ready", useful_flops=None) -> CostReport:
+    """Schedule the traces of a `RunResult` (from nkisim.run) and return the modelled CostReport.
+
+    order: "ready" (the compiler reorders independent instructions; default) or "program" (no reordering).
+    useful_flops: the FLOPs the kernel is meant to do (MFU and arithmetic intensity use it; issued TensorE FLOPs,
+    padding and selection matmuls included, stay in `flops_issued`)."""
     tgt = target if target is not None else result.target
     platform = hardware(tgt)
-    events = Scheduler(platform.core).run(result.traces)
-    return CostReport(platform, len(result.contexts), events, kernel_name=kernel_name)
+    spans = {c: list(getattr(ctx, "no_reorder_spans", ())) for c, ctx in enumerate(result.contexts)}
+    events = Scheduler(platform.core, order=order, no_reorder=spans).run(result.traces)
+    rep = CostReport(platform, len(result.contexts), events, kernel_name=kernel_name, order=order)
+    if useful_flops is not None:
+        rep.declare_useful_flops(useful_flops)
+    return rep
 
 
-def profile(kernel, *args, target="trn2", **kwargs) -> Profile:
+def bounds(result, target=None, kernel_name="", useful_flops=None) -> Bounds:
+    """Both issue policies: `ready` (compiler reorders, the lower bound) and `program` (program order, upper)."""
+    return Bounds(*(analyze(result, target, kernel_name, order=o, useful_flops=useful_flops) for o in ORDERS))
+
+
+def profile(kernel, *args, target="trn2", order="ready", useful_flops=None, **kwargs) -> Profile:
     """Run `kernel` (a jit Kernel, `kernel[2]` for LNC=2, or a plain function) on the CPU interpreter for `target`
-    and return `Profile(outputs, report)`; `report` is a CostReport of modelled figures."""
+    and return `Profile(outputs, report)`; `report` is a CostReport of modelled figures. `order` and
+    `useful_flops` as for `analyze`; other kwargs go to the kernel."""
     from ..jit import Kernel, run
     k = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
     result = run(k, args, kwargs, target=target)
     name = getattr(k.func, "__name__", "")
-    return Profile(result.outputs, analyze(result, kernel_name=name))
+    return Profile(result.outputs, analyze(result, kernel_name=name, order=order, useful_flops=useful_flops))

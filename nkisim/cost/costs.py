@@ -11,15 +11,15 @@ tensors, offset registers) and control dependencies (`ins.deps`) only order inst
 import math
 from dataclasses import dataclass
 
+from .. import dtypes as _dt
+
 HBM_BUFFERS = frozenset({"hbm", "shared_hbm", "private_hbm"})
 ON_CHIP = frozenset({"sbuf", "psum"})
 COMPUTE_ENGINES = ("tensor", "vector", "scalar", "gpsimd")
-_ITEMSIZE = {"float32": 4, "tfloat32": 4, "int32": 4, "uint32": 4, "float16": 2, "bfloat16": 2, "int16": 2,
-             "uint16": 2, "int8": 1, "uint8": 1, "bool_": 1, "float8_e4m3": 1, "float8_e5m2": 1, "float8_e4m3fn": 1,
-             "float8_e8m0fnu": 1, "float64": 8, "int64": 8}
 _LOWP = frozenset({"bfloat16", "float16"})
 _FP8 = frozenset({"float8_e4m3", "float8_e5m2", "float8_e4m3fn"})
 _FP32_MATMUL = frozenset({"float32"})
+_SMALL_N = 128   # "compute engines typically require at least 128 elements/partition to be efficient" (perf guide)
 # VectorE perf modes on NeuronCore-v3+ (nki-api.md §8.4): bf16/fp16, SBUF-only, contiguous operands.
 _PERF_4X = frozenset({"tensor_copy", "tensor_scalar"})
 _PERF_2X = frozenset({"tensor_tensor"})
@@ -39,10 +39,14 @@ class OpCost:
     dma_bytes: int = 0
     efficiency: float = 1.0     # DMA efficiency from the contiguous chunk per partition
     note: str = ""
+    rings: tuple = ()           # DMA: the DMA engines used (by SBUF partition), () = least-loaded `pieces` rings
+    dep_overhead_s: float = 0.0  # compute: static overhead added when it reads the previous instruction's output
 
 
 def _itemsize(name, default=4):
-    return _ITEMSIZE.get(str(name), default)
+    """Bytes per element from nkisim.dtypes (the one dtype table); `default` for unknown / missing names."""
+    d = _dt._BY_NAME.get(str(name))
+    return d.itemsize if d is not None else default
 
 
 def _per_partition(a):
@@ -63,8 +67,26 @@ def _hbm_bytes(ins):
 
 
 def dma_efficiency(run_bytes, core):
-    """eff = run / (run + dma_overhead_bytes): 50% at 256 B, 89% at 2 KiB, 94% at 4 KiB per partition (fit)."""
+    """eff = run / (run + dma_overhead_bytes): per-DMA-buffer overhead (50% at 256 B, 89% at 2 KiB, 94% at 4 KiB)."""
     return run_bytes / (run_bytes + core.dma_overhead_bytes)
+
+
+def _sbuf_partitions(accesses):
+    """(first partition, partitions) of the SBUF side of a DMA, or None when neither side is in SBUF."""
+    for a in accesses:
+        if a.buffer == "sbuf":
+            first = a.box[1] if a.box is not None else 0
+            return first, max(1, a.partitions)
+    return None
+
+
+def dma_rings(first, parts, core):
+    """DMA engines serving SBUF partitions [first, first + parts): each engine serves 8 consecutive partitions
+    (128 partitions / 16 engines, nki-dma-overview)."""
+    per = max(1, core.partitions // core.dma_engines)
+    lo = (first // per) % core.dma_engines
+    hi = min(core.dma_engines - 1, (first + parts - 1) // per)
+    return tuple(range(lo, max(lo, hi) + 1))
 
 
 def dma_cost(ins, core):
@@ -82,17 +104,34 @@ def dma_cost(ins, core):
         note = "dma_transpose"
     if ins.meta.get("indirect"):
         note = "indirect"
-    q = core.dma_engines
-    pieces = min(q, max(1, math.ceil(moved / core.dma_min_efficient_bytes)))
-    # Each queue moves its share at the engine rate, but HBM traffic of the core is capped at its HBM share.
+    sb = _sbuf_partitions(writes) or _sbuf_partitions(reads)
+    if sb is not None:
+        rings = dma_rings(sb[0], sb[1], core)
+        pieces = len(rings)
+    else:   # HBM <-> HBM: the compiler splits the transfer over the engines (>= 2 KiB each)
+        rings = ()
+        pieces = min(core.dma_engines, max(1, math.ceil(moved / core.dma_min_efficient_bytes)))
+    # Each engine moves its share at the engine rate, but HBM traffic of the core is capped at its HBM share.
     hbm_sides = (1 if any(a.buffer in HBM_BUFFERS for a in reads) else 0) + \
         (1 if any(a.buffer in HBM_BUFFERS for a in writes) else 0)
     bw = core.dma_engine_bytes_per_s
     if hbm_sides:
-        bw = min(bw, core.hbm_bytes_per_s / q / hbm_sides)
-    piece_s = (moved / pieces) / (bw * eff)
+        bw = min(bw, core.hbm_bytes_per_s / core.dma_engines / hbm_sides)
+    piece_s = core.dma_transfer_overhead_s + (moved / pieces) / (bw * eff)
     return OpCost("dma", busy_s=piece_s, latency_s=core.dma_start_latency_s, pieces=pieces, hbm_read=rd,
-                  hbm_write=wr, dma_bytes=moved, efficiency=eff, note=note)
+                  hbm_write=wr, dma_bytes=moved, efficiency=eff, note=note, rings=rings)
+
+
+def register_load_cost(ins, core):
+    """register_load reads one value from HBM/SBUF into a sequencer register: from HBM it is a DMA round trip that
+    the sequencer waits for (start latency + one transfer), from SBUF one SBUF access."""
+    src = ins.reads[0] if ins.reads else None
+    rd, _ = _hbm_bytes(ins)
+    if src is not None and src.buffer in HBM_BUFFERS:
+        t = core.dma_start_latency_s + core.dma_transfer_overhead_s + src.nbytes / core.dma_engine_bytes_per_s
+        return OpCost("sync", busy_s=t, hbm_read=rd, dma_bytes=src.nbytes, note="register_load from HBM ~ DMA")
+    cyc = core.sbuf_access_overhead_cycles
+    return OpCost("sync", busy_s=cyc / core.scalar_clock_hz, cycles=cyc, note="register_load from SBUF")
 
 
 def _strided(a, core):
@@ -179,8 +218,20 @@ def _vector_cost(ins, core):
                 cycles, note = cycles / 4, "perf mode 4x"
             elif ins.op in _PERF_2X:
                 cycles, note = cycles / 2, "perf mode 2x"
-    cycles += core.static_instruction_cycles
-    return OpCost("vector", busy_s=cycles / core.vector_clock_hz, cycles=cycles, note=note)
+    return _with_static(OpCost("vector", cycles=cycles, note=note), n, core.static_instruction_cycles,
+                        core.vector_clock_hz)
+
+
+def _with_static(c, n, static_cycles, clock_hz):
+    """Static instruction overhead, documented for 'N << 128' or 'every instruction depending on the output of the
+    previous one' (trn1 arch guide, perf guide Opt #5a): always charged below 128 elements per partition, else
+    left to the scheduler (`dep_overhead_s`, added only when the instruction reads its predecessor's output)."""
+    if n < _SMALL_N:
+        c.cycles += static_cycles
+    else:
+        c.dep_overhead_s = static_cycles / clock_hz
+    c.busy_s = c.cycles / clock_hz
+    return c
 
 
 def _scalar_cost(ins, core):
@@ -188,18 +239,23 @@ def _scalar_cost(ins, core):
     lowp = _LOWP | _FP8
     width = core.scalar_elems_per_cycle_lowp if _all_dtypes(ins) <= lowp else core.scalar_elems_per_cycle
     sf = _stride_factor(ins, core)
-    cycles = n * core.partitions / width * sf + core.scalar_fixed_cycles
-    return OpCost("scalar", busy_s=cycles / core.scalar_clock_hz, cycles=cycles,
-                  note="strided SBUF 2x" if sf != 1.0 else "")
+    cycles = n * core.partitions / width * sf
+    return _with_static(OpCost("scalar", cycles=cycles, note="strided SBUF 2x" if sf != 1.0 else ""), n,
+                        core.scalar_fixed_cycles, core.scalar_clock_hz)
 
 
 def _gpsimd_cost(ins, core):
     n = int(ins.meta.get("n", 1))
     inputs = max(1, _streaming_inputs(ins))
     sf = _stride_factor(ins, core)
-    cycles = n * inputs * core.partitions / core.gpsimd_elems_per_cycle * sf + core.static_instruction_cycles
-    return OpCost("gpsimd", busy_s=cycles / core.gpsimd_clock_hz, cycles=cycles,
-                  note="strided SBUF 2x" if sf != 1.0 else "")
+    width = core.gpsimd_elems_per_cycle
+    if core.nc_version <= 3:
+        # v2/v3: 8 cores x 512-bit SIMD hold 16 fp32 / 32 fp16 / 64 int8 lanes each (nki-api.md §8.1)
+        size = max([_itemsize(d) for d in _all_dtypes(ins) if d] or [4])
+        width = width * 4 // min(4, max(1, size))
+    cycles = n * inputs * core.partitions / width * sf
+    return _with_static(OpCost("gpsimd", cycles=cycles, note="strided SBUF 2x" if sf != 1.0 else ""), n,
+                        core.static_instruction_cycles, core.gpsimd_clock_hz)
 
 
 def instruction_cost(ins, core) -> OpCost:
@@ -215,6 +271,8 @@ def instruction_cost(ins, core) -> OpCost:
                       note="barrier")
     if eng == "dma":
         return dma_cost(ins, core)
+    if ins.op == "register_load":
+        return register_load_cost(ins, core)
     if eng == "tensor":
         return _matmul_cost(ins, core)
     if eng == "vector":

@@ -1,40 +1,47 @@
-"""List scheduler over the recorded instruction streams of one kernel run (one stream per physical core).
+"""Scheduler over the recorded instruction streams of one kernel run (one stream per physical core).
 
-Rules (all modelled):
-- each compute engine (tensor, vector, scalar, gpsimd) runs its instructions in program order, one at a time;
-- an instruction starts when its engine is free and every producer of memory it reads has finished (RAW), every
-  earlier reader of memory it overwrites has finished (WAR) and every earlier writer of it has finished (WAW);
-  footprints are per allocation: a 2-D box [rows of dim 0] x [byte columns] when the view fits one, else the byte
-  range; distinct allocations never alias (the allocator's address reuse is not modelled);
-- DMA instructions are issued in program order (an instruction is not issued before the previous one) and, after
-  the fixed start latency, split into pieces spread over the core's DMA queues, each piece going to the queue that
-  frees first; queues transfer in FIFO order;
-- address dependencies (`Access.deps`: the index tensor of an indirect DMA, the registers / 1-element tensors of
-  a dynamic offset) and control dependencies (`Instruction.deps`: registers bounding an enclosing dynamic loop)
-  are RAW dependencies of the instruction; index / offset tensors are also tracked as reads for WAR, registers
-  (buffer "reg") are not (an engine reads a register when it issues the instruction);
-- the sync engine (registers, loop bookkeeping) is ordered but takes no time;
-- under LNC=2, the k-th sync instruction of each core (core_barrier / sendrecv on the same pipe) pair up: both
-  start no earlier than the later of the two cores' ready times (sendrecv then moves its data like a DMA).
+Two passes. First a dependency graph in *program order* (what the compiler must preserve), then a timeline under one
+of two issue policies. Every rule below is cited in the design note of `nkisim.cost` (module docstring there):
+
+- dependencies (both policies): RAW / WAR / WAW on allocation footprints (a 2-D box [rows of dim 0] x [byte
+  columns] when the view fits one, else the byte range; distinct allocations never alias), address dependencies
+  (`Access.deps`: index tensors, offset registers) and control dependencies (`Instruction.deps`) as RAW; inside an
+  `nl.no_reorder()` block every instruction also depends on the previous instruction of the block ("no_reorder":
+  the compiler inserts a dependency edge between every pair of instructions of the block);
+- each compute engine and the sync engine executes its own instruction stream in order, one instruction at a time;
+- a DMA is triggered from a sequencer queue (the `engine=` of dma_copy, else the compiler's default queue); after
+  the fixed start latency each DMA engine ("ring") it uses moves its share in FIFO order, one transfer at a time;
+- ``order="ready"`` (default): the compiler's list scheduler may reorder independent instructions ("Without this
+  directive [no_reorder], the compiler scheduler is free to reorder independent operations"), modelled as each
+  engine stream / DMA queue taking its instructions in the order their dependencies are met;
+  ``order="program"``: no reordering — every engine stream and every DMA queue issues in program order. The docs do
+  not say how well the compiler reorders, so the two are reported as bounds (`nkisim.cost.bounds`);
+- under LNC=2, the k-th sync instruction of each core (core_barrier / sendrecv on the same pipe) pair up: both start
+  no earlier than the later of the two cores' ready times (sendrecv then moves its data like a DMA).
 """
 
+import heapq
+
 from .costs import instruction_cost
+
+ORDERS = ("ready", "program")
 
 
 class Event:
     """One scheduled instruction (times in seconds, modelled)."""
 
     __slots__ = ("idx", "core", "seq", "op", "engine", "start", "end", "cost", "pieces", "pred", "reason", "peer",
-                 "meta", "ready")
+                 "meta", "ready", "queue")
 
     def __init__(self, idx, core, ins, cost):
         self.idx, self.core, self.seq, self.op = idx, core, ins.seq, ins.op
         self.engine, self.cost, self.meta = cost.engine, cost, ins.meta
         self.start = self.end = self.ready = 0.0
-        self.pieces = []          # DMA: [(queue, start, end)]
+        self.pieces = []          # DMA: [(ring, start, end)]
         self.pred = None          # index of the event that bounded this one's start
         self.reason = "start"
         self.peer = None          # LNC=2 sync partner event index
+        self.queue = None         # DMA: the trigger queue it was issued on
 
     @property
     def duration(self):
@@ -63,140 +70,6 @@ def covers(w, a):
     return w.lo <= a.lo and a.hi <= w.hi
 
 
-class _CoreState:
-    def __init__(self, core_spec):
-        self.spec = core_spec
-        self.engine_free = {}          # engine -> (time, event idx)
-        self.dma_issue = (0.0, None)   # last DMA issue time, event idx
-        self.queues = [(0.0, None)] * core_spec.dma_engines
-        self.writers = {}              # alloc_id -> [(access, end, idx)]
-        self.readers = {}
-
-
-class Scheduler:
-    def __init__(self, core_spec):
-        self.spec = core_spec
-        self.events = []
-
-    # ---- one instruction ------------------------------------------------------------------------------------
-    def _ready(self, st, ins, cost):
-        best = [0.0, None, "start"]
-
-        def bump(t, idx, why):
-            if t > best[0]:
-                best[:] = [t, idx, why]
-
-        for r in ins.reads:
-            for a, end, idx in st.writers.get(r.alloc_id, ()):
-                if overlaps(r, a):
-                    bump(end, idx, "RAW")
-        for r in _side_reads(ins):
-            for a, end, idx in st.writers.get(r.alloc_id, ()):
-                if overlaps(r, a):
-                    bump(end, idx, "RAW register" if r.buffer == "reg" else "RAW address")
-        for w in ins.writes:
-            for a, end, idx in st.readers.get(w.alloc_id, ()):
-                if overlaps(w, a):
-                    bump(end, idx, "WAR")
-            for a, end, idx in st.writers.get(w.alloc_id, ()):
-                if overlaps(w, a):
-                    bump(end, idx, "WAW")
-        if cost.engine == "dma":
-            t, idx = st.dma_issue
-            bump(t, idx, "DMA issue order")
-        else:
-            t, idx = st.engine_free.get(cost.engine, (0.0, None))
-            bump(t, idx, f"{cost.engine} busy")
-        return tuple(best)
-
-    def _place(self, st, core, ins, cost, ready):
-        ev = Event(len(self.events), core, ins, cost)
-        ev.ready, ev.pred, ev.reason = ready
-        t = ev.ready
-        if cost.engine == "dma":
-            ev.start = t
-            st.dma_issue = (t, ev.idx)
-            t0 = t + cost.latency_s
-            order = sorted(range(len(st.queues)), key=lambda q: (st.queues[q][0], q))[:cost.pieces]
-            last_end, last_q = t0, None
-            for q in order:
-                qfree, qidx = st.queues[q]
-                s = max(t0, qfree)
-                e = s + cost.busy_s
-                ev.pieces.append((q, s, e))
-                st.queues[q] = (e, ev.idx)
-                if e >= last_end:
-                    last_end, last_q = e, (q, qfree, qidx)
-            ev.end = last_end
-            if last_q is not None and last_q[1] > t0 and last_q[2] is not None:
-                ev.pred, ev.reason = last_q[2], f"DMA queue {last_q[0]} busy"
-        else:
-            ev.start = t
-            ev.end = t + cost.busy_s
-            st.engine_free[cost.engine] = (ev.end, ev.idx)
-        self.events.append(ev)
-        self._track(st, ins, ev)
-        return ev
-
-    @staticmethod
-    def _track(st, ins, ev):
-        for r in ins.reads:
-            st.readers.setdefault(r.alloc_id, []).append((r, ev.end, ev.idx))
-        for r in _side_reads(ins):
-            if r.buffer != "reg":
-                st.readers.setdefault(r.alloc_id, []).append((r, ev.end, ev.idx))
-        for w in ins.writes:
-            for table in (st.readers, st.writers):
-                lst = table.get(w.alloc_id)
-                if lst:
-                    table[w.alloc_id] = [x for x in lst if not covers(w, x[0])]
-            st.writers.setdefault(w.alloc_id, []).append((w, ev.end, ev.idx))
-
-    # ---- all cores --------------------------------------------------------------------------------------------
-    def run(self, traces):
-        states = [_CoreState(self.spec) for _ in traces]
-        ptr = [0] * len(traces)
-        costs = [[None] * len(t) for t in traces]
-
-        def cost_of(c):
-            i = ptr[c]
-            if costs[c][i] is None:
-                costs[c][i] = instruction_cost(traces[c][i], self.spec)
-            return costs[c][i]
-
-        def step(c):
-            ins = traces[c][ptr[c]]
-            cost = cost_of(c)
-            ev = self._place(states[c], c, ins, cost, self._ready(states[c], ins, cost))
-            ptr[c] += 1
-            return ev
-
-        while True:
-            for c, tr in enumerate(traces):
-                while ptr[c] < len(tr) and not tr[ptr[c]].meta.get("sync"):
-                    step(c)
-            waiting = [c for c, tr in enumerate(traces) if ptr[c] < len(tr)]
-            if not waiting:
-                break
-            if len(waiting) == 2 and _pairs(traces[0][ptr[0]], traces[1][ptr[1]]):
-                ins = [traces[c][ptr[c]] for c in (0, 1)]
-                cs = [cost_of(c) for c in (0, 1)]
-                ready = [self._ready(states[c], ins[c], cs[c]) for c in (0, 1)]
-                late = 0 if ready[0][0] >= ready[1][0] else 1
-                evs = []
-                for c in (0, 1):
-                    r = ready[c]
-                    if c != late and ready[late][0] > r[0]:
-                        r = (ready[late][0], ready[late][1], f"sync wait for core {late}")
-                    evs.append(self._place(states[c], c, ins[c], cs[c], r))
-                    ptr[c] += 1
-                evs[0].peer, evs[1].peer = evs[1].idx, evs[0].idx
-            else:
-                for c in waiting:   # unpaired (LNC=1 barrier, or mismatched streams): runs locally
-                    step(c)
-        return self.events
-
-
 def _side_reads(ins):
     """Address and control dependencies of an instruction (not data it moves or computes on)."""
     out = list(ins.deps)
@@ -215,3 +88,240 @@ def _pairs(a, b):
     if a.op == "sendrecv":
         return a.meta.get("pipe") == b.meta.get("pipe")
     return True
+
+
+def _resource(ins, cost):
+    """The in-order stream an instruction occupies: a compute engine, "sync", or ("dmaq", trigger queue)."""
+    if cost.engine == "dma":
+        return ("dmaq", str(ins.meta.get("trigger") or "default"))
+    return cost.engine
+
+
+def dependency_graph(trace, spec, spans=()):
+    """[(cost, [(pred, reason)])] per instruction of one core's trace, in program order."""
+    writers, readers = {}, {}
+    spans = sorted(spans)
+    si, prev_in_span = 0, None
+    nodes = []
+    for i, ins in enumerate(trace):
+        cost = instruction_cost(ins, spec)
+        preds = []
+        for r in ins.reads:
+            for a, j in writers.get(r.alloc_id, ()):
+                if overlaps(r, a):
+                    preds.append((j, "RAW"))
+        side = _side_reads(ins)
+        for r in side:
+            for a, j in writers.get(r.alloc_id, ()):
+                if overlaps(r, a):
+                    preds.append((j, "RAW register" if r.buffer == "reg" else "RAW address"))
+        for w in ins.writes:
+            for a, j in readers.get(w.alloc_id, ()):
+                if overlaps(w, a):
+                    preds.append((j, "WAR"))
+            for a, j in writers.get(w.alloc_id, ()):
+                if overlaps(w, a):
+                    preds.append((j, "WAW"))
+        # no_reorder block: an edge from the previous instruction of the same block
+        while si < len(spans) and spans[si][1] <= ins.seq:
+            si, prev_in_span = si + 1, None
+        if si < len(spans) and spans[si][0] <= ins.seq:
+            if prev_in_span is not None:
+                preds.append((prev_in_span, "no_reorder"))
+            prev_in_span = i
+        nodes.append((cost, preds))
+        # footprint tables (program order): a write that covers an earlier access retires it
+        for r in ins.reads:
+            readers.setdefault(r.alloc_id, []).append((r, i))
+        for r in side:
+            if r.buffer != "reg":
+                readers.setdefault(r.alloc_id, []).append((r, i))
+        for w in ins.writes:
+            for table in (readers, writers):
+                lst = table.get(w.alloc_id)
+                if lst:
+                    table[w.alloc_id] = [x for x in lst if not covers(w, x[0])]
+            writers.setdefault(w.alloc_id, []).append((w, i))
+    return nodes
+
+
+class _CoreState:
+    def __init__(self, spec):
+        self.free = {}                 # resource -> (time it frees / last issue, event idx)
+        self.rings = [(0.0, None)] * spec.dma_engines
+
+
+class Scheduler:
+    def __init__(self, core_spec, order="ready", no_reorder=None):
+        if order not in ORDERS:
+            raise ValueError(f"Scheduler: order={order!r}; expected one of {ORDERS}")
+        self.spec = core_spec
+        self.order = order
+        self.no_reorder = no_reorder or {}
+        self.events = []
+
+    # ---- placing one instruction -------------------------------------------------------------------------------
+    def _place(self, st, ev, res, ready, raw_preds=()):
+        """Start `ev` no earlier than `ready` = (time, pred, reason) and its stream's availability."""
+        t, pred, reason = ready
+        cost = ev.cost
+        ft, fidx = st.free.get(res, (0.0, None))
+        dependent = fidx is not None and fidx in raw_preds
+        if ft > t:
+            busy = f"DMA queue {res[1]} issue order" if isinstance(res, tuple) else f"{res} busy"
+            t, pred, reason = ft, fidx, busy
+        ev.ready, ev.pred, ev.reason = t, pred, reason
+        ev.start = t
+        if cost.engine == "dma":
+            ev.queue = res[1]
+            # program order: the next DMA of this queue is issued no earlier than this one; ready order: no constraint
+            if self.order == "program":
+                st.free[res] = (t, ev.idx)
+            t0 = t + cost.latency_s
+            rings = cost.rings if cost.rings else sorted(range(len(st.rings)),
+                                                         key=lambda q: (st.rings[q][0], q))[:cost.pieces]
+            last_end, last_q = t0, None
+            for q in rings:
+                qfree, qidx = st.rings[q]
+                s = max(t0, qfree)
+                e = s + cost.busy_s
+                ev.pieces.append((q, s, e))
+                st.rings[q] = (e, ev.idx)
+                if e >= last_end:
+                    last_end, last_q = e, (q, qfree, qidx)
+            ev.end = last_end
+            if last_q is not None and last_q[1] > t0 and last_q[2] is not None:
+                ev.pred, ev.reason = last_q[2], f"DMA ring {last_q[0]} busy"
+        else:
+            ev.end = t + cost.busy_s
+            if dependent and cost.dep_overhead_s:
+                # reads the output of the previous instruction on the same engine: the documented static
+                # instruction overhead applies (it is hidden between independent instructions)
+                ev.end += cost.dep_overhead_s
+            st.free[res] = (ev.end, ev.idx)
+        self.events[ev.idx] = ev
+
+    # ---- all cores ---------------------------------------------------------------------------------------------
+    def run(self, traces):
+        n = len(traces)
+        offs, total = [], 0
+        for tr in traces:
+            offs.append(total)
+            total += len(tr)
+        self.events = [None] * total
+        graphs = [dependency_graph(tr, self.spec, self.no_reorder.get(c, ())) for c, tr in enumerate(traces)]
+        states = [_CoreState(self.spec) for _ in traces]
+        evs = [[Event(offs[c] + i, c, ins, graphs[c][i][0]) for i, ins in enumerate(tr)] for c, tr in enumerate(traces)]
+        res = [[_resource(ins, graphs[c][i][0]) for i, ins in enumerate(tr)] for c, tr in enumerate(traces)]
+        # LNC sync pairing: the k-th sync instruction of each core
+        syncs = [[i for i, ins in enumerate(tr) if ins.meta.get("sync")] for tr in traces]
+        partner = {}
+        if n == 2:
+            for a, b in zip(syncs[0], syncs[1]):
+                if _pairs(traces[0][a], traces[1][b]):
+                    partner[(0, a)], partner[(1, b)] = (1, b), (0, a)
+        if self.order == "program":
+            self._run_program(traces, graphs, states, evs, res, partner, offs)
+        else:
+            self._run_ready(traces, graphs, states, evs, res, partner, offs)
+        return self.events
+
+    @staticmethod
+    def _raw(c, i, graphs, offs):
+        return {offs[c] + j for j, why in graphs[c][i][1] if why == "RAW"}
+
+    def _ready_of(self, c, i, graphs, evs, offs):
+        best = [0.0, None, "start"]
+        for j, why in graphs[c][i][1]:
+            e = evs[c][j]
+            if e.end > best[0]:
+                best = [e.end, offs[c] + j, why]
+        return tuple(best)
+
+    def _place_pair(self, pair, states, evs, res, ready, raws=((), ())):
+        (c0, i0), (c1, i1) = pair
+        r = {c0: ready[0], c1: ready[1]}
+        late = c0 if r[c0][0] >= r[c1][0] else c1
+        placed = []
+        for k, (c, i) in enumerate(pair):
+            rr = r[c]
+            if c != late and r[late][0] > rr[0]:
+                rr = (r[late][0], r[late][1], f"sync wait for core {late}")
+            ev = evs[c][i]
+            self._place(states[c], ev, res[c][i], rr, raws[k])
+            placed.append(ev)
+        placed[0].peer, placed[1].peer = placed[1].idx, placed[0].idx
+
+    def _run_program(self, traces, graphs, states, evs, res, partner, offs):
+        ptr = [0] * len(traces)
+
+        def step(c):
+            i = ptr[c]
+            self._place(states[c], evs[c][i], res[c][i], self._ready_of(c, i, graphs, evs, offs),
+                        self._raw(c, i, graphs, offs))
+            ptr[c] += 1
+
+        while True:
+            for c, tr in enumerate(traces):
+                while ptr[c] < len(tr) and (c, ptr[c]) not in partner:
+                    step(c)
+            waiting = [c for c, tr in enumerate(traces) if ptr[c] < len(tr)]
+            if not waiting:
+                break
+            if len(waiting) == 2 and partner.get((0, ptr[0])) == (1, ptr[1]):
+                pair = ((0, ptr[0]), (1, ptr[1]))
+                ready = [self._ready_of(c, i, graphs, evs, offs) for c, i in pair]
+                self._place_pair(pair, states, evs, res, ready, [self._raw(c, i, graphs, offs) for c, i in pair])
+                ptr[0] += 1
+                ptr[1] += 1
+            else:
+                for c in waiting:   # partner never reached (mismatched streams): runs locally
+                    step(c)
+
+    def _run_ready(self, traces, graphs, states, evs, res, partner, offs):
+        # list scheduling: the instruction whose dependencies complete first is placed first on its stream
+        npred, succs = [], []
+        for g in graphs:
+            cnt = [0] * len(g)
+            sc = [[] for _ in g]
+            for i, (_, preds) in enumerate(g):
+                seen = set()
+                for j, _ in preds:
+                    if j not in seen:
+                        seen.add(j)
+                        cnt[i] += 1
+                        sc[j].append(i)
+            npred.append(cnt)
+            succs.append(sc)
+        heap = [(0.0, c, i) for c, g in enumerate(graphs) for i in range(len(g)) if npred[c][i] == 0]
+        heapq.heapify(heap)
+        parked = {}
+
+        def finish(c, i):
+            for s in succs[c][i]:
+                npred[c][s] -= 1
+                if npred[c][s] == 0:
+                    heapq.heappush(heap, (self._ready_of(c, s, graphs, evs, offs)[0], c, s))
+
+        while heap or parked:
+            if not heap:      # partners that can never pair (mismatched streams): run locally
+                for (c, i) in sorted(parked):
+                    self._place(states[c], evs[c][i], res[c][i], parked[(c, i)], self._raw(c, i, graphs, offs))
+                    finish(c, i)
+                parked.clear()
+                continue
+            _, c, i = heapq.heappop(heap)
+            ready = self._ready_of(c, i, graphs, evs, offs)
+            p = partner.get((c, i))
+            if p is None:
+                self._place(states[c], evs[c][i], res[c][i], ready, self._raw(c, i, graphs, offs))
+                finish(c, i)
+            elif p in parked:
+                pr = parked.pop(p)
+                pair = ((c, i), p) if c == 0 else (p, (c, i))
+                rd = [ready, pr] if c == 0 else [pr, ready]
+                self._place_pair(pair, states, evs, res, rd, [self._raw(a, b, graphs, offs) for a, b in pair])
+                finish(*pair[0])
+                finish(*pair[1])
+            else:
+                parked[(c, i)] = ready

@@ -91,7 +91,7 @@ def dma_copy(dst, src, priority=None, oob_mode=OobMode.error, dge_mode=DgeMode.u
             values[keep] = np_view(dst)[keep] if dst.gather is None else read(dst, op)[keep]
     write(dst, values, op, oob_skip=skip)
     current().emit(op, "dma", (src,), (dst,), dge=dge_mode.name, indirect=indirect,
-                   cast=src.dtype is not dst.dtype)
+                   cast=src.dtype is not dst.dtype, trigger=None if engine is Engine.unknown else engine.name)
 
 
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DgeMode.unknown, oob_mode=OobMode.error, name=None):
