@@ -30,6 +30,8 @@ class Case:
         the library test named by `source`.
     ref_inputs: builds the reference's keyword arguments from the kernel's (default: the same dict).
     outputs: names the kernel's returned tensors after the reference's output keys (default: in order).
+    out_args: kernel arguments the kernel writes in place (the library's `name.must_alias_input` inputs); when set,
+        they (after the run) are the kernel's outputs, in the order of the reference's output keys.
     ref_lower_precision: the library's `torch_ref_wrapper(..., preserve_lower_precision=True)`: bf16 inputs stay
         bf16 tensors in the reference and its outputs are rounded to the first low-precision input dtype.
     """
@@ -47,6 +49,7 @@ class Case:
     outputs: Callable[[object, dict], dict] | None = None
     exact: tuple[str, ...] = field(default=())
     ref_lower_precision: bool = False
+    out_args: tuple[str, ...] = field(default=())
 
     @property
     def name(self) -> str:
@@ -175,6 +178,8 @@ def run_case(case: Case) -> Result:
         else:
             os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = previous
     wall = time.perf_counter() - start
+    if case.out_args:
+        outs = tuple(copies[k] for k in case.out_args)
     named = _name_outputs(case, outs, gold)
     worst_err, worst_tol, passed = 0.0, 0.0, True
     for key, ref in gold.items():
