@@ -30,8 +30,6 @@ class Case:
         the library test named by `source`.
     ref_inputs: builds the reference's keyword arguments from the kernel's (default: the same dict).
     outputs: names the kernel's returned tensors after the reference's output keys (default: in order).
-    ref: may also be a callable of ours where the library's test keeps its reference in the test file (written from
-        the test's description, never copied), called with the same torch-converted arguments.
     tols: per-output (atol, rtol) where the library's test uses different tolerances per output.
     out_args: kernel arguments the kernel writes in place (the library's `name.must_alias_input` inputs); when set,
         they (after the run) are the kernel's outputs, in the order of the reference's output keys.
