@@ -2,8 +2,9 @@
 checks, a kernel-source linter and a per-engine cost model.
 
 `nkisim.install()` is the one place that registers the interpreter under the names `nki`, `nki.language`,
-`nki.isa` and `nki.typing`: when the real `nki` package is not importable, or when `NKISIM=1` forces it. An
-installed but unusable `nki` is reported, never silently replaced (see `install`).
+`nki.isa`, `nki.isa.constants`, `nki.typing` and `nki.collectives`: when the real `nki` package is not importable,
+or when `NKISIM=1` forces it. An installed but unusable `nki` is reported, never silently replaced (see
+`install`). `nkisim.simulate_collective` / `nkisim.run_ranks` launch N ranks of a kernel that uses collectives.
 """
 
 import importlib.machinery
@@ -16,8 +17,9 @@ from .cost import profile  # noqa: F401,E402
 from .errors import NkiCapacityError, NkiValidationError  # noqa: F401
 from .jit import Kernel, RunResult, jit, run, simulate  # noqa: F401
 from .target import resolve_target  # noqa: F401
+from .world import NkiCollectiveError, WorldResult, per_rank, run_ranks, simulate_collective  # noqa: F401
 
-_NAMES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing")
+_NAMES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing", "nki.collectives")
 _PLACEHOLDER_MARK = "WRONG PACKAGE"   # PyPI's `nki` 0.0.1 is a placeholder whose import raises this ImportError
 
 
@@ -71,7 +73,7 @@ def install(force: bool | None = None) -> bool:
       turn device runs into CPU runs, so this raises ImportError naming the exception. Fix the installation, or
       set NKISIM=1 (or call install(force=True)) to use the interpreter deliberately; forcing skips the probe.
     """
-    from . import isa, language, nki_typing
+    from . import collectives, isa, language, nki_typing
     from . import nki as api
     from .isa import constants
     if sys.modules.get("nki") is api:
@@ -90,7 +92,7 @@ def install(force: bool | None = None) -> bool:
             raise ImportError(f"nkisim.install(): {detail}. Not falling back to the CPU interpreter silently: fix "
                               "the `nki` installation, or set NKISIM=1 to use nkisim deliberately.")
     _drop_real_modules()
-    for name, mod in zip(_NAMES, (api, language, isa, constants, nki_typing)):
+    for name, mod in zip(_NAMES, (api, language, isa, constants, nki_typing, collectives)):
         sys.modules[name] = mod
     _install_legacy_typing(nki_typing)
     _install_neuron_dtypes()

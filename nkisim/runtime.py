@@ -158,6 +158,12 @@ class CoreContext:
         self.is_default = False
         self.env_target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
         self.ctrl = ()        # Accesses every instruction depends on (registers bounding enclosing dynamic loops)
+        # Multi-rank launches (nkisim.world): the world this core's rank belongs to, the rank id, the number of
+        # collectives issued so far (the rendezvous key) and a pending all_*_v_prepare (its single slot).
+        self.world = None
+        self.rank = 0
+        self.cc_count = 0
+        self.cc_prepared = None
 
     def defer_liveness(self):
         """Inside a kernel: on-chip allocations live until their last use in the trace (MemoryPool docstring)."""

@@ -273,6 +273,9 @@ def instruction_cost(ins, core) -> OpCost:
         return dma_cost(ins, core)
     if ins.op == "register_load":
         return register_load_cost(ins, core)
+    if eng == "cc":     # nki.collectives: alpha-beta per algorithm on its own in-order queue (cost/collective.py)
+        from .collective import collective_cost
+        return collective_cost(ins, core)
     if eng == "tensor":
         return _matmul_cost(ins, core)
     if eng == "vector":

@@ -1,6 +1,6 @@
 """The `nki` top-level module as nkisim provides it (registered by `nkisim.install()`)."""
 
-from .. import isa, language  # noqa: F401
+from .. import collectives, isa, language  # noqa: F401
 from .. import nki_typing as typing  # noqa: F401
 from ..dtypes import DType as dtype  # noqa: F401 - `nki.dtype`, the type of nl.bfloat16 & co. (annotations)
 from ..jit import Kernel, jit, simulate  # noqa: F401
