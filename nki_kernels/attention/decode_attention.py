@@ -11,24 +11,36 @@ import nki.isa as nisa
 import nki.language as nl
 
 # ---- tile sizes -----------------------------------------------------------------------------------------------
-P_MAX = 128            # SBUF/PSUM partitions; also the matmul contraction tile (K) and TensorE transpose size
-PSUM_F = 512           # fp32 elements in one 2 KiB PSUM bank = max matmul moving free size on trn2
+# Hardware limits come from nl.tile_size (the same on trn2 and trn3 unless noted); the rest are tuning choices
+# expressed in them. Target-dependent capacities (usable SBUF per partition, usable PSUM banks) are read at trace
+# time in _Config, so one file serves trn2 and trn3.
+# SBUF/PSUM partitions = matmul contraction tile (K) = TensorE transpose size = gemm_stationary_fmax (a score
+# tile's rows are a stationary's columns)
+P_MAX = nl.tile_size.pmax
+# fp32 elements per PSUM bank; also every matmul's moving free size here (<= gemm_moving_fmax, see _validate_inputs)
+PSUM_F = nl.tile_size.psum_bank_fmax
 QKV_BANKS = 4          # PSUM banks open at once in the QKV projection (one accumulation group per bank)
-OPROJ_BANKS = 8        # PSUM banks open at once in the O-projection (all of them: it streams with W_o's arrival)
-TRANSPOSE_GROUP = 8    # TensorE transposes [<=128, 128] (bf16) batched into one PSUM bank before one eviction
-FA_SUB = 1024          # context positions per online-softmax step: 2 PSUM banks of scores, double-buffered
+# TensorE transposes [<=128, 128] (bf16) batched into one PSUM bank before one eviction
+TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
+FA_SUB = 2 * PSUM_F    # context positions per online-softmax step: 2 PSUM banks of scores, double-buffered
+PV_COLS = 2 * PSUM_F   # PV output columns (pack batches x d): 2 PSUM banks
+# PSUM banks the attention holds at once: 2 score buffers of FA_SUB, the PV output, one transpose bank (P^T) and
+# one selection bank (o^T); every other phase uses fewer.
+ATTN_PSUM_BANKS = 2 * (FA_SUB // PSUM_F) + PV_COLS // PSUM_F + 2
 FA_TILE_MAX = 4096     # context positions per K/V load (one DMA per batch and K/V): >= 4 KiB per partition
-PV_COLS = 1024         # PV output columns (pack batches x d): 2 PSUM banks
+V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
 PACK_MIN = 4           # smallest batch pack the K/V ring sizing may shrink to (for longer, more efficient DMAs)
 KV_SBUF_MAX = 128 * 1024   # bytes per partition for the K/V ring (less when the resident weights are large)
+KV_SBUF_MIN = 32 * 1024    # ... but never less than this (the weights then stream through a smaller ring)
 SBUF_RESERVE = 24 * 1024   # bytes per partition kept for everything else (q, masks, P tiles, accumulators)
 W_QKV_DMAS = 4         # W_qkv is loaded in this many DMAs (>= 2 KiB contiguous per partition each)
 MASK_NEG = -1.0e30     # additive mask value: exp underflows to 0; two of them still sum to a finite fp32
 MAX_S_TKG = 8          # new tokens per sequence
 MAX_BATCH = 64
-MAX_HEAD_DIM = 128     # head dim lives on the partitions for QK^T
-MAX_TOKENS = 512       # B * S_tkg handled per launch (4 token tiles of 128)
+MAX_GROUP = 16         # query heads per KV head
+MAX_HEAD_DIM = P_MAX   # head dim lives on the partitions for QK^T
+MAX_TOKENS = 4 * P_MAX  # B * S_tkg handled per launch (4 token tiles of 128 partitions)
 MIN_BLOCK, MAX_BLOCK = 16, 512   # paged KV cache: block sizes (powers of two) in this range
 MAX_CACHE_ROWS = 1 << 24   # paged cache rows num_blocks * kv_heads * block_size: exact in fp32 (row ids on-chip)
 
@@ -173,10 +185,11 @@ class _Config(nl.NKIObject):
         # K/V ring: KV_BUFS slots of pack x FT positions (K^T stacks [128, FT] + V [128, FT/128, d] per batch).
         n_k = (nq * d + P_MAX - 1) // P_MAX
         resident = self.KT * self.C * itemsize + n_k * H * itemsize     # W_qkv and W_o, bytes per partition
-        budget = min(KV_SBUF_MAX, max(32 * 1024, 208 * 1024 - SBUF_RESERVE - resident))
+        sbuf = nl.tile_size.sbuf_fmax_bytes    # usable SBUF bytes per partition of this target
+        budget = min(KV_SBUF_MAX, max(KV_SBUF_MIN, sbuf - SBUF_RESERVE - resident))
         # FT target: V runs of >= 4 KiB per partition (DMA efficiency), i.e. FT * d * itemsize / 128 >= 4 KiB.
         self.kv_bufs = KV_BUFS if d <= 64 else KV_BUFS + 1
-        ft_target = min(FA_TILE_MAX, max(2 * FA_SUB, 4096 * P_MAX // (d * itemsize) // FA_SUB * FA_SUB))
+        ft_target = min(FA_TILE_MAX, max(2 * FA_SUB, V_RUN_BYTES * P_MAX // (d * itemsize) // FA_SUB * FA_SUB))
         while self.pack > PACK_MIN and self.kv_bufs * _slot_bytes(self.pack, ft_target, self.kpp, d, itemsize) > budget:
             self.pack -= 1
         ft = FA_TILE_MAX
@@ -207,6 +220,11 @@ def _slot_bytes(pack, ft, kpp, d, itemsize):
 def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
                      context_len, softmax_scale, hidden_actual, sliding_window, block_table=None):
     """Check every static limit before any work; messages name the argument and the limit."""
+    assert nl.tile_size.gemm_moving_fmax >= PSUM_F, \
+        f"target: matmul moving free size {nl.tile_size.gemm_moving_fmax} < one PSUM bank ({PSUM_F}); unsupported"
+    assert nl.tile_size.psum_num_banks >= ATTN_PSUM_BANKS, \
+        (f"target: the attention needs {ATTN_PSUM_BANKS} PSUM banks, {nl.tile_size.psum_num_banks} are usable "
+         "(NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true reserves one)")
     assert len(X.shape) == 3, f"X must be [B, S_tkg, H], got shape {X.shape}"
     B, S, H = X.shape
     paged = block_table != None  # noqa: E711 - NKI has no `is`
@@ -239,7 +257,7 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     assert W_qkv.shape[1] % d == 0, f"W_qkv: {W_qkv.shape[1]} columns is not a multiple of d={d}"
     nq = W_qkv.shape[1] // d - 2 * nkv
     assert nq >= nkv and nq % nkv == 0, f"W_qkv: {nq} query heads is not a positive multiple of kv_heads={nkv}"
-    assert nq // nkv <= 16, f"W_qkv: {nq // nkv} query heads per KV head exceeds 16"
+    assert nq // nkv <= MAX_GROUP, f"W_qkv: {nq // nkv} query heads per KV head exceeds {MAX_GROUP}"
     assert (nq // nkv) * S <= P_MAX, f"(q heads per KV head) * S_tkg = {(nq // nkv) * S} must be <= {P_MAX}"
     assert tuple(W_o.shape) == (nq * d, H), f"W_o must be [nq*d={nq * d}, H={H}], got {W_o.shape}"
     assert tuple(position_ids.shape) == (B, S), f"position_ids must be [B={B}, S_tkg={S}], got {position_ids.shape}"

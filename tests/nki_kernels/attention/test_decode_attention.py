@@ -140,6 +140,18 @@ def test_odd_shapes_no_norm_no_rope():
     run_and_check(2, 8, s_max=129, ctx=129, shape=SMALL_D)
 
 
+# ---- trn3 (sizes from nl.tile_size: a larger usable SBUF gives longer K/V slots) --------------------------------
+
+@pytest.mark.parametrize("B,S,ctx,shape,lnc", [
+    (3, 1, 4096, LLAMA31_8B_TP8, 1),     # 3072-position slots on trn3 (2048 on trn2)
+    (16, 1, 2048, GPT_OSS_20B_TP8, 1),
+    (5, 4, 512, LLAMA31_8B_TP8, 2),
+])
+def test_trn3(B, S, ctx, shape, lnc, monkeypatch):
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    run_and_check(B, S, s_max=ctx, ctx=ctx, shape=shape, lnc=lnc)
+
+
 # ---- LNC=2 ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("B,S,ctx,window,shape", [
