@@ -44,8 +44,17 @@ class NKIObject:
     AWS's stub gives it `__init__(self, **kwargs)`: keyword arguments become attributes, so a plain annotated
     subclass without an `__init__` of its own is built as `Dims(T=..., H=...)`. Annotated fields left out of the call
     (and without a class default) read as None rather than raising. Dataclass subclasses use their generated
-    `__init__` and never reach this one.
+    `__init__`, whose fields default to None the same way (see __init_subclass__).
     """
+
+    def __init_subclass__(cls, **kwargs):
+        # Fields are optional as in the real NKIObject, dataclass subclasses included: an annotated field without a
+        # class default gets None before @dataclass reads the class, so its generated __init__ accepts omitting it
+        # (the nki-library builds MLPTKGConstantsDimensionSizes without `remainderIFused`, core/mlp/mlp_tkg).
+        super().__init_subclass__(**kwargs)
+        for field in cls.__dict__.get("__annotations__", {}):
+            if not hasattr(cls, field):
+                setattr(cls, field, None)
 
     def __init__(self, **kwargs):
         for cls in reversed(type(self).__mro__):

@@ -293,12 +293,19 @@ def test_output_buffer_reports_alloc_site_or_def_line(fake_nki):
 
 @pytest.mark.parametrize("kernel, tag", [("nested_jit_call_kernel", "jit-call"), ("nested_jit_grid_kernel", "jit-grid"),
                                          ("nested_jit_def_kernel", "jit-def")])
-def test_nested_jit(fake_nki, kernel, tag):
+def test_nested_jit(fake_nki, parser, kernel, tag):
     mod = load_case("bad_kernels")
     assert where(check_kernel(getattr(mod, kernel))) == [expect("bad_kernels", tag, "nested-jit")]
 
 
-def test_nested_jit_called_from_helper(fake_nki):
+@pytest.mark.parametrize("kernel", ["nested_jit_call_kernel", "nested_jit_grid_kernel", "nested_jit_def_kernel"])
+def test_nested_jit_is_inlined_by_07_tracing(fake_nki, kernel):
+    """0.7 inlines nested @nki.jit sub-kernels (AWS SpecializationConfig.allow_nested_config_override)."""
+    mod = load_case("bad_kernels")
+    assert [v for v in check_kernel(getattr(mod, kernel)) if v.rule == "nested-jit"] == []
+
+
+def test_nested_jit_called_from_helper(fake_nki, parser):
     mod = load_case("bad_kernels")
     assert where(check_kernel(mod.nested_jit_helper_kernel)) == [
         expect("bad_helpers", "helper-jit-call", "nested-jit")]

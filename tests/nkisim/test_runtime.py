@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import nkisim
+from nkisim import lint
 from nkisim.errors import NkiValidationError
 
 from ._sim import fresh_core, nisa, nl  # noqa: F401
@@ -228,3 +229,32 @@ def test_outputs_are_shared_hbm_under_lnc2_inputs():
         return out
 
     np.testing.assert_array_equal(k[2](np.ones((2, 2), np.float32)), np.ones((2, 2)))
+
+
+@nki.jit
+def _nested_double(x_sb):
+    out = nl.ndarray(x_sb.shape, dtype=x_sb.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out, data=x_sb, op0=nl.multiply, operand0=2.0)
+    return out
+
+
+@nki.jit
+def _calls_nested_jit(x):
+    t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    doubled = _nested_double(t)
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=doubled)
+    return out
+
+
+def test_nested_jit_kernel_runs_inline_under_07(monkeypatch):
+    monkeypatch.delenv("NKI_COMPILER_FRONTEND", raising=False)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    assert np.array_equal(_calls_nested_jit(x), 2 * x)
+
+
+def test_nested_jit_kernel_is_rejected_by_the_parser_frontend(monkeypatch):
+    monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")
+    with pytest.raises(lint.NkiLanguageError, match="nested-jit"):
+        _calls_nested_jit(np.zeros((2, 4), np.float32))
