@@ -495,9 +495,38 @@ def _indirect_addresses(t: NkiTensor, op: str, oob_mode_skip: bool):
     return addrs, valid
 
 
+def _strided_addresses(t: NkiTensor) -> np.ndarray:
+    """Flat element address of every element of a (non-indirect) view: offset + sum(i_k * stride_k)."""
+    addrs = np.full(t.shape, t.offset, dtype=np.int64)
+    for axis, (n, s) in enumerate(zip(t.shape, t.strides)):
+        shp = [1] * t.ndim
+        shp[axis] = n
+        addrs = addrs + (np.arange(n, dtype=np.int64) * s).reshape(shp)
+    return addrs
+
+
+def strided_valid(t: NkiTensor) -> np.ndarray | None:
+    """Element mask of a view whose dynamic start address puts part of it outside its allocation, else None.
+
+    AWS (nisa.dma_copy): with a dynamic start address "out-of-bound address checking is turned on automatically";
+    oob_mode=skip silently skips the out-of-bounds accesses, so only the in-bounds elements move.
+    """
+    if t.gather is not None:
+        return None
+    size = t.alloc.flat(t.dtype).size
+    addrs = _strided_addresses(t)
+    valid = (addrs >= 0) & (addrs < size)
+    return None if valid.all() else valid
+
+
 def read(t: NkiTensor, op: str = "read", oob_skip: bool = False):
-    """Values of a tensor in storage dtype (a view when strided; a gathered copy when indirect)."""
+    """Values of a tensor in storage dtype (a view when strided; a gathered copy when indirect).
+
+    With oob_skip, out-of-bounds elements of a strided view read as 0 (callers keep their destination there)."""
     if t.gather is None:
+        if oob_skip and (valid := strided_valid(t)) is not None:
+            flat = t.alloc.flat(t.dtype)
+            return np.where(valid, flat[np.where(valid, _strided_addresses(t), 0)], 0).astype(flat.dtype)
         return np_view(t)
     flat = t.alloc.flat(t.dtype)
     addrs, valid = _indirect_addresses(t, op, oob_skip)
@@ -514,6 +543,9 @@ def write(t: NkiTensor, values, op: str = "write", oob_skip: bool = False):
     alloc = t.alloc
     alloc.written = True
     if t.gather is None:
+        if oob_skip and (valid := strided_valid(t)) is not None:
+            alloc.flat(t.dtype)[_strided_addresses(t)[valid]] = np.broadcast_to(values, t.shape)[valid]
+            return
         np_view(t)[...] = values
         return
     flat = alloc.flat(t.dtype)

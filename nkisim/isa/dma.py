@@ -6,7 +6,7 @@ from .. import dtypes as dt
 from .. import ops as alu_ops
 from ..memory import psum, sbuf
 from ..runtime import current
-from ..tensor import indirect_valid_rows, np_view, read, write
+from ..tensor import indirect_valid_rows, np_view, read, strided_valid, write
 from ._common import fail, nc_version, tensor
 from .enums import dge_mode as DgeMode
 from .enums import dma_engine as DmaEngine
@@ -89,6 +89,11 @@ def dma_copy(dst, src, priority=None, oob_mode=OobMode.error, dge_mode=DgeMode.u
         if keep.any():
             values = np.array(values)
             values[keep] = np_view(dst)[keep] if dst.gather is None else read(dst, op)[keep]
+    elif skip and (src_valid := strided_valid(src)) is not None:
+        # a dynamic source offset partly out of bounds: the skipped elements leave dst as it was
+        keep = ~src_valid.reshape(dst.shape)
+        values = np.array(values)
+        values[keep] = read(dst, op, oob_skip=True)[keep]
     write(dst, values, op, oob_skip=skip)
     current().emit(op, "dma", (src,), (dst,), dge=dge_mode.name, indirect=indirect,
                    cast=src.dtype is not dst.dtype, trigger=None if engine is Engine.unknown else engine.name)
