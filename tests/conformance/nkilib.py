@@ -31,12 +31,18 @@ def skip_reason() -> str | None:
 
 
 def activate() -> None:
-    """Put the library on sys.path behind the interpreter (idempotent)."""
+    """Put the library on sys.path behind the interpreter (idempotent). The checkout's root goes on the path too:
+    some of the library's torch references import helpers from its test tree (`test.integration.nkilib.utils`,
+    e.g. qkv_tkg_torch), so its `test` package must shadow the standard library's."""
     import nkisim
     nkisim.install(force=True)
-    src = str(root() / "src")
-    if src not in sys.path:
-        sys.path.insert(0, src)
+    for path in (str(root()), str(root() / "src")):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    test = sys.modules.get("test")
+    if test is not None and not str(getattr(test, "__file__", "")).startswith(str(root())):
+        for name in [m for m in sys.modules if m == "test" or m.startswith("test.")]:
+            del sys.modules[name]
 
 
 def load(ref: str):

@@ -1,0 +1,95 @@
+"""core/qkv: the `qkv` entry (TKG path) on shapes of test/integration/nkilib/core/qkv/test_qkv_tkg.py
+::test_qkv_tkg_accuracy_unit, against the library's qkv_tkg_torch_ref.
+
+Inputs follow the test's generator (test_qkv_common.build_qkv_input): Gaussian bf16 activations and weights; for
+STATIC quantization activations and weights clipped to [-1, 1], fp8 weights and per-projection scales near 1/240;
+for ROW quantization weights quantized per column to fp8 with fp32 scales broadcast to 128 rows. Tolerance:
+atol 1e-5, rtol 2e-2 (4e-2 when quantized), max mode; trn2 (the test's default platform).
+"""
+
+import ml_dtypes
+import numpy as np
+
+from . import nkilib
+from .harness import Case
+
+SOURCE = "test/integration/nkilib/core/qkv/test_qkv_tkg.py::test_qkv_tkg_accuracy_unit"
+BF16, FP8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3
+
+
+def _types():
+    return nkilib.load("core.utils.common_types")
+
+
+def _qkv_inputs(b, s, h, h_actual, fused_dim, n_q, n_kv, d_head, norm, quant, fused_add, norm_bias, qkv_bias, eps,
+                layout):
+    t = _types()
+    rng = np.random.default_rng(0)
+
+    def gauss(shape, dtype=BF16):
+        return rng.normal(size=shape).astype(dtype)
+
+    x = gauss((b, s, h))
+    w_scale = in_scale = None
+    if quant == "NONE":
+        w = gauss((h, fused_dim))
+    else:
+        w = rng.normal(size=(h, fused_dim)).astype(FP8)
+        if quant == "STATIC":
+            x = np.clip(x, -1.0, 1.0).astype(BF16)
+            w = np.clip(w.astype(np.float32), -1.0, 1.0).astype(FP8)
+            w_scale = (np.random.default_rng(42).uniform(0.995, 1.005, (128, 3)) / 240.0).astype(np.float32)
+            in_scale = (np.random.default_rng(43).uniform(0.995, 1.005, (128, 1)) / 240.0).astype(np.float32)
+        else:  # ROW: per output column fp8 quantization
+            wf = w.astype(np.float32)
+            col = (np.abs(wf).max(axis=0, keepdims=True) / 240.0).astype(np.float32)
+            w = (wf / col).astype(FP8)
+            w_scale = np.broadcast_to(col, (128, fused_dim)).astype(np.float32)
+    return {
+        "input": x, "fused_qkv_weights": w, "output_layout": getattr(t.QKVOutputLayout, layout),
+        "bias": gauss((1, fused_dim)) if qkv_bias else None,
+        "quantization_type": getattr(t.QuantizationType, quant), "qkv_w_scale": w_scale, "qkv_in_scale": in_scale,
+        "fused_residual_add": fused_add,
+        "mlp_prev": gauss((b, s, h)) if fused_add else None,
+        "attention_prev": gauss((b, s, h)) if fused_add else None,
+        "fused_norm_type": getattr(t.NormType, norm),
+        "gamma_norm_weights": gauss((1, h)) if norm in ("RMS_NORM", "LAYER_NORM") else None,
+        "layer_norm_bias": gauss((1, h)) if norm_bias else None,
+        "norm_eps": eps, "hidden_actual": h_actual, "d_head": d_head, "num_q_heads": n_q, "num_kv_heads": n_kv,
+        "store_output_in_sbuf": False, "sbm": None, "use_auto_allocation": False,
+        "load_input_with_DMA_transpose": True, "weight_layout": t.QKVWeightLayout.CONTIGUOUS,
+    }
+
+
+def _tkg_ref_inputs(kw):
+    return {"hidden": kw["input"], "qkv_w": kw["fused_qkv_weights"], "norm_w": kw["gamma_norm_weights"],
+            "fused_add": kw["fused_residual_add"], "mlp_prev": kw["mlp_prev"], "attn_prev": kw["attention_prev"],
+            "d_head": kw["d_head"], "num_kv_heads": kw["num_kv_heads"], "num_q_heads": kw["num_q_heads"],
+            "output_layout": kw["output_layout"], "eps": kw["norm_eps"], "norm_type": kw["fused_norm_type"],
+            "quantization_type": kw["quantization_type"], "qkv_w_scale": kw["qkv_w_scale"],
+            "qkv_in_scale": kw["qkv_in_scale"], "output_in_sbuf": False, "qkv_bias": kw["bias"],
+            "norm_bias": kw["layer_norm_bias"], "hidden_actual": kw["hidden_actual"]}
+
+
+def _tkg(lnc, b, s, h, h_actual, fused_dim, n_q, n_kv, d_head, norm, quant, fused_add, norm_bias, qkv_bias, eps,
+         layout):
+    args = (b, s, h, h_actual, fused_dim, n_q, n_kv, d_head, norm, quant, fused_add, norm_bias, qkv_bias, eps, layout)
+    shape = (f"b{b}_s{s}_h{h}" + (f"_ha{h_actual}" if h_actual else "") + f"_i{fused_dim}_{norm.lower()}"
+             + ("" if quant == "NONE" else f"_{quant.lower()}") + ("_add" if fused_add else "")
+             + ("_nb" if norm_bias else "") + ("_qb" if qkv_bias else "") + f"_{layout}")
+    return Case("core.qkv.qkv:qkv", "core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref", shape,
+                lambda: _qkv_inputs(*args), atol=1e-5, rtol=2e-2 if quant == "NONE" else 4e-2, source=SOURCE,
+                lnc=lnc, ref_inputs=_tkg_ref_inputs)
+
+
+CASES = [
+    _tkg(1, 1, 4, 4096, None, 512, 2, 1, 128, "NO_NORM", "NONE", True, False, False, 1e-6, "BSD"),
+    _tkg(1, 4, 1, 4096, 3072, 896, 5, 1, 128, "RMS_NORM", "NONE", True, False, False, 1e-6, "BSD"),
+    _tkg(1, 1, 1, 128, None, 512, 2, 1, 128, "NO_NORM", "NONE", False, False, False, 1e-6, "BSD"),
+    _tkg(1, 1, 5, 8192, None, 384, 1, 1, 128, "LAYER_NORM", "NONE", False, True, False, 1e-6, "BSD"),
+    _tkg(2, 8, 5, 3072, None, 640, 8, 1, 64, "RMS_NORM", "NONE", False, False, True, 1e-6, "BSD"),
+    _tkg(2, 1, 1, 8192, None, 768, 2, 2, 128, "NO_NORM", "NONE", False, False, False, 1e-6, "NBSd"),
+    _tkg(2, 1, 1, 8192, None, 512, 2, 1, 128, "RMS_NORM", "NONE", True, False, False, 77.0, "BSD"),
+    _tkg(2, 1, 5, 8192, None, 1280, 8, 1, 128, "RMS_NORM", "STATIC", False, False, False, 1e-6, "BSD"),
+    _tkg(2, 1, 5, 8192, None, 1280, 8, 1, 128, "RMS_NORM", "ROW", False, False, False, 1e-6, "BSD"),
+]
