@@ -48,7 +48,8 @@ def _tkg(b, n_heads, s, d_head, h, quant, bias, transpose_out):
                 "quantization_type": _quant(quant), "weight_scale": w_scale, "input_scale": in_scale,
                 "TRANSPOSE_OUT": transpose_out, "OUT_IN_SB": False}
 
-    shape = f"b{b}_nh{n_heads}_s{s}_dh{d_head}_h{h}_{quant.lower()}{'_bias' if bias else ''}{'_tp' if transpose_out else ''}"
+    shape = (f"b{b}_nh{n_heads}_s{s}_dh{d_head}_h{h}_{quant.lower()}{'_bias' if bias else ''}"
+             f"{'_tp' if transpose_out else ''}")
     return Case("core.output_projection.output_projection_tkg:output_projection_tkg",
                 "core.output_projection.output_projection_tkg_torch:output_projection_tkg_torch_ref", shape, inputs,
                 atol=1e-5, rtol=2e-2 if quant == "NONE" else 5e-2,
@@ -75,7 +76,8 @@ def _cte(b, s, h, n_head, d_head, bias, quant, target):
                 "core.output_projection.output_projection_cte.output_projection_cte_torch:"
                 "output_projection_cte_torch_ref",
                 f"b{b}_s{s}_h{h}_nh{n_head}_dh{d_head}_{quant.lower()}{'_bias' if bias else ''}", inputs,
-                atol=1e-5, rtol=2e-2 if quant == "NONE" else 0.036, source=f"{OP}/test_output_proj_cte.py::{test}", lnc=2, target=target)
+                atol=1e-5, rtol=2e-2 if quant == "NONE" else 0.036, source=f"{OP}/test_output_proj_cte.py::{test}",
+                lnc=2, target=target)
 
 
 CASES = [
