@@ -381,8 +381,19 @@ class NkiTensor:
                 raise NkiValidationError(f".ap(): {len(pattern) - 1} free-dim levels exceed the hardware's 4 (C14)")
         off = int(offset) if offset is not None else 0
         regs = None
+        # AWS: indirect_dim is the "dimension in self.shape whose stride scales the indirect scalar/vector offset" --
+        # the tensor .ap() is called on, which may be a reshape of the allocation (TensorView exposes a stride the
+        # allocation lacks by reshaping it), in units of the access dtype.
+        if scalar_offset is not None or vector_offset is not None:
+            if not 0 <= indirect_dim < self.ndim:
+                raise NkiValidationError(f".ap(indirect_dim={indirect_dim}): the tensor has {self.ndim} dims")
+            unit = self.strides[indirect_dim] * self.dtype.itemsize
+            if unit % d.itemsize:
+                raise NkiValidationError(f".ap(indirect_dim={indirect_dim}): stride of {unit} B is not a multiple of "
+                                         f"the {d.name} element size")
+            unit //= d.itemsize
         if scalar_offset is not None:
-            off += scalar_value(scalar_offset, ".ap scalar_offset") * math.prod(base.shape[indirect_dim + 1:])
+            off += scalar_value(scalar_offset, ".ap scalar_offset") * unit
             if _dynamic(scalar_offset) is not None:
                 regs = (scalar_offset,)
         shape = [n for _, n in pattern]
@@ -395,7 +406,7 @@ class NkiTensor:
                 raise NkiValidationError(f".ap(vector_offset=...): indirect_dim must be 0, got {indirect_dim}")
             if not isinstance(vector_offset, NkiTensor) or vector_offset.shape[1:] not in ((1,), ()):
                 raise NkiValidationError(".ap(vector_offset=...) must be a (P, 1) tensor of row indices")
-            indirect = Indirect(vector_offset, math.prod(base.shape[1:]), base.shape[0])
+            indirect = Indirect(vector_offset, unit, self.shape[indirect_dim])
             strides[0] = 0
         return NkiTensor(base, shape, strides, off, d, indirect, regs)
 

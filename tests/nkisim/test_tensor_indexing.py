@@ -260,3 +260,21 @@ def test_is_contiguous(t, h):
     assert t.is_contiguous() and t[0:8].is_contiguous() and t[:, 2:4].is_contiguous()
     assert not t[:, :, ::2].is_contiguous()
     assert h.is_contiguous() and not h[:, 1:3].is_contiguous()
+
+
+def test_ap_indirect_offsets_scale_by_the_stride_of_the_tensor_ap_is_called_on():
+    # AWS: indirect_dim is the "dimension in self.shape whose stride scales the indirect scalar/vector offset";
+    # AWS's TensorView reshapes the allocation to expose a stride it lacks and calls .ap() on that reshape.
+    data = np.arange(256 * 8, dtype=np.float32).reshape(256, 8)
+    x = hbm(data)
+    pairs = x.reshape((128, 2, 8))  # dim 0 stride 16: rows 2i, 2i+1 of the allocation
+    one = sb(np.array([[3]], np.int32))
+    dst = tile((2, 8))
+    nisa.dma_copy(dst=dst, src=pairs.ap([[8, 2], [1, 8]], offset=0, scalar_offset=one, indirect_dim=0))
+    np.testing.assert_array_equal(rd(dst), data[6:8])
+    rows = sb(np.array([[0], [127], [5]], np.int32))
+    g = tile((3, 8))
+    nisa.dma_copy(dst=g, src=pairs.ap([[16, 3], [1, 8]], offset=0, vector_offset=rows, indirect_dim=0))
+    np.testing.assert_array_equal(rd(g), data[[0, 254, 10]])
+    with pytest.raises(NkiValidationError, match=r"index 128 is out of bounds.*128 rows"):
+        nisa.dma_copy(dst=g, src=pairs.ap([[16, 3], [1, 8]], vector_offset=sb(np.array([[128], [0], [0]], np.int32))))
