@@ -138,8 +138,9 @@ def _tensor_list(op, name, xs, exactly_one=False):
     return list(xs)
 
 
-def _memory(op, srcs, dsts, ctx, sbuf_ok=True):
-    """Placement rules of the collectives pages (NKI 0.6 stub and 0.7 all_reduce/all_gather pages)."""
+def _memory(op, srcs, dsts, ctx, sbuf_ok=True, coalesced=True):
+    """Placement rules of the collectives pages (NKI 0.6 stub and 0.7 all_reduce/all_gather pages). `coalesced`:
+    several srcs are several tensors of one collective (False for the per-channel tensors of a ring permute)."""
     everything = [("srcs", t) for t in srcs] + [("dsts", t) for t in dsts]
     for name, t in everything:
         if t.buffer not in (sbuf, hbm, private_hbm, shared_hbm):
@@ -150,7 +151,7 @@ def _memory(op, srcs, dsts, ctx, sbuf_ok=True):
     if any(on_sbuf) and not all(on_sbuf):
         _fail(op, "tensors can reside on either HBM or SBUF, but not a mix of the two")
     if all(on_sbuf):
-        if len(srcs) > 1 or len(dsts) > 1:
+        if coalesced and (len(srcs) > 1 or len(dsts) > 1):
             _fail(op, f"{len(srcs)} srcs / {len(dsts)} dsts on SBUF: coalesced collective communication (multiple "
                       "tensors) is only supported when tensors are on HBM")
         for name, t in everything:
@@ -726,7 +727,7 @@ def _ring(op, reduce_name, channels, replica_group, channel_ids, priority, name)
     rg = _group(op, replica_group, world)
     srcs, dsts = channels[0], channels[-1]
     srcs1 = channels[1] if reduce_name else None
-    _memory(op, srcs + (srcs1 or []), dsts, ctx)
+    _memory(op, srcs + (srcs1 or []), dsts, ctx, coalesced=False)
     for c, (s, d) in enumerate(zip(srcs, dsts)):
         _same_dtype(op, f"srcs[{c}]", s, f"dsts[{c}]", d)
         if s.size != d.size:

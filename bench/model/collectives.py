@@ -17,8 +17,9 @@ hardware table (``nkisim.hardware``) to be replaced by an nccom-test sweep on th
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
+
+from nkisim.cost import collective as _nkisim_cc
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -57,9 +58,7 @@ class Collective:
 def busbw_factor(op: str, n: int) -> float:
     if op not in OPS:
         raise ValueError(f"unknown collective op {op!r}; expected one of {OPS}")
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+    return _nkisim_cc.busbw_factor(op, n)
 
 
 def choose_algorithm(nbytes: float, params: CollectiveParams) -> str:
@@ -72,18 +71,10 @@ def choose_algorithm(nbytes: float, params: CollectiveParams) -> str:
 
 
 def algorithm_steps(op: str, n: int, algorithm: str, spans_chips: bool) -> int:
-    """Latency-bearing steps (hops) of one collective."""
-    if n <= 1:
-        return 0
-    if algorithm == "Mesh":
-        steps = 2 if spans_chips else 1
-    elif algorithm == "RDH":
-        steps = math.ceil(math.log2(n))
-    elif algorithm == "KangaRing":
-        steps = max(1, math.ceil(n / 2))
-    else:
+    """Latency-bearing steps (hops) of one collective (the one formula, shared with nkisim's cost model)."""
+    if algorithm not in ("Mesh", "RDH", "KangaRing"):
         raise ValueError(f"unknown algorithm {algorithm!r}")
-    return 2 * steps if op == "all_reduce" else steps
+    return _nkisim_cc.algorithm_steps(op, n, algorithm, spans_chips)
 
 
 def collective_time(op: str, n: int, nbytes: float, params: CollectiveParams,
