@@ -55,6 +55,11 @@ class Case:
     out_args: tuple[str, ...] = field(default=())
     tols: dict = field(default_factory=dict)
     compare: Callable[[dict, dict, dict], tuple[dict, dict]] | None = None
+    # Multi-rank launches (nki.collectives kernels): with ranks > 1, `inputs(rank)` builds each rank's kwargs and
+    # `ref(rank)` returns that rank's NumPy golden dict (the library's PerRankLazyInputGenerator /
+    # PerRankLazyGoldenGenerator); `rank0_only`: the library validates only rank 0 when one golden serves all ranks.
+    ranks: int = 1
+    rank0_only: bool = False
 
     @property
     def name(self) -> str:
@@ -165,6 +170,9 @@ def run_case(case: Case) -> Result:
     """Run the kernel under nkisim on `case.target` and compare it with the reference."""
     import nki
 
+    if case.ranks > 1:
+        return run_ranks_case(case)
+
     kernel = nkilib.load(case.kernel)
     if not getattr(kernel, "_is_nki_kernel", False):
         kernel = nki.jit(kernel)
@@ -195,6 +203,42 @@ def run_case(case: Case) -> Result:
         passed &= err <= tol
         if err - tol > worst_err - worst_tol or key == next(iter(gold)):
             worst_err, worst_tol = err, tol
+    return Result(case, passed, worst_err, worst_tol, wall)
+
+
+def run_ranks_case(case: Case) -> Result:
+    """`case.ranks` instances of the kernel in one collective launch (nkisim.run_ranks), each rank compared with its
+    own golden (rank 0 only with `rank0_only`); the worst rank's error is reported."""
+    import nki
+
+    import nkisim
+
+    kernel = nkilib.load(case.kernel)
+    if not getattr(kernel, "_is_nki_kernel", False):
+        kernel = nki.jit(kernel)
+    per_rank = [case.inputs(r) for r in range(case.ranks)]
+    previous = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = case.target
+    start = time.perf_counter()
+    try:
+        launch = kernel[case.lnc] if case.lnc != 1 else kernel
+        outs = nkisim.run_ranks(launch, case.ranks, per_rank).outputs
+    finally:
+        if previous is None:
+            os.environ.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
+        else:
+            os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = previous
+    wall = time.perf_counter() - start
+    worst_err, worst_tol, passed = 0.0, 0.0, True
+    for r in range(1 if case.rank0_only else case.ranks):
+        gold = {k: np.asarray(v) for k, v in case.ref(r).items()}
+        named = _name_outputs(case, outs[r], gold)
+        for key, ref in gold.items():
+            atol, rtol = (0.0, 0.0) if key in case.exact else case.tols.get(key, (case.atol, case.rtol))
+            err, tol = max_mode_error(_to_numpy(named[key]), ref, atol, rtol)
+            passed &= err <= tol
+            if err - tol > worst_err - worst_tol or (r == 0 and key == next(iter(gold))):
+                worst_err, worst_tol = err, tol
     return Result(case, passed, worst_err, worst_tol, wall)
 
 

@@ -738,3 +738,28 @@ def test_collective_instruction_cost_alpha_beta():
     t_plain = collective_time("all_to_all_v", 8, 4096, hw)[0]
     t_trig = collective_time("all_to_all_v", 8, 4096, hw, setup=False)[0]
     assert t_plain - t_trig == pytest.approx(hw.collective.base_latency_s)
+
+
+@nki.jit
+def k_ring_sbuf_channels(x, rg):
+    """Two channels of SBUF tiles in one implicit permute (one tensor per channel: not a coalesced collective)."""
+    p, f = x.shape
+    srcs, dsts = [], []
+    for c in range(2):
+        s = nl.ndarray((p, f // 2), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=s, src=x[:, c * (f // 2):(c + 1) * (f // 2)])
+        srcs.append([s])
+        dsts.append([nl.ndarray((p, f // 2), dtype=x.dtype, buffer=nl.sbuf)])
+    ncc.collective_permute_implicit(srcs_by_channel=srcs, dsts_by_channel=dsts, replica_group=rg, channel_ids=[0, 1])
+    out = nl.ndarray((p, f), dtype=x.dtype, buffer=nl.shared_hbm)
+    for c in range(2):
+        nisa.dma_copy(dst=out[:, c * (f // 2):(c + 1) * (f // 2)], src=dsts[c][0])
+    return out
+
+
+def test_ring_permute_sbuf_two_channels():
+    rng = np.random.default_rng(8)
+    xs = [rand(rng, (4, 8)) for _ in range(4)]
+    outs = launch(k_ring_sbuf_channels, 4, lambda r: {"x": xs[r], "rg": ReplicaGroup([[0, 1, 2, 3]])})
+    for r in range(4):
+        np.testing.assert_array_equal(outs[r], xs[r - 1])
