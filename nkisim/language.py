@@ -5,6 +5,7 @@ kernel would call directly, so they are checked, recorded and costed exactly lik
 """
 
 import contextlib
+import inspect
 import os
 
 import numpy as np
@@ -38,7 +39,29 @@ from .runtime import access_of, current
 from .tensor import DynSlice, NkiTensor, VirtualRegister, ds, read  # noqa: F401
 
 
-class NKIObject:
+class _NKIObjectType(type):
+    """Construction as the real NKIObject does it: a keyword naming a class-level attribute is set on the instance
+    even when the class's own `__init__` does not take it. A `@dataclass` subclass whose attributes carry no
+    annotations gets an `__init__()` without parameters, yet the nki-library builds one with keywords
+    (`SectionParams(section_idx=..., ...)`, core/attention/attention_cte.py)."""
+
+    def __call__(cls, *args, **kwargs):
+        init = cls.__init__
+        if kwargs and init is not NKIObject.__init__:
+            try:
+                params = inspect.signature(init).parameters
+            except (TypeError, ValueError):
+                params = {}
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in params and hasattr(cls, k)}
+                obj = super().__call__(*args, **kwargs)
+                for key, value in extra.items():
+                    object.__setattr__(obj, key, value)
+                return obj
+        return super().__call__(*args, **kwargs)
+
+
+class NKIObject(metaclass=_NKIObjectType):
     """Base class for user classes inside kernels (NKI accepts only classes derived from it).
 
     AWS's stub gives it `__init__(self, **kwargs)`: keyword arguments become attributes, so a plain annotated

@@ -275,7 +275,9 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
             fail(opn, f"{which}=nl.{c} must be one of {', '.join('nl.' + x for x in _CMPS)}")
     _check_cmd(opn, reduce_cmd, (RC.idle, RC.reset, RC.reduce, RC.reset_reduce))
     _reduce_name(opn, "reduce_op", reduce_op, ("maximum",))
-    if isinstance(on_false_value, NkiTensor) or float(on_false_value) != FP32_MIN:
+    # The value is an fp32 immediate: the literal -3.4028235e38 (the nki-library's _FLOAT32_MIN) is FP32_MIN once
+    # rounded to fp32, although the Python doubles differ.
+    if isinstance(on_false_value, NkiTensor) or np.float32(on_false_value) != np.float32(FP32_MIN):
         fail(opn, f"on_false_value={on_false_value!r} must be FP32_MIN (-3.4028235e38), a hardware constraint")
     if not isinstance(range_start, (int, np.integer)) or isinstance(range_start, bool):
         fail(opn, f"range_start={range_start!r} must be a compile-time integer")

@@ -149,3 +149,61 @@ CASES = [
     _tkg(2, "trn2", 8, 8, 1, 1024, 10240, 64, sink=True, dtype=np.float32, **ROPE),
     _tkg(2, "trn2", 4, 1, 5, 1024, 10240, 128, fp8_kv=True, strided_mm1=False, qk_in_sb=True),
 ]
+
+
+# The tests' LNC=1 rows are 2048-token shapes taking ~25 s here; only LNC=2 rows are in the table.
+CTE_SOURCE = "test/integration/nkilib/core/attention/test_attention_cte.py"
+
+
+def _cte(kind, lnc, bs, seqlen_kv, seqlen_q, d, scale, dtype, causal, tp_q, tp_k, tp_out, sink=False, prior=None,
+         prior_used=None, window=0):
+    """attention_cte as test_attention_cte.py's build_attention_cte_input feeds it: uniform [0, 1) Q/K/V (and prior
+    K/V for prefix caching), sink logits uniform in [15, 25); reference attention_cte_torch_ref, output rounded to the
+    input dtype; atol 1e-5, rtol 2e-2; CompilerArgs() there is trn2 (its LNC default 2 unless the test sets it)."""
+    def inputs():
+        rng = np.random.default_rng(0)
+
+        def gen(shape):
+            return rng.random(shape).astype(dtype)
+
+        kw = {"q": gen((bs, seqlen_q, d) if tp_q else (bs, d, seqlen_q)),
+              "k": gen((bs, seqlen_kv, d) if tp_k else (bs, d, seqlen_kv)),
+              "v": gen((bs, seqlen_kv, d)), "scale": scale, "causal_mask": causal,
+              "k_prior": None, "v_prior": None, "prior_used_len": None}
+        if prior:
+            kw["k_prior"] = gen((bs, prior, d) if tp_k else (bs, d, prior))
+            kw["v_prior"] = gen((bs, prior, d))
+            kw["prior_used_len"] = np.full((1,), prior_used, np.int32)
+        kw.update({"sink": rng.uniform(15.0, 25.0, (bs, 1)).astype(np.float32) if sink else None,
+                   "sliding_window": window, "tp_q": tp_q, "tp_k": tp_k, "tp_out": tp_out, "cp_offset": None,
+                   "global_cp_deg": None, "cp_strided_q_slicing": False, "cache_softmax": False,
+                   "softmax_dtype": "float32", "mm_out_dtype": "float32", "bound_min": None, "bound_max": None})
+        return kw
+
+    def reference(q, k, v, scale, causal_mask, k_prior, v_prior, prior_used_len, sink, sliding_window, tp_q, tp_k,
+                  tp_out, cp_offset, global_cp_deg, cp_strided_q_slicing, cache_softmax, softmax_dtype, mm_out_dtype,
+                  bound_min, bound_max):
+        import torch
+        ref = nkilib.load("core.attention.attention_cte_torch:attention_cte_torch_ref")
+        out = ref(q=q, k=k, v=v, scale=scale, causal_mask=causal_mask, k_prior=k_prior, v_prior=v_prior,
+                  prior_used_len=prior_used_len, sink=sink, sliding_window=sliding_window, tp_q=tp_q, tp_k=tp_k,
+                  tp_out=tp_out, cache_softmax=False, softmax_dtype=torch.float32, cp_offset=None,
+                  global_cp_deg=None, cp_strided_q_slicing=False, bound_min=None, bound_max=None)
+        return {"out": out.numpy().astype(dtype)}
+
+    shape = (f"b{bs}_kv{seqlen_kv}_q{seqlen_q}_d{d}_{np.dtype(dtype).name}{'_causal' if causal else ''}"
+             f"{'_tpq' if tp_q else ''}{'_tpk' if tp_k else ''}{'_tpo' if tp_out else ''}{'_sink' if sink else ''}"
+             f"{f'_prior{prior}u{prior_used}' if prior else ''}{f'_swa{window}' if window else ''}")
+    return Case("core.attention.attention_cte:attention_cte", reference, shape, inputs, atol=1e-5, rtol=2e-2,
+                source=f"{CTE_SOURCE}::{kind}", lnc=lnc)
+
+
+F16 = np.float16
+CASES += [
+    _cte("test_attention_cte_no_cp_unit", 2, 1, 128, 128, 128, 1.0, BF16, True, False, False, True),
+    _cte("test_attention_cte_no_cp_unit", 2, 3, 1024, 512, 128, 1.0, F16, False, False, False, True),
+    _cte("test_attention_cte_no_cp_vnc_apc_klr_unit", 2, 1, 256, 256, 128, 1.0, BF16, True, True, True, True,
+         prior=2048, prior_used=1920),
+    _cte("test_attention_cte_no_cp_vnc_apc_klr_unit", 2, 2, 2048, 2048, 64, 1.0, BF16, True, False, False, True,
+         sink=True, prior=512, prior_used=500, window=1024),
+]

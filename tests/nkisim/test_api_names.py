@@ -81,6 +81,21 @@ def test_nkiobject_keyword_construction():
     assert _Frozen().k is None and _Frozen().sorted is True
 
 
+@dataclass
+class _Unannotated(nl.NKIObject):
+    idx = None      # class attributes without annotations: @dataclass generates an __init__() with no parameters
+    offset = None
+
+
+def test_nkiobject_dataclass_takes_keywords_for_class_attributes():
+    """The nki-library builds such a class with keywords (SectionParams, core/attention/attention_cte.py)."""
+    sp = _Unannotated(idx=3, offset=128)
+    assert (sp.idx, sp.offset) == (3, 128)
+    assert _Unannotated().idx is None
+    with pytest.raises(TypeError):
+        _Unannotated(undeclared=1)  # a keyword naming nothing the class declares is still an error
+
+
 def test_plain_dataclass_keeps_its_required_fields():
     @dataclass
     class Plain:

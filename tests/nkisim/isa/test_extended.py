@@ -176,6 +176,10 @@ def test_range_select_constraints(on_target):
     x, b = sb(np.ones((4, 8), np.float32)), col(np.zeros(4))
     with pytest.raises(E, match="must be FP32_MIN"):
         nisa.range_select(tile((4, 8)), x, nl.less, nl.less, b, b, on_false_value=0.0)
+    with pytest.raises(E, match="must be FP32_MIN"):
+        nisa.range_select(tile((4, 8)), x, nl.less, nl.less, b, b, on_false_value=-3.4e38)
+    # the decimal literal of fp32 min (the nki-library's _FLOAT32_MIN) is the same fp32 immediate
+    nisa.range_select(tile((4, 8)), x, nl.less, nl.less, b, b, on_false_value=-3.4028235e38)
     with pytest.raises(E, match="comp_op0=nl.not_equal must be one of"):
         nisa.range_select(tile((4, 8)), x, nl.not_equal, nl.less, b, b)
     with pytest.raises(E, match="reduce_op=nl.add is not supported"):
