@@ -75,7 +75,7 @@ def _fgcc(m, K, N, dtype, tp, lnc, force_hbm_cc):
     return Case("experimental.collectives.fgcc:allgather_compute_matmul",
                 lambda r: {"result": data()[2][:, r * n:(r + 1) * n]}, f"m{m}_K{K}_N{N}_{np.dtype(dtype).name}_tp{tp}",
                 inputs, atol=1e-2, rtol=1e-2, source=_T + "test_fgcc.py::test_allgather_compute_matmul", lnc=lnc,
-                ranks=tp, outputs=_reshaped)
+                ranks=tp, outputs=_reshaped, timeout_s=1800)   # 4 ranks x 34 GFLOP of bf16 matmul on the CPU
 
 
 CASES = (
@@ -87,4 +87,5 @@ CASES = (
                                         (256, 512, np.float32, 8, 1), (512, 1024, np.float16, 4, 2),
                                         (256, 512, BF16, 8, 2)]]
     + [_fg_allgather(1024, 4096, BF16, 4, 2, False)]
+    + [_fgcc(1024, 4096, 4096, BF16, 4, 2, False)]
 )

@@ -60,6 +60,7 @@ class Case:
     # PerRankLazyGoldenGenerator); `rank0_only`: the library validates only rank 0 when one golden serves all ranks.
     ranks: int = 1
     rank0_only: bool = False
+    timeout_s: float | None = None     # pytest timeout for a case far slower than the suite's default
 
     @property
     def name(self) -> str:

@@ -23,7 +23,8 @@ CASES = _all_cases()
 
 
 @pytest.mark.nkilib
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.timeout(c.timeout_s)] if c.timeout_s else [])
+                                  for c in CASES], ids=[c.id for c in CASES])
 def test_nkilib_kernel(case):
     nkilib.activate()
     try:
