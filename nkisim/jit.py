@@ -17,6 +17,7 @@ from .memory import Allocation, hbm, shared_hbm
 from .runtime import CoreContext, LncShared, current, set_current
 from .target import resolve_target
 from .tensor import NkiTensor, np_view
+from .world import first_failure, one_rank_world
 
 
 class Kernel:
@@ -218,24 +219,25 @@ def _run_core(func, ctx, args, kwargs):
 def _run_lnc(func, n, tgt, args, kwargs, record):
     shared = LncShared(n)
     contexts = [CoreContext(i, n, tgt, shared=shared, record=record) for i in range(n)]
+    world = one_rank_world(shared, contexts)     # nki.collectives in a plain launch: a world of one rank
     results, errors = [None] * n, [None] * n
 
     def body(i):
         try:
             results[i] = _run_core(func, contexts[i], args, kwargs)
+            world.finish(0, i, contexts[i].cc_count)
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread below
             errors[i] = e
             shared.abort()
+            world.fail(0, i, e)
 
     threads = [threading.Thread(target=body, args=(i,), name=f"nkisim-core{i}") for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    primary = [e for e in errors if e is not None and not (isinstance(e, RuntimeError)
-                                                           and "other core failed" in str(e))]
-    if primary or any(errors):
-        raise (primary or [e for e in errors if e is not None])[0]
+    if any(e is not None for e in errors):
+        raise first_failure({(0, i): e for i, e in enumerate(errors) if e is not None}, world)
     return results[0], contexts
 
 

@@ -292,7 +292,7 @@ def run_ranks(kernel, world_size, rank_inputs, target=None, record=True):
     for t in threads:
         t.join()
     if errors:
-        raise _primary(errors, world)
+        raise first_failure(errors, world)
     outputs, runs = [], []
     for r in range(n):
         out = results[r][0]
@@ -303,7 +303,7 @@ def run_ranks(kernel, world_size, rank_inputs, target=None, record=True):
     return WorldResult(outputs, runs, world)
 
 
-def _primary(errors, world):
+def first_failure(errors, world):
     """The exception that explains the failure: the first rank's own error (not one caused by another rank)."""
     def secondary(e):
         if isinstance(e, RuntimeError) and "other core failed" in str(e):
@@ -315,9 +315,20 @@ def _primary(errors, world):
     r, c = primary[0]
     exc = errors[(r, c)]
     others = [key for key in keys if key != (r, c)]
-    note = f"nkisim: raised on rank {r} core {c} of a {world.size}-rank launch (LNC={world.lnc})"
-    if others:
-        note += f"; also stopped: {_keys(others)}"
-    if hasattr(exc, "add_note"):
+    if world.size > 1 or world.lnc > 1:
+        note = f"nkisim: raised on rank {r} core {c} of a {world.size}-rank launch (LNC={world.lnc})"
+        if others:
+            note += f"; also stopped: {_keys(others)}"
         exc.add_note(note)
     return exc
+
+
+def one_rank_world(shared, contexts):
+    """The world of a plain (one-rank) launch, so that collectives and their failure reports work there too."""
+    world = World(1, len(contexts), contexts[0].target)
+    if shared is not None:
+        world.lnc_shared.append(shared)
+        shared.world = world
+    for ctx in contexts:
+        ctx.world = world
+    return world

@@ -763,3 +763,24 @@ def test_ring_permute_sbuf_two_channels():
     outs = launch(k_ring_sbuf_channels, 4, lambda r: {"x": xs[r], "rg": ReplicaGroup([[0, 1, 2, 3]])})
     for r in range(4):
         np.testing.assert_array_equal(outs[r], xs[r - 1])
+
+
+def test_plain_lnc2_launch_reports_a_core_that_skips_a_collective():
+    """nki.simulate(kernel[2]) is a one-rank world of two cores: core 1 finishing without the all_reduce core 0
+    waits in is reported at once."""
+    @nki.jit
+    def lopsided(x):
+        src, dst = _private(x.shape, x.dtype), _private(x.shape, x.dtype)
+        nisa.dma_copy(dst=src, src=x)
+        if nl.program_id(0) == 0:
+            ncc.all_reduce(srcs=[src], dsts=[dst], replica_group=ReplicaGroup([[0]]), op=nl.add)
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=src)
+        return out
+
+    start = time.monotonic()
+    with pytest.raises(nkisim.NkiCollectiveError, match="rank 0 core 1 finished the kernel after 0 collective"):
+        nki.simulate(lopsided[2])(np.ones((2, 4), F32))
+    assert time.monotonic() - start < 20
+    np.testing.assert_array_equal(nki.simulate(k_all_reduce[2])(np.ones((2, 4), F32), ReplicaGroup([[0]]), nl.add),
+                                  np.ones((2, 4), F32))
