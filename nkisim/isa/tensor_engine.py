@@ -199,13 +199,17 @@ def _accumulate(op, ctx, dst, result, accumulate, v):
 
 
 def _open_group(ctx, dst, start):
-    """Warn when several accumulation groups interleave inside one PSUM bank (wrong results on trn2)."""
+    """Warn when several accumulation groups interleave inside one PSUM bank on the same partitions (wrong results
+    on trn2). Groups on disjoint partition ranges of a bank are the PE array's row tiles (`tile_position`), which run
+    side by side by design (AWS's qkv_tkg accumulates one group per 32/64-row tile of a bank)."""
     a = dst.alloc
     if a.psum_addr is None:
         return
     row = a.storage.size // a.shape[0] if a.shape[0] else 1
     # the bank the view itself starts in (a multi-bank PSUM tile holds one group per bank)
     bank = (a.psum_addr + (dst.offset % row) * dst.dtype.itemsize) // ctx.target.psum_bank_bytes
+    p0 = dst.offset // row
+    rows = (p0, p0 + dst.shape[0])
     groups = getattr(ctx, "psum_groups", None)
     if groups is None:
         groups = ctx.psum_groups = {}
@@ -217,16 +221,17 @@ def _open_group(ctx, dst, start):
         live = ctx.pool.psum_live
         for g in [g for g in open_in_bank if g[0] not in live]:
             del open_in_bank[g]
-        open_in_bank[key] = ctx.seq
+        open_in_bank[key] = (ctx.seq, rows)
         return
-    others = [g for g, started in open_in_bank.items() if g != key and g[0] in ctx.pool.psum_live
-              and started > open_in_bank.get(key, -1)]
+    mine = open_in_bank.get(key, (-1, rows))[0]
+    others = [g for g, (started, r) in open_in_bank.items() if g != key and g[0] in ctx.pool.psum_live
+              and started > mine and r[0] < rows[1] and rows[0] < r[1]]
     if others:
         ctx.warn_once(("interleave", bank), f"nc_matmul: accumulation groups interleave inside PSUM bank {bank} "
-                      f"('{dst.name}' accumulates after another group started in the same bank); this pattern "
-                      "produces wrong results on trn2 — keep one accumulation group per bank",
-                      NkiPsumAccumulationWarning)
-    open_in_bank[key] = open_in_bank.get(key, ctx.seq)
+                      f"('{dst.name}' accumulates after another group started in the same bank on the same "
+                      "partitions); this pattern produces wrong results on trn2 — keep one accumulation group per "
+                      "bank", NkiPsumAccumulationWarning)
+    open_in_bank[key] = open_in_bank.get(key, (ctx.seq, rows))
 
 
 def nc_transpose(dst, data, engine=Engine.unknown, name=None):

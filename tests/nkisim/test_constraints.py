@@ -663,6 +663,19 @@ def test_c6_interleaved_accumulation_groups_in_one_bank_warn():
     np.testing.assert_array_equal(rd(d), np.full((4, 4), 16.0, np.float32))
 
 
+def test_c6_groups_on_disjoint_partitions_of_a_bank_do_not_warn():
+    """PE-array row tiles (tile_position) accumulate side by side in one bank on different partitions."""
+    s, m = ones((32, 32)), ones((32, 8))
+    d = tile((128, 8), buffer=nl.psum)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in range(2):
+            for j in range(4):
+                nisa.nc_matmul(dst=d[32 * j:32 * j + 32, :], stationary=s, moving=m, accumulate=k > 0,
+                               tile_position=(32 * j, 32 * j), tile_size=(32, 32))
+    np.testing.assert_array_equal(rd(d), np.full((128, 8), 64.0, np.float32))
+
+
 def test_c6_groups_in_separate_banks_do_not_warn():
     s, m = ones((8, 4)), ones((8, 1))
     tiles = [nl.ndarray((4, 512), nl.float32, buffer=nl.psum) for _ in range(2)]  # one bank each

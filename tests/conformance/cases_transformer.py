@@ -1,0 +1,139 @@
+"""experimental/transformer: attention_block_tkg (and transformer_tkg) on shapes of the library's tests.
+
+attention_block_tkg runs inside `attention_block_tkg` below, our launch kernel that maps the test's argument names
+onto the kernel's (HBM in, HBM out) the way test/integration/nkilib/experimental/transformer/
+test_attention_block_tkg.py's wrapper does; the reference is the library's AttentionBlockTkgTorchRef(lnc), outputs
+rounded to the activation / cache dtypes. Inputs follow that test's documented distributions: X ~ U[-1, 1] (zero past
+H_actual), gammas ~ U[0.5, 1.5], W_qkv ~ N(0, 1/sqrt(H)), W_out ~ N(0, 0.5), biases ~ U[-0.1, 0.1], cos/sin and the
+caches ~ U[-1, 1], the library's build_full_attention_mask over per-batch cache lengths. Tolerance: the test's
+max-mode allclose part, atol 1e-5, rtol 0.015 (its extra cosine-similarity >= 0.99 check is not repeated).
+LNC=2 (the config's default); the test takes the platform from the command line (trn2 and trn3).
+"""
+
+import ml_dtypes
+import numpy as np
+
+from . import nkilib
+from .harness import Case
+
+BLOCK_SOURCE = "test/integration/nkilib/experimental/transformer/test_attention_block_tkg.py::test_attn_blk_megakernel"
+BF16 = ml_dtypes.bfloat16
+
+
+def attention_block_tkg(X, X_in_sb, X_hidden_dim_actual, rmsnorm_X_enabled, rmsnorm_X_eps, rmsnorm_X_gamma, W_qkv,
+                        bias_qkv, quantization_type_qkv, weight_dequant_scale_qkv, input_dequant_scale_qkv,
+                        rmsnorm_QK_enabled, rmsnorm_QK_eps, W_rmsnorm_Q_pre_rope, W_rmsnorm_K_pre_rope, cos, sin,
+                        rope_contiguous_layout, rmsnorm_QK_post_rope_enabled, rmsnorm_QK_post_rope_eps,
+                        W_rmsnorm_Q_post_rope, W_rmsnorm_K_post_rope, skip_attention, K_cache_transposed,
+                        active_blocks_table, K_cache, V_cache, attention_mask, sink, softmax_scale,
+                        enable_fa_s_prior_tiling, k_scale, v_scale, update_cache, kv_cache_update_idx, W_out, bias_out,
+                        quantization_type_out, weight_dequant_scale_out, input_dequant_scale_out, transposed_out,
+                        out_in_sb, KVDP, KVDP_replica_group):
+    """Launch kernel: the library's attention_block_tkg with HBM input and output (a nested jit inlines)."""
+    kernel = nkilib.load("experimental.transformer.attention_block_tkg:attention_block_tkg")
+    return kernel(
+        X=X, X_hidden_dim_actual=X_hidden_dim_actual, rmsnorm_X_enabled=rmsnorm_X_enabled,
+        rmsnorm_X_eps=rmsnorm_X_eps, rmsnorm_X_gamma=rmsnorm_X_gamma, W_qkv=W_qkv, bias_qkv=bias_qkv,
+        quantization_type_qkv=quantization_type_qkv, weight_dequant_scale_qkv=weight_dequant_scale_qkv,
+        input_dequant_scale_qkv=input_dequant_scale_qkv, rmsnorm_QK_pre_rope_enabled=rmsnorm_QK_enabled,
+        rmsnorm_QK_pre_rope_eps=rmsnorm_QK_eps if rmsnorm_QK_eps else 1e-5,
+        rmsnorm_QK_pre_rope_W_Q=W_rmsnorm_Q_pre_rope, rmsnorm_QK_pre_rope_W_K=W_rmsnorm_K_pre_rope, cos=cos,
+        sin=sin, rope_contiguous_layout=rope_contiguous_layout,
+        rmsnorm_QK_post_rope_enabled=rmsnorm_QK_post_rope_enabled,
+        rmsnorm_QK_post_rope_eps=rmsnorm_QK_post_rope_eps, rmsnorm_QK_post_rope_W_Q=W_rmsnorm_Q_post_rope,
+        rmsnorm_QK_post_rope_W_K=W_rmsnorm_K_post_rope, skip_attention=skip_attention,
+        K_cache_transposed=K_cache_transposed, active_blocks_table=active_blocks_table, K_cache=K_cache,
+        V_cache=V_cache, attention_mask=attention_mask, sink=sink, softmax_scale=softmax_scale,
+        enable_fa_s_prior_tiling=enable_fa_s_prior_tiling, update_cache=update_cache,
+        kv_cache_update_idx=kv_cache_update_idx, k_scale=k_scale, v_scale=v_scale, W_out=W_out, bias_out=bias_out,
+        quantization_type_out=quantization_type_out, weight_dequant_scale_out=weight_dequant_scale_out,
+        input_dequant_scale_out=input_dequant_scale_out, transposed_out=transposed_out, out_in_sb=out_in_sb,
+        sbm=None, KVDP=KVDP, KVDP_replica_group=KVDP_replica_group)
+
+
+def _block_inputs(batch, q_heads, d_head, H, H_actual, S_ctx, S_tkg, lnc, update_cache=True, K_cache_transposed=False,
+                  qk_norm_pre=False, qk_norm_pre_gamma=False, qk_norm_post=False, qk_norm_post_gamma=False,
+                  test_bias=False):
+    import torch
+    none = nkilib.load("core.utils.common_types").QuantizationType.NONE
+    rng = np.random.default_rng(0)
+    H_actual = H if H_actual is None else H_actual
+    n_kv = 1
+    eps = 1e-3
+
+    def uniform(shape, lo=-1.0, hi=1.0):
+        return rng.uniform(lo, hi, shape).astype(np.float32).astype(BF16)
+
+    def normal(shape, std):
+        return rng.normal(0.0, std, shape).astype(np.float32).astype(BF16)
+
+    X = uniform((batch, S_tkg, H))
+    X[:, :, H_actual:] = 0
+    qkv_dim = (q_heads + 2 * n_kv) * d_head
+    k_shape = (batch, 1, d_head, S_ctx) if K_cache_transposed else (batch, 1, S_ctx, d_head)
+    kw = {
+        "X": X, "X_in_sb": False, "X_hidden_dim_actual": H_actual,
+        "rmsnorm_X_enabled": True, "rmsnorm_X_eps": eps, "rmsnorm_X_gamma": uniform((1, H), 0.5, 1.5),
+        "W_qkv": normal((H, qkv_dim), 1.0 / np.sqrt(H)),
+        "bias_qkv": uniform((1, qkv_dim), -0.1, 0.1) if test_bias else None,
+        "quantization_type_qkv": none, "weight_dequant_scale_qkv": None, "input_dequant_scale_qkv": None,
+        "rmsnorm_QK_enabled": qk_norm_pre, "rmsnorm_QK_eps": eps,
+        "W_rmsnorm_Q_pre_rope": uniform((1, d_head), 0.5, 1.5) if qk_norm_pre_gamma else None,
+        "W_rmsnorm_K_pre_rope": uniform((1, d_head), 0.5, 1.5) if qk_norm_pre_gamma else None,
+        "cos": uniform((d_head // 2, batch, S_tkg)), "sin": uniform((d_head // 2, batch, S_tkg)),
+        "rope_contiguous_layout": True,
+        "rmsnorm_QK_post_rope_enabled": qk_norm_post, "rmsnorm_QK_post_rope_eps": eps,
+        "W_rmsnorm_Q_post_rope": uniform((1, d_head), 0.5, 1.5) if qk_norm_post_gamma else None,
+        "W_rmsnorm_K_post_rope": uniform((1, d_head), 0.5, 1.5) if qk_norm_post_gamma else None,
+        "skip_attention": False, "K_cache_transposed": K_cache_transposed, "active_blocks_table": None,
+        "K_cache": uniform(k_shape), "V_cache": uniform((batch, 1, S_ctx, d_head)),
+    }
+    cache_len = ((np.arange(batch) * 3 + (S_ctx // 4 * 3)) % (S_ctx - S_tkg))[:, None]
+    build = nkilib.load("core.attention.gen_mask_tkg_torch:build_full_attention_mask")
+    mask = build(cache_lens=torch.from_numpy(cache_len.flatten().astype(np.float32)), batch=batch,
+                 num_heads=q_heads, s_active=S_tkg, s_ctx=S_ctx, lnc=lnc, block_len=0, include_active_mask=True,
+                 transposed=True, enable_fa_s_prior_tiling=True, KVDP=1).numpy()
+    kw.update({
+        "attention_mask": np.ascontiguousarray(mask).astype(np.uint8), "sink": None, "softmax_scale": None,
+        "enable_fa_s_prior_tiling": True, "k_scale": None, "v_scale": None,
+        "update_cache": update_cache, "kv_cache_update_idx": cache_len.astype(np.uint32),
+        "W_out": normal((q_heads * d_head, H), 0.5),
+        "bias_out": uniform((1, H), -0.1, 0.1) if test_bias else None,
+        "quantization_type_out": none, "weight_dequant_scale_out": None, "input_dequant_scale_out": None,
+        "transposed_out": False, "out_in_sb": False, "KVDP": 1, "KVDP_replica_group": None,
+    })
+    return kw
+
+
+def _block_reference(lnc):
+    def reference(**kw):
+        ref = nkilib.load("experimental.transformer.attention_block_tkg_torch:AttentionBlockTkgTorchRef")(lnc)
+        out = ref(**kw)
+        return {k: v.detach().float().numpy().astype(BF16) for k, v in out.items()}
+    return reference
+
+
+def _block(target, batch, q_heads, d_head, H, H_actual, S_ctx, S_tkg, lnc=2, **flags):
+    shape = (f"b{batch}_qh{q_heads}_d{d_head}_H{H}" + (f"_Ha{H_actual}" if H_actual else "") +
+             f"_ctx{S_ctx}_tkg{S_tkg}" + "".join(f"_{k}" for k, v in flags.items() if v is True) +
+             ("_nocacheupd" if flags.get("update_cache") is False else ""))
+
+    def outputs(outs, gold):
+        # the test's validator reads each output reshaped to the golden's shape (K_tkg is [B, 1, S, d] in the
+        # kernel, [B, S, d] in the reference)
+        return {k: np.asarray(o).reshape(g.shape) if np.asarray(o).size == g.size else o
+                for (k, g), o in zip(gold.items(), outs)}
+
+    return Case(attention_block_tkg, _block_reference(lnc), shape,
+                lambda: _block_inputs(batch, q_heads, d_head, H, H_actual, S_ctx, S_tkg, lnc, **flags),
+                atol=1e-5, rtol=0.015, source=BLOCK_SOURCE, target=target, lnc=lnc, outputs=outputs)
+
+
+CASES = [
+    _block("trn2", 4, 8, 64, 6144, 2880, 11264, 1),
+    _block("trn3", 4, 8, 64, 6144, 2880, 11264, 1),
+    _block("trn2", 4, 1, 128, 6144, 2880, 10240, 5, update_cache=False),
+    _block("trn2", 4, 8, 64, 3072, None, 10240, 4, K_cache_transposed=True, test_bias=True),
+    _block("trn2", 4, 8, 128, 6144, 2880, 11264, 1, qk_norm_pre=True, qk_norm_post=True, qk_norm_post_gamma=True,
+           test_bias=True),
+]
