@@ -138,8 +138,16 @@ def storage_dtype(d: DType) -> np.dtype:
     return d.storage
 
 
+UNINIT_ENV = "NKISIM_UNINIT"
+
+
 def sentinel(d: DType):
-    """Fill value of a fresh allocation: NaN for floats, 4 for ints (as the official simulator)."""
+    """Fill value of a fresh allocation: NaN for floats, 4 for ints (as the official simulator), so that results
+    computed from memory nobody wrote show up. `NKISIM_UNINIT=zero` fills with zeros instead: hardware memory holds
+    stale finite data, and kernels that compute on padding they never wrote and cancel it with zero weights (AWS's
+    nki-library MX projections do) are then simulated as they behave on the device."""
+    if os.environ.get(UNINIT_ENV, "nan").strip().lower() == "zero":
+        return 0
     return np.nan if d.kind == "float" else 4
 
 

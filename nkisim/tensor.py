@@ -129,6 +129,17 @@ class NkiTensor:
         return self.dtype.itemsize
 
     @property
+    def base_tensor(self):
+        """The whole tensor this view was taken from (its allocation, in the allocation's dtype). Not in AWS's
+        published stub, but the nki-library reads it on plain kernel arguments and SBUF tiles (core/moe/moe_tkg
+        gate_up_projection_mx.py: `weight.base_tensor`, then `.view(weight.dtype)` of a copy in the base dtype)."""
+        a = self.alloc
+        strides = [1] * len(a.shape)
+        for i in range(len(a.shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * a.shape[i + 1]
+        return NkiTensor(a, a.shape, strides, 0, a.dtype)
+
+    @property
     def alloc_site(self):
         return self.alloc.site
 

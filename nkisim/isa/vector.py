@@ -219,9 +219,11 @@ def memset(dst, value, engine=Engine.unknown, name=None):
         fail(opn, f"value must be a compile-time scalar, got {type(value).__name__}")
     if dst.dtype.kind == "packed" and value != 0:
         fail(opn, f"x4 packed dtype {dst.dtype.name} only supports value=0")
-    if dst.dtype.is_int and isinstance(value, (float, np.floating)):
-        fail(opn, f"value={value!r} is a float but dst dtype is {dst.dtype.name}; the value type must match the "
-                  "dst dtype")
+    # An integral float (0.0) fills an integer tile exactly; AWS's nki-library memsets uint8 MX-scale tiles with
+    # 0.0 (core/moe/moe_tkg/gate_up_projection_mx.py). A fractional one has no exact integer fill.
+    if dst.dtype.is_int and isinstance(value, (float, np.floating)) and not float(value).is_integer():
+        fail(opn, f"value={value!r} is a fractional float but dst dtype is {dst.dtype.name}; the value type must "
+                  "match the dst dtype")
     store(opn, dst, np.full(dst.shape, value))
     eng = engine if engine is not Engine.unknown else Engine.vector
     _emit(opn, eng.name, (), (dst,), dst)

@@ -68,3 +68,120 @@ CASES = [
     _tkg(5, 512, 128, 4, 2, "Swish", False, bias=True),
     _tkg(4, 3072, 192, 128, 4, "Swish", False, bias=True, target="trn3"),
 ]
+
+
+# ---- MX (trn3 only): weights quantized by us with the OCP MX rule, in the layouts test_moe_tkg.py documents --------
+
+def _stabilized_mx(rng, rows, words, mx_dtype, val_range):
+    """MX data as test_moe_tkg.py generates it (our code, its recipe): elements uniform over the element format's range
+    with one element per 8x4 group at the format's largest exponent (so re-quantizing the dequantized values gives
+    back the same scale), scales uniform over the 11 exponents below log2(val_range / largest value).
+    Returns (packed words [rows, words], scales [rows/8, words], dequantized fp32 values [rows, 4 * words])."""
+    from nkisim import mx
+    emax, vmax = mx.element_params(mx_dtype)
+    elems = rng.uniform(-vmax, vmax, size=(rows // 8, 8, words, 4))
+    pick_p, pick_q = rng.integers(0, 8, size=(rows // 8, words)), rng.integers(0, 4, size=(rows // 8, words))
+    g, w = np.meshgrid(np.arange(rows // 8), np.arange(words), indexing="ij")
+    elems[g, pick_p, w, pick_q] = rng.choice([-1.0, 1.0], size=g.shape) * (1 + 0.5 * rng.random(g.shape)) * 2.0 ** emax
+    elems = elems.reshape(rows, 4 * words).astype(np.float32)
+    packed = mx.encode(elems, mx_dtype)
+    top = min(255, int(np.log2(val_range / vmax)) + mx.SCALE_BIAS)
+    scales = rng.integers(max(0, top - 10), top + 1, size=(rows // 8, words)).astype(np.uint8)
+    values = mx.decode(packed, mx_dtype) * np.exp2(np.repeat(np.repeat(scales.astype(np.float64), 8, 0), 4, 1) - 127)
+    return packed, scales, values
+
+
+def _mx_weights(rng, n_rows, n_words, mx_dtype):
+    rows8 = -(-n_rows // 8) * 8
+    words, scales, _ = _stabilized_mx(rng, rows8, n_words, mx_dtype, 1.0)
+    return words[:n_rows], scales[: -(-n_rows // 8)]
+
+
+def _mx_hidden(rng, T, H):
+    """bf16 hidden states exactly representable in MXFP8 (e4m3fn) in the kernel's quantization layout: H index
+    q * H/4 + tile * 128 + p, groups of 8 partitions p x the 4 lanes q (as test_moe_tkg.py lays them out)."""
+    from nkisim import mx
+    n512 = H // 512
+    _, _, values = _stabilized_mx(rng, T * n512 * 128, 1, mx.dt.float8_e4m3fn_x4, 5.0)
+    h = values.reshape(T, n512, 128, 4).transpose(0, 3, 1, 2).reshape(T, H)
+    return h.astype(ml_dtypes.bfloat16)
+
+
+def _moe_tkg_mx_inputs(T, H, inter, E, K, act, all_expert, mx_name, bias):
+    def build():
+        import nki.language as nl
+        from nkilib_src.nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode
+
+        from nkisim import mx
+        mx_dtype = getattr(nl, mx_name)
+        rng = np.random.default_rng(7)
+        k = K if K is not None else E
+        if all_expert:
+            idx = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+        else:
+            idx = rng.integers(0, E, size=(T, k)).astype(np.int32)
+        weights = rng.random((T, k))
+        weights /= weights.sum(axis=1, keepdims=True)
+        aff = np.zeros((T, E), np.float32)
+        for t in range(T):
+            aff[t, idx[t]] = weights[t]
+        n_h512, n_i512 = H // 512, -(-inter // 512)
+        i_p = -(-inter // 4 // 8) * 8 if inter < 512 else 128
+        gu_w = np.zeros((E, 128, 2, n_h512, inter), mx_dtype.storage)
+        gu_s = np.zeros((E, 16, 2, n_h512, inter), np.uint8)
+        dn_w = np.zeros((E, i_p, n_i512, H), mx_dtype.storage)
+        dn_s = np.zeros((E, -(-i_p // 8), n_i512, H), np.uint8)
+        for e in range(E):
+            for g in range(2):
+                w, s = _mx_weights(rng, 128, n_h512 * inter, mx_dtype)
+                gu_w[e, :, g] = w.reshape(128, n_h512, inter)
+                gu_s[e, :, g] = s.reshape(16, n_h512, inter)
+            w, s = _mx_weights(rng, -(-inter // 4), H, mx_dtype)
+            for t in range(n_i512):
+                rows = min(128, w.shape[0] - t * 128)
+                srows = min(16, s.shape[0] - t * 16)
+                dn_w[e, :rows, t] = w[t * 128:t * 128 + rows]
+                dn_s[e, :srows, t] = s[t * 16:t * 16 + srows]
+        bf16 = lambda *shape: rng.standard_normal(shape).astype(ml_dtypes.bfloat16)  # noqa: E731
+        return {
+            "hidden_input": _mx_hidden(rng, T, H),
+            "expert_gate_up_weights": mx.PackedArray(gu_w, mx_dtype),
+            "expert_down_weights": mx.PackedArray(dn_w, mx_dtype),
+            "expert_affinities": aff.astype(ml_dtypes.bfloat16 if all_expert else np.float32),
+            "expert_index": idx,
+            "is_all_expert": all_expert,
+            "rank_id": np.zeros((1, 1), np.uint32) if all_expert else None,
+            "expert_gate_up_bias": bf16(E, i_p, 2, n_i512, 4) if bias else None,
+            "expert_down_bias": bf16(E, H) if bias else None,
+            "expert_gate_up_weights_scale": gu_s,
+            "expert_down_weights_scale": dn_s,
+            "expert_affinities_scaling_mode": ExpertAffinityScaleMode.POST_SCALE,
+            "activation_fn": getattr(ActFnType, act),
+            "output_dtype": nl.bfloat16,
+            "gate_clamp_upper_limit": 7.0,
+            "up_clamp_upper_limit": 8.0,
+            "up_clamp_lower_limit": -6.0,
+        }
+    return build
+
+
+_PADDING = (" (the MX projections quantize and multiply all 128 partitions, of which the ones past I/4 were"
+            " never written, and cancel them with zero-padded weights: run with NKISIM_UNINIT=zero, stale finite"
+            " memory as on the device, instead of nkisim's NaN fill)")
+
+
+def _tkg_mx(T, H, inter, E, K, act, all_expert, mx_name="float4_e2m1fn_x4", bias=True):
+    kind = "all" if all_expert else "sel"
+    return Case("core.moe:moe_tkg", "core.moe.moe_tkg.moe_tkg_torch:moe_tkg_torch_ref",
+                f"mx_{kind}_T{T}_H{H}_I{inter}_E{E}_K{K}_{act}_{mx_name.split('_')[0]}",
+                _moe_tkg_mx_inputs(T, H, inter, E, K, act, all_expert, mx_name, bias),
+                atol=1e-5, rtol=5e-2, source=SRC_TKG + "_mx" + _PADDING, target="trn3", lnc=2,
+                env={"NKISIM_UNINIT": "zero"})
+
+
+CASES += [
+    _tkg_mx(1, 512, 64, 128, 2, "Swish", False),
+    _tkg_mx(4, 3072, 192, 128, 4, "Swish", False),
+    _tkg_mx(128, 3072, 192, 1, None, "Swish", True),
+    _tkg_mx(128, 3072, 96, 1, None, "Swish", True),
+]

@@ -37,6 +37,8 @@ class Case:
         bf16 tensors in the reference and its outputs are rounded to the first low-precision input dtype.
     compare: (named kernel outputs, golden, kernel kwargs) -> (kernel side, golden side) actually compared, for
         tests whose library validator compares derived views (sorted values, input values at the kernel's indices).
+    env: environment of the kernel run beyond the target, e.g. {"NKISIM_UNINIT": "zero"} for kernels that compute on
+        padding partitions they never wrote and cancel them with zero weights (say why in `source`).
     """
 
     kernel: str | Callable
@@ -61,6 +63,7 @@ class Case:
     ranks: int = 1
     rank0_only: bool = False
     timeout_s: float | None = None     # pytest timeout for a case far slower than the suite's default
+    env: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -180,17 +183,19 @@ def run_case(case: Case) -> Result:
     kwargs = case.inputs()
     copies = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
     gold = golden(case, kwargs)
-    previous = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
-    os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = case.target
+    env = {"NEURON_PLATFORM_TARGET_OVERRIDE": case.target, **case.env}
+    previous = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     start = time.perf_counter()
     try:
         launch = kernel[case.lnc] if case.lnc != 1 else kernel
         outs = nki.simulate(launch)(**copies)
     finally:
-        if previous is None:
-            os.environ.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
-        else:
-            os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = previous
+        for k, v in previous.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     wall = time.perf_counter() - start
     if case.out_args:
         outs = tuple(copies[k] for k in case.out_args)

@@ -250,6 +250,12 @@ def test_memset(dtype, value):
     assert_bits(t, np.full((4, 5), value).astype(dtype.np), dtype.np)
 
 
+def test_memset_integral_float_fills_int_dst():
+    t = tile((2, 2), nl.uint8)
+    nisa.memset(dst=t, value=0.0)
+    assert_bits(t, np.zeros((2, 2), np.uint8), np.uint8)
+
+
 def test_memset_value_type_must_match_int_dst():
     with pytest.raises(NkiValidationError, match=r"value type must match"):
         nisa.memset(dst=tile((2, 2), nl.int32), value=1.5)

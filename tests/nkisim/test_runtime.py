@@ -258,3 +258,19 @@ def test_nested_jit_kernel_is_rejected_by_the_parser_frontend(monkeypatch):
     monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")
     with pytest.raises(lint.NkiLanguageError, match="nested-jit"):
         _calls_nested_jit(np.zeros((2, 4), np.float32))
+
+
+def test_base_tensor_is_the_whole_allocation():
+    t = nl.ndarray((4, 3, 8), dtype=nl.bfloat16, buffer=nl.sbuf)
+    view = t[:, 1, 2:6].view(nl.int16)
+    base = view.base_tensor
+    assert base.shape == (4, 3, 8) and base.dtype == nl.bfloat16 and base.offset == 0
+    assert base.strides == (24, 8, 1) and base.alloc is t.alloc
+
+
+def test_fresh_memory_is_nan_by_default_and_zero_on_request(monkeypatch):
+    monkeypatch.delenv("NKISIM_UNINIT", raising=False)
+    assert np.isnan(nkisim.tensor.read(nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf))).all()
+    monkeypatch.setenv("NKISIM_UNINIT", "zero")
+    assert not nkisim.tensor.read(nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.sbuf)).any()
+    assert not nkisim.tensor.read(nl.ndarray((2, 2), dtype=nl.int32, buffer=nl.sbuf)).any()
