@@ -4,9 +4,11 @@ The convenience functions (nl.add, nl.exp, nl.load, nl.matmul, ...) lower to the
 kernel would call directly, so they are checked, recorded and costed exactly like hand-written ISA code.
 """
 
+import builtins
 import contextlib
 import inspect
 import os
+import warnings
 
 import numpy as np
 
@@ -33,6 +35,7 @@ from .dtypes import (  # noqa: F401 - re-exported as nl.<dtype>
     uint32,
 )
 from .errors import NkiValidationError
+from .frontend import parser_frontend
 from .memory import Allocation, check_buffer, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
 from .ops import FP32_MIN  # noqa: F401 - nl.FP32_MIN
 from .runtime import access_of, current
@@ -179,6 +182,8 @@ def ndarray(shape, dtype, buffer=None, name="", address=None):
         alloc = _shared_allocation(ctx, shape, d, name)
     else:
         alloc = Allocation(shape, d, buf, name=name, pool=ctx.pool if buf.on_chip else None, address=address)
+    if ctx.loop_scopes:
+        ctx.loop_scopes[-1].append(alloc)   # lives only in this fori_loop / while_loop iteration
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
@@ -302,16 +307,29 @@ def program_ndim():
 
 # ---- loops ------------------------------------------------------------------------------------------------------
 
+def _deprecated_range(name):
+    # NKI 0.7 ("NKI Loops" deep-dive): the static range iterators are deprecated and default to Python range.
+    warnings.warn(f"nl.{name} is deprecated in NKI 0.7 and behaves as Python range; use range(...) (for runtime "
+                  "loops, nl.fori_loop)", DeprecationWarning, stacklevel=3)
+
+
 def affine_range(start, stop=None, step=1):
-    return range(start, stop, step) if stop is not None else range(start)
+    _deprecated_range("affine_range")
+    return range(start, stop, step)
 
 
-sequential_range = static_range = affine_range
+def sequential_range(start, stop=None, step=1):
+    _deprecated_range("sequential_range")
+    return range(start, stop, step)
+
+
+def static_range(start, stop=None, step=1):
+    _deprecated_range("static_range")
+    return range(start, stop, step)
 
 
 def range(start, stop=None, step=1):  # noqa: A001 - NKI's name; used as `nl.range(...)`
     """`nl.range`: a Python range (NKI 0.7: the static range iterators "default to Python range")."""
-    import builtins
     return builtins.range(start, stop, step) if stop is not None else builtins.range(start)
 
 
@@ -319,35 +337,73 @@ bool = bool_  # noqa: A001 - `nl.bool`, the same dtype as `nl.bool_`
 
 
 def dynamic_range(start, stop=None, step=1):
-    """Deprecated runtime loop (NKI 0.6): bounds may be registers; iterates over their current values."""
+    """0.6 runtime loop over register bounds. Removed from the 0.7 tracer; kept under NKI_COMPILER_FRONTEND=custom."""
+    if not parser_frontend():
+        raise TypeError("nl.dynamic_range is not supported by the NKI 0.7 tracer frontend (a register's value is not "
+                        "known while the kernel is built): use nl.fori_loop(lower, upper, body_fun, step) -- or set "
+                        "NKI_COMPILER_FRONTEND=custom for the deprecated 0.6 parser")
+    if not isinstance(step, (int, np.integer)) or isinstance(step, VirtualRegister) or step <= 0:
+        raise NkiValidationError(f"nl.dynamic_range: step={step!r} must be a compile-time positive int")
     lo, hi = (0, start) if stop is None else (start, stop)
     from .tensor import scalar_value
     return range(scalar_value(lo, "dynamic_range start"), scalar_value(hi, "dynamic_range stop"), step)
 
 
-def fori_loop(lower, upper, body_fun, step=1):
-    """Runtime loop: body_fun(i) with a frozen register i, for i in [lower, upper) step `step`."""
+def _loop_bound(b, what):
+    """Current value of a fori_loop bound: a compile-time int, a VirtualRegister or (tracer) a 32-bit NkiScalar."""
+    from .isa.scalars import NkiScalar, check_usable
     from .tensor import scalar_value
+    if isinstance(b, NkiScalar):
+        check_usable(b, f"nl.fori_loop {what}")
+        if b.bits != 32:
+            raise NkiValidationError(f"nl.fori_loop: {what} is an nl.{b.dtype.name} NkiScalar; a bound must be 32-bit "
+                                     "(the loop's trip-count comparison has no 64-bit form)")
+    return scalar_value(b, f"fori_loop {what}")
+
+
+@contextlib.contextmanager
+def _iteration_scope(ctx, loop):
+    """Allocations made while one iteration of a runtime loop runs; afterwards no instruction may use them."""
+    ctx.loop_scopes.append([])
+    try:
+        yield
+    finally:
+        for alloc in ctx.loop_scopes.pop():
+            ctx.dead_allocs[alloc.id] = loop
+
+
+def fori_loop(lower, upper, body_fun, step=1):
+    """Runtime loop: body_fun(i) for i in [lower, upper) step `step` (compile-time positive int).
+
+    Under the 0.7 tracer `i` is an NkiScalar (arithmetic such as `i * 4 + 1` is allowed) unless a bound is a
+    VirtualRegister, then a VirtualRegister; under the 0.6 parser it is a frozen VirtualRegister. Tensors allocated
+    inside the body are not usable after the iteration that allocated them."""
+    from .isa.scalars import NkiScalar
     ctx = current()
     if ctx.no_reorder_depth:
         raise NkiValidationError("nl.fori_loop is not allowed inside nl.no_reorder()")
-    if not isinstance(step, (int, np.integer)) or step <= 0:
+    if isinstance(step, (VirtualRegister, builtins.bool)) or not isinstance(step, (int, np.integer)) or step <= 0:
         raise NkiValidationError(f"nl.fori_loop: step={step!r} must be a positive compile-time int")
-    lo = scalar_value(lower, "fori_loop lower")
-    hi = scalar_value(upper, "fori_loop upper")
-    reg = VirtualRegister(lo, frozen=True)
+    lo = _loop_bound(lower, "lower")
+    hi = _loop_bound(upper, "upper")
+    register_bound = any(isinstance(b, VirtualRegister) and not isinstance(b, NkiScalar) for b in (lower, upper))
+    if parser_frontend() or register_bound:
+        ivar = VirtualRegister(lo, frozen=True)
+    else:
+        ivar = NkiScalar(lo)
     # Cost model: with register / tensor bounds every instruction of the loop depends on their producers (control
-    # dependency); the induction register itself has no recorded writer (each engine steps its own copy).
+    # dependency); the induction variable itself has no recorded writer (each engine steps its own copy).
     prev = ctx.ctrl
     dyn = tuple(access_of(b) for b in (lower, upper) if isinstance(b, (VirtualRegister, NkiTensor)))
     if dyn:
         ctx.ctrl = prev + dyn
     try:
-        for i in range(lo, hi, step):
-            reg.value = i
+        for i in range(lo, hi, int(step)):
+            ivar.value = i
             ctx.emit("loop_iter", "sync", (), ())
-            if body_fun(reg) is not None:
-                raise NkiValidationError("nl.fori_loop: body_fun must return None")
+            with _iteration_scope(ctx, "nl.fori_loop"):
+                if body_fun(ivar) is not None:
+                    raise NkiValidationError("nl.fori_loop: body_fun must return None")
     finally:
         ctx.ctrl = prev
 
@@ -366,7 +422,8 @@ def while_loop(init, body_fun):
             ctx.ctrl = prev + (access_of(cond),) if isinstance(cond, VirtualRegister) else prev
             ctx.emit("loop_iter", "sync", (), ())
             cur = cond.value if isinstance(cond, VirtualRegister) else int(cond)
-            cond = body_fun(VirtualRegister(cur))
+            with _iteration_scope(ctx, "nl.while_loop"):
+                cond = body_fun(VirtualRegister(cur))
             if not isinstance(cond, (VirtualRegister, int, np.integer)):
                 raise NkiValidationError("nl.while_loop: body_fun must return the next condition (a VirtualRegister)")
     finally:

@@ -50,6 +50,8 @@ import textwrap
 import types
 from dataclasses import dataclass
 
+from .frontend import FRONTEND_ENV, parser_frontend
+
 __all__ = [
     "FRONTEND_ENV",
     "PARSER_RULES",
@@ -85,12 +87,6 @@ RULES: dict[str, str] = {
 PARSER_RULES: frozenset[str] = frozenset({"kwonly-param", "is-compare", "list-arg", "class-base", "dict-key",
                                           "generator", "nested-jit"})
 
-FRONTEND_ENV = "NKI_COMPILER_FRONTEND"
-
-
-def parser_frontend() -> bool:
-    """True when ``NKI_COMPILER_FRONTEND=custom`` selects the legacy (0.6) parser; the default is 0.7 tracing."""
-    return os.environ.get(FRONTEND_ENV, "").strip().lower() == "custom"
 
 
 def _for_frontend(violations) -> list:

@@ -53,7 +53,7 @@ def access_of(t):
 
 
 def _access_of(t):
-    if t.__class__ is VirtualRegister:
+    if isinstance(t, VirtualRegister):   # also nisa.NkiScalar (a subclass)
         return Access(-t.id, "reg", 0, 4, 4, 1, 4, None, (), 4)
     isz = t.dtype.itemsize
     lo = hi = t.offset
@@ -164,6 +164,10 @@ class CoreContext:
         self.rank = 0
         self.cc_count = 0
         self.cc_prepared = None
+        # nl.fori_loop / nl.while_loop bodies: allocations made by the running iteration (innermost last), and the
+        # allocations of finished iterations, which no instruction may touch any more (alloc id -> loop name).
+        self.loop_scopes = []
+        self.dead_allocs = {}
 
     def defer_liveness(self):
         """Inside a kernel: on-chip allocations live until their last use in the trace (MemoryPool docstring)."""
@@ -172,6 +176,8 @@ class CoreContext:
 
     def emit(self, opname, engine, reads=(), writes=(), **meta):
         """Record one instruction. `reads`/`writes` are NkiTensors or VirtualRegisters."""
+        if self.dead_allocs:
+            _check_in_scope(self.dead_allocs, opname, reads, writes)
         if self.pool.deferred:
             seq = self.seq
             for group in (reads, writes):
@@ -200,6 +206,20 @@ class CoreContext:
         if key not in self.warned:
             self.warned.add(key)
             warnings.warn(message, category, stacklevel=4)
+
+
+def _check_in_scope(dead, opname, reads, writes):
+    """A tensor allocated inside a fori_loop / while_loop body exists only in that iteration (NKI traces the body
+    once; tensors created inside it are not visible outside it)."""
+    for t in (*reads, *writes):
+        alloc = getattr(t, "alloc", None)
+        if alloc is not None and alloc.id in dead:
+            from .errors import NkiValidationError
+            raise NkiValidationError(
+                f"{opname}: tensor '{alloc.name}' was allocated at {alloc.site[0]}:{alloc.site[1]} inside the body of "
+                f"{dead[alloc.id]} and is used after that iteration ended; tensors allocated inside a fori_loop / "
+                "while_loop body are not usable after it -- allocate it before the loop and keep state across "
+                "iterations in SBUF/HBM")
 
 
 _local = threading.local()

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import dtypes as dt
 from .errors import NkiValidationError
+from .frontend import parser_frontend
 
 _BINARY_OP_ERROR = "binary operators on tensors not supported. Use nki.isa directly (or nl.add, nl.multiply, ...)."
 
@@ -37,11 +38,30 @@ class VirtualRegister:
         self.writer = None      # seq of the last recorded instruction that wrote the register (None: never)
         self._access = None     # cached pseudo-Access (nkisim.runtime.access_of)
 
+    # Python control flow on a register. Under the 0.7 tracer the value is not known while the kernel is built:
+    # AWS's VirtualRegister page says `if`/`while`/`int()`/`range()` on a register raise TypeError. Under the 0.6
+    # parser (NKI_COMPILER_FRONTEND=custom) `while reg:` is a runtime loop while the register is nonzero.
+    def __bool__(self):
+        if parser_frontend():
+            return self.value != 0
+        raise TypeError(_register_control_flow("bool()/if/while"))
+
     def __index__(self):
-        return self.value
+        if parser_frontend():
+            return self.value
+        raise TypeError(_register_control_flow("int()/range()/indexing by Python"))
+
+    __int__ = __index__
 
     def __repr__(self):
         return f"VirtualRegister({self.value})"
+
+
+def _register_control_flow(what):
+    return (f"VirtualRegister in Python {what}: under the NKI 0.7 tracer a register's value is not known while the "
+            "kernel is built. Use nl.fori_loop(lower, upper, body) for counted loops and nl.while_loop(init, body) "
+            "for data-dependent loops; use the register as a loop bound or as a scalar_offset / nl.ds start "
+            "(NKI_COMPILER_FRONTEND=custom keeps the 0.6 parser, where `while reg:` loops on the device)")
 
 
 class DynSlice:
@@ -65,6 +85,8 @@ def ds(start, size):
 def scalar_value(x, what):
     """Current integer value of a compile-time int, a register, or a 1-element tensor (dynamic offsets)."""
     if isinstance(x, VirtualRegister):
+        if getattr(x, "is_comparison", False):   # nisa.NkiScalar comparison results are traced but unusable
+            raise TypeError(f"{what}: the result of an NkiScalar comparison is traced but cannot be used")
         return x.value
     if isinstance(x, NkiTensor):
         if x.size != 1:
@@ -149,6 +171,14 @@ class NkiTensor:
     def __len__(self):
         return self.shape[0]
 
+    def __bool__(self):
+        # Without this Python would fall back on __len__ and `if tile:` would silently test shape[0] != 0.
+        raise TypeError(
+            f"truth value of NkiTensor '{self.name}' {self.shape} (`if tile:` / `bool(tile)` / `while tile:`): a "
+            "tensor's contents exist only on the device, not while the kernel is traced. Test presence with "
+            "`tile is not None`; to branch on the data, load it with nisa.scalar_load / nisa.register_load and use "
+            "nl.fori_loop / nl.while_loop, or select with nisa ops (affine_select, tensor_copy_predicated)")
+
     # Tensors carry no arithmetic in NKI 0.6: reject operators instead of silently computing in NumPy.
     def _no_op(self, *_):
         raise TypeError(_BINARY_OP_ERROR)
@@ -188,6 +218,9 @@ class NkiTensor:
                 start, size, step = _slice_bounds(k, n, d, self)
                 if k.__class__ is DynSlice and k.start.__class__ is not int and _dynamic(k.start) is not None:
                     regs = (regs or ()) + (k.start,)
+                elif k.__class__ is slice and (isinstance(k.start, VirtualRegister)
+                                               or isinstance(k.stop, VirtualRegister)):
+                    regs = (regs or ()) + tuple(v for v in (k.start, k.stop) if isinstance(v, VirtualRegister))
                 offset += start * s
                 shape.append(size)
                 strides.append(s * step)
@@ -454,6 +487,19 @@ def _slice_bounds(k, n, d, t):
     step = 1 if k.step is None else int(k.step)
     if step == 0:
         raise IndexError("slice step cannot be zero")
+    if isinstance(k.start, VirtualRegister) or isinstance(k.stop, VirtualRegister):
+        # A slice bounded by device values (NKI 0.7 NkiScalars, `t[r:r + 128]`): the size must still be known while
+        # tracing, i.e. stop = start + a constant (tracked by NkiScalar.affine). Otherwise use nl.ds(start, size).
+        a, b = getattr(k.start, "affine", None), getattr(k.stop, "affine", None)
+        if a is None or b is None or a[0] is not b[0] or step != 1:
+            raise IndexError(f"slice {k.start!r}:{k.stop!r} on dim {d} of tensor '{t.name}' has a size that is not "
+                             "known while the kernel is traced; a device-value slice needs stop = start + constant "
+                             "(t[r:r + 128]) and step 1, or use nl.ds(start, size)")
+        start, stop = scalar_value(k.start, "slice start"), scalar_value(k.stop, "slice stop")
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"slice [{start}:{stop}] (device values) is out of range for dim {d} of size {n} "
+                             f"(tensor '{t.name}')")
+        return start, stop - start, 1
     for name, v in (("start", k.start), ("stop", k.stop)):
         if v is not None and not isinstance(v, (int, np.integer)):
             raise IndexError(f"slice {name} must be a compile-time int (use nl.ds for dynamic starts), got {v!r}")

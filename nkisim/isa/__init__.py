@@ -32,6 +32,7 @@ from .registers import (  # noqa: F401
     register_store,  # noqa: F401
 )
 from .scalar import activation, activation_reduce  # noqa: F401
+from .scalars import NkiScalar, scalar_load, scalar_store  # noqa: F401 - NKI 0.7 (tracer frontend)
 from .tensor_engine import nc_matmul, nc_transpose  # noqa: F401
 from .vector import (  # noqa: F401
     bn_aggr,

@@ -1,0 +1,345 @@
+"""NKI 0.7 (tracer frontend, the default) versus the legacy parser (NKI_COMPILER_FRONTEND=custom).
+
+Every 0.7 construct is exercised under the default frontend; every parser behaviour under
+`monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")`. Facts are AWS's pages (cited per test).
+"""
+
+import warnings
+
+import nki
+import numpy as np
+import pytest
+
+from nkisim.errors import NkiValidationError
+
+from ._sim import fresh_core, hbm, nisa, nl, rd, sb, tile  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def tracer(monkeypatch):
+    """Default frontend (0.7 tracing) unless a test selects the parser."""
+    monkeypatch.delenv("NKI_COMPILER_FRONTEND", raising=False)
+
+
+@pytest.fixture
+def parser(monkeypatch):
+    monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")
+
+
+def int_tile(value, buffer=None):
+    return sb(np.array([[value]], np.int32), buffer=buffer)
+
+
+# ---- NkiScalar, scalar_load, scalar_store (nki.isa.NkiScalar / scalar_load / scalar_store pages) --------------
+
+def test_scalar_load_arithmetic_store_roundtrip():
+    """The AWS example: i = scalar_load(index_tile); i = i * 4 + 1; scalar_store(result, i)."""
+    i = nisa.scalar_load(int_tile(5))
+    assert isinstance(i, nisa.NkiScalar) and i.dtype == nl.int32
+    j = i * 4 + 1
+    k = 100 - (-j) * 2          # reflected and unary operators
+    out = tile((1, 1), nl.int32)
+    nisa.scalar_store(out, j)
+    assert rd(out)[0, 0] == 21
+    nisa.scalar_store(out, k)
+    assert rd(out)[0, 0] == 142
+
+
+def test_scalar_int32_arithmetic_wraps():
+    """'100000 * 100000 yields 1410065408, and adding 1 to the largest nl.int32 yields the smallest.'"""
+    big = nisa.scalar_load(int_tile(100000))
+    assert (big * 100000).value == 1410065408
+    top = nisa.scalar_load(int_tile(2 ** 31 - 1))
+    assert (top + 1).value == -(2 ** 31)
+
+
+def test_scalar_has_no_python_value_while_traced():
+    i = nisa.scalar_load(int_tile(3))
+    with pytest.raises(TypeError, match=r"no value while the kernel is traced"):
+        bool(i)
+    with pytest.raises(TypeError, match=r"no value while the kernel is traced"):
+        int(i)
+    with pytest.raises(TypeError, match=r"no value while the kernel is traced"):
+        range(i)
+
+
+def test_scalar_comparison_is_traced_but_unusable():
+    i = nisa.scalar_load(int_tile(3))
+    c = i < 4
+    assert isinstance(c, nisa.NkiScalar) and c.is_comparison
+    with pytest.raises(TypeError, match=r"comparison is traced but cannot be used"):
+        c + 1
+    with pytest.raises(TypeError, match=r"comparison is traced but cannot be used"):
+        nisa.scalar_store(tile((1, 1), nl.int32), c)
+    with pytest.raises(TypeError, match=r"comparison is traced but cannot be used"):
+        nl.fori_loop(0, c, lambda k: None)
+
+
+def test_scalar_undocumented_operators_and_mixed_operands_rejected():
+    i = nisa.scalar_load(int_tile(8))
+    with pytest.raises(TypeError, match=r"not documented"):
+        i // 2
+    with pytest.raises(TypeError, match=r"not documented"):
+        i % 3
+    with pytest.raises(TypeError):
+        i + 1.5
+    with pytest.raises(TypeError, match=r"not a VirtualRegister"):
+        i + nisa.register_alloc(1)
+    with pytest.raises(TypeError, match=r"does not fit"):
+        i * 2 ** 40
+    i2 = i * 2          # positive twin: int operands within 32 bits
+    assert i2.value == 16
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("psum", r"SBUF or HBM"),
+    ("shape", r"1x1 tensor"),
+    ("uint32", r"unsigned dtypes are not accepted"),
+    ("float", r"nl.int32 or nl.int64"),
+])
+def test_scalar_load_source_rules(case, pattern):
+    src = {
+        "psum": lambda: int_tile(1, buffer=nl.psum),
+        "shape": lambda: sb(np.zeros((1, 2), np.int32)),
+        "uint32": lambda: sb(np.zeros((1, 1), np.uint32)),
+        "float": lambda: sb(np.zeros((1, 1), np.float32)),
+    }[case]()
+    with pytest.raises(NkiValidationError, match=pattern):
+        nisa.scalar_load(src)
+
+
+def test_scalar_load_from_hbm_and_sbuf():
+    assert nisa.scalar_load(hbm(np.array([[7]], np.int32))).value == 7
+    assert nisa.scalar_load(int_tile(-7)).value == -7
+
+
+def test_scalar_store_rules():
+    out = tile((1, 1), nl.int32)
+    with pytest.raises(NkiValidationError, match=r"must be an NkiScalar.*nisa.memset"):
+        nisa.scalar_store(out, 3)
+    with pytest.raises(NkiValidationError, match=r"nl.int32 or nl.int64"):
+        nisa.scalar_store(tile((1, 1), nl.float32), nisa.scalar_load(int_tile(1)))
+    nisa.scalar_store(out, nisa.scalar_load(int_tile(9)))
+    assert rd(out)[0, 0] == 9
+
+
+def test_scalar_calls_rejected_by_parser(parser):
+    """'Only the tracer frontend supports this. The parser frontend rejects the call.'"""
+    with pytest.raises(NkiValidationError, match=r"only by the tracer frontend"):
+        nisa.scalar_load(int_tile(1))
+    with pytest.raises(NkiValidationError, match=r"only by the tracer frontend"):
+        nisa.scalar_store(tile((1, 1), nl.int32), nisa.NkiScalar(1))
+
+
+# ---- nl.fori_loop (nki.language.fori_loop page, v2.33.0) -------------------------------------------------------------
+
+def test_fori_loop_variable_is_a_scalar_with_arithmetic_in_addressing():
+    """i * 4 + 1 in nl.ds, in a Python slice, as an integer index and as an .ap scalar_offset."""
+    x = hbm(np.arange(64 * 4, dtype=np.float32).reshape(64, 4))
+    acc = {name: sb(np.zeros((1, 4), np.float32)) for name in ("ds", "slice", "index", "ap")}
+    kinds = []
+
+    def body(i):
+        kinds.append(type(i))
+        r = i * 4 + 1
+        for name, view in (("ds", x[nl.ds(r, 1), :]), ("slice", x[r:r + 1, :]), ("index", x[r, :]),
+                           ("ap", x.ap([[4, 1], [1, 4]], scalar_offset=r))):
+            row = tile((1, 4))
+            nisa.dma_copy(dst=row, src=view)
+            nisa.tensor_tensor(dst=acc[name], data1=acc[name], data2=row, op=nl.add)
+
+    nl.fori_loop(0, 3, body)
+    assert kinds == [nisa.NkiScalar] * 3
+    want = np.arange(64 * 4).reshape(64, 4)[[1, 5, 9]].sum(0)
+    for name in acc:
+        np.testing.assert_array_equal(rd(acc[name])[0], want, err_msg=name)
+
+
+def test_scalar_slice_needs_a_size_known_while_tracing():
+    x = hbm(np.arange(64, dtype=np.float32).reshape(64, 1))
+    i = nisa.scalar_load(int_tile(2))
+    r = i * 8
+    assert x[r + 1:r + 5, :].shape == (4, 1)           # stop = start + constant: size 4
+    with pytest.raises(IndexError, match=r"not known while the kernel is traced.*nl.ds"):
+        x[i * 8:(i + 1) * 8, :]                         # two different products: size unknown while tracing
+    with pytest.raises(IndexError, match=r"not known while the kernel is traced"):
+        x[r:40, :]                                      # device start, constant stop
+    with pytest.raises(IndexError, match=r"not known while the kernel is traced"):
+        x[r:r + 4:2, :]                                 # a step other than 1
+
+
+def test_fori_loop_bounds_from_scalars_and_registers():
+    x = hbm(np.arange(16, dtype=np.float32).reshape(16, 1))
+    seen = []
+    n = nisa.scalar_load(int_tile(3))
+    nl.fori_loop(n - 2, n * 2, lambda i: seen.append((type(i), i.value)))     # bounds are NkiScalar expressions
+    assert seen == [(nisa.NkiScalar, v) for v in range(1, 6)]
+    seen.clear()
+    reg = nisa.register_alloc(3)
+
+    def body(i):
+        seen.append((type(i), i.value))
+        t = tile((1, 1))
+        nisa.dma_copy(dst=t, src=x[nl.ds(i, 1), :])
+
+    nl.fori_loop(0, reg, body)     # a VirtualRegister bound: the body gets a VirtualRegister
+    assert seen == [(nisa.VirtualRegister, v) for v in range(3)]
+
+
+def test_fori_loop_body_gets_register_under_parser(parser):
+    seen = []
+    nl.fori_loop(0, 2, lambda i: seen.append(type(i)))
+    assert seen == [nisa.VirtualRegister] * 2
+
+
+def test_fori_loop_step_must_be_positive_compile_time_int():
+    with pytest.raises(NkiValidationError, match=r"positive compile-time int"):
+        nl.fori_loop(0, 4, lambda i: None, step=nisa.register_alloc(1))
+    with pytest.raises(NkiValidationError, match=r"positive compile-time int"):
+        nl.fori_loop(0, 4, lambda i: None, step=0)
+    seen = []
+    nl.fori_loop(0, 4, lambda i: seen.append(i.value), step=2)
+    assert seen == [0, 2]
+
+
+# ---- tensors allocated inside a runtime-loop body are not usable after it --------------------------------------------
+
+def test_tensor_allocated_in_fori_loop_body_unusable_after_loop():
+    keep = []
+
+    def body(i):
+        t = nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf, name="scratch")
+        nisa.memset(dst=t, value=1.0)
+        keep.append(t)
+
+    nl.fori_loop(0, 1, body)
+    line = body.__code__.co_firstlineno + 1
+    with pytest.raises(NkiValidationError, match=rf"'scratch' was allocated at .*test_frontend.py:{line} inside the "
+                                                 r"body of nl.fori_loop.*allocate it before the loop"):
+        nisa.memset(dst=keep[0], value=0.0)
+
+
+def test_tensor_from_a_previous_iteration_is_unusable():
+    """The body is traced once: a tile carried in Python from iteration k to k+1 does not exist on the device."""
+    carried = []
+
+    def body(i):
+        t = tile((1, 4))
+        nisa.memset(dst=t, value=0.0)
+        if carried:
+            nisa.tensor_copy(dst=t, src=carried[-1])
+        carried.append(t)
+
+    with pytest.raises(NkiValidationError, match=r"inside the body of nl.fori_loop"):
+        nl.fori_loop(0, 2, body)
+
+
+def test_tensor_allocated_before_the_loop_is_usable_inside_and_after():
+    acc = sb(np.zeros((1, 4), np.float32))
+
+    def body(i):
+        one = tile((1, 4))
+        nisa.memset(dst=one, value=1.0)
+        nisa.tensor_tensor(dst=acc, data1=acc, data2=one, op=nl.add)
+
+    nl.fori_loop(0, 3, body)
+    out = tile((1, 4))
+    nisa.tensor_copy(dst=out, src=acc)
+    np.testing.assert_array_equal(rd(out), np.full((1, 4), 3.0, np.float32))
+
+
+def test_tensor_allocated_in_while_loop_body_unusable_after_loop():
+    keep = []
+
+    def body(r):
+        t = tile((1, 1))
+        nisa.memset(dst=t, value=0.0)
+        keep.append(t)
+        nisa.register_move(r, 0)
+        return r
+
+    nl.while_loop(nisa.register_alloc(1), body)
+    with pytest.raises(NkiValidationError, match=r"inside the body of nl.while_loop"):
+        nisa.memset(dst=keep[0], value=2.0)
+
+
+# ---- registers in Python control flow (VirtualRegister page, v2.32.0 note) -------------------------------------------
+
+@pytest.mark.parametrize("use", ["if", "while", "int", "range"])
+def test_register_in_python_control_flow_is_a_type_error(use):
+    reg = nisa.register_alloc(2)
+    with pytest.raises(TypeError, match=r"nl.fori_loop.*nl.while_loop"):
+        if use == "if":
+            if reg:
+                pass
+        elif use == "while":
+            while reg:
+                break
+        elif use == "int":
+            int(reg)
+        else:
+            range(reg)
+
+
+def test_bare_while_reg_loops_on_the_register_under_parser(parser):
+    """0.6: `while reg:` runs while the register is nonzero (it used to loop forever in nkisim)."""
+    flag = sb(np.array([[1]], np.int32))
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, flag)
+    trips = 0
+    while reg:
+        trips += 1
+        nisa.memset(dst=flag, value=0 if trips == 3 else 1)
+        nisa.register_load(reg, flag)
+        assert trips <= 3
+    assert trips == 3
+    assert int(nisa.register_alloc(5)) == 5 and list(range(nisa.register_alloc(2))) == [0, 1]
+
+
+def test_dynamic_range_rejected_by_tracer_kept_by_parser(monkeypatch):
+    with pytest.raises(TypeError, match=r"nl.dynamic_range is not supported by the NKI 0.7 tracer.*nl.fori_loop"):
+        nl.dynamic_range(nisa.register_alloc(3))
+    monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")
+    assert list(nl.dynamic_range(1, nisa.register_alloc(3))) == [1, 2]
+
+
+# ---- deprecated static range iterators ("NKI Loops" deep-dive, latest) -----------------------------------------------
+
+@pytest.mark.parametrize("name", ["affine_range", "sequential_range", "static_range"])
+def test_static_range_iterators_warn_and_behave_as_range(name):
+    fn = getattr(nl, name)
+    with pytest.warns(DeprecationWarning, match=rf"nl.{name} is deprecated in NKI 0.7"):
+        got = list(fn(2, 8, 3))
+    assert got == [2, 5]
+    with pytest.warns(DeprecationWarning):
+        assert list(fn(3)) == [0, 1, 2]
+
+
+def test_nl_range_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(nl.range(3)) == [0, 1, 2]
+
+
+# ---- control flow on a tensor's runtime value ---------------------------------------------------------------
+
+def test_truth_value_of_a_tensor_is_an_error_naming_the_fix():
+    t = tile((2, 4))
+    with pytest.raises(TypeError, match=r"truth value of NkiTensor.*`tile is not None`.*nl.fori_loop"):
+        if t:
+            pass
+    with pytest.raises(TypeError, match=r"truth value of NkiTensor"):
+        bool(t)
+    assert t is not None and len(t) == 2    # the positive twin: presence tests and len() still work
+
+
+def test_truth_value_of_a_tensor_inside_a_kernel():
+    @nki.jit
+    def k(x):
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        if x:
+            nisa.dma_copy(dst=out, src=x)
+        return out
+
+    with pytest.raises(TypeError, match=r"truth value of NkiTensor"):
+        k(np.ones((2, 2), np.float32))
