@@ -19,7 +19,7 @@ from .jit import Kernel, RunResult, jit, run, simulate  # noqa: F401
 from .target import resolve_target  # noqa: F401
 from .world import NkiCollectiveError, WorldResult, per_rank, run_ranks, simulate_collective  # noqa: F401
 
-_NAMES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing", "nki.collectives")
+_NAMES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing", "nki.collectives", "nki.compiler")
 _PLACEHOLDER_MARK = "WRONG PACKAGE"   # PyPI's `nki` 0.0.1 is a placeholder whose import raises this ImportError
 
 
@@ -92,7 +92,8 @@ def install(force: bool | None = None) -> bool:
             raise ImportError(f"nkisim.install(): {detail}. Not falling back to the CPU interpreter silently: fix "
                               "the `nki` installation, or set NKISIM=1 to use nkisim deliberately.")
     _drop_real_modules()
-    for name, mod in zip(_NAMES, (api, language, isa, constants, nki_typing, collectives)):
+    from . import nki_compiler
+    for name, mod in zip(_NAMES, (api, language, isa, constants, nki_typing, collectives, nki_compiler)):
         sys.modules[name] = mod
     _install_legacy_typing(nki_typing)
     _install_neuron_dtypes()

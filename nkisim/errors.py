@@ -19,3 +19,7 @@ class NkiPsumAccumulationWarning(UserWarning):
 
 class NkiUninitializedReadWarning(UserWarning):
     """An accumulate=True matmul read PSUM that no matmul had written (undefined behaviour on hardware)."""
+
+
+class NkiTensorTruthWarning(UserWarning):
+    """`if tile:` / `bool(tile)` on an NkiTensor: a presence test (always True), never a test of the device data."""

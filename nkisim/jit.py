@@ -6,7 +6,9 @@ shared_hbm, returns the outputs as the caller's array type and writes back any i
 """
 
 import functools
+import os
 import threading
+import warnings
 
 import numpy as np
 
@@ -19,17 +21,74 @@ from .target import resolve_target
 from .tensor import NkiTensor, np_view
 from .world import first_failure, one_rank_world
 
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+
+# @nki.jit options. 0.7's documented keywords are compile_config / specialization_config (nki.jit page, v2.33.1);
+# other keywords are accepted as the real **kwargs are (AWS's nki-library passes debug_kernel=, show_compiler_tb=,
+# experimental_flags=, compiler diagnostics with nothing to do on a CPU).
+_REMOVED_OPTIONS = {
+    # NKI migration guide, "nki.jit(platform_target=...)": "Passing platform_target to @nki.jit raises an error".
+    "platform_target": "the platform_target parameter is deprecated and passing it to @nki.jit raises an error since "
+                       "NKI 0.3.0: set the target platform with the NEURON_PLATFORM_TARGET_OVERRIDE environment "
+                       "variable instead (trn1|inf2|gen2, trn2|gen3, trn3|gen4)",
+}
+_IGNORED_OPTIONS = {
+    # Migration guide, "nki.jit(mode=...)": "deprecated and ignored ... Code that passes mode= to @nki.jit should
+    # remove the parameter". Warned, not rejected: AWS's hardware-tested nki-library still passes mode="trace".
+    "mode": "the mode parameter is deprecated and ignored: the framework is detected from the kernel arguments "
+            "(torch -> PyTorch/XLA, jax -> JAX, NumPy -> standalone); remove the parameter (use nki.simulate or "
+            "NKI_SIMULATOR=1 for the CPU simulator)",
+}
+
+
+def _check_options(options):
+    for key, why in _REMOVED_OPTIONS.items():
+        if key in options:
+            raise TypeError(f"nki.jit({key}=...): {why}")
+    for key, why in _IGNORED_OPTIONS.items():
+        if key in options:
+            warnings.warn(f"nki.jit({key}=...): {why}", DeprecationWarning, stacklevel=3)
+
+
+def _lnc_value(v, what):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) not in (1, 2):
+        raise NkiValidationError(f"{what}: LNC must be 1 or 2 (C18)")
+    return int(v)
+
+
+def launch_lnc(bracket=None):
+    """The LNC degree of a launch: `NEURON_LOGICAL_NC_CONFIG` (NKI 0.7's way, nki.jit page) or `kernel[n]` (being
+    deprecated), default 1. Both given and different is the mismatch the compiler rejects (NCC_EVRF066)."""
+    env = os.environ.get(LNC_ENV, "").strip()
+    if not env:
+        return 1 if bracket is None else bracket
+    try:
+        lnc = _lnc_value(int(env), f"{LNC_ENV}={env!r}")
+    except ValueError:
+        raise NkiValidationError(f"{LNC_ENV}={env!r}: LNC must be 1 or 2 (C18)") from None
+    if bracket is not None and bracket != lnc:
+        raise NkiValidationError(
+            f"kernel[{bracket}] launches with LNC={bracket} but {LNC_ENV}={lnc}: the kernel's LNC must match the "
+            f"logical core configuration it is compiled and run with (NCC_EVRF066); drop the bracket and set "
+            f"{LNC_ENV}, or make the two agree")
+    return lnc
+
 
 class Kernel:
-    """A jit-decorated NKI kernel. `kernel(*args)` runs it on one core; `kernel[2](*args)` on an LNC=2 pair."""
+    """A jit-decorated NKI kernel. `kernel(*args)` runs it with the LNC degree of `NEURON_LOGICAL_NC_CONFIG` (default
+    1); `kernel[2](*args)` on an LNC=2 pair."""
 
     _is_nki_kernel = True
 
-    def __init__(self, func, lnc=1, **options):
+    def __init__(self, func, lnc=None, **options):
         self.func = func
-        self.lnc = lnc
+        self._bracket = lnc      # LNC given by kernel[n]; None: from the environment (see launch_lnc)
         self.options = options
         functools.update_wrapper(self, func)
+
+    @property
+    def lnc(self):
+        return launch_lnc(self._bracket)
 
     def __getitem__(self, grid):
         if isinstance(grid, tuple):
@@ -37,19 +96,21 @@ class Kernel:
                 raise NkiValidationError(f"kernel[{grid}]: the launch bracket takes exactly one number, the LNC "
                                          "degree (1 or 2) (C18)")
             grid = grid[0]
-        if isinstance(grid, bool) or not isinstance(grid, (int, np.integer)) or int(grid) not in (1, 2):
-            raise NkiValidationError(f"kernel[{grid}]: LNC must be 1 or 2 (C18)")
-        return Kernel(self.func, lnc=int(grid), **self.options)
+        return Kernel(self.func, lnc=_lnc_value(grid, f"kernel[{grid}]"), **self.options)
 
     def __call__(self, *args, **kwargs):
         return run(self, args, kwargs).outputs
 
     def __repr__(self):
-        return f"<nki.jit kernel {self.func.__qualname__} lnc={self.lnc}>"
+        lnc = self._bracket if self._bracket is not None else f"${LNC_ENV}"
+        return f"<nki.jit kernel {self.func.__qualname__} lnc={lnc}>"
 
 
 def jit(fn=None, **kwargs):
-    """Decorator: `@nki.jit` or `@nki.jit(...)` (options such as mode/platform_target are ignored, as in NKI 0.6)."""
+    """Decorator: `@nki.jit` or `@nki.jit(compile_config=..., specialization_config=..., ...)`.
+
+    `platform_target=` is rejected and `mode=` warned as ignored, with the migration guide's wording."""
+    _check_options(kwargs)
     if fn is None:
         return lambda f: Kernel(f, **kwargs)
     return Kernel(fn, **kwargs)
@@ -181,6 +242,7 @@ def run(kernel, args, kwargs, target=None, record=True):
     outer = current()
     if outer.in_kernel and not lint.parser_frontend():
         # 0.7 tracing inlines a nested @nki.jit sub-kernel into the running kernel under its config
+        _check_nested_config(kernel, outer)
         return RunResult(kernel.func(*args, **kwargs), [outer], outer.target)
     if outer.in_kernel:
         raise lint.NkiLanguageError([lint.Violation(*_site(kernel.func), "nested-jit",
@@ -189,15 +251,17 @@ def run(kernel, args, kwargs, target=None, record=True):
     lint.raise_if_violations(list(lint.check_kernel(kernel.func)) +
                              list(lint.check_call_args(kernel.func, args, kwargs)))
     tgt = resolve_target(target)
-    binding = _Binding(shared_hbm if kernel.lnc == 2 else hbm)
+    lnc = kernel.lnc
+    binding = _Binding(shared_hbm if lnc == 2 else hbm)
     targs = binding.wrap(tuple(args), "args")
     tkwargs = {k: binding.wrap(v, k) for k, v in kwargs.items()}
-    if kernel.lnc == 1:
+    if lnc == 1:
         ctx = CoreContext(0, 1, tgt, record=record)
+        ctx.jit_options = kernel.options
         outputs = _run_core(kernel.func, ctx, targs, tkwargs)
         contexts = [ctx]
     else:
-        outputs, contexts = _run_lnc(kernel.func, kernel.lnc, tgt, targs, tkwargs, record)
+        outputs, contexts = _run_lnc(kernel.func, lnc, tgt, targs, tkwargs, record, kernel.options)
     lint.raise_if_violations(lint.check_outputs(kernel.func, outputs, [t.alloc for _, t, _ in binding.inputs]))
     binding.write_back()
     return RunResult(binding.unwrap(outputs), contexts, tgt)
@@ -216,9 +280,11 @@ def _run_core(func, ctx, args, kwargs):
         set_current(prev)
 
 
-def _run_lnc(func, n, tgt, args, kwargs, record):
+def _run_lnc(func, n, tgt, args, kwargs, record, options=None):
     shared = LncShared(n)
     contexts = [CoreContext(i, n, tgt, shared=shared, record=record) for i in range(n)]
+    for c in contexts:
+        c.jit_options = options
     world = one_rank_world(shared, contexts)     # nki.collectives in a plain launch: a world of one rank
     results, errors = [None] * n, [None] * n
 
@@ -239,6 +305,29 @@ def _run_lnc(func, n, tgt, args, kwargs, record):
     if any(e is not None for e in errors):
         raise first_failure({(0, i): e for i, e in enumerate(errors) if e is not None}, world)
     return results[0], contexts
+
+
+_CONFIG_KEYS = ("compile_config", "specialization_config")
+
+
+def _check_nested_config(kernel, ctx):
+    """A nested @nki.jit sub-kernel inlines under the top-level kernel's config; a different config is an error
+    unless the top-level kernel's SpecializationConfig.allow_nested_config_override is set (then a warning)."""
+    top = getattr(ctx, "jit_options", None)
+    if top is None:
+        return
+    differ = [k for k in _CONFIG_KEYS if kernel.options.get(k) != top.get(k)]
+    if not differ:
+        return
+    what = (f"nested @nki.jit kernel '{kernel.func.__name__}' has a different {' and '.join(differ)} than the "
+            "top-level kernel")
+    if getattr(top.get("specialization_config"), "allow_nested_config_override", False) is True:
+        warnings.warn(f"{what}; inlined under the top-level kernel's config (allow_nested_config_override)",
+                      UserWarning, stacklevel=4)
+        return
+    raise NkiValidationError(f"{what}: configs must agree, or set SpecializationConfig("
+                             "allow_nested_config_override=True) on the top-level kernel to inline it under that "
+                             "kernel's config")
 
 
 def _site(fn):

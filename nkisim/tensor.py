@@ -8,11 +8,12 @@ directly. Indices are bounds-checked (stricter than NumPy's clamping of slices):
 
 import itertools
 import math
+import warnings
 
 import numpy as np
 
 from . import dtypes as dt
-from .errors import NkiValidationError
+from .errors import NkiTensorTruthWarning, NkiValidationError
 from .frontend import parser_frontend
 
 _BINARY_OP_ERROR = "binary operators on tensors not supported. Use nki.isa directly (or nl.add, nl.multiply, ...)."
@@ -172,12 +173,17 @@ class NkiTensor:
         return self.shape[0]
 
     def __bool__(self):
-        # Without this Python would fall back on __len__ and `if tile:` would silently test shape[0] != 0.
-        raise TypeError(
-            f"truth value of NkiTensor '{self.name}' {self.shape} (`if tile:` / `bool(tile)` / `while tile:`): a "
-            "tensor's contents exist only on the device, not while the kernel is traced. Test presence with "
-            "`tile is not None`; to branch on the data, load it with nisa.scalar_load / nisa.register_load and use "
-            "nl.fori_loop / nl.while_loop, or select with nisa ops (affine_select, tensor_copy_predicated)")
+        # `if tile:` is a presence test (always true): AWS's hardware-tested nki-library writes
+        # `if params.expert_params and params.expert_params.expert_index:` (core/mlp/mlp_tkg/mlp_tkg_constants.py),
+        # so the real toolchain accepts it. It never reads the tensor's data, which exists only on the device:
+        # say so (once per call site) for code that means to branch on the values.
+        warnings.warn(
+            f"truth value of NkiTensor '{self.name}' {self.shape} (`if tile:` / `bool(tile)`) is always True: it tests "
+            "that the tensor exists, not its contents, which exist only on the device. Write `tile is not None` for "
+            "a presence test; to branch on the data, load it with nisa.scalar_load / nisa.register_load and use "
+            "nl.fori_loop / nl.while_loop, or select with nisa ops (affine_select, tensor_copy_predicated)",
+            NkiTensorTruthWarning, stacklevel=2)
+        return True
 
     # Tensors carry no arithmetic in NKI 0.6: reject operators instead of silently computing in NumPy.
     def _no_op(self, *_):

@@ -1,11 +1,12 @@
 """The `nki` top-level module as nkisim provides it (registered by `nkisim.install()`)."""
 
 from .. import collectives, isa, language  # noqa: F401
+from .. import nki_compiler as compiler  # noqa: F401 - `nki.compiler.CompileConfig` / `SpecializationConfig`
 from .. import nki_typing as typing  # noqa: F401
 from ..dtypes import DType as dtype  # noqa: F401 - `nki.dtype`, the type of nl.bfloat16 & co. (annotations)
 from ..jit import Kernel, jit, simulate  # noqa: F401
 
-__version__ = "0.6.0+nkisim"
+__version__ = "0.7.0+nkisim"
 
 
 def _not_available(name):

@@ -10,7 +10,7 @@ import nki
 import numpy as np
 import pytest
 
-from nkisim.errors import NkiValidationError
+from nkisim.errors import NkiTensorTruthWarning, NkiValidationError
 
 from ._sim import fresh_core, hbm, nisa, nl, rd, sb, tile  # noqa: F401
 
@@ -323,23 +323,127 @@ def test_nl_range_does_not_warn():
 
 # ---- control flow on a tensor's runtime value ---------------------------------------------------------------
 
-def test_truth_value_of_a_tensor_is_an_error_naming_the_fix():
+def test_truth_value_of_a_tensor_is_a_presence_test_with_a_warning_naming_the_fix():
+    """AWS's nki-library tests `if params.expert_params.expert_index:` as a presence test, so it must stay valid;
+    it never reads device data, and the warning says how to branch on the data."""
     t = tile((2, 4))
-    with pytest.raises(TypeError, match=r"truth value of NkiTensor.*`tile is not None`.*nl.fori_loop"):
-        if t:
-            pass
-    with pytest.raises(TypeError, match=r"truth value of NkiTensor"):
-        bool(t)
-    assert t is not None and len(t) == 2    # the positive twin: presence tests and len() still work
+    with pytest.warns(NkiTensorTruthWarning, match=r"always True.*`tile is not None`.*nisa.scalar_load.*nl.fori_loop"):
+        assert bool(t) is True
+    z = sb(np.zeros((2, 4), np.float32))          # all-zero contents: still True (the data is not read)
+    with pytest.warns(NkiTensorTruthWarning):
+        taken = bool(z)
+    assert taken and len(z) == 2
 
 
 def test_truth_value_of_a_tensor_inside_a_kernel():
     @nki.jit
-    def k(x):
+    def k(x, bias=None):
         out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
-        if x:
-            nisa.dma_copy(dst=out, src=x)
+        nisa.dma_copy(dst=out, src=bias if bias else x)
         return out
 
-    with pytest.raises(TypeError, match=r"truth value of NkiTensor"):
-        k(np.ones((2, 2), np.float32))
+    x, b = np.ones((2, 2), np.float32), np.full((2, 2), 5.0, np.float32)
+    with pytest.warns(NkiTensorTruthWarning, match=r"truth value of NkiTensor"):
+        np.testing.assert_array_equal(k(x, b), b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(k(x), x)     # `None` is falsy without touching any tensor
+
+
+# ---- LNC from NEURON_LOGICAL_NC_CONFIG and kernel[n] (nki.jit page v2.33.1; NCC_EVRF066) ----------------------------
+
+@nki.jit
+def _which_core(x):
+    out = nl.ndarray((2, 1), nl.int32, buffer=nl.shared_hbm)
+    t = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=nl.num_programs() * 10 + nl.program_id(0))
+    nisa.dma_copy(dst=out[nl.program_id(0):nl.program_id(0) + 1, :], src=t)
+    return out
+
+
+def _programs(kernel, monkeypatch, env=None):
+    if env is None:
+        monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", env)
+    out = kernel(np.zeros((2, 1), np.int32))
+    return out[0, 0], (out[1, 0] if out[1, 0] in (20, 21) else None)
+
+
+def test_lnc_from_environment_bracket_and_default(monkeypatch):
+    assert _programs(_which_core, monkeypatch) == (10, None)               # default LNC=1
+    assert _programs(_which_core, monkeypatch, "2") == (20, 21)            # NEURON_LOGICAL_NC_CONFIG=2
+    assert _programs(_which_core[2], monkeypatch) == (20, 21)              # kernel[2]
+    assert _programs(_which_core[2], monkeypatch, "2") == (20, 21)         # both, agreeing
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    assert _which_core.lnc == 2 and _which_core[2].lnc == 2                 # read at launch, not at decoration
+
+
+def test_lnc_bracket_and_environment_disagree(monkeypatch):
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    with pytest.raises(NkiValidationError, match=r"kernel\[2\] launches with LNC=2 but NEURON_LOGICAL_NC_CONFIG=1.*"
+                                                 r"NCC_EVRF066"):
+        _which_core[2](np.zeros((2, 1), np.int32))
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "4")
+    with pytest.raises(NkiValidationError, match=r"NEURON_LOGICAL_NC_CONFIG='4': LNC must be 1 or 2"):
+        _which_core(np.zeros((2, 1), np.int32))
+
+
+# ---- @nki.jit options (nki.jit page v2.33.1; NKI migration guide "nki.jit(platform_target=...)", "(mode=...)") ---
+
+def _copy(x):
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=x)
+    return out
+
+
+def test_jit_platform_target_rejected_with_the_documented_message():
+    with pytest.raises(TypeError, match=r"platform_target.*raises an error since NKI 0.3.0.*"
+                                        r"NEURON_PLATFORM_TARGET_OVERRIDE"):
+        nki.jit(platform_target="trn2")(_copy)
+    with pytest.raises(TypeError, match=r"platform_target"):
+        nki.jit(_copy, platform_target="trn3")
+
+
+def test_jit_mode_is_deprecated_and_ignored():
+    with pytest.warns(DeprecationWarning, match=r"mode parameter is deprecated and ignored"):
+        k = nki.jit(mode="trace")(_copy)
+    x = np.arange(4, dtype=np.float32).reshape(2, 2)
+    np.testing.assert_array_equal(k(x), x)
+
+
+def test_jit_known_options_accepted():
+    from nki.compiler import CompileConfig, SpecializationConfig
+    k = nki.jit(compile_config=CompileConfig(non_ssa_legalization=True),
+                specialization_config=SpecializationConfig(allow_nested_config_override=True),
+                debug_kernel=True, show_compiler_tb=True)(_copy)
+    x = np.ones((2, 2), np.float32)
+    np.testing.assert_array_equal(k(x), x)
+    assert k.options["compile_config"].non_ssa_legalization is True
+
+
+def _nested_kernels(top_config, sub_config):
+    from nki.compiler import CompileConfig
+    sub = nki.jit(_copy, compile_config=CompileConfig(dead_code_elim=sub_config))
+
+    def top(x):
+        return sub(x)
+
+    return nki.jit(top, **top_config)
+
+
+def test_nested_jit_config_must_agree_unless_override():
+    """SpecializationConfig.allow_nested_config_override: 'warn (instead of raising) if a nested @nki.jit
+    sub-kernel's config disagrees, and let it inline under this kernel's config'."""
+    from nki.compiler import CompileConfig, SpecializationConfig
+    x = np.ones((2, 2), np.float32)
+    same = _nested_kernels({"compile_config": CompileConfig(dead_code_elim=True)}, True)
+    np.testing.assert_array_equal(same(x), x)
+    differ = _nested_kernels({"compile_config": CompileConfig(dead_code_elim=False)}, True)
+    with pytest.raises(NkiValidationError, match=r"different compile_config.*allow_nested_config_override=True"):
+        differ(x)
+    override = _nested_kernels({"compile_config": CompileConfig(dead_code_elim=False),
+                                "specialization_config": SpecializationConfig(allow_nested_config_override=True)},
+                               True)
+    with pytest.warns(UserWarning, match=r"inlined under the top-level kernel's config"):
+        np.testing.assert_array_equal(override(x), x)

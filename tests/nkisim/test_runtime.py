@@ -34,7 +34,7 @@ def test_simulate_numpy_in_numpy_out():
 
 def test_jit_decorator_forms():
     k1 = nki.jit(add_one)
-    k2 = nki.jit(mode="simulation")(add_one)
+    k2 = nki.jit(compile_config=nki.compiler.CompileConfig())(add_one)
     x = np.ones((2, 2), np.float32)
     np.testing.assert_array_equal(k1(x), k2(x))
     np.testing.assert_array_equal(nki.simulate(k1)(x), x + 1)
