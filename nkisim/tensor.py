@@ -454,8 +454,11 @@ class NkiTensor:
         if vector_offset is not None:
             if indirect_dim != 0:
                 raise NkiValidationError(f".ap(vector_offset=...): indirect_dim must be 0, got {indirect_dim}")
-            if not isinstance(vector_offset, NkiTensor) or vector_offset.shape[1:] not in ((1,), ()):
-                raise NkiValidationError(".ap(vector_offset=...) must be a (P, 1) tensor of row indices")
+            # one index per partition: (P, 1), or (P, 1, 1) as an .ap() column of an index tile (the library's
+            # router_topk scatter passes `.ap([[k, P], [1, 1], [1, 1]])`)
+            if not isinstance(vector_offset, NkiTensor) or math.prod(vector_offset.shape[1:]) != 1:
+                raise NkiValidationError(".ap(vector_offset=...) must be a (P, 1) tensor of row indices (one index per "
+                                         f"partition), got shape {getattr(vector_offset, 'shape', None)}")
             indirect = Indirect(vector_offset, unit, self.shape[indirect_dim])
             strides[0] = 0
         return NkiTensor(base, shape, strides, off, d, indirect, regs)

@@ -83,6 +83,18 @@ def test_dma_copy_gather_vector_offset():
     np.testing.assert_array_equal(rd(dst), table[[7, 2, 9, 2]])
 
 
+def test_dma_copy_gather_index_column_from_ap():
+    """An index column cut from a wider index tile with .ap() is (P, 1, 1): one index per partition."""
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    idx_tile = sb(np.array([[7, 1], [2, 3], [9, 5]], np.uint32))
+    column = idx_tile.ap([[2, 3], [1, 1], [1, 1]], offset=0)
+    dst = tile((3, 4))
+    nisa.dma_copy(dst=dst, src=hbm(table).ap([[4, 3], [1, 4]], vector_offset=column, indirect_dim=0))
+    np.testing.assert_array_equal(rd(dst), table[[7, 2, 9]])
+    with pytest.raises(NkiValidationError, match=r"one index per partition"):
+        hbm(table).ap([[4, 3], [1, 4]], vector_offset=idx_tile, indirect_dim=0)
+
+
 def test_dma_copy_gather_with_dtype_conversion_and_offset():
     table = rand((10, 8))
     idx = _indices([1, 3])
