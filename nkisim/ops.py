@@ -13,6 +13,34 @@ from .errors import NkiValidationError
 
 _f32 = np.float32
 
+try:    # NumPy's floating-point error state (a context variable); see quiet_fp
+    from numpy._core._ufunc_config import _extobj_contextvar as _FP_STATE
+    from numpy._core._ufunc_config import _make_extobj
+    _FP_IGNORE = _make_extobj(all="ignore")
+except ImportError:     # another NumPy layout: quiet_fp falls back to np.errstate
+    _FP_STATE = None
+
+
+class quiet_fp:
+    """`with quiet_fp():` is `with np.errstate(all="ignore"):` (IEEE results, no warnings; engines do not trap)
+    at a third of the cost: the ignore-all state is built once and only swapped in, which matters because every
+    instruction on a small tile pays it. Falls back to np.errstate where NumPy's internals differ."""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self):
+        if _FP_STATE is None:
+            self._token = np.errstate(all="ignore")
+            self._token.__enter__()
+        else:
+            self._token = _FP_STATE.set(_FP_IGNORE)
+
+    def __exit__(self, *exc):
+        if _FP_STATE is None:
+            self._token.__exit__(*exc)
+        else:
+            _FP_STATE.reset(self._token)
+
 
 def _cmp(fn):
     return lambda a, b: fn(a, b).astype(_f32)
@@ -210,5 +238,5 @@ def activation(op, ctx_op):
 
 
 def apply_activation(fn, x):
-    with np.errstate(all="ignore"):
+    with quiet_fp():
         return fn(x.astype(np.float64)).astype(_f32)

@@ -176,6 +176,10 @@ class CoreContext:
 
     def emit(self, opname, engine, reads=(), writes=(), **meta):
         """Record one instruction. `reads`/`writes` are NkiTensors or VirtualRegisters."""
+        self.emit_meta(opname, engine, reads, writes, meta)
+
+    def emit_meta(self, opname, engine, reads, writes, meta):
+        """`emit` with the op's meta as a dict (the ISA ops' hot path)."""
         if self.dead_allocs:
             _check_in_scope(self.dead_allocs, opname, reads, writes)
         if self.pool.deferred:
@@ -198,8 +202,8 @@ class CoreContext:
                                 ra.rec[1] = seq
         if self.record:
             self.trace.append(Instruction(self.seq, self.program_id, opname, engine,
-                                          tuple(access_of(t) for t in reads),
-                                          tuple(access_of(t) for t in writes), meta, self.ctrl))
+                                          tuple([t._access or access_of(t) for t in reads]),
+                                          tuple([t._access or access_of(t) for t in writes]), meta, self.ctrl))
         self.seq += 1
 
     def warn_once(self, key, message, category):
@@ -225,10 +229,30 @@ def _check_in_scope(dead, opname, reads, writes):
 _local = threading.local()
 
 
+_TARGET_VAR = "NEURON_PLATFORM_TARGET_OVERRIDE"
+
+
+def _env_target():
+    """os.environ.get(_TARGET_VAR), read straight from os.environ's dict where CPython exposes it (once per ISA op
+    outside kernels: the public path re-encodes the key on every call)."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:
+        return os.environ.get(_TARGET_VAR)
+    raw = data.get(_TARGET_VAR_KEY)
+    return None if raw is None else os.environ.decodevalue(raw)
+
+
+try:
+    _TARGET_VAR_KEY = os.environ.encodekey(_TARGET_VAR)
+except AttributeError:     # not CPython's os._Environ: _env_target falls back to os.environ.get
+    _TARGET_VAR_KEY = _TARGET_VAR
+
+
 def current() -> CoreContext:
     ctx = getattr(_local, "ctx", None)
-    if ctx is None or (not ctx.in_kernel and ctx.is_default
-                       and ctx.env_target != os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")):
+    if ctx is not None and (ctx.in_kernel or not ctx.is_default):
+        return ctx
+    if ctx is None or ctx.env_target != _env_target():
         # Ops called outside a kernel (unit tests, notebooks) run on a default core of their own, which follows
         # NEURON_PLATFORM_TARGET_OVERRIDE when it changes.
         ctx = _local.ctx = CoreContext()

@@ -115,7 +115,8 @@ def _dynamic(x):
 
 
 class NkiTensor:
-    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "gather", "_npv", "_access", "_regs")
+    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "gather", "_npv", "_access", "_regs", "_free",
+                 "_chip")
 
     def __init__(self, alloc, shape, strides, offset, dtype=None, indirect=None, regs=None):
         self.alloc = alloc
@@ -129,6 +130,10 @@ class NkiTensor:
         # registers / 1-element tensors this view's offset was computed from (nl.ds(reg, n), scalar_offset=reg,
         # t[reg]); the cost model makes instructions on the view wait for their producers. None when static.
         self._regs = regs
+        # Facts of the (immutable) view computed once, on first use by an instruction: elements per partition, and
+        # the on-chip partition-range problem ("" when none; nkisim.isa._common.on_chip).
+        self._free = None
+        self._chip = None
 
     # ---- attributes of the real NkiTensor -------------------------------------------------------------------
     @property

@@ -1,12 +1,14 @@
 """Operand checks shared by the ISA implementations. Every failure names the op, the operand and the limit."""
 
+import math
+
 import numpy as np
 
 from .. import dtypes as dt
 from ..errors import NkiValidationError
 from ..memory import psum, sbuf
 from ..runtime import current
-from ..tensor import NkiTensor, np_view, read
+from ..tensor import NkiTensor, np_view, read, write
 from .enums import engine, reduce_cmd
 
 PMAX = 128
@@ -23,34 +25,45 @@ def tensor(op, name, t):
 
 
 def on_chip(op, name, t, buffers=(sbuf, psum)):
-    tensor(op, name, t)
-    if t.buffer not in buffers:
+    if not isinstance(t, NkiTensor):
+        tensor(op, name, t)
+    if t.alloc.buffer not in buffers:
         fail(op, f"{name} '{t.name}' is in {t.buffer.name}; allowed: {'/'.join(b.name for b in buffers)}")
-    if t.shape[0] > PMAX:
-        fail(op, f"{name} partition dimension {t.shape[0]} exceeds maximum {PMAX} (C1)")
-    _check_partition_start(op, name, t)
+    problem = t._chip
+    if problem is None:      # a view's partition range never changes: checked once per view
+        problem = t._chip = _partition_problem(t)
+    if problem:
+        fail(op, f"{name} {problem}")
     return t
 
 
-def _check_partition_start(op, name, t):
+def _partition_problem(t):
+    """What is wrong with an on-chip view's partitions (C1, C13), or "" when nothing is."""
+    p = t.shape[0]
+    if p > PMAX:
+        return f"partition dimension {p} exceeds maximum {PMAX} (C1)"
     # C13: compute engines access contiguous partitions starting at 0 (P>64), 0/64 (32<P<=64), 0/32/64/96 (P<=32).
     if t.gather is not None:
-        return
+        return ""
     row = t.alloc.storage.size // t.alloc.shape[0] if t.alloc.shape[0] else 1
     row = row * t.alloc.dtype.itemsize // t.dtype.itemsize
     start = t.offset // row if row else 0
-    p = t.shape[0]
     if p > 1 and t.strides[0] != row:
-        fail(op, f"{name} must occupy contiguous partitions (partition stride {t.strides[0]}, row {row}) (C13)")
+        return f"must occupy contiguous partitions (partition stride {t.strides[0]}, row {row}) (C13)"
     if start == 0:
-        return
+        return ""
     if p > 64 or (p > 32 and start % 64) or (p <= 32 and start % 32):
-        fail(op, f"{name} starts at partition {start} with {p} partitions; compute engines need start 0 for P>64, "
-                 "0/64 for 32<P<=64, 0/32/64/96 for P<=32 (C13)")
+        return (f"starts at partition {start} with {p} partitions; compute engines need start 0 for P>64, "
+                "0/64 for 32<P<=64, 0/32/64/96 for P<=32 (C13)")
+    return ""
 
 
 def free_size(t):
-    return t.size // t.shape[0] if t.shape[0] else 0
+    f = t._free
+    if f is None:
+        p = t.shape[0]
+        f = t._free = math.prod(t.shape) // p if p else 0
+    return f
 
 
 def same_layout(op, ref_name, ref, **others):
@@ -72,21 +85,30 @@ def not_both_psum(op, a_name, a, b_name, b):
 
 def emit(opname, engine, reads, writes, dst, **meta):
     """Record an on-chip op sized by its dst (p partitions x n elements); non-tensor operands are skipped."""
-    reads = tuple(t for t in reads if isinstance(t, NkiTensor))
-    writes = tuple(t for t in writes if isinstance(t, NkiTensor))
-    current().emit(opname, engine, reads, writes, p=dst.shape[0], n=free_size(dst),
-                   dtype=dst.dtype.name, in_dtypes=tuple(t.dtype.name for t in reads), **meta)
+    reads = [t for t in reads if isinstance(t, NkiTensor)]
+    writes = [t for t in writes if isinstance(t, NkiTensor)]
+    meta["p"] = dst.shape[0]
+    meta["n"] = dst._free if dst._free is not None else free_size(dst)
+    meta["dtype"] = dst.dtype.name
+    meta["in_dtypes"] = tuple([t.dtype.name for t in reads])
+    current().emit_meta(opname, engine, reads, writes, meta)
+
+
+# Enum members as module constants: `engine.unknown` goes through the enum's descriptor on every access.
+_UNKNOWN, _GPSIMD = engine.unknown, engine.gpsimd
 
 
 def check_engine(op, eng, allowed):
+    if eng is _UNKNOWN:
+        return
     if not isinstance(eng, engine):
         fail(op, f"engine={eng!r} must be an nki.isa.engine value (raw ints are rejected)")
-    if eng is not engine.unknown and eng not in allowed:
+    if eng not in allowed:
         fail(op, f"engine={eng.name} is not supported; allowed: {', '.join(e.name for e in allowed)}")
 
 
 def check_gpsimd_access(op, eng, **tensors):
-    if eng is engine.gpsimd:
+    if eng is _GPSIMD:
         for name, t in tensors.items():
             if isinstance(t, NkiTensor) and t.buffer is psum:
                 fail(op, f"{name} is in PSUM but GpSimd cannot access PSUM (C8)")
@@ -111,11 +133,19 @@ def require_version(op, minimum, feature=None):
 
 def as_pf(a, p):
     """View/copy an array of any shape as [P, F] (elements per partition flattened in row-major order)."""
+    if a.ndim == 2:          # already [P, F] (dim 0 of an on-chip operand is its P partitions)
+        return a
     return a.reshape(p, -1)
 
 
+_F32 = np.dtype(np.float32)
+
+
 def fp32(t):
-    return dt.to_fp32(read(t))
+    v = t._npv if t.gather is None else None
+    if v is None:
+        v = read(t)
+    return v if v.dtype is _F32 or v.dtype == _F32 else v.astype(_F32)
 
 
 def scalar_operand(op, name, x, p, fp32_only=True):
@@ -136,12 +166,20 @@ def scalar_operand(op, name, x, p, fp32_only=True):
 
 def store(op, dst, values, from_matmul=False):
     """Cast fp32/int results to dst's dtype and write them; track PSUM written state."""
-    from ..tensor import write
-    v = dt.cast(values, dst.dtype, dst.alloc.flat(dst.dtype).dtype)
+    alloc = dst.alloc
+    st = alloc.flat(dst.dtype).dtype
+    if values.__class__ is np.ndarray and values.dtype == st and dst.dtype is not dt.tfloat32:
+        v = values           # already in the storage dtype (the common fp32 -> fp32 case): no cast pass
+    else:
+        v = dt.cast(values, dst.dtype, st)
     if v.shape != dst.shape:
         v = v.reshape(dst.shape)
-    write(dst, v, op)
-    if dst.buffer is psum and not from_matmul:
+    if dst.gather is None:
+        alloc.written = True
+        np_view(dst)[...] = v
+    else:
+        write(dst, v, op)
+    if alloc.buffer is psum and not from_matmul:
         mark_psum(dst, 2)
 
 

@@ -6,6 +6,7 @@ import os
 import numpy as np
 
 from .. import dtypes as dt
+from .._blas import single_thread as single_blas_thread
 from ..errors import NkiPsumAccumulationWarning, NkiUninitializedReadWarning
 from ..memory import psum, sbuf
 from ..runtime import current
@@ -127,10 +128,11 @@ def _product(op, s, mv):
     the cost, hence opt-in.
     """
     mode = os.environ.get("NKISIM_MATMUL_ACC", "fp32")
-    if mode == "fp32":
-        return s.T @ mv
-    if mode == "fp64":
-        return (s.T.astype(np.float64) @ mv.astype(np.float64)).astype(np.float32)
+    with single_blas_thread():      # tile-sized GEMMs: BLAS threads only cost (nkisim/_blas.py)
+        if mode == "fp32":
+            return s.T @ mv
+        if mode == "fp64":
+            return (s.T.astype(np.float64) @ mv.astype(np.float64)).astype(np.float32)
     fail(op, f"NKISIM_MATMUL_ACC={mode!r} must be 'fp32' (default) or 'fp64'")
 
 

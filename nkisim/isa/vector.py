@@ -51,7 +51,7 @@ def tensor_tensor(dst, data1, data2, op, engine=Engine.unknown, name=None):
     oname, fn, kind = alu_ops.alu(op, "op", opn)
     if oname in alu_ops.TRN3_ONLY_ALU:
         require_version(opn, 4, f"op=nl.{oname}")
-    all_int32 = all(t.dtype.name in _INT32S for t in (dst, data1, data2))
+    all_int32 = dst.dtype.name in _INT32S and data1.dtype.name in _INT32S and data2.dtype.name in _INT32S
     if engine is Engine.unknown:
         engine = Engine.gpsimd if (oname == "power" or all_int32) and dst.buffer is sbuf \
             and psum not in (data1.buffer, data2.buffer) else Engine.vector
@@ -68,7 +68,7 @@ def tensor_tensor(dst, data1, data2, op, engine=Engine.unknown, name=None):
         bits = 32
         res = ((res + 2 ** (bits - 1)) % 2 ** bits) - 2 ** (bits - 1) if dst.dtype.name == "int32" else res % 2 ** 32
     else:
-        with np.errstate(all="ignore"):
+        with alu_ops.quiet_fp():
             res = fn(as_pf(fp32(data1), p), as_pf(fp32(data2), p))
     store(opn, dst, res)
     _emit(opn, engine.name, (data1, data2), (dst,), dst, op=oname)
@@ -85,7 +85,7 @@ def _apply_scalar_op(opn, which, op, operand, reverse, x, p):
     if uname is not None and (operand is None or (not isinstance(operand, NkiTensor) and operand == 0)):
         if uname in alu_ops.TRN3_ONLY_UNARY:
             require_version(opn, 4, f"{which}=nl.{uname}")
-        with np.errstate(all="ignore"):
+        with alu_ops.quiet_fp():
             return alu_ops.ALU_UNARY[uname](x), uname, "arith"
     oname, fn, kind = alu_ops.alu(op, which, opn)
     if oname in alu_ops.TRN3_ONLY_ALU:
@@ -101,7 +101,7 @@ def _apply_scalar_op(opn, which, op, operand, reverse, x, p):
             fail(opn, f"bit-vector {which}=nl.{oname} needs an integer operand, got {operand!r}")
     else:
         val = scalar_operand(opn, f"operand for {which}", operand, p)
-    with np.errstate(all="ignore"):
+    with alu_ops.quiet_fp():
         return (fn(val, x) if reverse else fn(x, val)), oname, kind
 
 

@@ -43,7 +43,7 @@ def test_fp32_default_is_numpy_blas_and_close():
     """The default mode is NumPy's fp32 product (fast; last-bit differences between tile shapes are allowed)."""
     a, b = _operands()
     full = _matmul(a, b)
-    np.testing.assert_array_equal(full, a.T @ b)
+    np.testing.assert_allclose(full, a.T @ b, rtol=1e-6, atol=1e-5)
     for m0, m1, n0, n1 in _SUBS:
         sub = _matmul(a[:, m0:m1], b[:, n0:n1])
         np.testing.assert_allclose(sub, full[m0:m1, n0:n1], rtol=1e-5, atol=1e-4)

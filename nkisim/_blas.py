@@ -1,0 +1,79 @@
+"""One BLAS thread for the interpreter's tile GEMMs.
+
+nc_matmul multiplies tiles of at most [128 x 128] x [128 x 512]: too small for BLAS threads to pay off, and under
+LNC=2 (or on a shared machine) OpenBLAS's spinning worker threads oversubscribe the cores -- measured on a loaded
+2-core machine: 45 ms wall / 9.5 ms CPU per 128x128x512 sgemm with 2 threads vs 0.6 ms / 0.22 ms with one.
+`single_thread()` drops NumPy's OpenBLAS to one thread while any core is inside a GEMM and restores the previous
+count when the last one leaves (OpenBLAS's thread count is process-wide, hence the count under a lock). Where
+NumPy's BLAS is not a bundled OpenBLAS exposing the setter, it does nothing.
+"""
+
+import ctypes
+import glob
+import os
+import threading
+
+import numpy as np
+
+
+def _openblas():
+    """(set, get) of the OpenBLAS NumPy was built with, or None."""
+    base = os.path.dirname(np.__file__)
+    candidates = glob.glob(os.path.join(base, os.pardir, "numpy.libs", "*openblas*")) + \
+        glob.glob(os.path.join(base, ".dylibs", "*openblas*"))
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_openblas", "64_"), ("scipy_openblas", ""), ("openblas", "64_"),
+                               ("openblas", "")):
+            setter = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+            getter = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+            if setter is not None and getter is not None:
+                setter.argtypes, setter.restype = [ctypes.c_int], None
+                getter.argtypes, getter.restype = [], ctypes.c_int
+                return setter, getter
+    return None
+
+
+_API = _openblas()
+_LOCK = threading.Lock()
+_users = 0
+_saved = 1
+
+
+class single_thread:
+    """`with single_thread():` runs the block's BLAS calls on one OpenBLAS thread (see the module docstring)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        global _users, _saved
+        if _API is None:
+            return
+        with _LOCK:
+            if _users == 0:
+                _saved = _API[1]()
+                if _saved != 1:
+                    _API[0](1)
+            _users += 1
+
+    def __exit__(self, *exc):
+        global _users
+        if _API is None:
+            return
+        with _LOCK:
+            _users -= 1
+            if _users == 0 and _saved != 1:
+                _API[0](_saved)
+
+
+def available() -> bool:
+    """True when NumPy's OpenBLAS thread count can be set (the GEMMs then run on one thread)."""
+    return _API is not None
+
+
+def num_threads() -> int:
+    """OpenBLAS's current thread count (0 when unknown)."""
+    return _API[1]() if _API is not None else 0
