@@ -1,5 +1,8 @@
-"""core/qkv: the `qkv` entry (TKG path) on shapes of test/integration/nkilib/core/qkv/test_qkv_tkg.py
-::test_qkv_tkg_accuracy_unit, against the library's qkv_tkg_torch_ref.
+"""core/qkv: the `qkv` entry on shapes of test/integration/nkilib/core/qkv/test_qkv_tkg.py::test_qkv_tkg_accuracy_unit
+(TKG path) and test_qkv_cte.py::test_qkv_cte_accuracy_unit / _performance_bsd_unit (CTE path, long sequences),
+against the library's qkv_tkg_torch_ref: the CTE test's own golden is a NumPy function in the test file computing
+the same fused-add + norm + projection (+ bias), so the library's torch reference of that math serves both, and
+only its "out" is compared for CTE (the CTE kernel returns no fused hidden state).
 
 Inputs follow the test's generator (test_qkv_common.build_qkv_input): Gaussian bf16 activations and weights; for
 STATIC quantization activations and weights clipped to [-1, 1], fp8 weights and per-projection scales near 1/240;
@@ -71,6 +74,25 @@ def _tkg_ref_inputs(kw):
             "norm_bias": kw["layer_norm_bias"], "hidden_actual": kw["hidden_actual"]}
 
 
+def _out_only(**kw):
+    out = nkilib.load("core.qkv.qkv_tkg_torch:qkv_tkg_torch_ref")(**kw)
+    return {"out": out["out"]}
+
+
+def _cte(kind, lnc, b, s, h, h_actual, fused_dim, norm, fused_add, eps=1e-6, qkv_bias=False):
+    def inputs():
+        kw = _qkv_inputs(b, s, h, h_actual, fused_dim, None, None, None, norm, "NONE", fused_add, False, qkv_bias,
+                         eps, "BSD")
+        kw["is_h_dim_4h_transposed"] = False
+        return kw
+
+    shape = (f"b{b}_s{s}_h{h}" + (f"_ha{h_actual}" if h_actual else "") + f"_i{fused_dim}_{norm.lower()}"
+             + ("_add" if fused_add else "") + ("_qb" if qkv_bias else "") + (f"_eps{eps:g}" if eps != 1e-6 else ""))
+    return Case("core.qkv.qkv:qkv", _out_only, shape, inputs, atol=1e-5, rtol=2e-2,
+                source=f"test/integration/nkilib/core/qkv/test_qkv_cte.py::{kind}", lnc=lnc,
+                ref_inputs=_tkg_ref_inputs)
+
+
 def _tkg(lnc, b, s, h, h_actual, fused_dim, n_q, n_kv, d_head, norm, quant, fused_add, norm_bias, qkv_bias, eps,
          layout):
     args = (b, s, h, h_actual, fused_dim, n_q, n_kv, d_head, norm, quant, fused_add, norm_bias, qkv_bias, eps, layout)
@@ -92,4 +114,12 @@ CASES = [
     _tkg(2, 1, 1, 8192, None, 512, 2, 1, 128, "RMS_NORM", "NONE", True, False, False, 77.0, "BSD"),
     _tkg(2, 1, 5, 8192, None, 1280, 8, 1, 128, "RMS_NORM", "STATIC", False, False, False, 1e-6, "BSD"),
     _tkg(2, 1, 5, 8192, None, 1280, 8, 1, 128, "RMS_NORM", "ROW", False, False, False, 1e-6, "BSD"),
+    _cte("test_qkv_cte_accuracy_unit", 1, 1, 128, 512, None, 512, "RMS_NORM", True),
+    _cte("test_qkv_cte_accuracy_unit", 1, 1, 512, 1024, 768, 256, "RMS_NORM", True),
+    _cte("test_qkv_cte_accuracy_unit", 1, 1, 1000, 512, None, 512, "RMS_NORM", True),
+    _cte("test_qkv_cte_accuracy_unit", 1, 1, 512, 1024, None, 512, "NO_NORM", False),
+    _cte("test_qkv_cte_accuracy_unit", 1, 1, 512, 1024, None, 512, "RMS_NORM", True, eps=77.0),
+    _cte("test_qkv_cte_accuracy_unit", 1, 1, 128, 16384, 15104, 512, "RMS_NORM", False),
+    _cte("test_qkv_cte_performance_bsd_unit", 1, 1, 128, 3072, None, 1280, "NO_NORM", False, qkv_bias=True),
+    _cte("test_qkv_cte_performance_bsd_unit", 2, 1, 1024, 3072, None, 1280, "NO_NORM", False, qkv_bias=True),
 ]

@@ -137,3 +137,107 @@ CASES = [
     _block("trn2", 4, 8, 128, 6144, 2880, 11264, 1, qk_norm_pre=True, qk_norm_post=True, qk_norm_post_gamma=True,
            test_bias=True),
 ]
+
+
+TRANSFORMER_SOURCE = "test/integration/nkilib/experimental/transformer/test_transformer_tkg.py::test_transformer_tkg"
+LAYERS = 4
+
+
+def transformer_tkg(X, W_qkvs, W_outs, W_gates, W_ups, W_downs, W_gamma_qkvs, W_gamma_mlps, K_caches, V_caches,
+                    RoPE_cos, RoPE_sin, mask_cache, position_ids, eps, replica_groups, W_gate_scales, W_up_scales,
+                    W_down_scales):
+    """Launch kernel: the library's transformer_tkg (a plain function) as the test's 4-layer wrapper calls it."""
+    kernel = nkilib.load("experimental.transformer.transformer_tkg:transformer_tkg")
+    return kernel(X=X, W_qkvs=W_qkvs, W_outs=W_outs, W_gates=W_gates, W_ups=W_ups, W_downs=W_downs,
+                  W_gamma_qkvs=W_gamma_qkvs, W_gamma_mlps=W_gamma_mlps, K_caches=K_caches, V_caches=V_caches,
+                  RoPE_cos=RoPE_cos, RoPE_sin=RoPE_sin, mask_cache=mask_cache, mask_active=None,
+                  position_ids=position_ids, num_layers=LAYERS, eps=eps, replica_groups=replica_groups,
+                  sbuf_residual_and_cc=False, W_gate_scales=W_gate_scales, W_up_scales=W_up_scales,
+                  W_down_scales=W_down_scales)
+
+
+def _transformer(tp, batch, S_ctx, S_tkg=1, q_heads=64, d_head=128, H=8192, I=28672, lnc=2, rel_tol=2.5):
+    """The test's Llama-3 70B grid: per-core heads q_heads/tp and MLP width ceil(I/tp/128)*128, 4 layers (layers 1
+    and 2 with per-column weight scales), every rank the same inputs, all-reduce over min(tp, 4) ranks as the test
+    runs it on a 4-core fleet; atol 1e-2, rtol rel_tol %."""
+    ranks = min(tp, 4)
+    heads = q_heads // tp
+    fd = -(-(I // tp) // 128) * 128
+    cache = {}
+
+    def build():
+        if cache:
+            return cache
+        rng = np.random.default_rng(42)
+
+        def uniform(shape, lo=-1.0, hi=1.0):
+            return rng.uniform(lo, hi, shape).astype(np.float32).astype(BF16)
+
+        def normal(shape, std):
+            return rng.normal(0.0, std, shape).astype(np.float32).astype(BF16)
+
+        qkv_dim = d_head * (heads + 2)
+        kw = {"X": uniform((batch, S_tkg, H)),
+              "W_qkvs": [normal((H, qkv_dim), H ** -0.5) for _ in range(LAYERS)],
+              "W_outs": [normal((heads * d_head, H), 0.5) for _ in range(LAYERS)],
+              "W_gates": [normal((H, fd), H ** -0.5) for _ in range(LAYERS)],
+              "W_ups": [normal((H, fd), H ** -0.5) for _ in range(LAYERS)],
+              "W_downs": [normal((fd, H), fd ** -0.5) for _ in range(LAYERS)],
+              "W_gamma_qkvs": [uniform((1, H), 0.5, 1.5) for _ in range(LAYERS)],
+              "W_gamma_mlps": [uniform((1, H), 0.5, 1.5) for _ in range(LAYERS)],
+              "K_caches": [uniform((batch, 1, d_head, S_ctx)) for _ in range(LAYERS)],
+              "V_caches": [uniform((batch, 1, S_ctx, d_head)) for _ in range(LAYERS)],
+              "RoPE_cos": uniform((d_head // 2, batch, S_tkg)), "RoPE_sin": uniform((d_head // 2, batch, S_tkg))}
+        # all context positions visible, the active tokens causal among themselves; [S_ctx, B, heads, S_tkg]
+        mask = np.ones((batch, heads, S_tkg, S_ctx), np.bool_)
+        mask[:, :, :, S_ctx - S_tkg:] = np.tril(np.ones((S_tkg, S_tkg), np.bool_))
+        ctx_lens = np.arange(batch) * 3 + (S_ctx // 4 * 3)
+        scale_rng = np.random.default_rng(0)
+        quantized = [layer not in (0, LAYERS - 1) for layer in range(LAYERS)]
+        scales = {name: [] for name in ("W_gate_scales", "W_up_scales", "W_down_scales")}
+        for q in quantized:
+            scales["W_gate_scales"].append(np.full((128, fd), scale_rng.random(), np.float32) if q else None)
+            scales["W_up_scales"].append(np.full((128, fd), scale_rng.random(), np.float32) if q else None)
+            scales["W_down_scales"].append(np.full((128, H), scale_rng.random(), np.float32) if q else None)
+        kw.update(scales)
+        kw.update({"mask_cache": np.ascontiguousarray(mask.transpose(3, 0, 1, 2)),
+                   "position_ids": (ctx_lens[:, None] + np.arange(S_tkg)).astype(np.uint32), "eps": 1e-6,
+                   "replica_groups": (tuple(range(ranks)),)})
+        cache.update(kw)
+        return cache
+
+    def inputs(rank=0):
+        kw = build()
+        return {k: ([a.copy() if isinstance(a, np.ndarray) else a for a in v] if isinstance(v, list)
+                    else v.copy() if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+
+    def reference(rank):
+        import torch
+        kw = build()
+
+        def t(a):  # bf16 stays bf16 in the reference, as the test converts it
+            if a is None:
+                return None
+            return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16 if a.dtype == BF16 else torch.float32)
+
+        ref = nkilib.load("experimental.transformer.transformer_tkg_torch:llama3_transformer_fwd_tkg_torch")
+        active = np.tril(np.ones((batch, heads, S_tkg, S_tkg), np.bool_))
+        out = ref(X=t(kw["X"]), W_qkvs=[t(w) for w in kw["W_qkvs"]], W_outs=[t(w) for w in kw["W_outs"]],
+                  W_gates=[t(w) for w in kw["W_gates"]], W_gate_scales=[t(s) for s in kw["W_gate_scales"]],
+                  W_ups=[t(w) for w in kw["W_ups"]], W_up_scales=[t(s) for s in kw["W_up_scales"]],
+                  W_downs=[t(w) for w in kw["W_downs"]], W_down_scales=[t(s) for s in kw["W_down_scales"]],
+                  W_gamma_qkvs=[t(w) for w in kw["W_gamma_qkvs"]], W_gamma_mlps=[t(w) for w in kw["W_gamma_mlps"]],
+                  RoPE_cos=t(kw["RoPE_cos"]), RoPE_sin=t(kw["RoPE_sin"]),
+                  mask_cache=torch.from_numpy(kw["mask_cache"]),
+                  mask_active=torch.from_numpy(active), position_ids=torch.from_numpy(kw["position_ids"].astype(
+                      np.int64)), K_caches=[t(k) for k in kw["K_caches"]], V_caches=[t(v) for v in kw["V_caches"]],
+                  num_layers=LAYERS, replica_groups=kw["replica_groups"], eps=1e-6,
+                  mlp_down_proj_layout_enabled=False)
+        return {"layer_output": out.to(torch.float32).numpy().astype(BF16)}
+
+    return Case(transformer_tkg, reference, f"tp{tp}_b{batch}_ctx{S_ctx}_tkg{S_tkg}_H{H}_I{I}_L{LAYERS}_ranks{ranks}",
+                inputs, atol=1e-2, rtol=rel_tol / 100.0, source=TRANSFORMER_SOURCE, lnc=lnc, ranks=ranks,
+                rank0_only=True)
+
+
+TRANSFORMER_CASES = [_transformer(8, 1, 1024)]
