@@ -156,13 +156,13 @@ def transformer_tkg(X, W_qkvs, W_outs, W_gates, W_ups, W_downs, W_gamma_qkvs, W_
                   W_down_scales=W_down_scales)
 
 
-def _transformer(tp, batch, S_ctx, S_tkg=1, q_heads=64, d_head=128, H=8192, I=28672, lnc=2, rel_tol=2.5):
+def _transformer(tp, batch, S_ctx, S_tkg=1, q_heads=64, d_head=128, H=8192, inter=28672, lnc=2, rel_tol=2.5):
     """The test's Llama-3 70B grid: per-core heads q_heads/tp and MLP width ceil(I/tp/128)*128, 4 layers (layers 1
     and 2 with per-column weight scales), every rank the same inputs, all-reduce over min(tp, 4) ranks as the test
     runs it on a 4-core fleet; atol 1e-2, rtol rel_tol %."""
     ranks = min(tp, 4)
     heads = q_heads // tp
-    fd = -(-(I // tp) // 128) * 128
+    fd = -(-(inter // tp) // 128) * 128
     cache = {}
 
     def build():
@@ -235,9 +235,14 @@ def _transformer(tp, batch, S_ctx, S_tkg=1, q_heads=64, d_head=128, H=8192, I=28
                   mlp_down_proj_layout_enabled=False)
         return {"layer_output": out.to(torch.float32).numpy().astype(BF16)}
 
-    return Case(transformer_tkg, reference, f"tp{tp}_b{batch}_ctx{S_ctx}_tkg{S_tkg}_H{H}_I{I}_L{LAYERS}_ranks{ranks}",
+    return Case(transformer_tkg, reference, f"tp{tp}_b{batch}_ctx{S_ctx}_tkg{S_tkg}_H{H}_I{inter}_L{LAYERS}_ranks{ranks}",
                 inputs, atol=1e-2, rtol=rel_tol / 100.0, source=TRANSFORMER_SOURCE, lnc=lnc, ranks=ranks,
                 rank0_only=True)
 
 
+# Not in CASES, for two reasons found by running it (NKILIB_SRC=/work/nkilib, release 2026-04-13):
+# - transformer_tkg imports core/mlp/mlp.py, which does not parse in that checkout (IndentationError at line 203:
+#   a duplicated docstring tail after the closing quotes); the library's own test cannot import it either.
+# - the test's smallest shape (Llama-3 70B, tp=8 -> 4 ranks x LNC=2, 4 layers, H=8192) needs ~8 GB and minutes
+#   here, beyond this suite's budget.
 TRANSFORMER_CASES = [_transformer(8, 1, 1024)]
