@@ -235,8 +235,8 @@ def _transformer(tp, batch, S_ctx, S_tkg=1, q_heads=64, d_head=128, H=8192, inte
                   mlp_down_proj_layout_enabled=False)
         return {"layer_output": out.to(torch.float32).numpy().astype(BF16)}
 
-    return Case(transformer_tkg, reference, f"tp{tp}_b{batch}_ctx{S_ctx}_tkg{S_tkg}_H{H}_I{inter}_L{LAYERS}_ranks{ranks}",
-                inputs, atol=1e-2, rtol=rel_tol / 100.0, source=TRANSFORMER_SOURCE, lnc=lnc, ranks=ranks,
+    shape = f"tp{tp}_b{batch}_ctx{S_ctx}_tkg{S_tkg}_H{H}_I{inter}_L{LAYERS}_ranks{ranks}"
+    return Case(transformer_tkg, reference, shape, inputs, atol=1e-2, rtol=rel_tol / 100.0, source=TRANSFORMER_SOURCE, lnc=lnc, ranks=ranks,
                 rank0_only=True)
 
 
