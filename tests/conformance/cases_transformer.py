@@ -236,8 +236,8 @@ def _transformer(tp, batch, S_ctx, S_tkg=1, q_heads=64, d_head=128, H=8192, inte
         return {"layer_output": out.to(torch.float32).numpy().astype(BF16)}
 
     shape = f"tp{tp}_b{batch}_ctx{S_ctx}_tkg{S_tkg}_H{H}_I{inter}_L{LAYERS}_ranks{ranks}"
-    return Case(transformer_tkg, reference, shape, inputs, atol=1e-2, rtol=rel_tol / 100.0, source=TRANSFORMER_SOURCE, lnc=lnc, ranks=ranks,
-                rank0_only=True)
+    return Case(transformer_tkg, reference, shape, inputs, atol=1e-2, rtol=rel_tol / 100.0, source=TRANSFORMER_SOURCE,
+                lnc=lnc, ranks=ranks, rank0_only=True)
 
 
 # Not in CASES, for two reasons found by running it (NKILIB_SRC=/work/nkilib, release 2026-04-13):
