@@ -238,7 +238,9 @@ def _numpy_to_torch(a):
 
 # ---- running ---------------------------------------------------------------------------------------------------
 
-def run(kernel, args, kwargs, target=None, record=True):
+def run(kernel, args, kwargs, target=None, record=True, numerics=True):
+    """Run `kernel` on the interpreter. numerics=False records the trace without computing TensorE products
+    (outputs are not valid); refused by the cores for kernels whose addresses / control flow read tensor data."""
     outer = current()
     if outer.in_kernel and not lint.parser_frontend():
         # 0.7 tracing inlines a nested @nki.jit sub-kernel into the running kernel under its config
@@ -258,10 +260,11 @@ def run(kernel, args, kwargs, target=None, record=True):
     if lnc == 1:
         ctx = CoreContext(0, 1, tgt, record=record)
         ctx.jit_options = kernel.options
+        ctx.numerics = numerics
         outputs = _run_core(kernel.func, ctx, targs, tkwargs)
         contexts = [ctx]
     else:
-        outputs, contexts = _run_lnc(kernel.func, lnc, tgt, targs, tkwargs, record, kernel.options)
+        outputs, contexts = _run_lnc(kernel.func, lnc, tgt, targs, tkwargs, record, kernel.options, numerics)
     lint.raise_if_violations(lint.check_outputs(kernel.func, outputs, [t.alloc for _, t, _ in binding.inputs]))
     binding.write_back()
     return RunResult(binding.unwrap(outputs), contexts, tgt)
@@ -280,11 +283,12 @@ def _run_core(func, ctx, args, kwargs):
         set_current(prev)
 
 
-def _run_lnc(func, n, tgt, args, kwargs, record, options=None):
+def _run_lnc(func, n, tgt, args, kwargs, record, options=None, numerics=True):
     shared = LncShared(n)
     contexts = [CoreContext(i, n, tgt, shared=shared, record=record) for i in range(n)]
     for c in contexts:
         c.jit_options = options
+        c.numerics = numerics
     world = one_rank_world(shared, contexts)     # nki.collectives in a plain launch: a world of one rank
     results, errors = [None] * n, [None] * n
 

@@ -141,6 +141,20 @@ class LncShared:
             self.cond.notify_all()
 
 
+def _refuse_data_dependent(opname, reads, writes):
+    """A trace-only run is valid only if no address or control flow depends on tensor values."""
+    from .errors import NkiValidationError
+    if opname == "register_load":
+        raise NkiValidationError(f"trace-only run: {opname} reads tensor data into a register, so later addresses "
+                                 "or loop bounds depend on values that are not computed; run with numerics")
+    for t in tuple(reads) + tuple(writes):
+        for d in access_of(t).deps:
+            if d.buffer != "reg":
+                raise NkiValidationError(f"trace-only run: an operand of {opname} is addressed by index/offset "
+                                         "tensor data (indirect or dynamic offset), which is not computed; run "
+                                         "with numerics")
+
+
 class CoreContext:
     def __init__(self, program_id=0, num_programs=1, target=None, shared=None, record=True):
         self.program_id = program_id
@@ -158,6 +172,7 @@ class CoreContext:
         self.is_default = False
         self.env_target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
         self.ctrl = ()        # Accesses every instruction depends on (registers bounding enclosing dynamic loops)
+        self.numerics = True  # False: trace-only run (nkisim.run(numerics=False)); TensorE products are skipped
         # Multi-rank launches (nkisim.world): the world this core's rank belongs to, the rank id, the number of
         # collectives issued so far (the rendezvous key) and a pending all_*_v_prepare (its single slot).
         self.world = None
@@ -182,6 +197,8 @@ class CoreContext:
         """`emit` with the op's meta as a dict (the ISA ops' hot path)."""
         if self.dead_allocs:
             _check_in_scope(self.dead_allocs, opname, reads, writes)
+        if not self.numerics:
+            _refuse_data_dependent(opname, reads, writes)
         if self.pool.deferred:
             seq = self.seq
             for group in (reads, writes):

@@ -19,6 +19,7 @@ SECTIONS = (
     ("summary", "Summary"),
     ("best", "Best configuration under a memory limit"),
     ("published", "Modelled vs published"),
+    ("calibration", "Cost-model calibration"),
     ("kernel-roofline", "Kernel roofline"),
     ("model-roofline", "Model roofline"),
     ("latency", "Latency breakdown"),
@@ -80,6 +81,19 @@ def _band_curves() -> tuple[dict, float, float]:
     return curves, p.mesh_max_bytes, p.rdh_max_bytes
 
 
+CALIBRATION_RESULTS = Path(__file__).resolve().parents[1] / "calibration" / "results.json"
+
+
+def load_calibration(path: Path = CALIBRATION_RESULTS) -> dict | None:
+    """The last `python -m bench.calibration.run --json bench/calibration/results.json` output, or None."""
+    import json
+
+    if not Path(path).exists():
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def build_context(data: dict, mem_limit_gib: float | None = None, title: str = "") -> dict:
     # A zero, negative or NaN limit would silently empty the best-configuration table: reject it up front.
     if mem_limit_gib is not None and not (isinstance(mem_limit_gib, (int, float)) and mem_limit_gib > 0):
@@ -114,6 +128,9 @@ def build_context(data: dict, mem_limit_gib: float | None = None, title: str = "
     pub = analysis.published_comparison(parts["published"])
     ctx["published"] = pub
     ctx["published_svg"] = charts.published_bars(pub) if pub else ""
+
+    # ---- cost-model calibration (bench/calibration) ----
+    ctx["calibration"] = ext.get("calibration") or load_calibration()
 
     # ---- rooflines ----
     ctx["kernel_roofline_svg"] = charts.kernel_roofline(parts["kernel"], _kernel_roofs())

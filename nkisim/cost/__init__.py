@@ -35,14 +35,16 @@ Scheduling rules (schedule.py), each with its source:
    [4, 4096] load uses one engine [dma]; "each DMA engine can process one DMA transfer at a time" [arch1]. Modelled:
    a transfer uses engines first_partition//8 .. last_partition//8 (HBM->HBM: split over >= 2 KiB pieces on the
    least-loaded engines), each moving its share.
-6. DMA time = fixed start latency (~1300 ns semaphore-to-start, [bw]; does not occupy an engine) + per engine:
-   transfer overhead ("overhead at both DMA buffer and transfer levels" [arch1]; "larger than 32KiB to achieve
-   ideal bandwidth" [perf] read as 90% at 32 KiB: 32 KiB/(9 x engine B/ns)) + bytes / (engine rate x buffer
-   efficiency), buffer efficiency run/(run + 256 B) from the contiguous bytes per partition ([bw]: < 256 B severely
-   overhead-bound, >= 2 KiB approaches, >= 4 KiB saturates); engine rate 17/23/33 B/ns [bw], capped per engine at
-   the core's HBM share / 16 when it touches HBM (twice for HBM->HBM); dma_transpose at 90% [arch2].
-   AWS's DMA throughput curve ([dma] figure, single [128, B] transfers) is flat-time up to 2 KiB/partition, i.e.
-   dominated by the fixed latency, which rule 6 reproduces (~1.3 us + overhead).
+6. DMA time = fixed start latency ("every DMA transfer incurs descriptor setup, synchronization, and
+   semaphore-to-start latency (~1300 ns cross-engine)" [bw]; it does not occupy an engine, so consecutive
+   transfers overlap it) + per engine: bytes / (engine rate x buffer efficiency) ("overhead at both DMA buffer and
+   transfer levels" [arch1]: the transfer level is the latency above; `dma_transfer_overhead_s` = 0 — reading
+   [perf]'s "larger than 32KiB ... for ideal bandwidth" as a 90%-at-32-KiB engine occupancy was tried and rejected,
+   it made the trn2 tutorial's v2/v3 16-18% slower than measured), buffer efficiency run/(run + 256 B) from the
+   contiguous bytes per partition ([bw]: < 256 B severely overhead-bound, >= 2 KiB approaches, >= 4 KiB
+   saturates); engine rate 17/23/33 B/ns [bw], capped per engine at the core's HBM share / 16 when it touches HBM
+   (twice for HBM->HBM); dma_transpose at 90% [arch2]. AWS's DMA throughput curve ([dma] figure, single [128, B]
+   transfers) is flat in time up to ~2 KiB/partition, i.e. dominated by the fixed latency, as this rule has it.
 7. Fixed instruction costs only where documented: VectorE/GpSimd 100 static cycles and ScalarE 264 cycles
    (observed II of dependent 1-element ScalarE instructions) are charged for instructions with N < 128 elements
    per partition, or when the instruction reads the output of the previous instruction on the same engine
@@ -109,12 +111,17 @@ def bounds(result, target=None, kernel_name="", useful_flops=None) -> Bounds:
     return Bounds(*(analyze(result, target, kernel_name, order=o, useful_flops=useful_flops) for o in ORDERS))
 
 
-def profile(kernel, *args, target="trn2", order="ready", useful_flops=None, **kwargs) -> Profile:
+def profile(kernel, *args, target="trn2", order="ready", useful_flops=None, numerics=True, **kwargs) -> Profile:
     """Run `kernel` (a jit Kernel, `kernel[2]` for LNC=2, or a plain function) on the CPU interpreter for `target`
     and return `Profile(outputs, report)`; `report` is a CostReport of modelled figures. `order` and
-    `useful_flops` as for `analyze`; other kwargs go to the kernel."""
+    `useful_flops` as for `analyze`; other kwargs go to the kernel.
+
+    numerics=False is the trace-only profile: TensorE products are not computed (outputs are invalid, the trace and
+    so the report are the same), refused with the reason for kernels that read tensor data into registers or use
+    it as indices / offsets."""
     from ..jit import Kernel, run
     k = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
-    result = run(k, args, kwargs, target=target)
+    result = run(k, args, kwargs, target=target, numerics=numerics)
     name = getattr(k.func, "__name__", "")
-    return Profile(result.outputs, analyze(result, kernel_name=name, order=order, useful_flops=useful_flops))
+    rep = analyze(result, kernel_name=name, order=order, useful_flops=useful_flops)
+    return Profile(result.outputs if numerics else None, rep)

@@ -100,7 +100,9 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         fail(op, f"dst shape {dst.shape} must be (M={m}, N={n}) = ({m}, *{tuple(n_shape)}) (C3)")
     _check_bank(op, ctx, dst)
 
-    if is_transpose:
+    if not ctx.numerics:          # trace-only run: shapes and the instruction record only
+        result = np.zeros((m, n), np.float32)
+    elif is_transpose:
         result = _transpose_mode(op, stationary, moving, dst, v)
     else:
         s = dt.to_fp32(read(stationary)).reshape(k * (2 if double_row else 1), m)
