@@ -23,12 +23,12 @@ def mamba_v1(delta, u, A, B, C):
     _, states = A.shape
     P = nl.tile_size.pmax
     out = nl.ndarray((batch, channels, seq), dtype=delta.dtype, buffer=nl.shared_hbm)
-    for b in nl.affine_range(batch):
-        for ct in nl.affine_range(channels // P):
+    for b in range(batch):
+        for ct in range(channels // P):
             c0 = ct * P
             acc = nl.ndarray((P, seq), dtype=delta.dtype, buffer=nl.sbuf)
             nisa.memset(dst=acc, value=0.0)
-            for s in nl.affine_range(states):
+            for s in range(states):
                 d = nl.ndarray((P, seq), dtype=delta.dtype, buffer=nl.sbuf)
                 nisa.dma_copy(dst=d, src=delta[b, c0:c0 + P, :])
                 a = nl.ndarray((P, 1), dtype=A.dtype, buffer=nl.sbuf)

@@ -33,10 +33,10 @@ def matmul_v2(lhsT, rhs):
     _, N = rhs.shape
     TM, TK, TN = _tiles()
     out = nl.ndarray((M, N), dtype=lhsT.dtype, buffer=nl.shared_hbm)
-    for m in nl.affine_range(M // TM):
-        for n in nl.affine_range(N // TN):
+    for m in range(M // TM):
+        for n in range(N // TN):
             acc = nl.ndarray((TM, TN), dtype=nl.float32, buffer=nl.psum)
-            for k in nl.affine_range(K // TK):
+            for k in range(K // TK):
                 a = nl.ndarray((TK, TM), dtype=lhsT.dtype, buffer=nl.sbuf)
                 b = nl.ndarray((TK, TN), dtype=rhs.dtype, buffer=nl.sbuf)
                 nisa.dma_copy(dst=a, src=lhsT[k * TK:(k + 1) * TK, m * TM:(m + 1) * TM])
@@ -51,7 +51,7 @@ def matmul_v2(lhsT, rhs):
 def _load_column(src, col, width, nk, tk):
     """The nk [tk, width] tiles of columns [col, col + width) of src, one dma_copy each."""
     tiles = []
-    for k in nl.affine_range(nk):
+    for k in range(nk):
         t = nl.ndarray((tk, width), dtype=src.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=src[k * tk:(k + 1) * tk, col:col + width])
         tiles.append(t)
@@ -73,9 +73,9 @@ def matmul_v3(lhsT, rhs):
     _, N = rhs.shape
     TM, TK, TN = _tiles()
     out = nl.ndarray((M, N), dtype=lhsT.dtype, buffer=nl.shared_hbm)
-    for m in nl.affine_range(M // TM):
+    for m in range(M // TM):
         a_tiles = _load_column(lhsT, m * TM, TM, K // TK, TK)
-        for n in nl.affine_range(N // TN):
+        for n in range(N // TN):
             b_tiles = _load_column(rhs, n * TN, TN, K // TK, TK)
             _output_tile(out, a_tiles, b_tiles, m * TM, n * TN, TM, TN)
     return out
@@ -88,9 +88,9 @@ def matmul_v4(lhsT, rhs):
     TM, TK, TN = _tiles()
     BM, BN = 2, 2                      # tiles per block, as in the tutorial
     out = nl.ndarray((M, N), dtype=lhsT.dtype, buffer=nl.shared_hbm)
-    for mb in nl.affine_range(M // (BM * TM)):
+    for mb in range(M // (BM * TM)):
         a_block = [_load_column(lhsT, (mb * BM + i) * TM, TM, K // TK, TK) for i in range(BM)]
-        for nb in nl.affine_range(N // (BN * TN)):
+        for nb in range(N // (BN * TN)):
             for j in range(BN):
                 b_tiles = _load_column(rhs, (nb * BN + j) * TN, TN, K // TK, TK)
                 for i in range(BM):
@@ -105,7 +105,7 @@ def matmul_v5(lhsT, rhs, tiles_m=16, tiles_n=2, tiles_k=8):
     TM, TK, TN = _tiles()
     BM, BN, BK = TM * tiles_m, TN * tiles_n, TK * tiles_k
     out = nl.ndarray((M, N), dtype=lhsT.dtype, buffer=nl.shared_hbm)
-    for nb in nl.affine_range(N // BN):
+    for nb in range(N // BN):
         # SBUF accumulators of one column of output blocks: [M/BM][tiles_m][tiles_n] tiles [TM, TN]
         sums = []
         for _mb in range(M // BM):
@@ -118,14 +118,14 @@ def matmul_v5(lhsT, rhs, tiles_m=16, tiles_n=2, tiles_k=8):
                     row.append(t)
                 rows.append(row)
             sums.append(rows)
-        for kb in nl.sequential_range(K // BK):
+        for kb in range(K // BK):
             b_rows = []
             for kk in range(tiles_k):
                 t = nl.ndarray((TK, BN), dtype=rhs.dtype, buffer=nl.sbuf)
                 nisa.dma_copy(dst=t, src=rhs[(kb * tiles_k + kk) * TK:(kb * tiles_k + kk + 1) * TK,
                                              nb * BN:(nb + 1) * BN])
                 b_rows.append(t)
-            for mb in nl.affine_range(M // BM):
+            for mb in range(M // BM):
                 a_rows = []
                 for kk in range(tiles_k):
                     t = nl.ndarray((TK, BM), dtype=lhsT.dtype, buffer=nl.sbuf)
