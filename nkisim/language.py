@@ -36,6 +36,7 @@ from .dtypes import (  # noqa: F401 - re-exported as nl.<dtype>
 )
 from .errors import NkiValidationError
 from .frontend import parser_frontend
+from .grids import NkiBlockGrid, NkiGrid, NkiTileGrid, alloc_blocks, alloc_tiles, blocks, tiles  # noqa: F401 - 0.7
 from .memory import Allocation, check_buffer, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
 from .ops import FP32_MIN  # noqa: F401 - nl.FP32_MIN
 from .runtime import access_of, current

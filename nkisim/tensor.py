@@ -168,6 +168,12 @@ class NkiTensor:
         return NkiTensor(a, a.shape, strides, 0, a.dtype)
 
     @property
+    def data(self):
+        # NKI 0.7: a tensor is its own operand, as `grid.data` is a grid's (AWS's nl.tiles examples call
+        # `nl.ndarray(...).data`)
+        return self
+
+    @property
     def alloc_site(self):
         return self.alloc.site
 

@@ -4,6 +4,7 @@ Every 0.7 construct is exercised under the default frontend; every parser behavi
 `monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")`. Facts are AWS's pages (cited per test).
 """
 
+import math
 import warnings
 
 import nki
@@ -447,3 +448,116 @@ def test_nested_jit_config_must_agree_unless_override():
                                True)
     with pytest.warns(UserWarning, match=r"inlined under the top-level kernel's config"):
         np.testing.assert_array_equal(override(x), x)
+
+
+# ---- tile and block grids (nki.language.tiles / blocks / alloc_tiles / alloc_blocks / NkiGrid pages) -----------------
+
+def _hbm_iota(shape):
+    return hbm(np.arange(math.prod(shape), dtype=np.float32).reshape(shape))
+
+
+def test_tiles_grid_shape_remainders_and_data():
+    """tile_shape (128, 256) over (300, 600): a 3 x 3 grid whose last row / column are clamped."""
+    src = _hbm_iota((300, 600))
+    g = nl.tiles(src, tile_shape=(128, 256))
+    assert isinstance(g, nl.NkiTileGrid) and isinstance(g, nl.NkiGrid)
+    assert g.shape == (3, 3) and g.tile_shape == (128, 256) and g.element_shape == (300, 600)
+    corner = g[2, 2]
+    assert isinstance(corner, nl.NkiTileGrid) and corner.shape == ()           # integer indexing keeps a grid
+    assert corner.element_shape == (44, 88) and corner.is_remainder and not g[0, 0].is_remainder
+    assert g[1, :].element_shape == (128, 600) and g[:, 0].index_step_elements == (128,)
+    np.testing.assert_array_equal(rd(g[1, 2].data), rd(src)[128:256, 512:600])
+    assert g.dtype == nl.float32 and g.buffer is nl.shared_hbm
+
+
+def test_tiles_gapped_selection_is_not_representable():
+    g = nl.tiles(_hbm_iota((256, 1024)), tile_shape=(128, 256))
+    gapped = g[0, ::2]
+    assert gapped.shape == (2,) and gapped.element_shape == (128, 512) and not gapped.is_data_representable
+    with pytest.raises(ValueError, match=r"is_data_representable is False"):
+        _ = gapped.data
+    with pytest.raises(ValueError, match=r"positive step"):
+        g[0, ::-1]
+    with pytest.raises(TypeError, match=r"grid indices are Python ints or slices"):
+        g[nisa.register_alloc(0), 0]
+
+
+def test_copy_through_tile_grids_like_the_aws_example():
+    """AWS's NkiTileGrid example: copy a tensor tile by tile through SBUF (nl.ndarray(...).data is the tensor)."""
+    @nki.jit
+    def copy_tile_grid(src):
+        src_tiles = nl.tiles(src, tile_shape=(128, 256))
+        dst = nl.ndarray(src.shape, dtype=src.dtype, buffer=nl.shared_hbm)
+        dst_tiles = nl.tiles(dst, tile_shape=(128, 256))
+        for i in range(src_tiles.shape[0]):
+            for j in range(src_tiles.shape[1]):
+                src_tile = src_tiles[i, j]
+                t = nl.ndarray(src_tile.element_shape, dtype=src.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=t.data, src=src_tile.data)
+                nisa.dma_copy(dst=dst_tiles[i, j].data, src=t.data)
+        return dst
+
+    x = np.random.default_rng(0).standard_normal((200, 600)).astype(np.float32)
+    np.testing.assert_array_equal(copy_tile_grid(x), x)
+
+
+def test_blocks_group_tiles_and_expose_them_again():
+    src = _hbm_iota((300, 600))
+    b = nl.blocks(src, tile_shape=(128, 256), block_shape=(2, 2))
+    assert isinstance(b, nl.NkiBlockGrid) and b.shape == (2, 2) and b.block_shape == (2, 2)
+    assert b[0, 0].element_shape == (256, 512) and b[1, 1].element_shape == (44, 88)    # partial final block
+    np.testing.assert_array_equal(rd(b[0, 1].data), rd(src)[0:256, 512:600])
+    inner = nl.tiles(b[0, 0])
+    assert isinstance(inner, nl.NkiTileGrid) and inner.shape == (2, 2)
+    np.testing.assert_array_equal(rd(inner[1, 0].data), rd(src)[128:256, 0:256])
+    with pytest.raises(ValueError, match=r"rank of tile_shape"):
+        nl.blocks(src, tile_shape=(128, 256), block_shape=(2,))
+
+
+def test_untiled_hbm_prefix_is_indexed_one_slab_at_a_time():
+    src = _hbm_iota((3, 256, 512))
+    g = nl.tiles(src, tile_shape=(128, 256))
+    assert g.shape == (3, 2, 2) and g[1].shape == (2, 2) and g[1, 0, 1].element_shape == (1, 128, 256)
+    np.testing.assert_array_equal(rd(g[1, 0, 1].data), rd(src)[1:2, 0:128, 256:512])
+    with pytest.raises(ValueError, match=r"no untiled dims"):
+        nl.tiles(tile((128, 4, 8)), tile_shape=(4, 8))
+
+
+def test_alloc_tiles_sbuf_capacity_layout():
+    """SBUF: tile_shape[0] partitions, tile slots side by side along the free dim (row-major), nominal size each."""
+    g = nl.alloc_tiles(tile_shape=(128, 256), element_shape=(256, 600), buffer=nl.sbuf, dtype=nl.float32)
+    assert g.shape == (2, 3) and g.element_shape == (256, 600)
+    assert g._store.backing.shape == (128, 6 * 256)
+    t12 = g[1, 2].data
+    assert t12.shape == (128, 88) and t12.offset == 5 * 256                  # slot 5, clamped to 88 columns
+    row = g[1, :].data
+    assert row.shape == (128, 600) and row.offset == 3 * 256
+    assert not g[:, 0].is_data_representable                                # two partition tiles: no one view
+    src = _hbm_iota((128, 600))
+    nisa.dma_copy(dst=g[1, :].data, src=src)
+    np.testing.assert_array_equal(rd(g[1, 1].data), rd(src)[:, 256:512])
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    ({"tile_shape": [128, 256]}, TypeError, r"tuple of exact Python ints"),
+    ({"tile_shape": (128,)}, ValueError, r"at least 2 dims"),
+    ({"tile_shape": (128, 0)}, ValueError, r"nonpositive"),
+    ({"element_shape": (256,)}, ValueError, r"greater rank"),
+    ({"buffer": "sbuf"}, TypeError, r"buffer"),
+    ({"tile_shape": (256, 128)}, ValueError, r"128 partitions"),
+])
+def test_alloc_tiles_rejects_bad_arguments(kwargs, exc, pattern):
+    args = dict(tile_shape=(128, 256), element_shape=(256, 512), buffer=nl.sbuf, dtype=nl.float32)
+    args.update(kwargs)
+    with pytest.raises(exc, match=pattern):
+        nl.alloc_tiles(**args)
+
+
+def test_alloc_blocks_hbm_and_sbuf():
+    hb = nl.alloc_blocks(tile_shape=(128, 128), block_shape=(1, 2), element_shape=(2, 128, 512),
+                         buffer=nl.shared_hbm, dtype=nl.bfloat16, name="kv")
+    assert isinstance(hb, nl.NkiBlockGrid) and hb.shape == (2, 1, 2) and hb.dtype == nl.bfloat16
+    assert hb[0, 0, 1].data.shape == (1, 128, 256)
+    sb_ = nl.alloc_blocks(tile_shape=(128, 128), block_shape=(1, 2), element_shape=(128, 512), buffer=nl.sbuf,
+                          dtype=nl.float32)
+    assert sb_.shape == (1, 2) and sb_[0, 1].data.shape == (128, 256) and sb_[0, 1].data.offset == 256
