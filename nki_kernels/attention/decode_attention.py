@@ -227,7 +227,7 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
          "(NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true reserves one)")
     assert len(X.shape) == 3, f"X must be [B, S_tkg, H], got shape {X.shape}"
     B, S, H = X.shape
-    paged = block_table != None  # noqa: E711 - NKI has no `is`
+    paged = block_table is not None
     if paged:
         assert len(K_cache.shape) == 4, \
             f"K_cache (paged) must be [num_blocks, kv_heads, block_size, d], got shape {K_cache.shape}"
@@ -264,16 +264,16 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     assert position_ids.dtype == nl.int32, f"position_ids must be int32, got {position_ids.dtype}"
     for name, t in (("W_qkv", W_qkv), ("K_cache", K_cache), ("V_cache", V_cache), ("W_o", W_o)):
         assert t.dtype == X.dtype, f"{name} dtype {t.dtype} must match X dtype {X.dtype}"
-    if cos != None:  # noqa: E711 - NKI has no `is`
+    if cos is not None:
         assert tuple(cos.shape) == (B, S, d // 2) and tuple(sin.shape) == (B, S, d // 2), \
             f"cos/sin must be [B={B}, S_tkg={S}, d/2={d // 2}], got {cos.shape} / {sin.shape}"
-    if gamma != None:  # noqa: E711
+    if gamma is not None:
         assert tuple(gamma.shape) == (1, H), f"gamma must be [1, H={H}], got {gamma.shape}"
-    if bias_qkv != None:  # noqa: E711
+    if bias_qkv is not None:
         assert tuple(bias_qkv.shape) == (1, W_qkv.shape[1]), f"bias_qkv must be [1, {W_qkv.shape[1]}]"
-    if bias_o != None:  # noqa: E711
+    if bias_o is not None:
         assert tuple(bias_o.shape) == (1, H), f"bias_o must be [1, H={H}], got {bias_o.shape}"
-    if sinks != None:  # noqa: E711
+    if sinks is not None:
         assert tuple(sinks.shape) == (nq,), f"sinks must be [nq={nq}], got {sinks.shape}"
     L = s_max if context_len == 0 else context_len
     assert 1 <= L <= s_max, f"context_len={L} must be in 1..S_max={s_max} (cache too short)"
@@ -320,21 +320,21 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles):
         nisa.dma_copy(dst=x[:nt], src=X2[t0:t0 + nt, :])
         xs.append(x)
     ins.x = tuple(xs)
-    if gamma != None:  # noqa: E711 - NKI has no `is`
+    if gamma is not None:
         # gamma[p * KT + kt] on partition p, column kt: the H layout of the transposed activations and of W_qkv.
         ins.gamma = nl.ndarray((P_MAX, cfg.KT), dtype=gamma.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=ins.gamma, src=gamma.reshape((P_MAX, cfg.KT)))
-    if bias_qkv != None:  # noqa: E711
+    if bias_qkv is not None:
         ins.bias_qkv = nl.ndarray((1, cfg.C), dtype=bias_qkv.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=ins.bias_qkv, src=bias_qkv)
-    if bias_o != None:  # noqa: E711
+    if bias_o is not None:
         # bias_o[c * 128 + p] on partition p, column c (a per-partition scalar of the transposed O-projection):
         # a contiguous [H/128, 128] load and one TensorE transpose.
         n_c = cfg.H // P_MAX
         b_rows = nl.ndarray((P_MAX, P_MAX), dtype=bias_o.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=b_rows[:n_c, :], src=bias_o.reshape((n_c, P_MAX)))
         ins.bias_o_rows = b_rows
-    if cos != None:  # noqa: E711
+    if cos is not None:
         h2 = cfg.d // 2
         cos2 = cos.reshape((cfg.B * cfg.S, h2))
         sin2 = sin.reshape((cfg.B * cfg.S, h2))
@@ -352,7 +352,7 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles):
 
 def _transpose_bias_o(cfg, ins):
     """ins.bias_o = [128, H/128] fp32 from the [H/128, 128] rows (H/128 <= 128 chunks per transpose)."""
-    if ins.bias_o_rows == None:  # noqa: E711
+    if ins.bias_o_rows is None:
         return
     n_c = cfg.H // P_MAX
     ins.bias_o = nl.ndarray((P_MAX, n_c), dtype=nl.float32, buffer=nl.sbuf)
@@ -425,7 +425,7 @@ def _rmsnorm(cfg, consts, ins, tiles, eps):
                 kt = c0 + c
                 nisa.nc_transpose(dst=ps[:, c, :nt], data=x[:nt, kt:kt + (P_MAX - 1) * KT + 1:KT])
             nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, :nt])
-        if ins.gamma == None:  # noqa: E711
+        if ins.gamma is None:
             xTs.append(xT)
             continue
         sq = nl.ndarray((P_MAX, KT, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
@@ -483,7 +483,7 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
     for g0 in range(0, len(pairs), QKV_BANKS):
         group = pairs[g0:g0 + QKV_BANKS]
         accs = [nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in group]
-        if bias != None:  # noqa: E711
+        if bias is not None:
             for i, (ti, ch) in enumerate(group):
                 nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
                 nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=_ones_row(consts, bias.dtype, nt),
@@ -492,7 +492,7 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
             for i, (ti, ch) in enumerate(group):
                 nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
                 nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=xT[ti][:, kt, :nt], moving=wq[:, kt, c0:c0 + cw],
-                               accumulate=(kt > kt0 or bias != None))  # noqa: E711
+                               accumulate=(kt > kt0 or bias is not None))
         for i, (ti, ch) in enumerate(group):
             nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
             if qsplit:
@@ -732,7 +732,7 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         _combine_cores(cfg, sm, rows, nb, g)
     # Final normalisation; sinks join the denominator only.
     l_fin = sm.l
-    if sinks != None:  # noqa: E711
+    if sinks is not None:
         sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=sk[:rows], src=sinks.ap([[0, nb], [0, S], [1, G]], offset=g * G))
         nb_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -764,10 +764,10 @@ def _normalise_full(cfg, st, sm, rows, nb, rinv, dtype):
     acc * alpha / l is formed while TensorE finishes the last PV, then one pass PV / l + that."""
     n = nb * cfg.d
     o_n = nl.ndarray((P_MAX, PV_COLS), dtype=dtype, buffer=nl.sbuf)
-    if sm.pending == None:  # noqa: E711 - already flushed (context split)
+    if sm.pending is None:  # already flushed (context split)
         nisa.tensor_scalar(dst=o_n[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply, operand0=rinv[:rows])
         return o_n
-    if sm.acc == None:  # noqa: E711 - only the active step
+    if sm.acc is None:  # only the active step
         nisa.activation(dst=o_n[:rows, :n], op=nl.copy, data=st.ps_o[:rows, :n], scale=rinv[:rows])
         return o_n
     a2 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -1037,7 +1037,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
     sc = st.scores()
     key = st.iota(step.key_id, step.key_pattern, step.cols)
     masks = [_build_mask(cfg, rows, step.cols, key, step.thr_hi, nl.greater, 0.0)]
-    if step.thr_lo != None:  # noqa: E711
+    if step.thr_lo is not None:
         masks.append(_build_mask(cfg, rows, step.cols, key, step.thr_lo, nl.less_equal, 0.0))
     for c0, c1, inner in step.chunks:
         for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
@@ -1250,11 +1250,11 @@ def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks):
 
 def _flush_acc(cfg, st, sm, rows, nb):
     """acc = acc * alpha + PV of the pending step (ps_o), or acc = PV for the first step."""
-    if sm.pending == None:  # noqa: E711
+    if sm.pending is None:
         return
     acc = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
     n = nb * cfg.d
-    if sm.acc == None:  # noqa: E711
+    if sm.acc is None:
         nisa.tensor_copy(dst=acc[:rows, :n], src=st.ps_o[:rows, :n])
     else:
         nisa.scalar_tensor_tensor(dst=acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,
@@ -1465,7 +1465,7 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
             dst = outT[:, c0:c0 + ncb, :nt]
             if packed:
                 dst = outP[:, c0 // cpt, :, c0 % cpt:c0 % cpt + ncb].permute((0, 2, 1))
-            if bias_T != None:  # noqa: E711
+            if bias_T is not None:
                 nisa.tensor_tensor(dst=dst, data1=ps[:, :ncb, :nt],
                                    data2=bias_T[:, c0:c0 + ncb].expand_dim(2).broadcast(2, nt), op=nl.add)
             else:
