@@ -7,7 +7,7 @@ into the 8 banks of 2 KiB.
 
 Liveness. Inside a kernel the pool is *deferred*: like the compiler's allocator, which assigns addresses to the
 whole traced program (nki.compiler.sbuf/psum.auto_alloc: "automatically allocated by compiler"), an allocation is
-live from its creation to the last instruction that touches it, whatever Python still references. The trace is
+live from the first to the last instruction that touches it, whatever Python still references. The trace is
 checked after the kernel returns (`check_liveness`), and a capacity error still names the allocation site. Outside
 a kernel (unit tests, notebooks) there is no program to look ahead in, so an allocation is live while a Python view
 references it and the limit is checked at once.
