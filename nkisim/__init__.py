@@ -104,12 +104,16 @@ def _install_legacy_typing(nki_typing) -> None:
     """`neuronxcc.nki.typing` for kernels that import annotation types from the legacy package (AWS's nki-library
     does) when neuronx-cc itself is absent. Only the typing module is provided: `neuronxcc.nki.language` and the rest
     stay unimportable, and the linter still flags them (rule neuronxcc-import)."""
+    import importlib.machinery
     import types
     if "neuronxcc" in sys.modules or importlib.util.find_spec("neuronxcc") is not None:
         return
     root = types.ModuleType("neuronxcc", "nkisim stand-in: only neuronxcc.nki.typing exists")
     sub = types.ModuleType("neuronxcc.nki", "nkisim stand-in: only neuronxcc.nki.typing exists")
-    root.__path__, sub.__path__ = [], []  # packages with nothing else to import
+    for mod in (root, sub):
+        mod.__path__ = []  # a package with nothing else to import
+        # a spec, so importlib.util.find_spec("neuronxcc") still answers (it raises on a module without one)
+        mod.__spec__ = importlib.machinery.ModuleSpec(mod.__name__, None, is_package=True)
     root.nki, sub.typing = sub, nki_typing
     sys.modules.update({"neuronxcc": root, "neuronxcc.nki": sub, "neuronxcc.nki.typing": nki_typing})
 

@@ -3,6 +3,7 @@ stubs/docs: nki.dtype, nki.isa.constants, ordered nc_version, NKIObject keyword 
 shared_identity_matrix in SBUF, raw-int dge_mode, neuronxcc.nki.typing, nl.range / nl.bool, .ap(dtype=...)."""
 
 import importlib
+import importlib.util
 import sys
 from dataclasses import dataclass
 
@@ -131,6 +132,8 @@ def test_neuronxcc_typing_importable_but_not_the_legacy_language():
     assert nt.mutable_tensor is not None and nt.tensor[128, 4].shape == (128, 4)
     with pytest.raises(ImportError):
         importlib.import_module("neuronxcc.nki.language")
+
+    assert importlib.util.find_spec("neuronxcc") is not None  # probing code keeps working
 
 
 def test_ap_dtype_strides_in_units_of_the_new_dtype():
