@@ -1,5 +1,6 @@
-"""nkisim: a CPU interpreter of the NKI 0.6 API (`nki`, `nki.language`, `nki.isa`) with hardware-constraint
-checks, a kernel-source linter and a per-engine cost model.
+"""nkisim: a CPU interpreter of the NKI API (`nki`, `nki.language`, `nki.isa`; NKI 0.7 by default, the 0.6 parser's
+rules under NKI_COMPILER_FRONTEND=custom) with hardware-constraint checks, a kernel-source linter and a per-engine
+cost model.
 
 `nkisim.install()` is the one place that registers the interpreter under the names `nki`, `nki.language`,
 `nki.isa`, `nki.isa.constants`, `nki.typing` and `nki.collectives`: when the real `nki` package is not importable,

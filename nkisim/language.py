@@ -91,6 +91,20 @@ class NKIObject(metaclass=_NKIObjectType):
         for key, value in kwargs.items():
             object.__setattr__(self, key, value)
 
+    def __eq__(self, other):
+        # The 0.6 parser's equality is structural ("Equality in NKI is structural", 0.6 language guide); the 0.7
+        # tracer follows Python (identity unless the class defines __eq__, e.g. a dataclass), the change AWS's
+        # specialization announcement warns about.
+        if parser_frontend():
+            return type(self) is type(other) and vars(self) == vars(other)
+        return NotImplemented
+
+    def __ne__(self, other):
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = object.__hash__
+
 
 class MemoryRegion:
     sbuf, psum, private_hbm, shared_hbm = "sbuf", "psum", "private_hbm", "shared_hbm"

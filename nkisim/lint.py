@@ -903,6 +903,10 @@ def check_call_args(fn, args, kwargs) -> list[Violation]:
                 named.extend((f"{pname}[{k!r}]", v) for k, v in value.items())
             else:
                 named.append((pname, value))
+        # a list default counts too: the 0.3.0 migration guide's example is `def my_kernel(..., stride=[1, 1])`
+        for pname, param in sig.parameters.items():
+            if pname not in bound.arguments and isinstance(param.default, list):
+                named.append((f"{pname} (default)", param.default))
     except (TypeError, ValueError):
         names = list(getattr(getattr(fn, "__code__", None), "co_varnames", ()))
         named.extend(((names[i] if i < len(names) else f"arg{i}"), v) for i, v in enumerate(args))

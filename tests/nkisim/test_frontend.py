@@ -561,3 +561,20 @@ def test_alloc_blocks_hbm_and_sbuf():
     sb_ = nl.alloc_blocks(tile_shape=(128, 128), block_shape=(1, 2), element_shape=(128, 512), buffer=nl.sbuf,
                           dtype=nl.float32)
     assert sb_.shape == (1, 2) and sb_[0, 1].data.shape == (128, 256) and sb_[0, 1].data.offset == 256
+
+
+# ---- == on user classes: structural under the parser, Python's under the tracer (ANN33, 0.6 language guide) ---------
+
+class _Pair(nl.NKIObject):
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+def test_nkiobject_equality_follows_python_under_tracer():
+    p, q = _Pair(1, 2), _Pair(1, 2)
+    assert p != q and not (p == q) and p == p and len({p, q}) == 2
+
+
+def test_nkiobject_equality_is_structural_under_parser(parser):
+    assert _Pair(1, 2) == _Pair(1, 2) and _Pair(1, 2) != _Pair(1, 3)
+    assert hash(_Pair(1, 2)) is not None

@@ -366,10 +366,20 @@ def test_parser_rules_do_not_apply_under_tracing(fake_nki, monkeypatch, kernel):
     assert check_kernel(k) == []
 
 
+def test_list_default_in_kernel_signature(fake_nki, parser):
+    """The 0.3.0 migration guide's example: `def my_kernel(img, in_perm, stride=[1, 1])` -> use a tuple default."""
+    mod = load_case("bad_kernels")
+    got = check_call_args(mod.list_default_kernel, (np.zeros(2),), {})
+    assert where(got) == [("list-arg", case_file("bad_kernels"), line_of_def(mod.list_default_kernel.__wrapped__))]
+    assert "'stride (default)'" in got[0].message
+    assert check_call_args(mod.list_default_kernel, (np.zeros(2),), {"stride": (1, 1)}) == []
+
+
 def test_list_args_allowed_under_tracing(fake_nki):
     mod = load_case("bad_kernels")
     assert check_call_args(mod.helper_is_kernel, ([1, 2],), {}) == []
     assert check_call_args(mod.is_kernel, (np.zeros(3),), {"b": [np.zeros(2)]}) == []
+    assert check_call_args(mod.list_default_kernel, (np.zeros(2),), {}) == []
 
 
 @pytest.mark.parametrize("frontend", ["custom", "tracing"])

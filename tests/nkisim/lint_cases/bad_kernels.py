@@ -207,3 +207,8 @@ def nested_extra_base_kernel(a):
         pass
 
     return Pair
+
+
+@nki.jit
+def list_default_kernel(img, stride=[1, 1]):  # noqa: B006 - the parser rule under test
+    return img
