@@ -298,7 +298,7 @@ class MemoryPool:
                 spans[:] = [sp for sp in spans if sp[2] != alloc.id]
 
     def check_liveness(self):
-        """After a kernel's trace: every allocation is live from its creation to its last use; raise
+        """After a kernel's trace: every allocation is live from its first to its last use; raise
         NkiCapacityError at the first allocation that makes the live SBUF or PSUM bytes exceed the capacity."""
         if not self.deferred:
             return

@@ -20,8 +20,8 @@ TKG_SOURCE = "test/integration/nkilib/core/attention/test_attention_tkg.py::test
 BF16, FP8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3
 
 
-def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rope_pos_ids, sink, cfg, out_shape,
-                  k_out_shape, out_dtype):
+def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rope_pos_ids, start_pos_ids, sink,
+                  active_blocks_table, cfg, out_shape, k_out_shape, out_dtype):
     """Launch kernel: allocate attention_tkg's outputs and SBUF manager, run it, return HBM outputs."""
     import nki.isa as nisa
     import nki.language as nl
@@ -48,7 +48,7 @@ def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rope
         nisa.dma_copy(dst=k_sb, src=k_active)
         q, k_active = q_sb, k_sb
     out, k_out = lib.attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, out, cfg, sbm, inv_freqs,
-                                   rope_pos_ids, None, sink, None, k_out)
+                                   rope_pos_ids, start_pos_ids, sink, active_blocks_table, k_out)
     results = []
     for t in (out, k_out) if cfg.fuse_rope else (out,):
         if t.buffer == nl.sbuf:
@@ -60,15 +60,16 @@ def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rope
     return tuple(results)
 
 
-def _tkg_reference(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rope_pos_ids, sink, cfg, out_shape,
-                   k_out_shape, out_dtype, lnc):
+def _tkg_reference(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rope_pos_ids, start_pos_ids, sink,
+                   active_blocks_table, cfg, out_shape, k_out_shape, out_dtype, lnc):
     import torch
     ref = nkilib.load("core.attention.attention_tkg_torch:attention_tkg_torch_ref")
     out = torch.zeros(out_shape, dtype=torch.float32)
     k_out = torch.zeros(k_out_shape, dtype=torch.float32) if cfg.fuse_rope else None
     out, k_out = ref[lnc](q=q, k_active=k_active, v_active=v_active, k_prior=k_prior, v_prior=v_prior, mask=mask,
                           out=out, cfg=cfg, sbm=None, inv_freqs=inv_freqs, rope_pos_ids=rope_pos_ids,
-                          start_pos_ids=None, sink=sink, active_blocks_table=None, k_out=k_out, DBG_TENSORS=None)
+                          start_pos_ids=start_pos_ids, sink=sink, active_blocks_table=active_blocks_table,
+                          k_out=k_out, DBG_TENSORS=None)
     np_dtype = {"bfloat16": BF16, "float32": np.float32}[str(out_dtype)]
     gold = {"out": out.numpy().astype(np_dtype)}
     if cfg.fuse_rope:
@@ -77,10 +78,10 @@ def _tkg_reference(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rop
 
 
 def _tkg(lnc, target, bs, q_head, s_active, sprior, full_sprior, d_head, sink=False, fp8_kv=False, dtype=BF16,
-         **flags):
+         block_len=0, window=0, **flags):
     def config():
         return nkilib.load("core.attention.attention_tkg:AttnTKGConfig")(
-            bs, q_head, s_active, sprior, full_sprior, d_head, 0, **flags)
+            bs, q_head, s_active, sprior, full_sprior, d_head, block_len, **flags)
 
     def inputs():
         import nki.language as nl
@@ -98,25 +99,43 @@ def _tkg(lnc, target, bs, q_head, s_active, sprior, full_sprior, d_head, sink=Fa
         q = act((d_head, bs * q_head * s_active) if cfg.qk_in_sb else (bs, q_head, s_active, d_head))
         k_active = kv((d_head, bs * s_active) if cfg.qk_in_sb else (bs, 1, s_active, d_head))
         v_active = kv((bs, 1, s_active, d_head))
-        k_prior = kv((bs, 1, full_sprior, d_head) if cfg.tp_k_prior else (bs, 1, d_head, full_sprior))
-        v_prior = kv((bs, 1, full_sprior, d_head))
+        if block_len:  # paged cache: bs * sprior / block_len blocks of [block_len, d]
+            k_prior = kv((bs * sprior // block_len, block_len, d_head))
+            v_prior = kv((bs * sprior // block_len, block_len, d_head))
+        else:
+            k_prior = kv((bs, 1, full_sprior, d_head) if cfg.tp_k_prior else (bs, 1, d_head, full_sprior))
+            v_prior = kv((bs, 1, full_sprior, d_head))
         pos = ((np.arange(bs) * 3 + sprior // 4 * 3) % (sprior - s_active))[:, None]
+        table = None
+        if block_len:  # distinct random blocks per batch row, unused tail entries 0
+            n_blocks = sprior // block_len
+            table = rng.choice(bs * n_blocks, size=(bs, n_blocks), replace=False).astype(np.uint32)
+            for b in range(bs):
+                table[b, -(-(int(pos[b, 0]) + s_active) // block_len):] = 0
+        positions = (pos + np.arange(s_active)[None, :]).astype(np.float32)
+        start = None
+        if window and (cfg.fuse_rope or cfg.use_pos_id):  # first visible position per query (flat cache: circular)
+            start = positions - window + 1
+            start = np.maximum(start, 0) if block_len else np.mod(start, sprior)
+            start = start.astype(np.float32)
         if cfg.use_pos_id:  # causal mask over the active tokens, [s_active(k), B, H, s_active(q)]
             causal = np.tril(np.ones((s_active, s_active), np.uint8))
             mask = np.ascontiguousarray(np.broadcast_to(causal.T[:, None, None, :], (s_active, bs, q_head, s_active)))
         else:
             build = nkilib.load("core.attention.gen_mask_tkg_torch:build_full_attention_mask")
             mask = build(cache_lens=torch.from_numpy(pos.flatten().astype(np.float32)), batch=bs, num_heads=q_head,
-                         s_active=s_active, s_ctx=sprior, lnc=lnc, block_len=0, include_active_mask=True,
+                         s_active=s_active, s_ctx=sprior, lnc=lnc, block_len=block_len, include_active_mask=True,
                          transposed=True, enable_fa_s_prior_tiling=cfg.enable_fa_s_prior_tiling)
             mask = mask.numpy().astype(np.uint8)
         return {
             "q": q, "k_active": k_active, "v_active": v_active, "k_prior": k_prior, "v_prior": v_prior,
             "mask": mask,
             "inv_freqs": rng.random((d_head // 2, 1)).astype(np.float32) if cfg.fuse_rope else None,
-            "rope_pos_ids": (np.broadcast_to(pos, (bs, s_active)).astype(np.float32)
+            "rope_pos_ids": ((positions if window else np.broadcast_to(pos, (bs, s_active)).astype(np.float32))
                              if cfg.fuse_rope or cfg.use_pos_id else None),
+            "start_pos_ids": start,
             "sink": rng.random((q_head, 1)).astype(np.float32) if sink else None,
+            "active_blocks_table": table,
             "cfg": cfg,
             "out_shape": (d_head, bs * q_head * s_active) if cfg.out_in_sb else (bs, q_head, d_head, s_active),
             "k_out_shape": (d_head, bs * s_active) if cfg.k_out_in_sb else (bs, 1, d_head, s_active),
@@ -130,7 +149,8 @@ def _tkg(lnc, target, bs, q_head, s_active, sprior, full_sprior, d_head, sink=Fa
              "k_out_in_sb": "kosb", "strided_mm1": "sm1"}
     shape = (f"b{bs}_h{q_head}_sa{s_active}_sp{sprior}_spf{full_sprior}_d{d_head}"
              + "".join(f"_{short.get(k, k)}{int(v)}" for k, v in flags.items())
-             + ("_sink" if sink else "") + ("_fp8kv" if fp8_kv else "") + ("_fp32" if dtype == np.float32 else ""))
+             + ("_sink" if sink else "") + ("_fp8kv" if fp8_kv else "") + ("_fp32" if dtype == np.float32 else "")
+             + (f"_bl{block_len}" if block_len else "") + (f"_swa{window}" if window else ""))
     tol = (3e-2, 3e-2) if fp8_kv else (1e-5, 1e-2)
     return Case(attention_tkg, _tkg_reference, shape, inputs, atol=tol[0], rtol=tol[1], source=TKG_SOURCE,
                 target=target, lnc=lnc, ref_inputs=ref_inputs)
@@ -148,15 +168,19 @@ CASES = [
     _tkg(2, "trn3", 1, 1, 1, 128, 256, 64, **SB_IO),
     _tkg(2, "trn2", 8, 8, 1, 1024, 10240, 64, sink=True, dtype=np.float32, **ROPE),
     _tkg(2, "trn2", 4, 1, 5, 1024, 10240, 128, fp8_kv=True, strided_mm1=False, qk_in_sb=True),
+    _tkg(2, "trn2", 4, 1, 5, 1024, 10240, 128, window=128, **ROPE),
+    _tkg(2, "trn2", 4, 1, 5, 8192, 8192, 128, sink=True, block_len=16, strided_mm1=False, **SB_IO),
+    _tkg(2, "trn3", 4, 1, 5, 8192, 8192, 128, sink=True, block_len=16, window=128, strided_mm1=False,
+         use_pos_id=True, **SB_IO),
+    _tkg(2, "trn2", 4, 1, 5, 8192, 8192, 128, fp8_kv=True, block_len=16, strided_mm1=False, **SB_IO),
 ]
 
 
-# The tests' LNC=1 rows are 2048-token shapes taking ~25 s here; only LNC=2 rows are in the table.
 CTE_SOURCE = "test/integration/nkilib/core/attention/test_attention_cte.py"
 
 
 def _cte(kind, lnc, bs, seqlen_kv, seqlen_q, d, scale, dtype, causal, tp_q, tp_k, tp_out, sink=False, prior=None,
-         prior_used=None, window=0):
+         prior_used=None, window=0, cp=None, cp_rank=None, cp_strided=False, cache_softmax=False):
     """attention_cte as test_attention_cte.py's build_attention_cte_input feeds it: uniform [0, 1) Q/K/V (and prior
     K/V for prefix caching), sink logits uniform in [15, 25); reference attention_cte_torch_ref, output rounded to the
     input dtype; atol 1e-5, rtol 2e-2; CompilerArgs() there is trn2 (its LNC default 2 unless the test sets it)."""
@@ -174,9 +198,12 @@ def _cte(kind, lnc, bs, seqlen_kv, seqlen_q, d, scale, dtype, causal, tp_q, tp_k
             kw["k_prior"] = gen((bs, prior, d) if tp_k else (bs, d, prior))
             kw["v_prior"] = gen((bs, prior, d))
             kw["prior_used_len"] = np.full((1,), prior_used, np.int32)
+        offset = None
+        if cp:  # this rank's first query position (strided slicing: its index among the ranks)
+            offset = np.full((1, 1), cp_rank if cp_strided else cp_rank * seqlen_q, np.int32)
         kw.update({"sink": rng.uniform(15.0, 25.0, (bs, 1)).astype(np.float32) if sink else None,
-                   "sliding_window": window, "tp_q": tp_q, "tp_k": tp_k, "tp_out": tp_out, "cp_offset": None,
-                   "global_cp_deg": None, "cp_strided_q_slicing": False, "cache_softmax": False,
+                   "sliding_window": window, "tp_q": tp_q, "tp_k": tp_k, "tp_out": tp_out, "cp_offset": offset,
+                   "global_cp_deg": cp, "cp_strided_q_slicing": cp_strided, "cache_softmax": cache_softmax,
                    "softmax_dtype": "float32", "mm_out_dtype": "float32", "bound_min": None, "bound_max": None})
         return kw
 
@@ -187,13 +214,20 @@ def _cte(kind, lnc, bs, seqlen_kv, seqlen_q, d, scale, dtype, causal, tp_q, tp_k
         ref = nkilib.load("core.attention.attention_cte_torch:attention_cte_torch_ref")
         out = ref(q=q, k=k, v=v, scale=scale, causal_mask=causal_mask, k_prior=k_prior, v_prior=v_prior,
                   prior_used_len=prior_used_len, sink=sink, sliding_window=sliding_window, tp_q=tp_q, tp_k=tp_k,
-                  tp_out=tp_out, cache_softmax=False, softmax_dtype=torch.float32, cp_offset=None,
-                  global_cp_deg=None, cp_strided_q_slicing=False, bound_min=None, bound_max=None)
+                  tp_out=tp_out, cache_softmax=cache_softmax, softmax_dtype=torch.float32, cp_offset=cp_offset,
+                  global_cp_deg=global_cp_deg, cp_strided_q_slicing=cp_strided_q_slicing, bound_min=None,
+                  bound_max=None)
+        if cache_softmax:
+            out, neg_max, recip = out
+            return {"out": out.numpy().astype(dtype), "out_cached_negative_max": neg_max.numpy(),
+                    "out_cached_sum_reciprocal": recip.numpy()}
         return {"out": out.numpy().astype(dtype)}
 
     shape = (f"b{bs}_kv{seqlen_kv}_q{seqlen_q}_d{d}_{np.dtype(dtype).name}{'_causal' if causal else ''}"
              f"{'_tpq' if tp_q else ''}{'_tpk' if tp_k else ''}{'_tpo' if tp_out else ''}{'_sink' if sink else ''}"
-             f"{f'_prior{prior}u{prior_used}' if prior else ''}{f'_swa{window}' if window else ''}")
+             f"{f'_prior{prior}u{prior_used}' if prior else ''}{f'_swa{window}' if window else ''}"
+             f"{f'_cp{cp}r{cp_rank}' if cp else ''}{'_strided' if cp_strided else ''}"
+             f"{'_cachesm' if cache_softmax else ''}")
     return Case("core.attention.attention_cte:attention_cte", reference, shape, inputs, atol=1e-5, rtol=2e-2,
                 source=f"{CTE_SOURCE}::{kind}", lnc=lnc)
 
@@ -206,4 +240,10 @@ CASES += [
          prior=2048, prior_used=1920),
     _cte("test_attention_cte_no_cp_vnc_apc_klr_unit", 2, 2, 2048, 2048, 64, 1.0, BF16, True, False, False, True,
          sink=True, prior=512, prior_used=500, window=1024),
+    _cte("test_attention_cte_no_cp_vnc_apc_klr_unit", 1, 2, 2048, 2048, 128, 1.0, BF16, True, False, False, False,
+         prior=512, prior_used=500),
+    _cte("test_ranged_attn_cte_sweep_cp_manual", 2, 1, 32768, 1024, 128, 1.0, BF16, True, False, False, False,
+         cp=32, cp_rank=10),
+    _cte("test_ranged_attn_cte_sweep_cp_manual", 1, 1, 32768, 1024, 128, 1.0, BF16, True, True, True, True,
+         cp=32, cp_rank=31, window=127, cp_strided=True, cache_softmax=True),
 ]
