@@ -138,9 +138,10 @@ def _tensor_list(op, name, xs, exactly_one=False):
     return list(xs)
 
 
-def _memory(op, srcs, dsts, ctx, sbuf_ok=True, coalesced=True):
-    """Placement rules of the collectives pages (NKI 0.6 stub and 0.7 all_reduce/all_gather pages). `coalesced`:
-    several srcs are several tensors of one collective (False for the per-channel tensors of a ring permute)."""
+def _memory(op, srcs, dsts, ctx, sbuf_ok=True, coalesced=True, hbm_kinds=False):
+    """Placement rules of the collectives pages (NKI 0.6 stub; NKI 0.7 pages). `coalesced`: several srcs are several
+    tensors of one collective (False for the per-channel tensors of a ring permute). `hbm_kinds`: the private/shared
+    HBM rules the 0.7 all_reduce and all_gather pages state (the other pages do not)."""
     everything = [("srcs", t) for t in srcs] + [("dsts", t) for t in dsts]
     for name, t in everything:
         if t.buffer not in (sbuf, hbm, private_hbm, shared_hbm):
@@ -159,6 +160,8 @@ def _memory(op, srcs, dsts, ctx, sbuf_ok=True, coalesced=True):
                 _fail(op, f"{name} tensor '{t.name}' has shape {t.shape}: SBUF collectives operate on 2D tensors "
                           "with a single free dimension")
         return "sbuf"
+    if not hbm_kinds:
+        return "hbm"
     for name, ts in (("srcs", srcs), ("dsts", dsts)):
         kinds = {"shared_hbm" if t.buffer is shared_hbm else "private_hbm" for t in ts}
         if len(kinds) > 1:
@@ -296,7 +299,7 @@ def all_reduce(srcs, dsts, replica_group, op, priority=None, name=None):
     srcs, dsts = _tensor_list(cop, "srcs", srcs), _tensor_list(cop, "dsts", dsts)
     if len(srcs) != len(dsts):
         _fail(cop, f"{len(srcs)} srcs but {len(dsts)} dsts; they pair up by index")
-    _memory(cop, srcs, dsts, ctx)
+    _memory(cop, srcs, dsts, ctx, hbm_kinds=True)
     _priority(cop, priority, ctx)
     rg = _group(cop, replica_group, world)
     rname = _reduce_op(cop, op)
@@ -334,7 +337,7 @@ def all_gather(srcs, dsts, replica_group, collective_dim, priority=None, name=No
     srcs, dsts = _tensor_list(cop, "srcs", srcs), _tensor_list(cop, "dsts", dsts)
     if len(srcs) != len(dsts):
         _fail(cop, f"{len(srcs)} srcs but {len(dsts)} dsts; they pair up by index")
-    where = _memory(cop, srcs, dsts, ctx)
+    where = _memory(cop, srcs, dsts, ctx, hbm_kinds=True)
     # collective_dim: only 0 on HBM; 0 or 1 on SBUF (2D tensors) [SDK stub all_gather]
     dim = _dim(cop, collective_dim, (0, 1) if where == "sbuf" else (0,))
     _priority(cop, priority, ctx)
@@ -560,8 +563,14 @@ def _check_a2av(op, ctx, srcs, dsts, replica_group, metadata_tensor, recv_counts
     src, dst, rg, n, meta = _check_v(op, srcs, dsts, replica_group, metadata_tensor, recv_counts_known,
                                      has_rdispls, priority, ctx)
     if has_rdispls and ctx.target.nc_version < 4:
-        _fail(op, "has_rdispls=True is currently only supported on NeuronSwitch-based instances (trn3); target is "
-                  f"{ctx.target.name}")
+        # NKI 0.7 page: off NeuronSwitch (trn3), has_rdispls=True only for inter-node replica groups (each rank-list
+        # holds same-indexed ranks of different nodes)
+        per_node = _ranks_per_node(ctx)
+        for g in rg.rank_lists:
+            if len({r // per_node for r in g}) != len(g) or len({r % per_node for r in g}) != 1:
+                _fail(op, f"has_rdispls=True on {ctx.target.name} is currently only supported on inter-node replica "
+                          f"groups: rank-list {g} must hold same-indexed ranks of different nodes ({per_node} ranks "
+                          f"per node at LNC={ctx.num_programs})")
     return (src, dst, rg, n, metadata_tensor, recv_counts_known, has_rdispls), meta
 
 
@@ -709,15 +718,18 @@ def _channels(op, srcs_by_channel, dsts_by_channel, channel_ids, rg, ctx, extra=
             for what, xs in lists]
 
 
-def _max_channels(rg, ctx):
-    """4 when a rank-list spans every device of a node (instance chips x cores per chip / LNC ranks), else 2."""
+def _ranks_per_node(ctx):
+    """Ranks of one node (instance): chips x cores per chip / LNC (nkisim.hardware); ranks are numbered node-major."""
     from .hardware import hardware
     hw = hardware(ctx.target.name)
-    if hw.instance is None:
-        return _MAX_CHANNELS_OTHER
-    ranks_per_node = hw.instance.chips * hw.chip.cores // max(ctx.num_programs, 1)
+    chips = hw.instance.chips if hw.instance is not None else 1
+    return max(1, chips * hw.chip.cores // max(ctx.num_programs, 1))
+
+
+def _max_channels(rg, ctx):
+    """4 when a rank-list spans every device of a node, else 2."""
     g = rg.rank_list_of(ctx.rank) or []
-    return _MAX_CHANNELS_NODE if len(g) >= ranks_per_node else _MAX_CHANNELS_OTHER
+    return _MAX_CHANNELS_NODE if len(g) >= _ranks_per_node(ctx) else _MAX_CHANNELS_OTHER
 
 
 def _ring(op, reduce_name, channels, replica_group, channel_ids, priority, name):

@@ -315,6 +315,25 @@ def test_all_to_all_v_exact(n, split):
         np.testing.assert_array_equal(outs[q][1][:2], metas[q][:2])
 
 
+def test_all_to_all_v_rdispls_inter_node_on_trn2():
+    """Positive twin of the intra-node rejection: ranks 0 and 128 are rank 0 of two trn2.48xlarge nodes at LNC=1
+    (16 chips x 8 cores); the 127 other ranks of the 129-rank launch are in no rank-list and move nothing."""
+    rng = np.random.default_rng(11)
+    xs, metas, refs, _ = _a2av_case(2, rng, slot=2, rdispls=True)
+    rg = ReplicaGroup([[0, 128]])
+    idle = np.zeros((4, 1), np.uint32)
+
+    def inputs(r):
+        i = {0: 0, 128: 1}.get(r)
+        return {"x": xs[i] if i is not None else xs[0], "meta": metas[i] if i is not None else idle, "rg": rg,
+                "split": False, "has_rdispls": True}
+
+    outs = launch(k_all_to_all_v, 129, inputs, target="trn2")
+    np.testing.assert_array_equal(outs[0][0].reshape(-1), refs[0])
+    np.testing.assert_array_equal(outs[128][0].reshape(-1), refs[1])
+    np.testing.assert_array_equal(outs[5][0], np.zeros_like(xs[0]))
+
+
 def test_all_to_all_v_rdispls_on_trn3():
     rng = np.random.default_rng(7)
     xs, metas, refs, _ = _a2av_case(4, rng, slot=2, rdispls=True)
@@ -605,8 +624,8 @@ def test_all_to_all_v_constraints():
         args = {"split": False, "has_rdispls": False, **kw}
         return launch(k_all_to_all_v, 2, lambda r: {"x": xs[r], "meta": meta_of(r), "rg": rg, **args})
 
-    with pytest.raises(nkisim.NkiValidationError, match="has_rdispls=True is currently only supported on "
-                                                        "NeuronSwitch-based instances"):
+    with pytest.raises(nkisim.NkiValidationError, match=r"has_rdispls=True on trn2 is currently only supported on "
+                                                        r"inter-node replica groups: rank-list \[0, 1\]"):
         run(lambda r: metas[r], has_rdispls=True)
     with pytest.raises(nkisim.NkiValidationError, match="metadata_tensor is int32; it must be uint32"):
         run(lambda r: metas[r].astype(np.int32))
