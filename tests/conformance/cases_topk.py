@@ -55,5 +55,7 @@ _PARAMS = [(2, 8, 5, 4058, 256), (1, 4, 5, 8192, 256), (2, 1, 1, 3168, 256), (2,
            (2, 1, 1, 25600, 256), (2, 1, 1, 8192, 2048), (2, 150, 1, 1000, 50)]
 CASES = ([_case(*p) for p in _PARAMS]
          + [_case(2, 1, 1, 3168, 256, ml_dtypes.bfloat16), _case(2, 32, 1, 3168, 256, ml_dtypes.bfloat16),
+            _case(2, 8, 5, 4058, 256, ml_dtypes.bfloat16), _case(2, 2, 1, 151936, 256),  # Qwen-class vocab
             _case(2, 5, 5, 4058, 256, is_sorted=False)]
+         # (1, 4, 5, 8192, 2048) also passes (10 s) and is left out to keep the suite short
          + [_case(*p, target="trn3") for p in _PARAMS[:3]])
