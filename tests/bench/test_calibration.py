@@ -56,3 +56,20 @@ def test_model_case_row_on_a_scaled_down_case():
     assert row["ratio"] == pytest.approx(row["modelled_s"] / 1e-5)
     assert row["modelled_with_launch_s"] == pytest.approx(row["modelled_s"] + row["launch_s"])
     assert small.key in format_table([row]) and "within" in format_table([row])
+
+
+def test_report_has_the_calibration_table():
+    import json
+    from pathlib import Path
+
+    from bench.report import render_html
+    from bench.report.render import load_calibration
+
+    doc = load_calibration()
+    assert doc is not None and len(doc["rows"]) == len(CASES)
+    data = json.loads((Path(__file__).parent / "fixtures" / "bench_fixture.json").read_text())
+    page = render_html(data)
+    assert 'id="calibration"' in page
+    for r in doc["rows"]:
+        assert r["case"] in page
+    assert f'{sum(r["within_band"] for r in doc["rows"])}/{len(doc["rows"])} cases within' in page
