@@ -802,10 +802,10 @@ def _scalar_int(op, what, v):
         _fail(op, f"{what}={v!r} must be an int")
 
 
-def _register(ctx, op, value, name):
+def _register(ctx, op, value, name, reads=()):
     reg = VirtualRegister(value, name=name)
     reg.writer = ctx.seq
-    ctx.emit(op, "sync", (), (reg,))
+    ctx.emit(op, "sync", tuple(r for r in reads if isinstance(r, VirtualRegister)), (reg,))
     return reg
 
 
@@ -822,7 +822,8 @@ def collective_permute_implicit_current_processing_rank_id(iteration_id, replica
     g = rg.rank_list_of(ctx.rank)
     if g is None:
         _fail(op, f"rank {ctx.rank} is in no rank-list of {rg}")
-    return _register(ctx, op, g[(g.index(ctx.rank) - it) % len(g)], name)
+    # a register iteration (a loop's NkiScalar) is read: the result depends on its last writer
+    return _register(ctx, op, g[(g.index(ctx.rank) - it) % len(g)], name, reads=(iteration_id,))
 
 
 def rank_id(name=None):

@@ -803,3 +803,50 @@ def test_plain_lnc2_launch_reports_a_core_that_skips_a_collective():
     assert time.monotonic() - start < 20
     np.testing.assert_array_equal(nki.simulate(k_all_reduce[2])(np.ones((2, 4), F32), ReplicaGroup([[0]]), nl.add),
                                   np.ones((2, 4), F32))
+
+
+@nki.jit
+def k_prepare_then_edit_metadata(x, meta, rg):
+    """The prepare reads the metadata; zeroing it before the trigger must not change what moves."""
+    src, dst, md = _private(x.shape, x.dtype), _private(x.shape, x.dtype), _private(meta.shape, meta.dtype)
+    nisa.dma_copy(dst=src, src=x)
+    nisa.dma_copy(dst=md, src=meta)
+    zero = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=zero, value=0.0)
+    nisa.dma_copy(dst=dst, src=zero)
+    prep = ncc.all_to_all_v_prepare(srcs=[src], dsts=[dst], replica_group=rg, metadata_tensor=md,
+                                    recv_counts_known=True)
+    blank = nl.ndarray(meta.shape, dtype=meta.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=blank, value=0)
+    nisa.dma_copy(dst=md, src=blank)
+    ncc.all_to_all_v_trigger(prep)
+    return _out(dst)
+
+
+def test_prepare_reads_the_metadata():
+    rng = np.random.default_rng(12)
+    xs, metas, refs, _ = _a2av_case(4, rng, slot=2)
+    outs = launch(k_prepare_then_edit_metadata, 4, lambda r: {"x": xs[r], "meta": metas[r],
+                                                              "rg": ReplicaGroup([[0, 1, 2, 3]])})
+    for q in range(4):
+        np.testing.assert_array_equal(outs[q].reshape(-1), refs[q])
+
+
+@nki.jit
+def k_processing_rank_from_register(x, rg, it):
+    reg = nisa.register_alloc(it)
+    who = ncc.collective_permute_implicit_current_processing_rank_id(iteration_id=reg, replica_group=rg)
+    out = nl.ndarray((1, x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=x.ap(pattern=[[x.shape[1], 1], [1, x.shape[1]]], scalar_offset=who, indirect_dim=0))
+    return out
+
+
+def test_processing_rank_id_with_a_register_iteration():
+    table = np.arange(8 * 3, dtype=F32).reshape(8, 3)
+    rg = groups(8)
+    res = nkisim.run_ranks(k_processing_rank_from_register, 8, lambda r: {"x": table, "rg": rg, "it": 3})
+    for r in range(8):
+        g = rg.rank_list_of(r)
+        np.testing.assert_array_equal(res.outputs[r][0], table[g[(g.index(r) - 3) % len(g)]])
+    ins = [i for i in res.ranks[0].traces[0] if i.op.startswith("collective_permute_implicit_current")]
+    assert len(ins) == 1 and ins[0].reads and ins[0].reads[0].buffer == "reg"   # depends on the iteration register
