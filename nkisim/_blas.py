@@ -39,34 +39,58 @@ def _openblas():
 
 _API = _openblas()
 _LOCK = threading.Lock()
-_users = 0
-_saved = 1
+_users = 0          # threads inside a GEMM
+_saved = 1          # NumPy's thread count before the first of them entered
+_deferred = False   # one thread kept after the last GEMM left, until the kernel ends (restore())
+
+
+def _in_kernel():
+    from .runtime import current
+    return current().in_kernel
 
 
 class single_thread:
-    """`with single_thread():` runs the block's BLAS calls on one OpenBLAS thread (see the module docstring)."""
+    """`with single_thread():` runs the block's BLAS calls on one OpenBLAS thread (see the module docstring).
+
+    Inside a kernel the count is given back when the kernel ends (`restore`, called by runtime.set_current), not
+    after every GEMM: raising OpenBLAS's thread count again costs tens of microseconds, a kernel runs many GEMMs."""
 
     __slots__ = ()
 
     def __enter__(self):
-        global _users, _saved
+        global _users, _saved, _deferred
         if _API is None:
             return
         with _LOCK:
-            if _users == 0:
+            if _users == 0 and not _deferred:
                 _saved = _API[1]()
                 if _saved != 1:
                     _API[0](1)
+            _deferred = False
             _users += 1
 
     def __exit__(self, *exc):
-        global _users
+        global _users, _deferred
         if _API is None:
             return
         with _LOCK:
             _users -= 1
             if _users == 0 and _saved != 1:
-                _API[0](_saved)
+                if _in_kernel():
+                    _deferred = True
+                else:
+                    _API[0](_saved)
+
+
+def restore():
+    """Give NumPy its BLAS thread count back if a kernel's GEMMs left it at one (called when a kernel ends)."""
+    global _deferred
+    if not _deferred:
+        return
+    with _LOCK:
+        if _deferred and _users == 0:
+            _API[0](_saved)
+            _deferred = False
 
 
 def available() -> bool:

@@ -209,6 +209,10 @@ def op_name(op, what):
 
 def alu(op, what, ctx_op):
     """(name, fn, kind) for an ALU operator; kind is 'arith' or 'bitvec'."""
+    name = getattr(op, "_nki_op", None)
+    arith = ALU_ARITH.get(name) if name is not None else None
+    if arith is not None:        # the common case, without formatting the error context
+        return name, arith[0], "arith"
     name = op_name(op, f"{ctx_op}: {what}")
     if name in ALU_ARITH:
         return name, ALU_ARITH[name][0], "arith"

@@ -16,6 +16,7 @@ import os
 import threading
 import warnings
 
+from . import _blas
 from .memory import MemoryPool
 from .target import resolve_target
 from .tensor import VirtualRegister
@@ -194,7 +195,11 @@ class CoreContext:
         self.emit_meta(opname, engine, reads, writes, meta)
 
     def emit_meta(self, opname, engine, reads, writes, meta):
-        """`emit` with the op's meta as a dict (the ISA ops' hot path)."""
+        """`emit` with the op's meta as a dict."""
+        self.emit_accesses(opname, engine, reads, writes, None, None, meta)
+
+    def emit_accesses(self, opname, engine, reads, writes, read_acc, write_acc, meta):
+        """`emit_meta` given the operands' footprints (tuples of `access_of`, or None): the ISA ops' hot path."""
         if self.dead_allocs:
             _check_in_scope(self.dead_allocs, opname, reads, writes)
         if not self.numerics:
@@ -218,9 +223,11 @@ class CoreContext:
                             if ra is not None and ra.rec is not None:
                                 ra.rec[1] = seq
         if self.record:
-            self.trace.append(Instruction(self.seq, self.program_id, opname, engine,
-                                          tuple([t._access or access_of(t) for t in reads]),
-                                          tuple([t._access or access_of(t) for t in writes]), meta, self.ctrl))
+            if read_acc is None:
+                read_acc = tuple([t._access or access_of(t) for t in reads])
+                write_acc = tuple([t._access or access_of(t) for t in writes])
+            self.trace.append(Instruction(self.seq, self.program_id, opname, engine, read_acc, write_acc, meta,
+                                          self.ctrl))
         self.seq += 1
 
     def warn_once(self, key, message, category):
@@ -286,4 +293,6 @@ def reset_default_core():
 def set_current(ctx):
     prev = getattr(_local, "ctx", None)
     _local.ctx = ctx
+    if _blas._deferred and (ctx is None or not ctx.in_kernel):   # a kernel ended: BLAS threads back (_blas.py)
+        _blas.restore()
     return prev

@@ -120,8 +120,8 @@ class NkiTensor:
 
     def __init__(self, alloc, shape, strides, offset, dtype=None, indirect=None, regs=None):
         self.alloc = alloc
-        self.shape = tuple(int(s) for s in shape)
-        self.strides = tuple(int(s) for s in strides)
+        self.shape = tuple(map(int, shape))
+        self.strides = tuple(map(int, strides))
         self.offset = int(offset)
         self.dtype = dtype if dtype is not None else alloc.dtype
         self.gather = indirect
@@ -219,6 +219,10 @@ class NkiTensor:
 
     # ---- indexing -----------------------------------------------------------------------------------------
     def __getitem__(self, key):
+        if key.__class__ is tuple and self.gather is None and len(key) == len(self.shape):
+            view = self._plain_slices(key)
+            if view is not None:
+                return view
         self._no_indirect("indexing")
         if not isinstance(key, tuple):
             key = (key,)
@@ -272,6 +276,23 @@ class NkiTensor:
         shape = [x for j, x in enumerate(shape) if j not in drop]
         strides = [x for j, x in enumerate(strides) if j not in drop]
         return self._with(shape, strides, offset, regs)
+
+    def _plain_slices(self, key):
+        """Fast path of __getitem__ for a slice per dim with in-range compile-time bounds and step 1 (the common
+        tile cut); None sends anything else (ints, nl.ds, steps, negative or out-of-range bounds) to the general
+        path, which also raises the errors."""
+        offset, shape = self.offset, []
+        for k, n, s in zip(key, self.shape, self.strides):
+            if k.__class__ is not slice or (k.step is not None and k.step != 1):
+                return None
+            start, stop = k.start, k.stop
+            start = 0 if start is None else start
+            stop = n if stop is None else stop
+            if start.__class__ is not int or stop.__class__ is not int or not 0 <= start <= stop <= n:
+                return None
+            offset += start * s
+            shape.append(stop - start)
+        return self._with(shape, self.strides, offset)
 
     # ---- view methods (NKI 0.5+) --------------------------------------------------------------------------
     def slice(self, dim, start, end, step=1):

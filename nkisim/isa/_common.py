@@ -7,7 +7,7 @@ import numpy as np
 from .. import dtypes as dt
 from ..errors import NkiValidationError
 from ..memory import psum, sbuf
-from ..runtime import current
+from ..runtime import access_of, current
 from ..tensor import NkiTensor, np_view, read, write
 from .enums import engine, reduce_cmd
 
@@ -68,30 +68,42 @@ def free_size(t):
 
 def same_layout(op, ref_name, ref, **others):
     """C2: same partition count and elements per partition (shapes may differ)."""
-    p, f = ref.shape[0], free_size(ref)
+    p, f = ref.shape[0], ref._free
+    if f is None:
+        f = free_size(ref)
     for name, t in others.items():
         if t is None:
             continue
         if t.shape[0] != p:
             fail(op, f"{name} has {t.shape[0]} partitions but {ref_name} has {p} (C2: partition counts must match)")
-        if free_size(t) != f:
+        if (t._free if t._free is not None else free_size(t)) != f:
             fail(op, f"{name} has {free_size(t)} elements per partition but {ref_name} has {f} (C2)")
 
 
 def not_both_psum(op, a_name, a, b_name, b):
-    if isinstance(a, NkiTensor) and isinstance(b, NkiTensor) and a.buffer is psum and b.buffer is psum:
+    if isinstance(a, NkiTensor) and isinstance(b, NkiTensor) and a.alloc.buffer is psum and b.alloc.buffer is psum:
         fail(op, f"{a_name} and {b_name} cannot both be in PSUM (C9)")
 
 
 def emit(opname, engine, reads, writes, dst, **meta):
     """Record an on-chip op sized by its dst (p partitions x n elements); non-tensor operands are skipped."""
-    reads = [t for t in reads if isinstance(t, NkiTensor)]
-    writes = [t for t in writes if isinstance(t, NkiTensor)]
+    # One pass per side (operands, their cached footprints, input dtypes): this runs once per instruction.
+    rs, ra, names = [], [], []
+    for t in reads:
+        if isinstance(t, NkiTensor):
+            rs.append(t)
+            ra.append(t._access or access_of(t))
+            names.append(t.dtype.name)
+    ws, wa = [], []
+    for t in writes:
+        if isinstance(t, NkiTensor):
+            ws.append(t)
+            wa.append(t._access or access_of(t))
     meta["p"] = dst.shape[0]
     meta["n"] = dst._free if dst._free is not None else free_size(dst)
     meta["dtype"] = dst.dtype.name
-    meta["in_dtypes"] = tuple([t.dtype.name for t in reads])
-    current().emit_meta(opname, engine, reads, writes, meta)
+    meta["in_dtypes"] = tuple(names)
+    current().emit_accesses(opname, engine, rs, ws, tuple(ra), tuple(wa), meta)
 
 
 # Enum members as module constants: `engine.unknown` goes through the enum's descriptor on every access.
@@ -181,6 +193,23 @@ def store(op, dst, values, from_matmul=False):
         write(dst, v, op)
     if alloc.buffer is psum and not from_matmul:
         mark_psum(dst, 2)
+
+
+def ufunc_into(op, dst, fn, *args):
+    """dst = fn(*args) for fp32 results: a NumPy ufunc writes straight into an fp32 dst's storage when the dst view
+    is [P, F] (the common case: no temporary, no cast pass; overlapping operands are handled by NumPy), anything
+    else is computed and stored with the usual cast. The args are [P, F] fp32 arrays."""
+    v = dst._npv if dst.gather is None else None
+    if v is None and dst.gather is None:
+        v = np_view(dst)
+    if v is not None and v.ndim == 2 and dst.dtype is dt.float32 and v.dtype is _F32 and fn.__class__ is np.ufunc:
+        fn(*args, out=v)
+        alloc = dst.alloc
+        alloc.written = True
+        if alloc.buffer is psum:
+            mark_psum(dst, 2)
+        return
+    store(op, dst, fn(*args))
 
 
 def psum_state_view(dst):

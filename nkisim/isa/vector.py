@@ -26,6 +26,7 @@ from ._common import (
     same_layout,
     scalar_operand,
     store,
+    ufunc_into,
 )
 from ._common import (
     emit as _emit,
@@ -40,9 +41,12 @@ def _ints(t):
     return np.asarray(read(t)).astype(np.int64)
 
 
+_VECTOR_GPSIMD = (Engine.vector, Engine.gpsimd)
+
+
 def tensor_tensor(dst, data1, data2, op, engine=Engine.unknown, name=None):
     opn = "tensor_tensor"
-    check_engine(opn, engine, (Engine.vector, Engine.gpsimd))
+    check_engine(opn, engine, _VECTOR_GPSIMD)
     on_chip(opn, "dst", dst)
     on_chip(opn, "data1", data1)
     on_chip(opn, "data2", data2)
@@ -69,7 +73,9 @@ def tensor_tensor(dst, data1, data2, op, engine=Engine.unknown, name=None):
         res = ((res + 2 ** (bits - 1)) % 2 ** bits) - 2 ** (bits - 1) if dst.dtype.name == "int32" else res % 2 ** 32
     else:
         with alu_ops.quiet_fp():
-            res = fn(as_pf(fp32(data1), p), as_pf(fp32(data2), p))
+            ufunc_into(opn, dst, fn, as_pf(fp32(data1), p), as_pf(fp32(data2), p))
+        _emit(opn, engine._name_, (data1, data2), (dst,), dst, op=oname)
+        return
     store(opn, dst, res)
     _emit(opn, engine.name, (data1, data2), (dst,), dst, op=oname)
 
@@ -178,9 +184,9 @@ def tensor_copy(dst, src, engine=Engine.unknown, name=None):
     check_gpsimd_access(opn, engine, dst=dst, src=src)
     vals = read(src)
     if src.dtype is dst.dtype:
-        store(opn, dst, np.reshape(vals, dst.shape))  # bit-exact
+        store(opn, dst, vals)  # bit-exact (store reshapes to dst.shape)
     else:
-        store(opn, dst, np.reshape(dt.to_fp32(vals), dst.shape))
+        store(opn, dst, dt.to_fp32(vals))
     eng = engine if engine is not Engine.unknown else Engine.vector
     _emit(opn, eng.name, (src,), (dst,), dst)
 

@@ -47,3 +47,17 @@ def test_results_unchanged():
     with _blas.single_thread():
         got = a.T @ b
     np.testing.assert_allclose(got, a.T @ b, rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_gemms_keep_one_thread_until_the_kernel_ends():
+    import ml_dtypes
+    import nki
+
+    from tests.nkisim.examples.kernels import tiled_matmul
+
+    before = _blas.num_threads()
+    a = np.ones((256, 256), ml_dtypes.bfloat16)
+    b = np.ones((256, 512), ml_dtypes.bfloat16)
+    out = nki.simulate(tiled_matmul)(a, b)
+    assert float(out.astype(np.float32)[0, 0]) == 256.0
+    assert _blas.num_threads() == before and not _blas._deferred
