@@ -88,6 +88,24 @@ for _n in _UNARY:
     __all__.append(_n)
 
 
+def rsqrt(x, dtype=None):
+    """nl.rsqrt(x, dtype=None): 1/sqrt(x). Since NKI 0.5 it runs on GpSimd (tensor_scalar(op0=nl.rsqrt,
+    engine=gpsimd), higher precision than ScalarE) and so no longer accepts PSUM input (C8; AWS migration guide
+    0.4 -> 0.5); for PSUM input call nisa.activation(op=nl.rsqrt). Also usable as an activation / ALU op=."""
+    if not isinstance(x, NkiTensor):
+        raise NkiValidationError(f"nl.rsqrt: x must be a tile, got {type(x).__name__}")
+    if x.buffer.name == "psum":
+        raise NkiValidationError(f"nl.rsqrt: x '{x.name}' is in PSUM; nl.rsqrt runs on GpSimd, which "
+                                 "cannot read PSUM (NKI 0.5+) — use nisa.activation(op=nl.rsqrt) for a PSUM input "
+                                 "(C8)")
+    out = _new(x.shape, dtype or x.dtype)
+    _isa.tensor_scalar(dst=out, data=x, op0=rsqrt, operand0=0.0, engine=_isa.engine.gpsimd)
+    return out
+
+
+rsqrt._nki_op = "rsqrt"
+
+
 def _marker(name, doc):
     def fn(*_a, **_k):
         raise NkiValidationError(f"nl.{name} is an activation/ALU selector, not a callable op here")

@@ -447,6 +447,9 @@ class NkiTensor:
 
     def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
         """Access pattern over the *base* storage: loop nest reading flat[offset + sum(i_k * s_k)]."""
+        if scalar_offset is not None and vector_offset is not None:
+            raise NkiValidationError(".ap(): vector_offset and scalar_offset are mutually exclusive; pass one "
+                                     "(C24)")
         base = self.alloc
         d = dt.as_dtype(dtype) if dtype is not None else base.dtype
         pattern = [[int(s), int(n)] for s, n in pattern]

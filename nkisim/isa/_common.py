@@ -37,6 +37,22 @@ def on_chip(op, name, t, buffers=(sbuf, psum)):
     return t
 
 
+def partition_row(t):
+    """Elements (in t's dtype) per partition of t's allocation."""
+    row = t.alloc.storage.size // t.alloc.shape[0] if t.alloc.shape[0] else 1
+    return row * t.alloc.dtype.itemsize // t.dtype.itemsize
+
+
+def start_partition(t):
+    row = partition_row(t)
+    return t.offset // row if row else 0
+
+
+def legal_starts(p):
+    """C13: partitions an access of p partitions may start at."""
+    return (0,) if p > 64 else (0, 64) if p > 32 else (0, 32, 64, 96)
+
+
 def _partition_problem(t):
     """What is wrong with an on-chip view's partitions (C1, C13), or "" when nothing is."""
     p = t.shape[0]
@@ -45,8 +61,7 @@ def _partition_problem(t):
     # C13: compute engines access contiguous partitions starting at 0 (P>64), 0/64 (32<P<=64), 0/32/64/96 (P<=32).
     if t.gather is not None:
         return ""
-    row = t.alloc.storage.size // t.alloc.shape[0] if t.alloc.shape[0] else 1
-    row = row * t.alloc.dtype.itemsize // t.dtype.itemsize
+    row = partition_row(t)
     start = t.offset // row if row else 0
     if p > 1 and t.strides[0] != row:
         return f"must occupy contiguous partitions (partition stride {t.strides[0]}, row {row}) (C13)"

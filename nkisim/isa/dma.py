@@ -4,7 +4,7 @@ import numpy as np
 
 from .. import dtypes as dt
 from .. import ops as alu_ops
-from ..memory import psum, sbuf
+from ..memory import psum, sbuf, shared_hbm
 from ..runtime import current
 from ..tensor import indirect_valid_rows, np_view, read, strided_valid, write
 from ._common import fail, nc_version, tensor
@@ -14,6 +14,7 @@ from .enums import engine as Engine
 from .enums import oob_mode as OobMode
 
 _TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+DMA_COMPUTE_MAX_SRCS = 16  # nki.isa.dma_compute "Tile size": at most 16 source tensors
 
 
 def _check_dma_operand(op, name, t):
@@ -105,6 +106,8 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DgeMode.unknown, 
     tensor(op, "dst", dst)
     dge_mode = _dge_mode(op, dge_mode)
     _check_modes(op, oob_mode, dge_mode, Engine.unknown, priority)
+    indirect = src.gather is not None
+    _check_transpose_dge(op, dge_mode, oob_mode, indirect)
     if dst.buffer is not sbuf:
         fail(op, f"dst must be in SBUF, got {dst.buffer.name} (C10)")
     if src.dtype is not dst.dtype:
@@ -118,87 +121,121 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DgeMode.unknown, 
     expect = tuple(src.shape[a] for a in axes)
     if dst.shape != expect:
         fail(op, f"dst shape {dst.shape} must equal the transposed src shape {expect} (same rank)")
-    if dst.shape[0] > 128:
+    if dst.shape[0] > 128:  # dst.shape[0] == src.shape[-1]: this is also the documented src.shape[-1] <= 128
         fail(op, f"dst partition dimension {dst.shape[0]} exceeds maximum 128 (C1)")
     if dge_mode is DgeMode.hwdge:
         if src.dtype.itemsize != 2:
-            fail(op, f"dge_mode=hwdge needs a 2-byte dtype, got {src.dtype.name}")
+            fail(op, f"dge_mode=hwdge needs a 2-byte src dtype, got {src.dtype.name} (C21)")
         if src.ndim == 2 and src.shape[0] != 16:
-            fail(op, f"dge_mode=hwdge 2-D src.shape[0] must be 16, got {src.shape[0]}")
+            fail(op, f"dge_mode=hwdge: 2-D src.shape[0] must be 16, got {src.shape[0]} (C21)")
         if src.ndim > 2 and (src.shape[0] not in (1, 2, 4, 8, 16) or (src.shape[0] * src.shape[-2]) % 16):
-            fail(op, "dge_mode=hwdge 3/4-D src needs src.shape[0] in {1,2,4,8,16} and "
-                     "src.shape[0]*src.shape[-2] % 16 == 0")
-        if src.shape[-1] > 128:
-            fail(op, f"dge_mode=hwdge src.shape[-1]={src.shape[-1]} exceeds 128")
-    write(dst, np.transpose(read(src, op), axes), op)
+            fail(op, f"dge_mode=hwdge: 3/4-D src {src.shape} needs src.shape[0] in {{1,2,4,8,16}} and "
+                     "src.shape[0]*src.shape[-2] % 16 == 0 (C21)")
+    if indirect:
+        _check_indirect_transpose(op, src)
+    skip = oob_mode is OobMode.skip
+    vals = read(src, op, oob_skip=skip)
+    if skip:
+        keep = ~indirect_valid_rows(src, op)
+        if keep.any():  # skipped rows leave the destination columns unchanged
+            vals = np.array(vals)
+            vals[keep] = np.transpose(np_view(dst), _inverse(axes))[keep]
+    write(dst, np.transpose(vals, axes), op)
     current().emit(op, "dma", (src,), (dst,), dge=dge_mode.name, transpose=True)
+
+
+def _check_transpose_dge(op, dge_mode, oob_mode, indirect):
+    """C21: a direct DMA transpose runs as a hardware-DGE transpose (dge_mode unknown/hwdge); an indirect one
+    (src.ap(vector_offset=...)) as a software-DGE gather-transpose (unknown/swdge). C23: oob_mode=skip only
+    makes sense for the indirect form."""
+    if indirect:
+        if dge_mode not in (DgeMode.unknown, DgeMode.swdge):
+            fail(op, f"dge_mode={dge_mode.name} is not valid for an indirect transpose (src uses vector_offset); "
+                     "allowed: unknown, swdge (C22)")
+    elif dge_mode not in (DgeMode.unknown, DgeMode.hwdge):
+        fail(op, f"dge_mode={dge_mode.name} is not valid for a direct transpose; allowed: unknown, hwdge (C21)")
+    if oob_mode is OobMode.skip and not indirect:
+        fail(op, "oob_mode=skip is only valid when src uses indirect indexing (.ap(vector_offset=...)) (C23)")
+
+
+def _check_indirect_transpose(op, src):
+    """C22: constraints AWS documents for the software-DGE gather-transpose (dma_gather_transpose)."""
+    idx = src.gather.index
+    if nc_version() < 3:
+        fail(op, "an indirect transpose requires NeuronCore-v3 (trn2) or newer (C22)")
+    if src.dtype.itemsize != 2:
+        fail(op, f"indirect transpose: src dtype must be 2 bytes, got {src.dtype.name} (C22)")
+    if src.shape[0] % 16:
+        fail(op, f"indirect transpose: src.shape[0]={src.shape[0]} must be divisible by 16 (C22)")
+    if src.ndim == 4 and 1 not in (src.shape[1], src.shape[2]):
+        fail(op, f"indirect transpose: a 4-D src needs src.shape[1] or src.shape[2] == 1, got {src.shape} (C22)")
+    if idx.buffer is not sbuf:
+        fail(op, f"indirect transpose: the indices must be in SBUF, got {idx.buffer.name} (C22)")
+    if idx.dtype is not dt.uint32:
+        fail(op, f"indirect transpose: the indices must be uint32, got {idx.dtype.name} (C22)")
+    p = idx.shape[0]
+    if not 16 <= p <= 128 or p % 16:
+        fail(op, f"indirect transpose: indices.shape[0]={p} must be in [16, 128] and divisible by 16 (C22)")
+
+
+def _inverse(axes):
+    inv = [0] * len(axes)
+    for i, a in enumerate(axes):
+        inv[a] = i
+    return tuple(inv)
 
 
 def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=OobMode.error, name=None):
     """dst = reduce_op(srcs[0] * scales[0], srcs[1] * scales[1], ...) computed in fp32 inside the DMA engines.
 
-    dst itself is not read: to accumulate (scatter-add), pass the destination view as one of the srcs. With an
-    indirect dst and unique_indices=False, rows are processed in order so that repeated indices accumulate.
+    dst itself is not read: to accumulate (scatter-add / gather-add read-modify-write), pass the destination view
+    as one of the srcs. AWS documents the read-modify-write modes for unique indices only (C25).
     """
     op = "dma_compute"
     _check_dma_operand(op, "dst", dst)
     if not isinstance(srcs, (list, tuple)) or not srcs:
         fail(op, "srcs must be a non-empty list of tensors")
+    if len(srcs) > DMA_COMPUTE_MAX_SRCS:
+        fail(op, f"srcs has {len(srcs)} tensors; at most {DMA_COMPUTE_MAX_SRCS} (C25)")
     for i, s in enumerate(srcs):
         _check_dma_operand(op, f"srcs[{i}]", s)
         if s.size != dst.size:
             fail(op, f"srcs[{i}] has {s.size} elements, dst has {dst.size} (C10)")
     rname = alu_ops.op_name(reduce_op, f"{op}: reduce_op")
     if rname != "add":
-        fail(op, f"reduce_op=nl.{rname} is not supported; only nl.add is supported by the DMA engines")
+        fail(op, f"reduce_op=nl.{rname} is not supported; only nl.add is supported by the DMA engines (C25)")
     if scales is not None:
         if len(scales) != len(srcs):
             fail(op, f"scales has {len(scales)} entries for {len(srcs)} srcs")
         if any(float(x) != 1.0 for x in scales):
-            fail(op, f"scales={list(scales)}: all scales must be 1.0 (DMA compute limit)")
+            fail(op, f"scales={list(scales)}: all scales must be 1.0 (DMA compute limit, C25)")
     _check_modes(op, oob_mode, DgeMode.unknown)
+    indirect = dst.gather is not None or any(s.gather is not None for s in srcs)
+    if indirect:
+        if not unique_indices:
+            fail(op, "unique_indices=False: read-modify-write with vector_offset requires unique_indices=True "
+                     "(non-unique indices are not supported) (C25)")
+        if len(srcs) != 2:
+            fail(op, f"read-modify-write with vector_offset needs exactly 2 srcs (the destination view and the "
+                     f"data), got {len(srcs)} (C25)")
     skip = oob_mode is OobMode.skip
-    aliases = [i for i, s in enumerate(srcs) if _same_view(s, dst)]
-    if dst.gather is not None and not unique_indices and aliases:
-        _sequential_scatter_add(op, dst, srcs, aliases, skip)
-    else:
-        total = None
-        for s in srcs:
-            v = dt.to_fp32(read(s, op, oob_skip=skip)).reshape(dst.shape)
-            total = v if total is None else total + v
-        if dst.gather is not None and unique_indices:
-            rows = _indirect_rows(dst, op)
-            if len(np.unique(rows)) != rows.size:
-                fail(op, "unique_indices=True but the scatter indices repeat; pass unique_indices=False")
-        write(dst, dt.cast(total, dst.dtype, dst.alloc.flat(dst.dtype).dtype), op, oob_skip=skip)
+    total = None
+    for s in srcs:
+        v = dt.to_fp32(read(s, op, oob_skip=skip)).reshape(dst.shape)
+        total = v if total is None else total + v
+    if dst.gather is not None:
+        rows = _indirect_rows(dst, op)
+        if skip:
+            rows = rows[indirect_valid_rows(dst, op)]  # skipped (out-of-bounds) rows write nothing
+        if len(np.unique(rows)) != rows.size:
+            fail(op, "unique_indices=True but the scatter indices repeat; AWS documents read-modify-write for "
+                     "unique indices only (C25)")
+    write(dst, dt.cast(total, dst.dtype, dst.alloc.flat(dst.dtype).dtype), op, oob_skip=skip)
     current().emit(op, "dma", tuple(srcs), (dst,), reduce=rname)
-
-
-def _same_view(a, b):
-    return (a.alloc is b.alloc and a.shape == b.shape and a.strides == b.strides and a.offset == b.offset
-            and (a.gather is None) == (b.gather is None)
-            and (a.gather is None or a.gather.index is b.gather.index))
 
 
 def _indirect_rows(t, op):
     return np.asarray(read(t.gather.index, op)).reshape(-1).astype(np.int64)
-
-
-def _sequential_scatter_add(op, dst, srcs, aliases, skip):
-    """Row-by-row read-modify-write so that repeated scatter indices accumulate (unique_indices=False)."""
-    from ..tensor import _indirect_addresses
-    flat = dst.alloc.flat(dst.dtype)
-    addrs, valid = _indirect_addresses(dst, op, skip)
-    others = [dt.to_fp32(read(s, op)).reshape(dst.shape) for i, s in enumerate(srcs) if i not in aliases]
-    for p in range(dst.shape[0]):
-        if not valid[p]:
-            continue
-        a = addrs[p]
-        acc = flat[a].astype(np.float32) * len(aliases)
-        for v in others:
-            acc = acc + v[p]
-        flat[a] = dt.cast(acc, dst.dtype, flat.dtype)
-    dst.alloc.written = True
 
 
 # ---- LNC=2: two physical cores of one logical core ---------------------------------------------------------
@@ -206,17 +243,40 @@ def _sequential_scatter_add(op, dst, srcs, aliases, skip):
 _RECV_TIMEOUT_S = 120.0
 
 
+# sendrecv with dma_engine=gpsimd_dma: bytes per partition by element size (AWS nki.isa.sendrecv)
+GPSIMD_DMA_MAX_BYTES = {4: 1024, 2: 512, 1: 256}
+
+
+def _check_sendrecv_operands(op, src, dst, dma_engine):
+    """C27: both tiles in SBUF, same dtype, same partitions and elements per partition; gpsimd_dma size limit."""
+    from ._common import free_size
+    if nc_version() < 3:
+        fail(op, "sendrecv requires NeuronCore-v3 (trn2) or newer (C19)")
+    for name, t in (("src", src), ("dst", dst)):
+        tensor(op, name, t)
+        if t.buffer is not sbuf:
+            fail(op, f"{name} '{t.name}' is in {t.buffer.name}; src and dst must both be in SBUF (C27)")
+    if src.dtype is not dst.dtype:
+        fail(op, f"src dtype {src.dtype.name} and dst dtype {dst.dtype.name} must be the same (C27)")
+    if src.shape[0] != dst.shape[0] or free_size(src) != free_size(dst):
+        fail(op, f"src {src.shape} and dst {dst.shape} must have the same partitions and elements per partition "
+                 "(C27)")
+    if dma_engine is DmaEngine.gpsimd_dma:
+        limit = GPSIMD_DMA_MAX_BYTES.get(src.dtype.itemsize)
+        nbytes = free_size(src) * src.dtype.itemsize
+        if limit is not None and nbytes > limit:
+            fail(op, f"dma_engine=gpsimd_dma moves at most {limit} B per partition for "
+                     f"{8 * src.dtype.itemsize}-bit types; src has {nbytes} B (C27)")
+
+
 def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=DmaEngine.dma, name=None):
     op = "sendrecv"
     ctx = current()
-    if ctx.shared is None or ctx.num_programs < 2:
-        fail(op, "sendrecv needs an LNC=2 launch (kernel[2](...)) (C18)")
     if not isinstance(dma_engine, DmaEngine):
         fail(op, f"dma_engine={dma_engine!r} must be an nki.isa.dma_engine value")
-    tensor(op, "src", src)
-    tensor(op, "dst", dst)
-    if src.size != dst.size:
-        fail(op, f"src has {src.size} elements, dst has {dst.size}")
+    _check_sendrecv_operands(op, src, dst, dma_engine)
+    if ctx.shared is None or ctx.num_programs < 2:
+        fail(op, "sendrecv needs an LNC=2 launch (kernel[2](...)) (C18)")
     for r, what in ((send_to_rank, "send_to_rank"), (recv_from_rank, "recv_from_rank")):
         if not 0 <= int(r) < ctx.num_programs or int(r) == ctx.program_id:
             fail(op, f"{what}={r} must be the other core of the LNC (this core is {ctx.program_id})")
@@ -249,6 +309,9 @@ def core_barrier(data, cores, engine=Engine.gpsimd, name=None):
     if tuple(cores) != (0, 1):
         fail(op, f"cores={tuple(cores)}: only cores=(0, 1) is supported (C18)")
     tensor(op, "data", data)
+    if data.buffer is not shared_hbm:
+        fail(op, f"data '{data.name}' is in {data.buffer.name}; it must be the shared HBM tensor both cores write "
+                 "(nl.shared_hbm) (C18)")
     if not isinstance(engine, Engine):
         fail(op, f"engine={engine!r} must be an nki.isa.engine value")
     if ctx.shared is not None and ctx.num_programs > 1:

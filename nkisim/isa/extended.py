@@ -18,11 +18,13 @@ from ._common import (
     fail,
     fp32,
     free_size,
+    legal_starts,
     not_both_psum,
     on_chip,
     require_version,
     same_layout,
     scalar_operand,
+    start_partition,
     store,
 )
 from ._common import (
@@ -153,6 +155,12 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     _emit(opn, "vector", (data, operand0, reduce_init), (dst, reduce_res), dst, op=(n0, rname))
 
 
+# nki.isa.tensor_scalar_cumulative: "Input / output dtypes are restricted to BF16, FP16, FP32, FP8, UINT8, UINT16,
+# INT8, INT16"
+_CUMULATIVE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3", "float8_e5m2", "float8_e4m3fn", "uint8",
+                      "uint16", "int8", "int16")
+
+
 def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=RC.reset_reduce, name=None):
     """Running scan in the VectorE accumulators: reg = op1(op0(x_i, imm0), reg); dst_i = reg.
 
@@ -164,8 +172,9 @@ def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=RC.
     on_chip(opn, "src", src)
     same_layout(opn, "dst", dst, src=src)
     for nm, t in (("src", src), ("dst", dst)):
-        if t.dtype.name in ("int32", "uint32"):
-            fail(opn, f"{nm} dtype {t.dtype.name} is not supported (int32/uint32 are an ISA limitation)")
+        if t.dtype.name not in _CUMULATIVE_DTYPES:
+            fail(opn, f"{nm} dtype {t.dtype.name} is not supported; allowed: {', '.join(_CUMULATIVE_DTYPES)} "
+                      "(int32/uint32 are an ISA limitation) (C26)")
     _check_cmd(opn, reduce_cmd, (RC.reset_reduce, RC.reduce, RC.load_reduce))
     n0, f0 = _arith(opn, "op0", op0)
     n1 = _reduce_name(opn, "op1", op1, ("add", "subtract", "multiply", "maximum", "minimum"))
@@ -513,6 +522,13 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
         if not isinstance(m, (int, np.integer)) or not (0 <= m < 32 or m == 255):
             fail(opn, f"shuffle_mask[{i}]={m!r} must be a source partition 0..31 within the quadrant or 255")
     ps, pd = src.shape[0], dst.shape[0]
+    # C13 for the pair: the start partitions follow the number of active partitions of the shuffle
+    active = -(-max(ps, pd) // 32) * 32
+    for nm, t in (("src", src), ("dst", dst)):
+        start = start_partition(t)
+        if start not in legal_starts(active):
+            fail(opn, f"{nm} starts at partition {start}; with {active} active partitions (max of src {ps} and dst "
+                      f"{pd}, rounded up to 32) the start must be one of {legal_starts(active)} (C13)")
     vals = np.array(read(src)).reshape(ps, -1)            # copy first: in-place shuffles are allowed
     out = np.array(np_view(dst)).reshape(pd, -1)
     for d in range(pd):

@@ -18,12 +18,12 @@ def _bias(op, bias, p):
     if isinstance(bias, NkiTensor):
         on_chip(op, "bias", bias)
         if bias.shape[0] != p or free_size(bias) != 1:
-            fail(op, f"bias must be a ({p}, 1) tensor (free dim 1), got shape {bias.shape}")
+            fail(op, f"bias must be a ({p}, 1) tensor (free dim 1), got shape {bias.shape} (C11)")
         if bias.dtype is dt.tfloat32:
-            fail(op, "bias cannot be tfloat32")
+            fail(op, "bias cannot be tfloat32 (any other dtype is allowed) (C11)")
         return as_pf(fp32(bias), p)
     if current().target.nc_version < 3:
-        fail(op, "a scalar bias requires NeuronCore-v3 or newer; pass a (P, 1) tensor")
+        fail(op, "a scalar bias requires NeuronCore-v3 or newer; pass a (P, 1) tensor (C19)")
     return scalar_operand(op, "bias", bias, p)
 
 
@@ -35,8 +35,10 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     same_layout(opn, "dst", dst, data=data)
     p = dst.shape[0]
     aname, fn = alu_ops.activation(op, opn)
+    if aname == "reciprocal" and bias is not None and current().target.nc_version < 3:
+        fail(opn, "op=nl.reciprocal does not support a bias on NeuronCore-v2 (AWS 'NKI Engine Selection') (C29)")
     if reduce_op is not None and alu_ops.op_name(reduce_op, f"{opn}: reduce_op") != "add":
-        fail(opn, "reduce_op must be nl.add")
+        fail(opn, "reduce_op must be nl.add (C29)")
     if reduce_res is not None and reduce_op is None and reduce_cmd is not RC.idle:
         fail(opn, "reduce_res with a reduce_cmd needs reduce_op=nl.add")
     s = scalar_operand(opn, "scale", scale, p)

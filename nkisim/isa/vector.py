@@ -55,6 +55,13 @@ def tensor_tensor(dst, data1, data2, op, engine=Engine.unknown, name=None):
     oname, fn, kind = alu_ops.alu(op, "op", opn)
     if oname in alu_ops.TRN3_ONLY_ALU:
         require_version(opn, 4, f"op=nl.{oname}")
+    if oname == "power":
+        # nl.power runs on GpSimd, which cannot access PSUM (AWS nki.isa.tensor_tensor; C8)
+        for nm, t in (("dst", dst), ("data1", data1), ("data2", data2)):
+            if t.buffer is psum:
+                fail(opn, f"op=nl.power runs on GpSimd, which cannot access PSUM; {nm} is in PSUM (C8)")
+        if engine is Engine.vector:
+            fail(opn, "op=nl.power runs on GpSimd only; engine=vector is not allowed (C29)")
     all_int32 = dst.dtype.name in _INT32S and data1.dtype.name in _INT32S and data2.dtype.name in _INT32S
     if engine is Engine.unknown:
         engine = Engine.gpsimd if (oname == "power" or all_int32) and dst.buffer is sbuf \
@@ -162,7 +169,8 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     n1, f1, k1 = alu_ops.alu(op1, "op1", opn)
     if "bitvec" in (k0, k1):
         fail(opn, "scalar_tensor_tensor supports arithmetic ops only")
-    s = scalar_operand(opn, "operand0", operand0, p)
+    # operand0 may be any dtype ("All input tiles can be any supported NKI data type", nki.isa.scalar_tensor_tensor)
+    s = scalar_operand(opn, "operand0", operand0, p, fp32_only=False)
     x = as_pf(fp32(data), p)
     t = as_pf(fp32(operand1), p)
     with np.errstate(all="ignore"):
@@ -336,6 +344,20 @@ def bn_aggr(dst, data, name=None):
     _emit(opn, "vector", (data,), (dst,), data)
 
 
+# nki.isa.exponential parameter docs: supported dtypes per operand, and reduce_cmd values.
+_EXP_SRC_DTYPES = ("float8_e4m3", "float8_e5m2", "float16", "bfloat16", "float32", "int8", "int16", "int32", "uint8",
+                   "uint16", "uint32")
+_EXP_DST_DTYPES = ("float8_e4m3", "float8_e5m2", "float16", "bfloat16", "float32", "tfloat32", "int8", "int16",
+                   "int32", "uint8", "uint16")
+_EXP_RES_DTYPES = ("float8_e4m3", "float8_e5m2", "float16", "bfloat16", "float32", "tfloat32")
+_EXP_CMDS = (_RC.idle, _RC.reset_reduce, _RC.reduce, _RC.load_reduce)
+
+
+def _check_dtype(opn, name, t, allowed):
+    if t.dtype.name not in allowed:
+        fail(opn, f"{name} dtype {t.dtype.name} is not supported; allowed: {', '.join(allowed)} (C26)")
+
+
 def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=_RC.idle, reduce_init=0.0, name=None):
     """Trn3 VectorE exp(src - max_value) with optional running sum in the VectorE accumulators."""
     from .accum import vector_accumulate
@@ -346,13 +368,29 @@ def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=_RC.idle, r
     on_chip(opn, "dst", dst)
     on_chip(opn, "src", src)
     same_layout(opn, "dst", dst, src=src)
-    if src.ndim > 4:
-        fail(opn, f"src has {src.ndim} dims; at most 4")
+    for nm, t in (("src", src), ("dst", dst)):
+        if t.ndim > 4:
+            fail(opn, f"{nm} has {t.ndim} dims; at most 4 (C26)")
+    _check_dtype(opn, "src", src, _EXP_SRC_DTYPES)
+    _check_dtype(opn, "dst", dst, _EXP_DST_DTYPES)
+    if reduce_res is not None:
+        _check_dtype(opn, "reduce_res", reduce_res, _EXP_RES_DTYPES)
+    if not isinstance(reduce_cmd, RC) or reduce_cmd not in _EXP_CMDS:
+        shown = reduce_cmd.name if isinstance(reduce_cmd, RC) else repr(reduce_cmd)
+        fail(opn, f"reduce_cmd={shown} is not supported; allowed: {', '.join(c.name for c in _EXP_CMDS)} (C28)")
+    if reduce_cmd is not RC.load_reduce and not (reduce_init is None or (
+            isinstance(reduce_init, (int, float, np.floating)) and reduce_init == 0.0)):
+        fail(opn, f"reduce_init={reduce_init!r} must be unset or 0.0 unless reduce_cmd=load_reduce (got "
+                  f"{reduce_cmd.name}) (C28)")
     p = dst.shape[0]
     m = scalar_operand(opn, "max_value", max_value, p)
     with np.errstate(all="ignore"):
         e = np.exp((as_pf(fp32(src), p) - m).astype(np.float64)).astype(np.float32)
     store(opn, dst, e)
+    init = None
+    if reduce_cmd is RC.load_reduce:
+        init = np.asarray(scalar_operand(opn, "reduce_init", 0.0 if reduce_init is None else reduce_init, p),
+                          np.float32).reshape(-1)
     vector_accumulate(opn, reduce_cmd, np.add, 0.0, e.sum(axis=1, dtype=np.float32), p, reduce_res,
-                      init=reduce_init)
+                      init=init)
     _emit(opn, "vector", (src,), (dst,) + ((reduce_res,) if reduce_res is not None else ()), dst)

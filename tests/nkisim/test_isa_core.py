@@ -178,17 +178,19 @@ def test_dma_compute_scales_other_than_one_rejected():
         nisa.dma_compute(dst=tile((2, 2)), srcs=[sb(np.ones((2, 2), np.float32))], reduce_op=nl.add, scales=[2.0])
 
 
-def test_dma_compute_scatter_add_repeated_indices():
+def test_dma_compute_scatter_add_unique_indices():
+    # AWS doc: scatter read-modify-write dst(HBM)[indices] += src(SB), unique indices only (C25)
     out = nl.ndarray((5, 2), nl.float32, buffer=nl.shared_hbm)
     nisa.dma_copy(dst=out, src=hbm(np.ones((5, 2), np.float32)))
     src = sb(np.arange(8, dtype=np.float32).reshape(4, 2))
-    ap = out.ap([[2, 4], [1, 2]], vector_offset=_indices([3, 0, 3, 1]), indirect_dim=0)
-    with pytest.raises(NkiValidationError, match=r"unique_indices=True but the scatter indices repeat"):
-        nisa.dma_compute(dst=ap, srcs=[ap, src], reduce_op=nl.add)
-    nisa.dma_compute(dst=ap, srcs=[ap, src], reduce_op=nl.add, unique_indices=False)
+    ap = out.ap([[2, 4], [1, 2]], vector_offset=_indices([3, 0, 4, 1]), indirect_dim=0)
+    nisa.dma_compute(dst=ap, srcs=[ap, src], reduce_op=nl.add)
     ref = np.ones((5, 2), np.float32)
-    np.add.at(ref, [3, 0, 3, 1], np.arange(8, dtype=np.float32).reshape(4, 2))
+    ref[[3, 0, 4, 1]] += np.arange(8, dtype=np.float32).reshape(4, 2)
     np.testing.assert_array_equal(rd(out), ref)
+    rep = out.ap([[2, 4], [1, 2]], vector_offset=_indices([3, 0, 3, 1]), indirect_dim=0)
+    with pytest.raises(NkiValidationError, match=r"unique_indices=True but the scatter indices repeat.*\(C25\)"):
+        nisa.dma_compute(dst=rep, srcs=[rep, src], reduce_op=nl.add)
 
 
 def test_dma_compute_rejects_non_reduce_op():

@@ -97,8 +97,9 @@ def vector_heavy(x, reps):
 
 @nki.jit
 def lnc_swap(x, reps):
-    """LNC=2: each core loads its half, core 1 does `reps` VectorE ops, both meet at core_barrier, swap halves with
-    sendrecv and store the half they received (out = x with the two row halves swapped)."""
+    """LNC=2: each core loads its half, core 1 does `reps` VectorE ops, both stage their half in shared HBM and meet
+    at core_barrier on it, swap halves with sendrecv and store the half they received (out = x with the two row
+    halves swapped)."""
     P, F = 128, x.shape[1]
     pid = nl.program_id(0)
     out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
@@ -108,7 +109,9 @@ def lnc_swap(x, reps):
     if pid == 1:
         for _ in range(reps):
             nisa.tensor_tensor(dst=t, data1=t, data2=t, op=nl.maximum)
-    nisa.core_barrier(data=t, cores=(0, 1))
+    stage = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=stage[pid * P:(pid + 1) * P, :], src=t)
+    nisa.core_barrier(data=stage, cores=(0, 1))  # data: the shared HBM tensor both cores wrote (C18)
     nisa.sendrecv(src=t, dst=r, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
     nisa.dma_copy(dst=out[pid * P:(pid + 1) * P, :], src=r)
     return out

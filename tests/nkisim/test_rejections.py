@@ -1,0 +1,344 @@
+"""Documented rejections (issue 9 §4): for every rule AWS documents on an op page and nkisim checks, a negative test
+(the message names the op, the operand, the limit and the constraint id of nkisim/CONSTRAINTS.md) and a positive
+twin (the nearest legal call runs and computes the right values)."""
+
+import nki
+import numpy as np
+import pytest
+
+from nkisim.errors import NkiValidationError
+
+from ._sim import fresh_core, hbm, nisa, nl, on_target, rd, sb, tile  # noqa: F401
+
+E = NkiValidationError
+
+
+def rand(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def idx_tile(rows):
+    return sb(np.asarray(rows, np.uint32).reshape(-1, 1))
+
+
+
+# ---- C21 / C22 / C23: dma_transpose DGE modes, indirect constraints, oob_mode=skip -----------------------------------
+
+@pytest.mark.parametrize("mode", ["swdge", "none"])
+def test_c21_direct_dma_transpose_rejects_non_hwdge_modes(mode):
+    with pytest.raises(E, match=rf"dma_transpose: dge_mode={mode} is not valid for a direct transpose; allowed: "
+                                r"unknown, hwdge \(C21\)"):
+        nisa.dma_transpose(dst=tile((8, 16), nl.bfloat16), src=hbm(rand((16, 8)), nl.bfloat16),
+                           dge_mode=getattr(nisa.dge_mode, mode))
+
+
+@pytest.mark.parametrize("mode", ["unknown", "hwdge"])
+def test_c21_direct_dma_transpose_unknown_and_hwdge_run(mode):
+    x = rand((16, 8))
+    dst = tile((8, 16), nl.bfloat16)
+    nisa.dma_transpose(dst=dst, src=hbm(x, nl.bfloat16), dge_mode=getattr(nisa.dge_mode, mode))
+    np.testing.assert_allclose(rd(dst), x.T, rtol=1e-2, atol=1e-2)
+
+
+def test_c21_hwdge_shape_rules_cite_the_id():
+    with pytest.raises(E, match=r"dma_transpose: dge_mode=hwdge: 2-D src.shape\[0\] must be 16, got 8 \(C21\)"):
+        nisa.dma_transpose(dst=tile((4, 8), nl.bfloat16), src=hbm(rand((8, 4)), nl.bfloat16),
+                           dge_mode=nisa.dge_mode.hwdge)
+    with pytest.raises(E, match=r"hwdge needs a 2-byte src dtype, got float32 \(C21\)"):
+        nisa.dma_transpose(dst=tile((4, 16)), src=hbm(rand((16, 4))), dge_mode=nisa.dge_mode.hwdge)
+
+
+def _gather_src(data, rows, dtype=nl.bfloat16, idx_dtype=np.uint32):
+    p, f = len(rows), data.shape[1]
+    idx = sb(np.asarray(rows, idx_dtype).reshape(-1, 1))
+    return hbm(data, dtype).ap(pattern=[[f, p], [1, f]], vector_offset=idx, indirect_dim=0)
+
+
+def test_c22_indirect_dma_transpose_gathers_rows_then_transposes():
+    data = rand((40, 8))
+    rows = list(np.random.default_rng(1).permutation(40)[:16])
+    dst = tile((8, 16), nl.bfloat16)
+    nisa.dma_transpose(dst=dst, src=_gather_src(data, rows), dge_mode=nisa.dge_mode.swdge)
+    np.testing.assert_allclose(rd(dst), data[rows].T, rtol=1e-2, atol=1e-2)
+
+
+def test_c22_indirect_dma_transpose_rejects_hwdge():
+    with pytest.raises(E, match=r"dge_mode=hwdge is not valid for an indirect transpose.*unknown, swdge \(C22\)"):
+        nisa.dma_transpose(dst=tile((8, 16), nl.bfloat16), src=_gather_src(rand((40, 8)), list(range(16))),
+                           dge_mode=nisa.dge_mode.hwdge)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("fp32", r"src dtype must be 2 bytes, got float32 \(C22\)"),
+    ("rows", r"src.shape\[0\]=8 must be divisible by 16 \(C22\)"),
+    ("int32_idx", r"the indices must be uint32, got int32 \(C22\)"),
+])
+def test_c22_indirect_dma_transpose_constraints(case, match):
+    data, rows, dtype, idt = rand((40, 8)), list(range(16)), nl.bfloat16, np.uint32
+    if case == "fp32":
+        dtype = nl.float32
+    elif case == "rows":
+        rows = list(range(8))
+    elif case == "int32_idx":
+        idt = np.int32
+    src = _gather_src(data, rows, dtype, idt)
+    with pytest.raises(E, match=match):
+        nisa.dma_transpose(dst=tile((data.shape[1], len(rows)), dtype), src=src)
+
+
+def test_c22_indirect_dma_transpose_needs_trn2(on_target):  # noqa: F811
+    on_target("trn1")
+    with pytest.raises(E, match=r"indirect transpose requires NeuronCore-v3 \(trn2\) or newer \(C22\)"):
+        nisa.dma_transpose(dst=tile((8, 16), nl.bfloat16), src=_gather_src(rand((40, 8)), list(range(16))))
+
+
+def test_c23_oob_skip_rejected_on_a_direct_transpose():
+    with pytest.raises(E, match=r"dma_transpose: oob_mode=skip is only valid when src uses indirect indexing.*\(C23\)"):
+        nisa.dma_transpose(dst=tile((8, 16), nl.bfloat16), src=hbm(rand((16, 8)), nl.bfloat16),
+                           oob_mode=nisa.oob_mode.skip)
+
+
+def test_c23_oob_skip_on_an_indirect_transpose_skips_out_of_bounds_rows():
+    data = rand((40, 8))
+    rows = list(range(16))
+    rows[3] = 1000  # out of bounds: skipped, its dst column keeps its old value
+    dst = tile((8, 16), nl.bfloat16)
+    nisa.memset(dst=dst, value=7.0)
+    nisa.dma_transpose(dst=dst, src=_gather_src(data, rows), oob_mode=nisa.oob_mode.skip)
+    got = rd(dst)
+    ok = [r for r in range(16) if r != 3]
+    np.testing.assert_allclose(got[:, ok], data[ok].T, rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(got[:, 3], 7.0)
+    with pytest.raises(E, match=r"out of bounds"):  # oob_mode=error (default) refuses the same index
+        nisa.dma_transpose(dst=dst, src=_gather_src(data, rows))
+
+
+# ---- C24: .ap() vector_offset and scalar_offset are mutually exclusive -----------------------------------------------
+
+def test_c24_ap_rejects_both_offsets():
+    t = hbm(rand((8, 4)))
+    with pytest.raises(E, match=r"\.ap\(\): vector_offset and scalar_offset are mutually exclusive.*\(C24\)"):
+        t.ap([[4, 2], [1, 4]], vector_offset=idx_tile([1, 2]), scalar_offset=nisa.register_alloc(1), indirect_dim=0)
+
+
+def test_c24_ap_with_either_offset_alone():
+    x = rand((8, 4))
+    t = hbm(x)
+    a, b = tile((2, 4)), tile((2, 4))
+    nisa.dma_copy(dst=a, src=t.ap([[4, 2], [1, 4]], vector_offset=idx_tile([5, 1]), indirect_dim=0))
+    nisa.dma_copy(dst=b, src=t.ap([[4, 2], [1, 4]], scalar_offset=nisa.register_alloc(3), indirect_dim=0))
+    np.testing.assert_array_equal(rd(a), x[[5, 1]])
+    np.testing.assert_array_equal(rd(b), x[3:5])
+
+
+# ---- C25: dma_compute ------------------------------------------------------------------------------------------------
+
+def _scatter_target(rows):
+    out = nl.ndarray((6, 2), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=hbm(np.ones((6, 2), np.float32)))
+    return out, out.ap([[2, len(rows)], [1, 2]], vector_offset=idx_tile(rows), indirect_dim=0)
+
+
+def test_c25_dma_compute_read_modify_write_requires_unique_indices():
+    _, ap = _scatter_target([4, 0, 2])
+    src = sb(np.ones((3, 2), np.float32))
+    with pytest.raises(E, match=r"dma_compute: unique_indices=False: read-modify-write with vector_offset requires "
+                                r"unique_indices=True.*\(C25\)"):
+        nisa.dma_compute(dst=ap, srcs=[ap, src], reduce_op=nl.add, unique_indices=False)
+
+
+def test_c25_unique_indices_false_is_fine_without_vector_offset():
+    a, b = rand((4, 8), 1), rand((4, 8), 2)
+    dst = tile((4, 8))
+    nisa.dma_compute(dst=dst, srcs=[hbm(a), sb(b)], reduce_op=nl.add, unique_indices=False)
+    np.testing.assert_allclose(rd(dst), a + b, rtol=1e-6)
+
+
+def test_c25_read_modify_write_needs_exactly_two_srcs():
+    out, ap = _scatter_target([4, 0, 2])
+    src = sb(np.full((3, 2), 2.0, np.float32))
+    with pytest.raises(E, match=r"needs exactly 2 srcs .* got 3 \(C25\)"):
+        nisa.dma_compute(dst=ap, srcs=[ap, src, src], reduce_op=nl.add)
+    nisa.dma_compute(dst=ap, srcs=[ap, src], reduce_op=nl.add)
+    ref = np.ones((6, 2), np.float32)
+    ref[[4, 0, 2]] += 2.0
+    np.testing.assert_array_equal(rd(out), ref)
+
+
+def test_c25_at_most_16_srcs():
+    srcs = [sb(np.full((2, 2), float(i), np.float32)) for i in range(17)]
+    dst = tile((2, 2))
+    with pytest.raises(E, match=r"dma_compute: srcs has 17 tensors; at most 16 \(C25\)"):
+        nisa.dma_compute(dst=dst, srcs=srcs, reduce_op=nl.add)
+    nisa.dma_compute(dst=dst, srcs=srcs[:16], reduce_op=nl.add)
+    np.testing.assert_array_equal(rd(dst), np.full((2, 2), sum(range(16)), np.float32))
+
+
+# ---- C8: GpSimd cannot access PSUM (nl.rsqrt since 0.5, nl.power) ----------------------------------------------------
+
+def test_c8_nl_rsqrt_rejects_psum_input():
+    p = sb(np.full((4, 8), 4.0, np.float32), buffer=nl.psum)
+    with pytest.raises(E, match=r"nl\.rsqrt: x .* is in PSUM; nl\.rsqrt runs on GpSimd.*"
+                                r"nisa\.activation\(op=nl\.rsqrt\).*\(C8\)"):
+        nl.rsqrt(p)
+    out = tile((4, 8))  # the documented alternative for a PSUM input
+    nisa.activation(dst=out, op=nl.rsqrt, data=p)
+    np.testing.assert_allclose(rd(out), 0.5, rtol=1e-6)
+
+
+def test_c8_nl_rsqrt_runs_on_gpsimd_for_sbuf_input():
+    x = np.abs(rand((4, 8))) + 0.5
+    y = nl.rsqrt(sb(x))
+    np.testing.assert_allclose(rd(y), 1.0 / np.sqrt(x), rtol=1e-6)
+
+
+def test_c8_tensor_tensor_power_rejects_psum():
+    a, b = sb(np.full((4, 8), 3.0, np.float32)), sb(np.full((4, 8), 2.0, np.float32))
+    with pytest.raises(E, match=r"tensor_tensor: op=nl\.power runs on GpSimd, which cannot access PSUM; dst is in "
+                                r"PSUM \(C8\)"):
+        nisa.tensor_tensor(dst=tile((4, 8), buffer=nl.psum), data1=a, data2=b, op=nl.power)
+    with pytest.raises(E, match=r"op=nl\.power runs on GpSimd only; engine=vector is not allowed \(C29\)"):
+        nisa.tensor_tensor(dst=tile((4, 8)), data1=a, data2=b, op=nl.power, engine=nisa.engine.vector)
+    d = tile((4, 8))
+    nisa.tensor_tensor(dst=d, data1=a, data2=b, op=nl.power)
+    np.testing.assert_allclose(rd(d), 9.0)
+
+
+# ---- C26 / C28: exponential (trn3) dtypes, reduce_cmd and reduce_init ------------------------------------------------
+
+def test_c26_exponential_operand_dtypes(on_target):  # noqa: F811
+    on_target("trn3")
+    x = sb(rand((4, 8)))
+    with pytest.raises(E, match=r"exponential: dst dtype uint32 is not supported; allowed: .* \(C26\)"):
+        nisa.exponential(dst=tile((4, 8), nl.uint32), src=x)
+    with pytest.raises(E, match=r"exponential: reduce_res dtype int32 is not supported.*\(C26\)"):
+        nisa.exponential(dst=tile((4, 8)), src=x, reduce_res=tile((4, 1), nl.int32),
+                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    d = tile((4, 8), nl.bfloat16)
+    nisa.exponential(dst=d, src=x)
+    np.testing.assert_allclose(rd(d), np.exp(rd(x)), rtol=1e-2)
+
+
+def test_c28_exponential_reduce_cmd_and_reduce_init(on_target):  # noqa: F811
+    on_target("trn3")
+    xv = rand((4, 8)) * 0.1
+    x = sb(xv)
+    with pytest.raises(E, match=r"exponential: reduce_cmd=reset is not supported; allowed: idle, reset_reduce, "
+                                r"reduce, load_reduce \(C28\)"):
+        nisa.exponential(dst=tile((4, 8)), src=x, reduce_cmd=nisa.reduce_cmd.reset)
+    with pytest.raises(E, match=r"reduce_init=1\.5 must be unset or 0\.0 unless reduce_cmd=load_reduce.*\(C28\)"):
+        nisa.exponential(dst=tile((4, 8)), src=x, reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_init=1.5)
+    res = tile((4, 1))
+    nisa.exponential(dst=tile((4, 8)), src=x, reduce_res=res, reduce_cmd=nisa.reduce_cmd.load_reduce,
+                     reduce_init=1.5)
+    np.testing.assert_allclose(rd(res)[:, 0], 1.5 + np.exp(xv).sum(axis=1), rtol=1e-5)
+
+
+# ---- C26: tensor_scalar_cumulative dtypes ----------------------------------------------------------------------------
+
+def test_c26_tensor_scalar_cumulative_dtypes():
+    x = sb(rand((2, 8)))
+    with pytest.raises(E, match=r"tensor_scalar_cumulative: dst dtype tfloat32 is not supported; allowed: .*\(C26\)"):
+        nisa.tensor_scalar_cumulative(dst=tile((2, 8), nl.tfloat32), src=x, op0=nl.multiply, op1=nl.add, imm0=1.0)
+    d = tile((2, 8), nl.bfloat16)
+    nisa.tensor_scalar_cumulative(dst=d, src=x, op0=nl.multiply, op1=nl.add, imm0=1.0)
+    np.testing.assert_allclose(rd(d), np.cumsum(rd(x), axis=1), rtol=2e-2, atol=2e-2)
+
+
+# ---- C27: sendrecv operands ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case,match", [
+    ("hbm", r"sendrecv: src .* is in shared_hbm; src and dst must both be in SBUF \(C27\)"),
+    ("dtype", r"sendrecv: src dtype float32 and dst dtype bfloat16 must be the same \(C27\)"),
+    ("layout", r"sendrecv: src \(4, 8\) and dst \(8, 4\) must have the same partitions.*\(C27\)"),
+    ("gpsimd", r"dma_engine=gpsimd_dma moves at most 1024 B per partition for 32-bit types; src has 1028 B \(C27\)"),
+])
+def test_c27_sendrecv_operand_rules(case, match):
+    src, dst, eng = tile((4, 8)), tile((4, 8)), nisa.dma_engine.dma
+    if case == "hbm":
+        src = nl.ndarray((4, 8), nl.float32, buffer=nl.shared_hbm)
+    elif case == "dtype":
+        dst = tile((4, 8), nl.bfloat16)
+    elif case == "layout":
+        dst = tile((8, 4))
+    else:
+        src, dst, eng = tile((4, 257)), tile((4, 257)), nisa.dma_engine.gpsimd_dma
+    with pytest.raises(E, match=match):
+        nisa.sendrecv(src=src, dst=dst, send_to_rank=1, recv_from_rank=1, pipe_id=0, dma_engine=eng)
+
+
+def test_c27_sendrecv_gpsimd_dma_at_the_limit_swaps_between_cores():
+    @nki.jit
+    def swap(x):
+        pid = nl.program_id(0)
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        mine = nl.ndarray((4, x.shape[1]), x.dtype, buffer=nl.sbuf)
+        theirs = nl.ndarray((4, x.shape[1]), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=mine, src=x[nl.ds(4 * pid, 4), :])
+        nisa.sendrecv(src=mine, dst=theirs, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0,
+                      dma_engine=nisa.dma_engine.gpsimd_dma)
+        nisa.dma_copy(dst=out[nl.ds(4 * pid, 4), :], src=theirs)
+        return out
+
+    x = rand((8, 256))  # 256 fp32 = 1024 B per partition: the documented maximum
+    np.testing.assert_array_equal(swap[2](x), np.concatenate([x[4:], x[:4]]))
+
+
+# ---- C18: core_barrier data in shared HBM ----------------------------------------------------------------------------
+
+def test_c18_core_barrier_data_must_be_shared_hbm():
+    with pytest.raises(E, match=r"core_barrier: data .* is in sbuf; it must be the shared HBM tensor.*\(C18\)"):
+        nisa.core_barrier(data=tile((1, 1)), cores=(0, 1))
+    nisa.core_barrier(data=nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm), cores=(0, 1))
+
+
+# ---- C13: nc_stream_shuffle start partitions follow the number of active partitions ----------------------------------
+
+def test_c13_stream_shuffle_start_partitions_follow_active_partitions():
+    big = sb(rand((128, 4)))
+    dst = tile((64, 4))
+    mask = list(range(32))
+    # 32-partition src at partition 32 is legal alone, but 64 active partitions need starts 0 or 64
+    with pytest.raises(E, match=r"nc_stream_shuffle: src starts at partition 32; with 64 active partitions .* must be "
+                                r"one of \(0, 64\) \(C13\)"):
+        nisa.nc_stream_shuffle(dst=dst, src=big[32:64, :], shuffle_mask=mask)
+    nisa.nc_stream_shuffle(dst=dst, src=big[64:128, :], shuffle_mask=mask)
+    np.testing.assert_array_equal(rd(dst), rd(big)[64:128])
+
+
+# ---- C29: activation(op=nl.reciprocal) bias on NeuronCore-v2 ---------------------------------------------------------
+
+def test_c29_reciprocal_activation_bias_not_on_trn1(on_target):  # noqa: F811
+    on_target("trn1")
+    x = sb(np.full((4, 8), 2.0, np.float32))
+    bias = sb(np.ones((4, 1), np.float32))
+    with pytest.raises(E, match=r"activation: op=nl\.reciprocal does not support a bias on NeuronCore-v2.*\(C29\)"):
+        nisa.activation(dst=tile((4, 8)), op=nl.reciprocal, data=x, bias=bias)
+    on_target("trn2")
+    x = sb(np.full((4, 8), 2.0, np.float32))
+    bias = sb(np.ones((4, 1), np.float32))
+    d = tile((4, 8))
+    nisa.activation(dst=d, op=nl.reciprocal, data=x, bias=bias)
+    np.testing.assert_allclose(rd(d), 1.0 / 3.0, rtol=1e-6)
+
+
+# ---- float32-only operand checks the docs do not state (removed) -----------------------------------------------------
+
+def test_scalar_tensor_tensor_operand0_may_be_any_dtype():
+    # AWS nki.isa.scalar_tensor_tensor: "All input tiles can be any supported NKI data type"
+    x, y = rand((4, 8), 1), rand((4, 8), 2)
+    s = np.array([[0.5], [1.0], [2.0], [4.0]], np.float32)
+    d = tile((4, 8))
+    nisa.scalar_tensor_tensor(dst=d, data=sb(x), op0=nl.multiply, operand0=sb(s, nl.bfloat16), op1=nl.add,
+                              operand1=sb(y))
+    np.testing.assert_allclose(rd(d), x * s + y, rtol=1e-6)
+    with pytest.raises(E, match=r"scalar_tensor_tensor: operand0 must be a scalar or a \(4, 1\) tensor.*\(C11\)"):
+        nisa.scalar_tensor_tensor(dst=d, data=sb(x), op0=nl.multiply, operand0=sb(rand((4, 2))), op1=nl.add,
+                                  operand1=sb(y))
+
+
+def test_tensor_scalar_operand_still_float32_as_documented():
+    # AWS nki.isa.tensor_scalar: "the operand0 and operand1 (if used) must be float32"
+    x = sb(rand((4, 8)))
+    with pytest.raises(E, match=r"tensor_scalar: operand for op0 tensor must be float32, got bfloat16 \(C11\)"):
+        nisa.tensor_scalar(dst=tile((4, 8)), data=x, op0=nl.add, operand0=sb(np.ones((4, 1)), nl.bfloat16))
