@@ -142,7 +142,7 @@ UNINIT_ENV = "NKISIM_UNINIT"
 
 
 def sentinel(d: DType):
-    """Fill value of a fresh allocation: NaN for floats, 4 for ints (as the official simulator), so that results
+    """Fill value of a fresh allocation: NaN for floats, 4 for ints (as the official simulator; C17), so that results
     computed from memory nobody wrote show up. `NKISIM_UNINIT=zero` fills with zeros instead: hardware memory holds
     stale finite data, and kernels that compute on padding they never wrote and cancel it with zero weights (AWS's
     nki-library MX projections do) are then simulated as they behave on the device."""

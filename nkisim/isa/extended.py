@@ -349,7 +349,7 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
 def _max8_range(opn, name, t):
     f = free_size(t)
     if not MAX8_MIN <= f <= MAX8_MAX:
-        fail(opn, f"{name} has {f} elements per partition; must be between {MAX8_MIN} and {MAX8_MAX}")
+        fail(opn, f"{name} has {f} elements per partition; must be between {MAX8_MIN} and {MAX8_MAX} (C12)")
     if t.ndim > 4:
         fail(opn, f"{name} has {t.ndim} dims; at most 3-D plus the partition dim")
 

@@ -4,12 +4,15 @@ Each test asserts that the NkiValidationError (or capacity error / warning) name
 author reading the message knows which rule and which number they broke.
 """
 
+import re
 import warnings
+from pathlib import Path
 
 import nki
 import numpy as np
 import pytest
 
+import nkisim
 from nkisim.errors import NkiCapacityError, NkiPsumAccumulationWarning, NkiUninitializedReadWarning, NkiValidationError
 from nkisim.lint import NkiLanguageError
 
@@ -812,3 +815,40 @@ def test_c6_one_accumulation_group_per_bank_of_a_multibank_tile_is_clean():
             for b in range(4):
                 nisa.nc_matmul(dst=acc[:, b * 512:(b + 1) * 512], stationary=s, moving=m, accumulate=(k > 0))
     assert np.all(rd(acc) == 3 * 128)
+
+
+# ---- the constraint table (nkisim/CONSTRAINTS.md) and the ids cited in nkisim's source ---------------------------
+
+_NKISIM = Path(nkisim.__file__).parent
+_ID = re.compile(r"\bC(\d{1,3})\b")
+
+
+def _table_ids():
+    rows = [ln for ln in (_NKISIM / "CONSTRAINTS.md").read_text().splitlines() if re.match(r"\|\s*C\d+\s*\|", ln)]
+    ids = [int(re.match(r"\|\s*C(\d+)", ln).group(1)) for ln in rows]
+    for ln in rows:  # every row states a rule, the ops and an AWS source
+        cells = [c.strip() for c in ln.strip().strip("|").split("|")]
+        assert len(cells) == 4 and all(cells), f"incomplete row: {ln}"
+    return ids
+
+
+def _source_ids():
+    found = {}
+    for f in sorted(_NKISIM.rglob("*.py")):
+        for m in _ID.finditer(f.read_text()):
+            found.setdefault(int(m.group(1)), f"{f.relative_to(_NKISIM.parent)}")
+    return found
+
+
+def test_constraint_table_has_unique_consecutive_ids():
+    ids = _table_ids()
+    assert len(ids) == len(set(ids)), "duplicate constraint ids in CONSTRAINTS.md"
+    assert sorted(ids) == list(range(1, max(ids) + 1))
+
+
+def test_every_id_cited_in_nkisim_is_in_the_table_and_vice_versa():
+    table, cited = set(_table_ids()), _source_ids()
+    missing = {f"C{i} (first cited in {where})" for i, where in cited.items() if i not in table}
+    assert not missing, f"ids cited in nkisim/ but absent from nkisim/CONSTRAINTS.md: {sorted(missing)}"
+    unused = {f"C{i}" for i in table if i not in cited}
+    assert not unused, f"rows of nkisim/CONSTRAINTS.md that no check in nkisim/ cites: {sorted(unused)}"
