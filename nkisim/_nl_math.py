@@ -118,7 +118,8 @@ def _marker(name, doc):
 bypass = _marker("bypass", "No-op stage for activate2 (op0/op1/op=nl.bypass).")
 identity = _marker("identity", "Identity activation.")
 prelu = _marker("prelu", "Parametric ReLU (activate2 with relu_param).")
-__all__ += ["bypass", "identity", "prelu"]
+average = _marker("average", "Mean across partitions (nisa.tensor_partition_reduce(op=nl.average)).")
+__all__ += ["bypass", "identity", "prelu", "average"]
 
 
 def invert(x, dtype=None):

@@ -610,11 +610,12 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
     _emit(opn, "gpsimd", (src_buffer, index), (dst,), dst, indices=int(nvalid))
 
 
-_PART_REDUCE = ("add", "maximum", "bitwise_or", "bitwise_and")
+_PART_REDUCE = ("add", "average", "maximum", "bitwise_or", "bitwise_and")  # nki.isa.tensor_partition_reduce
 
 
 def tensor_partition_reduce(dst, op, data, name=None):
-    """GpSimd reduction across the partition dim: dst[0, ...] = op over data[:, ...] (add, max, bitwise_or/and)."""
+    """GpSimd reduction across the partition dim: dst[0, ...] = op over data[:, ...] (add, average, max,
+    bitwise_or/and)."""
     opn = "tensor_partition_reduce"
     on_chip(opn, "dst", dst, (sbuf,))
     on_chip(opn, "data", data, (sbuf,))
@@ -631,7 +632,9 @@ def tensor_partition_reduce(dst, op, data, name=None):
     else:
         x = as_pf(fp32(data), p)
         with np.errstate(all="ignore"):
-            res = (np.add if oname == "add" else np.maximum).reduce(x, axis=0, dtype=np.float32)
+            res = (np.maximum if oname == "maximum" else np.add).reduce(x, axis=0, dtype=np.float32)
+            if oname == "average":
+                res = res / np.float32(p)
     store(opn, dst, res.reshape(dst.shape))
     _emit(opn, "gpsimd", (data,), (dst,), data, op=oname)
 

@@ -95,7 +95,10 @@ def _unary_alu(op):
 def _apply_scalar_op(opn, which, op, operand, reverse, x, p):
     """One stage of tensor_scalar: (x op operand), operand order swapped by reverse."""
     uname = _unary_alu(op)
-    if uname is not None and (operand is None or (not isinstance(operand, NkiTensor) and operand == 0)):
+    if uname is not None and not (operand is None or (not isinstance(operand, NkiTensor) and operand == 0)):
+        fail(opn, f"{which}=nl.{uname} is a unary operator; its operand must be None or 0, got "
+                  f"{type(operand).__name__ if isinstance(operand, NkiTensor) else operand!r} (C29)")
+    if uname is not None:
         if uname in alu_ops.TRN3_ONLY_UNARY:
             require_version(opn, 4, f"{which}=nl.{uname}")
         with alu_ops.quiet_fp():
@@ -126,6 +129,9 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     on_chip(opn, "data", data)
     same_layout(opn, "dst", dst, data=data)
     p = dst.shape[0]
+    if op1 is None and operand1 is not None:
+        fail(opn, f"operand1={operand1!r} is set but op1 is None; op1 and operand1 must both be None when unused "
+                  "(C29)")
     n0 = getattr(op0, "_nki_op", None)
     n1 = getattr(op1, "_nki_op", None) if op1 is not None else None
     bitvec = n0 in alu_ops.ALU_BITVEC
@@ -270,6 +276,8 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     if dst.shape[0] != data.shape[0] or free_size(dst) != kept_free:
         fail(opn, f"dst shape {dst.shape} must hold {data.shape[0]} partitions x {kept_free} elements (data "
                   f"{data.shape} reduced over axes {axes}) (C2)")
+    if negate and kind == "bitvec":
+        fail(opn, f"negate=True applies to arithmetic reductions only; op=nl.{oname} is a bit-vector op (C29)")
     p = data.shape[0]
     x = np.asarray(read(data)).reshape(p, kept_free, -1)
     if kind == "bitvec":

@@ -342,3 +342,43 @@ def test_tensor_scalar_operand_still_float32_as_documented():
     x = sb(rand((4, 8)))
     with pytest.raises(E, match=r"tensor_scalar: operand for op0 tensor must be float32, got bfloat16 \(C11\)"):
         nisa.tensor_scalar(dst=tile((4, 8)), data=x, op0=nl.add, operand0=sb(np.ones((4, 1)), nl.bfloat16))
+
+
+# ---- C29: operand / operator rules of tensor_scalar and tensor_reduce ------------------------------------------------
+
+def test_c29_unary_tensor_scalar_operand_must_be_none_or_zero():
+    x = np.abs(rand((4, 8))) + 0.5
+    with pytest.raises(E, match=r"tensor_scalar: op0=nl\.rsqrt is a unary operator; its operand must be None or 0, "
+                                r"got 2\.0 \(C29\)"):
+        nisa.tensor_scalar(dst=tile((4, 8)), data=sb(x), op0=nl.rsqrt, operand0=2.0)
+    d = tile((4, 8))
+    nisa.tensor_scalar(dst=d, data=sb(x), op0=nl.rsqrt, operand0=0.0, engine=nisa.engine.gpsimd)
+    np.testing.assert_allclose(rd(d), 1.0 / np.sqrt(x), rtol=1e-6)
+
+
+def test_c29_tensor_scalar_operand1_without_op1():
+    x = rand((4, 8))
+    with pytest.raises(E, match=r"operand1=3\.0 is set but op1 is None.*\(C29\)"):
+        nisa.tensor_scalar(dst=tile((4, 8)), data=sb(x), op0=nl.add, operand0=1.0, operand1=3.0)
+    d = tile((4, 8))
+    nisa.tensor_scalar(dst=d, data=sb(x), op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=3.0)
+    np.testing.assert_allclose(rd(d), (x + 1.0) * 3.0, rtol=1e-6)
+
+
+def test_c29_tensor_reduce_negate_only_for_arithmetic_ops():
+    xi = np.arange(16, dtype=np.int32).reshape(2, 8)
+    with pytest.raises(E, match=r"tensor_reduce: negate=True applies to arithmetic reductions only; "
+                                r"op=nl\.bitwise_or is a bit-vector op \(C29\)"):
+        nisa.tensor_reduce(dst=tile((2, 1), nl.int32), op=nl.bitwise_or, data=sb(xi, nl.int32), axis=1, negate=True)
+    d = tile((2, 1))
+    nisa.tensor_reduce(dst=d, op=nl.add, data=sb(xi.astype(np.float32)), axis=1, negate=True)
+    np.testing.assert_array_equal(rd(d)[:, 0], -xi.sum(axis=1))
+
+
+def test_tensor_partition_reduce_average_is_documented_and_supported():
+    x = rand((16, 8))
+    d = tile((1, 8))
+    nisa.tensor_partition_reduce(dst=d, op=nl.average, data=sb(x))
+    np.testing.assert_allclose(rd(d)[0], x.mean(axis=0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(E, match=r"op=nl\.minimum is not supported; allowed: nl\.add, nl\.average"):
+        nisa.tensor_partition_reduce(dst=d, op=nl.minimum, data=sb(x))
