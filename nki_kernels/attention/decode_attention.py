@@ -1200,8 +1200,9 @@ def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w):
         else:
             T = w // bs
             vo = idx[:T, j, 0]
-            nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, K, n, T)),
-                               src=K_cache.ap([[row, T], [n * d, K], [d, n], [1, d]], offset=off, vector_offset=vo),
+            # (K, n) merged into one level (stride d): a 4-D indirect transpose needs src.shape[1] or [2] == 1
+            nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, K * n, T)),
+                               src=K_cache.ap([[row, T], [d, K * n], [1, d]], offset=off, vector_offset=vo),
                                dge_mode=swdge)
             for r in range(K):
                 nisa.dma_copy(dst=v[r * T:(r + 1) * T, j, :n, :],
