@@ -4,7 +4,7 @@ import numpy as np
 
 from .. import dtypes as dt
 from .. import ops as alu_ops
-from ..memory import psum, sbuf, shared_hbm
+from ..memory import private_hbm, psum, sbuf
 from ..runtime import current
 from ..tensor import indirect_valid_rows, np_view, read, strided_valid, write
 from ._common import fail, nc_version, tensor
@@ -306,9 +306,11 @@ def core_barrier(data, cores, engine=Engine.gpsimd, name=None):
     if tuple(cores) != (0, 1):
         fail(op, f"cores={tuple(cores)}: only cores=(0, 1) is supported (C18)")
     tensor(op, "data", data)
-    if data.buffer is not shared_hbm:
-        fail(op, f"data '{data.name}' is in {data.buffer.name}; it must be the shared HBM tensor both cores write "
-                 "(nl.shared_hbm) (C18)")
+    # "must be data in shared HBM": HBM both cores see — kernel arguments (nl.hbm under LNC=1, as AWS's
+    # router_topk passes them) or nl.shared_hbm; not on-chip memory and not a core's private_hbm.
+    if data.buffer.on_chip or data.buffer is private_hbm:
+        fail(op, f"data '{data.name}' is in {data.buffer.name}; it must be HBM shared by both cores (a kernel "
+                 "argument or nl.shared_hbm) (C18)")
     if not isinstance(engine, Engine):
         fail(op, f"engine={engine!r} must be an nki.isa.engine value")
     if ctx.shared is not None and ctx.num_programs > 1:

@@ -284,9 +284,12 @@ def test_c27_sendrecv_gpsimd_dma_at_the_limit_swaps_between_cores():
 # ---- C18: core_barrier data in shared HBM ----------------------------------------------------------------------------
 
 def test_c18_core_barrier_data_must_be_shared_hbm():
-    with pytest.raises(E, match=r"core_barrier: data .* is in sbuf; it must be the shared HBM tensor.*\(C18\)"):
-        nisa.core_barrier(data=tile((1, 1)), cores=(0, 1))
+    for bad in (tile((1, 1)), nl.ndarray((1, 1), nl.float32, buffer=nl.private_hbm)):
+        with pytest.raises(E, match=r"core_barrier: data .* is in (sbuf|private_hbm); it must be HBM shared by both "
+                                    r"cores.*\(C18\)"):
+            nisa.core_barrier(data=bad, cores=(0, 1))
     nisa.core_barrier(data=nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm), cores=(0, 1))
+    nisa.core_barrier(data=nl.ndarray((1, 1), nl.float32, buffer=nl.hbm), cores=[0, 1])  # as router_topk does
 
 
 # ---- C13: nc_stream_shuffle start partitions follow the number of active partitions ----------------------------------
