@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import dtypes as dt
 from .._blas import single_thread as single_blas_thread
-from ..errors import NkiPsumAccumulationWarning, NkiUninitializedReadWarning
+from ..errors import NkiUninitializedReadWarning
 from ..memory import psum, sbuf
 from ..runtime import current
 from ..tensor import np_view, read, write
@@ -175,13 +175,11 @@ def _accumulate(op, ctx, dst, result, accumulate, v):
     if accumulate is False or state is None:
         store(op, dst, result, from_matmul=True)
         mark_psum(dst, 1)
-        _open_group(ctx, dst, start=True)
         return
     if dst.dtype is dt.float32 and view.dtype == np.float32 and state.min() == 1:
         # Fast path of every K-loop step after the first: all locations hold matmul partial sums.
         view += result
         dst.alloc.written = True
-        _open_group(ctx, dst, start=False)
         return
     written = state != 0
     if accumulate is True and not written.all():
@@ -199,43 +197,13 @@ def _accumulate(op, ctx, dst, result, accumulate, v):
         new = np.where(written, old + result, result)
     store(op, dst, new, from_matmul=True)
     mark_psum(dst, 1)
-    _open_group(ctx, dst, start=not written.any())
 
 
-def _open_group(ctx, dst, start):
-    """Warn when several accumulation groups interleave inside one PSUM bank on the same partitions (wrong results
-    on trn2). Groups on disjoint partition ranges of a bank are the PE array's row tiles (`tile_position`), which run
-    side by side by design (AWS's qkv_tkg accumulates one group per 32/64-row tile of a bank)."""
-    a = dst.alloc
-    if a.psum_addr is None:
-        return
-    row = a.storage.size // a.shape[0] if a.shape[0] else 1
-    # the bank the view itself starts in (a multi-bank PSUM tile holds one group per bank)
-    bank = (a.psum_addr + (dst.offset % row) * dst.dtype.itemsize) // ctx.target.psum_bank_bytes
-    p0 = dst.offset // row
-    rows = (p0, p0 + dst.shape[0])
-    groups = getattr(ctx, "psum_groups", None)
-    if groups is None:
-        groups = ctx.psum_groups = {}
-    key = (a.id, dst.offset, dst.shape)
-    open_in_bank = groups.setdefault(bank, {})
-    if start:
-        open_in_bank.pop(key, None)
-        # a fresh group starts: drop groups of freed allocations
-        live = ctx.pool.psum_live
-        for g in [g for g in open_in_bank if g[0] not in live]:
-            del open_in_bank[g]
-        open_in_bank[key] = (ctx.seq, rows)
-        return
-    mine = open_in_bank.get(key, (-1, rows))[0]
-    others = [g for g, (started, r) in open_in_bank.items() if g != key and g[0] in ctx.pool.psum_live
-              and started > mine and r[0] < rows[1] and rows[0] < r[1]]
-    if others:
-        ctx.warn_once(("interleave", bank), f"nc_matmul: accumulation groups interleave inside PSUM bank {bank} "
-                      f"('{dst.name}' accumulates after another group started in the same bank on the same "
-                      "partitions); this pattern produces wrong results on trn2 — keep one accumulation group per "
-                      "bank", NkiPsumAccumulationWarning)
-    open_in_bank[key] = open_in_bank.get(key, (ctx.seq, rows))
+# Accumulation groups interleaving inside one PSUM bank (several groups open at different offsets of a bank) are
+# not checked: AWS's docs define a group per PSUM bank for scheduling ("up to eight outstanding matmul accumulation
+# groups" with 8 banks, trainium_inferentia2_arch.rst) but do not say interleaving gives wrong results, and AWS's
+# nki-library interleaves groups in a bank with correct results. (An earlier warning claiming wrong results on trn2
+# was dropped for want of a source.)
 
 
 def nc_transpose(dst, data, engine=Engine.unknown, name=None):
