@@ -850,3 +850,30 @@ def test_processing_rank_id_with_a_register_iteration():
         np.testing.assert_array_equal(res.outputs[r][0], table[g[(g.index(r) - 3) % len(g)]])
     ins = [i for i in res.ranks[0].traces[0] if i.op.startswith("collective_permute_implicit_current")]
     assert len(ins) == 1 and ins[0].reads and ins[0].reads[0].buffer == "reg"   # depends on the iteration register
+
+
+@nki.jit
+def k_ring_all_gather_fori(x, rg, n):
+    """The ring all-gather written with nl.fori_loop (NKI 0.7): the loop value is an NkiScalar iteration id."""
+    m, f = x.shape
+    cur, nxt = _private((m, f), x.dtype), _private((m, f), x.dtype)
+    out = nl.ndarray((n, m, f), dtype=x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=cur, src=x)
+
+    def step(i):
+        who = ncc.collective_permute_implicit_current_processing_rank_id(iteration_id=i, replica_group=rg)
+        nisa.dma_copy(dst=out.ap(pattern=[[f, m], [1, f]], scalar_offset=who, indirect_dim=0), src=cur)
+        ncc.collective_permute_implicit(srcs_by_channel=[[cur]], dsts_by_channel=[[nxt]], replica_group=rg)
+        nisa.dma_copy(dst=cur, src=nxt)
+
+    nl.fori_loop(0, n, step)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_ring_all_gather_in_fori_loop(n):
+    rng = np.random.default_rng(n)
+    xs = [rand(rng, (2, 4)) for _ in range(n)]
+    outs = launch(k_ring_all_gather_fori, n, lambda r: {"x": xs[r], "rg": ReplicaGroup([list(range(n))]), "n": n})
+    for r in range(n):
+        np.testing.assert_array_equal(outs[r], np.stack(xs))
