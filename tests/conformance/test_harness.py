@@ -38,3 +38,15 @@ def test_skip_reason_names_the_variable(monkeypatch, tmp_path):
     assert nkilib.ENV in nkilib.skip_reason()
     monkeypatch.setenv(nkilib.ENV, str(tmp_path))
     assert "not a checkout" in nkilib.skip_reason()
+
+
+def test_pass_rate_tolerates_that_fraction_of_outliers():
+    golden = np.zeros(100, np.float32)
+    actual = golden.copy()
+    actual[:1] = 5.0   # 1 % of the elements far off
+    assert harness.max_mode_error(actual, golden, atol=0.1, rtol=0.0)[0] == 5.0
+    err, tol = harness.max_mode_error(actual, golden, atol=0.1, rtol=0.0, pass_rate=0.99)
+    assert err <= tol
+    actual[:2] = 5.0   # 2 % off: fails at 99 %
+    err, tol = harness.max_mode_error(actual, golden, atol=0.1, rtol=0.0, pass_rate=0.99)
+    assert err > tol
