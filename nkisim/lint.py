@@ -808,8 +808,8 @@ class _Checker:
         elif isinstance(sub, (ast.Yield, ast.YieldFrom)):
             spelled = "yield from" if isinstance(sub, ast.YieldFrom) else "yield"
             self.add(filename, sub.lineno, "generator", f"'{spelled}' in {what}: {RULES['generator']}")
-        elif isinstance(sub, ast.Dict):
-            for key in sub.keys:
+        elif isinstance(sub, (ast.Dict, ast.DictComp)):
+            for key in (sub.keys if isinstance(sub, ast.Dict) else [sub.key]):
                 if isinstance(key, ast.Constant) and not isinstance(key.value, str):
                     self.add(filename, key.lineno, "dict-key",
                              f"dict key {key.value!r} is not a string: {RULES['dict-key']}")

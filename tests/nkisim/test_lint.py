@@ -324,6 +324,11 @@ def test_dict_store_with_non_string_key(fake_nki, parser):
     assert "tiles[0]" in got[0].message
 
 
+def test_dict_comprehension_with_tuple_key(fake_nki, parser):
+    mod = load_case("bad_kernels")
+    assert where(check_kernel(mod.dict_comp_key_kernel)) == [expect("bad_kernels", "dict-comp", "dict-key")]
+
+
 def test_generator_functions(fake_nki, parser):
     mod = load_case("bad_kernels")
     got = check_kernel(mod.generator_kernel)
@@ -349,7 +354,8 @@ def test_class_base_inherited_nkiobject_passes_parser(fake_nki, parser):
 
 PARSER_ONLY_KERNELS = ["kwonly_kernel", "is_kernel", "is_not_kernel", "helper_is_kernel", "class_kernel",
                        "global_instance_kernel", "helper_class_kernel", "nested_class_kernel", "dict_key_kernel",
-                       "dict_store_kernel", "generator_kernel", "extra_base_kernel", "nested_extra_base_kernel"]
+                       "dict_store_kernel", "dict_comp_key_kernel", "generator_kernel", "extra_base_kernel",
+                       "nested_extra_base_kernel"]
 
 
 @pytest.mark.parametrize("kernel", PARSER_ONLY_KERNELS)

@@ -212,3 +212,9 @@ def nested_extra_base_kernel(a):
 @nki.jit
 def list_default_kernel(img, stride=[1, 1]):  # noqa: B006 - the parser rule under test
     return img
+
+
+@nki.jit
+def dict_comp_key_kernel(a):
+    by_index = {(i, 0): a for i in range(2)}  # <- dict-comp
+    return by_index
