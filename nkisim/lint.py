@@ -21,12 +21,12 @@ Rule ids (see ``RULES``); the first group is ``PARSER_RULES`` (only under ``NKI_
 ``dict-key``          a dict display with a non-string constant key (dict keys must be strings)
 ``generator``         a generator function (``yield`` / ``yield from``)
 ``nested-jit``        a sub-kernel decorated with ``nki.jit`` (0.7 tracing inlines it under the top-level kernel)
+``isa-mask-dtype``    ``mask=`` or ``dtype=`` passed to an ``nki.isa`` op (under 0.7: a TypeError when the call runs)
 
 Always checked:
 
 ``neuronxcc-import``  ``import neuronxcc...`` / ``from neuronxcc...`` (legacy namespace)
 ``arange-mgrid``      ``nl.arange`` / ``nl.mgrid`` (removed; use slices, ``nl.ds`` or ``.ap()``)
-``isa-mask-dtype``    ``mask=`` or ``dtype=`` passed to an ``nki.isa`` op (removed from every ISA op)
 ``output-buffer``     a returned tensor not allocated in ``nl.shared_hbm``
 
 The checker never executes kernel code.  Names are resolved by object identity against the ``nki``, ``nki.language``
@@ -84,8 +84,11 @@ RULES: dict[str, str] = {
 # `nested-jit` is among them: under 0.7 tracing a nested @nki.jit sub-kernel is inlined under the top-level kernel's
 # config (AWS, nki.compiler.SpecializationConfig.allow_nested_config_override), and the nki-library relies on it
 # (core/moe/moe_tkg calls its @nki.jit `_all_expert_moe_tkg_mx`).
+# `isa-mask-dtype` too: 0.7 traces, so a removed keyword fails only when its call runs (TypeError from the op's
+# signature, as the real nki.isa stubs have no mask=/dtype=); the nki-library keeps such calls on branches its
+# tested configurations never take (core/moe/moe_cte/moe_cte_utils.py: scalar_tensor_tensor(..., dtype=)).
 PARSER_RULES: frozenset[str] = frozenset({"kwonly-param", "is-compare", "list-arg", "class-base", "dict-key",
-                                          "generator", "nested-jit"})
+                                          "generator", "nested-jit", "isa-mask-dtype"})
 
 
 

@@ -20,3 +20,10 @@ def static_cast(array, dtype):
     if a.dtype.kind in "iub" or d.kind != "float":
         return _dt.cast(a, d, d.np)
     return a.astype(d.np)
+
+
+# The packed MX dtypes under their neuron_dtypes names (reference code maps nl.<x4> to dt.<x4>); here they are the
+# same objects as nl.<x4>, so `static_cast(a, dt.float8_e4m3fn_x4)` packs.
+float8_e4m3fn_x4 = _dt.float8_e4m3fn_x4
+float8_e5m2_x4 = _dt.float8_e5m2_x4
+float4_e2m1fn_x4 = _dt.float4_e2m1fn_x4

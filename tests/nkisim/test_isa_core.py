@@ -555,6 +555,15 @@ def test_scalar_tensor_tensor(reverse0, reverse1):
     np.testing.assert_array_equal(rd(d), r)
 
 
+def test_scalar_tensor_tensor_bf16_tensor_operand0():
+    """operand0 as a bf16 (P, 1) tensor is accepted (no dtype is documented for it; moe_cte passes bf16)."""
+    x, s = rand((4, 8), 1, 0.5, 2), rand((4, 1), 3, 0.5, 2).astype(BF16)
+    d = tile((4, 8))
+    nisa.scalar_tensor_tensor(dst=d, data=sb(x), op0=nl.multiply, operand0=sb(s, nl.bfloat16), op1=nl.add,
+                              operand1=sb(x))
+    np.testing.assert_array_equal(rd(d), x * s.astype(np.float32) + x)
+
+
 # ---- tensor_reduce / reciprocal --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op,fn", [("add", np.sum), ("maximum", np.max), ("minimum", np.min), ("multiply", np.prod)])

@@ -1,0 +1,95 @@
+"""core/moe/moe_cte (blockwise expert matmuls for context encoding): configurations of
+test/integration/nkilib/core/moe/moe_cte/test_moe_cte.py::test_moe_blockwise_mm_kernel_lnc2 (LNC=2, bf16,
+rtol 2e-2 / atol 1e-5) on its smaller shapes, against the library's moe_cte_torch_ref.
+
+Our generator follows the test's recipe: each token routed to top_k distinct experts at random; experts' tokens
+packed into blocks of `block_size` (ceil(count / B) blocks per expert, padding blocks on the last expert, the number
+of blocks from the test's formula); unused slots point at the extra all-zero token T (or -1 with skip_token);
+hidden states and affinities uniform [0, 1) masked by the routing, weights uniform(-0.1, 0.1), biases uniform."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from .harness import Case
+
+SOURCE = "test/integration/nkilib/core/moe/moe_cte/test_moe_cte.py::test_moe_blockwise_mm_kernel_lnc2"
+BF16 = ml_dtypes.bfloat16
+_KERNELS = {"SHARD_ON_BLOCK": "core.moe.moe_cte.bwmm_shard_on_block:bwmm_shard_on_block",
+            "SHARD_ON_INTERMEDIATE": "core.moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate"}
+
+
+def routing(rng, T, K, E, B, n_blocks, skip_token):
+    """(token x expert mask, slot -> token id, block -> expert) for blocks of B slots grouped by expert."""
+    mask = np.zeros((T, E), np.float32)
+    for t in range(T):
+        mask[t, rng.permutation(E)[:K]] = 1
+    per_expert = np.ceil(mask.sum(0) / B).astype(np.int64)
+    per_expert[-1] += n_blocks - per_expert.sum()
+    block_to_expert = np.repeat(np.arange(E), per_expert).astype(np.int32)
+    first_slot = np.concatenate([[0], np.cumsum(per_expert)[:-1]]) * B
+    slot_to_token = np.full(n_blocks * B, -1 if skip_token else T, np.int32)
+    rank = np.cumsum(mask, axis=0) - 1
+    for t, e in zip(*np.nonzero(mask)):
+        slot_to_token[first_slot[e] + int(rank[t, e])] = t
+    return mask, slot_to_token, block_to_expert
+
+
+def _case(func, H, T, E, B, K, inter, skip, bias, act, clamps=(None, None, None, None), target="trn2"):
+    lnc = 2
+    block_parallel = func == "SHARD_ON_BLOCK"
+    per_iter = lnc if block_parallel else 1
+    n_blocks = per_iter * math.ceil((math.ceil((T * K - (E - 1)) / B) + E - 1) / per_iter)
+    skip_token, skip_weight = skip in (1, 3), skip in (2, 3)
+
+    def inputs():
+        from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_utils import SkipMode
+        from nkilib_src.nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode
+        rng = np.random.default_rng(0)
+        mask, slot_to_token, block_to_expert = routing(rng, T, K, E, B, n_blocks, skip_token)
+        rows = T if skip_token else T + 1
+        hidden = rng.random((rows, H)).astype(np.float32)
+        aff = rng.random((rows, E)).astype(np.float32)
+        aff[:T] *= mask
+        if not skip_token:
+            hidden[T] = 0
+            aff[T] = 0
+        i_pad = math.ceil(inter / 16) * 16
+        kw = {"hidden_states": hidden.astype(BF16), "expert_affinities_masked": aff.astype(BF16).reshape(-1, 1),
+              "gate_up_proj_weight": rng.uniform(-0.1, 0.1, (E, H, 2, inter)).astype(BF16),
+              "down_proj_weight": rng.uniform(-0.1, 0.1, (E, i_pad, H)).astype(BF16),
+              "token_position_to_id": slot_to_token, "block_to_expert": block_to_expert, "block_size": B,
+              "skip_dma": SkipMode(skip_token, skip_weight), "compute_dtype": _bf16(),
+              "is_tensor_update_accumulating": K != 1,
+              "expert_affinities_scaling_mode": ExpertAffinityScaleMode.POST_SCALE,
+              "activation_function": getattr(ActFnType, act)}
+        if bias:
+            kw["gate_and_up_proj_bias"] = rng.uniform(-1, 1, (E, 2, inter)).astype(BF16)
+            kw["down_proj_bias"] = rng.uniform(-1.632, 1.4375, (E, H)).astype(BF16)
+        for name, value in zip(("gate_clamp_upper_limit", "gate_clamp_lower_limit", "up_clamp_upper_limit",
+                                "up_clamp_lower_limit"), clamps):
+            if value is not None:
+                kw[name] = value
+        if not block_parallel:
+            kw.update(checkpoint_activation=False, expert_affinity_multiply_on_I=False)
+        return kw
+
+    def ref_inputs(kw):
+        from test.integration.nkilib.core.moe.moe_cte.test_moe_cte_common import BWMMFunc
+        return {**kw, "bwmm_func": getattr(BWMMFunc, func), "lnc_degree": lnc, "top_k": K}
+
+    return Case(_KERNELS[func], "core.moe.moe_cte.moe_cte_torch:moe_cte_torch_ref",
+                f"{func.lower()}_H{H}_T{T}_E{E}_B{B}_k{K}_I{inter}_skip{skip}{'_bias' if bias else ''}_{act}",
+                inputs, atol=1e-5, rtol=2e-2, source=SOURCE, target=target, lnc=lnc, ref_inputs=ref_inputs)
+
+
+def _bf16():
+    import nki.language as nl
+    return nl.bfloat16
+
+
+CASES = [
+    _case("SHARD_ON_BLOCK", 3072, 1024, 8, 512, 4, 192, 1, True, "Swish", (7, None, 8, -9)),
+    _case("SHARD_ON_BLOCK", 3072, 1024, 8, 256, 4, 192, 3, True, "Swish", (7, None, 8, -9), target="trn3"),
+]
