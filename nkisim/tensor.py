@@ -116,7 +116,7 @@ def _dynamic(x):
 
 class NkiTensor:
     __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "gather", "_npv", "_access", "_regs", "_free",
-                 "_chip")
+                 "_chip", "_psv")
 
     def __init__(self, alloc, shape, strides, offset, dtype=None, indirect=None, regs=None):
         self.alloc = alloc
@@ -134,6 +134,7 @@ class NkiTensor:
         # the on-chip partition-range problem ("" when none; nkisim.isa._common.on_chip).
         self._free = None
         self._chip = None
+        self._psv = None     # cached PSUM written-state view (nkisim.isa._common.psum_state_view)
 
     # ---- attributes of the real NkiTensor -------------------------------------------------------------------
     @property
@@ -580,7 +581,7 @@ def np_view(t: NkiTensor) -> np.ndarray:
     isz = flat.itemsize
     try:
         v = t._npv = np.ndarray(t.shape, dtype=flat.dtype, buffer=flat, offset=t.offset * isz,
-                          strides=tuple(s * isz for s in t.strides))
+                          strides=tuple([s * isz for s in t.strides]))
         return v
     except (ValueError, TypeError) as e:
         raise NkiValidationError(f"view of '{t.name}' shape {t.shape} strides {t.strides} offset {t.offset} falls "

@@ -228,11 +228,15 @@ def ufunc_into(op, dst, fn, *args):
 
 
 def psum_state_view(dst):
+    v = dst._psv
+    if v is not None:
+        return v
     a = dst.alloc
     if a.psum_state is None or dst.dtype is not a.dtype or dst.gather is not None:
         return None
-    return np.ndarray(dst.shape, dtype=np.int8, buffer=a.psum_state, offset=dst.offset,
-                      strides=dst.strides)
+    v = dst._psv = np.ndarray(dst.shape, dtype=np.int8, buffer=a.psum_state, offset=dst.offset,
+                              strides=dst.strides)
+    return v
 
 
 def mark_psum(dst, state):
