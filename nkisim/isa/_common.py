@@ -129,9 +129,9 @@ def check_engine(op, eng, allowed):
     if eng is _UNKNOWN:
         return
     if not isinstance(eng, engine):
-        fail(op, f"engine={eng!r} must be an nki.isa.engine value (raw ints are rejected)")
+        fail(op, f"engine={eng!r} must be an nki.isa.engine value (raw ints are rejected) (C15)")
     if eng not in allowed:
-        fail(op, f"engine={eng.name} is not supported; allowed: {', '.join(e.name for e in allowed)}")
+        fail(op, f"engine={eng.name} is not supported; allowed: {', '.join(e.name for e in allowed)} (C29)")
 
 
 def check_gpsimd_access(op, eng, **tensors):
@@ -143,7 +143,7 @@ def check_gpsimd_access(op, eng, **tensors):
 
 def check_reduce_cmd(op, cmd):
     if not isinstance(cmd, reduce_cmd):
-        fail(op, f"reduce_cmd={cmd!r} must be an nki.isa.reduce_cmd value")
+        fail(op, f"reduce_cmd={cmd!r} must be an nki.isa.reduce_cmd value (C15)")
 
 
 def nc_version():

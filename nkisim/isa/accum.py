@@ -23,7 +23,7 @@ def _regs(kind):
 def accumulate(kind, op, cmd, fn, identity, partial, p, reduce_res, init=None, negate=False):
     """Apply reduce_cmd to the accumulators with this instruction's per-partition partial result."""
     if not isinstance(cmd, RC):
-        fail(op, f"reduce_cmd={cmd!r} must be an nki.isa.reduce_cmd value")
+        fail(op, f"reduce_cmd={cmd!r} must be an nki.isa.reduce_cmd value (C15)")
     regs = _regs(kind)
     start = np.float32(identity if init is None else init)
     if cmd is RC.reset:
@@ -35,7 +35,7 @@ def accumulate(kind, op, cmd, fn, identity, partial, p, reduce_res, init=None, n
     if reduce_res is not None:
         on_chip(op, "reduce_res", reduce_res)
         if reduce_res.shape[0] != p or reduce_res.size != p:
-            fail(op, f"reduce_res must be ({p}, 1), got {reduce_res.shape}")
+            fail(op, f"reduce_res must be ({p}, 1), got {reduce_res.shape} (C30)")
         store(op, reduce_res, (-regs[:p] if negate else regs[:p]).reshape(p, 1))
 
 

@@ -52,7 +52,7 @@ def _arith(opn, which, op):
     """(name, fn) of an arithmetic (non bit-vector) ALU op."""
     oname, fn, kind = alu_ops.alu(op, which, opn)
     if kind == "bitvec":
-        fail(opn, f"{which}=nl.{oname} is a bit-vector op; only arithmetic ops are supported")
+        fail(opn, f"{which}=nl.{oname} is a bit-vector op; only arithmetic ops are supported (C29)")
     if oname in alu_ops.TRN3_ONLY_ALU:
         require_version(opn, 4, f"{which}=nl.{oname}")
     return oname, fn
@@ -65,15 +65,15 @@ def _reduce_name(opn, which, op, allowed):
         name = _NL_REDUCTIONS.get(getattr(op, "__name__", ""))
     if name not in allowed:
         shown = f"nl.{name}" if name else repr(op)
-        fail(opn, f"{which}={shown} is not supported; allowed: {', '.join('nl.' + a for a in allowed)}")
+        fail(opn, f"{which}={shown} is not supported; allowed: {', '.join('nl.' + a for a in allowed)} (C29)")
     return name
 
 
 def _check_cmd(opn, cmd, allowed):
     if not isinstance(cmd, RC):
-        fail(opn, f"reduce_cmd={cmd!r} must be an nki.isa.reduce_cmd value")
+        fail(opn, f"reduce_cmd={cmd!r} must be an nki.isa.reduce_cmd value (C15)")
     if cmd not in allowed:
-        fail(opn, f"reduce_cmd={cmd.name} is not supported; allowed: {', '.join(c.name for c in allowed)}")
+        fail(opn, f"reduce_cmd={cmd.name} is not supported; allowed: {', '.join(c.name for c in allowed)} (C28)")
 
 
 def _row_reduce(name, x):
@@ -88,7 +88,7 @@ def _vector_or_scalar(opn, name, x, p, fp32_only=True):
     """A scalar or (P, 1) operand as a [P, 1] fp32 array (or a 0-d float)."""
     v = scalar_operand(opn, name, x, p, fp32_only=fp32_only)
     if v is None:
-        fail(opn, f"{name} is required")
+        fail(opn, f"{name} is required (C11)")
     return v
 
 
@@ -135,18 +135,18 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     same_layout(opn, "dst", dst, data=data)
     _check_cmd(opn, reduce_cmd, (RC.reset_reduce, RC.reduce, RC.load_reduce))
     if getattr(op0, "_nki_op", None) in alu_ops.ALU_BITVEC:
-        fail(opn, f"op0=nl.{op0._nki_op} is a bit-vector op; only arithmetic ops are supported")
+        fail(opn, f"op0=nl.{op0._nki_op} is a bit-vector op; only arithmetic ops are supported (C29)")
     if reverse0:
-        fail(opn, "reverse0=True is not supported yet (NKI 0.6)")
+        fail(opn, "reverse0=True is not supported yet (NKI 0.6) (C29)")
     rname = _reduce_name(opn, "reduce_op", reduce_op, ("add", "multiply", "maximum", "minimum"))
     p = dst.shape[0]
     init = None
     if reduce_cmd is RC.load_reduce:
         if reduce_init is None:
-            fail(opn, "reduce_cmd=load_reduce needs reduce_init")
+            fail(opn, "reduce_cmd=load_reduce needs reduce_init (C28)")
         init = np.asarray(_vector_or_scalar(opn, "reduce_init", reduce_init, p), np.float32).reshape(-1)
     elif reduce_init is not None:
-        fail(opn, f"reduce_init may only be set with reduce_cmd=load_reduce (got {reduce_cmd.name})")
+        fail(opn, f"reduce_init may only be set with reduce_cmd=load_reduce (got {reduce_cmd.name}) (C28)")
     res, n0, _ = _apply_scalar_op(opn, "op0", op0, operand0, False, as_pf(fp32(data), p), p)
     res = np.asarray(res, np.float32)
     store(opn, dst, res)
@@ -183,7 +183,7 @@ def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=RC.
     regs = _regs("vector")
     if reduce_cmd is RC.load_reduce:
         if imm1 is None:
-            fail(opn, "reduce_cmd=load_reduce needs imm1 (the initial accumulator value)")
+            fail(opn, "reduce_cmd=load_reduce needs imm1 (the initial accumulator value) (C28)")
         reg = np.broadcast_to(np.asarray(_vector_or_scalar(opn, "imm1", imm1, p), np.float32).reshape(-1), (p,))
     elif reduce_cmd is RC.reset_reduce:
         reg = np.full(p, alu_ops.reduce_identity(n1), np.float32)
@@ -228,13 +228,13 @@ def activate2(dst, op, data, imm0, imm1, op0, op1, relu_param=0.0, reverse0=Fals
     n1 = "bypass" if op1 is None else alu_ops.op_name(op1, f"{opn}: op1")
     if (n0, n1) not in _ACT2_PAIRS:
         fail(opn, f"(op0, op1)=(nl.{n0}, nl.{n1}) is not supported; allowed pairs: "
-                  + ", ".join(f"({a}, {b})" for a, b in sorted(_ACT2_PAIRS)))
+                  + ", ".join(f"({a}, {b})" for a, b in sorted(_ACT2_PAIRS)) + " (C29)")
     if reverse0 and n0 == "bypass":
-        fail(opn, "reverse0 requires op0 to be set (not nl.bypass)")
+        fail(opn, "reverse0 requires op0 to be set (not nl.bypass) (C29)")
     if reverse1 and n1 == "bypass":
-        fail(opn, "reverse1 requires op1 to be set (not nl.bypass)")
+        fail(opn, "reverse1 requires op1 to be set (not nl.bypass) (C29)")
     if isinstance(imm0, NkiTensor) and isinstance(imm1, NkiTensor) and imm0.dtype is not imm1.dtype:
-        fail(opn, f"imm0 ({imm0.dtype.name}) and imm1 ({imm1.dtype.name}) tensors must have the same dtype")
+        fail(opn, f"imm0 ({imm0.dtype.name}) and imm1 ({imm1.dtype.name}) tensors must have the same dtype (C26)")
     aname = alu_ops.op_name(op, f"{opn}: op")
     if aname != "prelu":
         aname, afn = alu_ops.activation(op, opn)
@@ -255,7 +255,7 @@ def activate2(dst, op, data, imm0, imm1, op0, op1, relu_param=0.0, reverse0=Fals
     if reduce_op is not None:
         rname = _reduce_name(opn, "reduce_op", reduce_op, ("add", "maximum", "minimum", "abs_max", "abs_min"))
     elif reduce_cmd in (RC.reduce, RC.reset_reduce, RC.load_reduce):
-        fail(opn, f"reduce_cmd={reduce_cmd.name} needs reduce_op")
+        fail(opn, f"reduce_cmd={reduce_cmd.name} needs reduce_op (C28)")
     else:
         rname = "add"
     if reduce_op is not None or reduce_res is not None or reduce_cmd is RC.reset:
@@ -276,24 +276,24 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
     on_chip(opn, "on_true_tile", on_true_tile)
     same_layout(opn, "dst", dst, on_true_tile=on_true_tile)
     if not on_true_tile.dtype.is_float:
-        fail(opn, f"on_true_tile must have a floating-point dtype, got {on_true_tile.dtype.name}")
+        fail(opn, f"on_true_tile must have a floating-point dtype, got {on_true_tile.dtype.name} (C26)")
     c0 = alu_ops.op_name(comp_op0, f"{opn}: comp_op0")
     c1 = alu_ops.op_name(comp_op1, f"{opn}: comp_op1")
     for which, c in (("comp_op0", c0), ("comp_op1", c1)):
         if c not in _CMPS:
-            fail(opn, f"{which}=nl.{c} must be one of {', '.join('nl.' + x for x in _CMPS)}")
+            fail(opn, f"{which}=nl.{c} must be one of {', '.join('nl.' + x for x in _CMPS)} (C29)")
     _check_cmd(opn, reduce_cmd, (RC.idle, RC.reset, RC.reduce, RC.reset_reduce))
     _reduce_name(opn, "reduce_op", reduce_op, ("maximum",))
     # The value is an fp32 immediate: the literal -3.4028235e38 (the nki-library's _FLOAT32_MIN) is FP32_MIN once
     # rounded to fp32, although the Python doubles differ.
     if isinstance(on_false_value, NkiTensor) or np.float32(on_false_value) != np.float32(FP32_MIN):
-        fail(opn, f"on_false_value={on_false_value!r} must be FP32_MIN (-3.4028235e38), a hardware constraint")
+        fail(opn, f"on_false_value={on_false_value!r} must be FP32_MIN (-3.4028235e38), a hardware constraint (C11)")
     if not isinstance(range_start, (int, np.integer)) or isinstance(range_start, bool):
-        fail(opn, f"range_start={range_start!r} must be a compile-time integer")
+        fail(opn, f"range_start={range_start!r} must be a compile-time integer (C11)")
     p, f = dst.shape[0], free_size(dst)
     if abs(int(range_start)) + f > 2 ** 24:
         fail(opn, f"range_start + free index reaches {abs(int(range_start)) + f}; must stay within 2^24 (compared "
-                  "in fp32)")
+                  "in fp32) (C11)")
     b0 = _vector_or_scalar(opn, "bound0", bound0, p)
     b1 = _vector_or_scalar(opn, "bound1", bound1, p)
     idx = (np.float32(range_start) + np.arange(f, dtype=np.float32)).reshape(1, f)
@@ -307,10 +307,10 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
 def _vector_reduce_max(opn, cmd, out, p, reduce_res):
     if reduce_res is not None:
         if not reduce_res.dtype.is_float:
-            fail(opn, f"reduce_res must have a floating-point dtype, got {reduce_res.dtype.name}")
+            fail(opn, f"reduce_res must have a floating-point dtype, got {reduce_res.dtype.name} (C26)")
         if cmd in (RC.idle, RC.reset):
             fail(opn, f"reduce_res with reduce_cmd={cmd.name}: the VectorE accumulators are not updated (state "
-                      "unknown); use reset_reduce/reduce")
+                      "unknown); use reset_reduce/reduce (C28)")
     vector_accumulate(opn, cmd, np.maximum, -np.inf, out.max(axis=1, initial=-np.inf), p, reduce_res)
 
 
@@ -327,9 +327,9 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
     same_layout(opn, "dst", dst, predicate=predicate, on_true=on_true)
     not_both_psum(opn, "on_true", on_true, "predicate", predicate)
     if predicate.dtype.name not in _PRED_DTYPES:
-        fail(opn, f"predicate dtype must be one of {', '.join(_PRED_DTYPES)}, got {predicate.dtype.name}")
+        fail(opn, f"predicate dtype must be one of {', '.join(_PRED_DTYPES)}, got {predicate.dtype.name} (C26)")
     if on_true.dtype.name in ("tfloat32", "int32", "uint32"):
-        fail(opn, f"on_true dtype {on_true.dtype.name} is not supported (tfloat32/int32/uint32)")
+        fail(opn, f"on_true dtype {on_true.dtype.name} is not supported (tfloat32/int32/uint32) (C26)")
     _check_cmd(opn, reduce_cmd, (RC.idle, RC.reset, RC.reduce, RC.reset_reduce))
     _reduce_name(opn, "reduce_op", reduce_op, ("maximum",))
     p = dst.shape[0]
@@ -351,22 +351,22 @@ def _max8_range(opn, name, t):
     if not MAX8_MIN <= f <= MAX8_MAX:
         fail(opn, f"{name} has {f} elements per partition; must be between {MAX8_MIN} and {MAX8_MAX} (C12)")
     if t.ndim > 4:
-        fail(opn, f"{name} has {t.ndim} dims; at most 3-D plus the partition dim")
+        fail(opn, f"{name} has {t.ndim} dims; at most 3-D plus the partition dim (C30)")
 
 
 def _vals8(opn, vals, p):
     on_chip(opn, "vals", vals)
     if vals.shape[0] != p or free_size(vals) != 8:
-        fail(opn, f"vals must hold exactly 8 elements per partition in {p} partitions, got shape {vals.shape}")
+        fail(opn, f"vals must hold exactly 8 elements per partition in {p} partitions, got shape {vals.shape} (C30)")
     return as_pf(fp32(vals), p)
 
 
 def _index_dst(opn, name, t, p):
     on_chip(opn, name, t)
     if t.shape[0] != p or free_size(t) != 8:
-        fail(opn, f"{name} must be ({p}, 8), got {t.shape}")
+        fail(opn, f"{name} must be ({p}, 8), got {t.shape} (C30)")
     if t.dtype.name not in ("uint16", "uint32"):
-        fail(opn, f"{name} dtype must be uint16 or uint32, got {t.dtype.name}")
+        fail(opn, f"{name} dtype must be uint16 or uint32, got {t.dtype.name} (C26)")
 
 
 def max8(dst, src, name=None):
@@ -377,7 +377,7 @@ def max8(dst, src, name=None):
     _max8_range(opn, "src", src)
     p = src.shape[0]
     if dst.ndim != 2 or dst.shape != (p, 8):
-        fail(opn, f"dst must be a 2-D ({p}, 8) tile, got {dst.shape}")
+        fail(opn, f"dst must be a 2-D ({p}, 8) tile, got {dst.shape} (C30)")
     x = as_pf(fp32(src), p)
     top = -np.sort(-x, axis=1, kind="stable")[:, :8]
     store(opn, dst, top)
@@ -417,7 +417,7 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None):
     same_layout(opn, "dst", dst, data=data)
     p = data.shape[0]
     if isinstance(imm, NkiTensor) or not isinstance(imm, (int, float, np.integer, np.floating)):
-        fail(opn, f"imm must be a compile-time float scalar, got {type(imm).__name__}")
+        fail(opn, f"imm must be a compile-time float scalar, got {type(imm).__name__} (C11)")
     if dst_idx is not None:
         _index_dst(opn, "dst_idx", dst_idx, p)
     v = _vals8(opn, vals, p)
@@ -441,24 +441,24 @@ def topk(val_dst, idx_dst, src, n, name=None):
         on_chip(opn, nm, t, (sbuf,))
     p = src.shape[0]
     if p % 16:
-        fail(opn, f"partition dim {p} must be a multiple of 16")
+        fail(opn, f"partition dim {p} must be a multiple of 16 (C30)")
     if src.dtype is not dt.bfloat16 or val_dst.dtype is not dt.bfloat16:
-        fail(opn, f"src and val_dst must be bfloat16, got {src.dtype.name} / {val_dst.dtype.name}")
+        fail(opn, f"src and val_dst must be bfloat16, got {src.dtype.name} / {val_dst.dtype.name} (C26)")
     if idx_dst.dtype is not dt.uint32:
-        fail(opn, f"idx_dst must be uint32, got {idx_dst.dtype.name}")
+        fail(opn, f"idx_dst must be uint32, got {idx_dst.dtype.name} (C26)")
     for nm, t in (("val_dst", val_dst), ("idx_dst", idx_dst)):
         if t.ndim != 2 or t.shape[0] != p:
-            fail(opn, f"{nm} must be 2-D [{p}, k], got {t.shape}")
+            fail(opn, f"{nm} must be 2-D [{p}, k], got {t.shape} (C30)")
     k = val_dst.shape[1]
     if idx_dst.shape[1] != k:
-        fail(opn, f"idx_dst free size {idx_dst.shape[1]} must equal val_dst's ({k})")
+        fail(opn, f"idx_dst free size {idx_dst.shape[1]} must equal val_dst's ({k}) (C30)")
     if not isinstance(n, (int, np.integer)) or not 8 <= n < 65536:
-        fail(opn, f"n={n!r} must be an integer with 8 <= n < 65536")
+        fail(opn, f"n={n!r} must be an integer with 8 <= n < 65536 (C30)")
     if not 1 <= k < 32768 or k > n:
-        fail(opn, f"k={k} (val_dst free size) must satisfy 1 <= k < 32768 and k <= n={n}")
+        fail(opn, f"k={k} (val_dst free size) must satisfy 1 <= k < 32768 and k <= n={n} (C30)")
     need = -(-int(n) // 16)
     if free_size(src) < need:
-        fail(opn, f"src has {free_size(src)} elements per partition; n={n} needs at least ceil(n/16)={need}")
+        fail(opn, f"src has {free_size(src)} elements per partition; n={n} needs at least ceil(n/16)={need} (C30)")
     x = as_pf(fp32(src), p)
     vals = np.array(np_view(val_dst))
     idxs = np.array(np_view(idx_dst))
@@ -482,17 +482,18 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1, name=None):
     on_chip(opn, "dst", dst, (sbuf,))
     on_chip(opn, "src", src, (sbuf,))
     if src.dtype.name not in ("float32", "int32"):
-        fail(opn, f"src dtype must be float32 or int32, got {src.dtype.name}")
+        fail(opn, f"src dtype must be float32 or int32, got {src.dtype.name} (C26)")
     if dst.dtype is not dt.int32:
-        fail(opn, f"dst dtype must be int32, got {dst.dtype.name}")
+        fail(opn, f"dst dtype must be int32, got {dst.dtype.name} (C26)")
     p, f = src.shape[0], free_size(src)
     if dst.shape[0] != p:
         fail(opn, f"dst has {dst.shape[0]} partitions but src has {p} (C2)")
     if free_size(dst) != f + 1:
-        fail(opn, f"dst must have exactly one more element per partition than src ({f + 1}), got {free_size(dst)}")
+        fail(opn, f"dst must have exactly one more element per partition than src ({f + 1}), got "
+                  f"{free_size(dst)} (C30)")
     for nm, v in (("index_offset", index_offset), ("padding_val", padding_val)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not -2 ** 31 <= v < 2 ** 31:
-            fail(opn, f"{nm}={v!r} must be an int32 compile-time integer")
+            fail(opn, f"{nm}={v!r} must be an int32 compile-time integer (C11)")
     x = as_pf(np.asarray(read(src)), p)
     out = as_pf(np.array(np_view(dst)), p).astype(np.int64)
     for r in range(0, p, 16):
@@ -512,15 +513,15 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
     on_chip(opn, "dst", dst)
     on_chip(opn, "src", src)
     if dst.dtype is not src.dtype:
-        fail(opn, f"dst dtype {dst.dtype.name} must equal src dtype {src.dtype.name}")
+        fail(opn, f"dst dtype {dst.dtype.name} must equal src dtype {src.dtype.name} (C26)")
     if free_size(dst) != free_size(src):
         fail(opn, f"dst has {free_size(dst)} elements per partition but src has {free_size(src)} (C2)")
     mask = list(shuffle_mask) if isinstance(shuffle_mask, (list, tuple, np.ndarray)) else None
     if mask is None or len(mask) != 32:
-        fail(opn, f"shuffle_mask must be a list of 32 ints, got {shuffle_mask!r}")
+        fail(opn, f"shuffle_mask must be a list of 32 ints, got {shuffle_mask!r} (C30)")
     for i, m in enumerate(mask):
         if not isinstance(m, (int, np.integer)) or not (0 <= m < 32 or m == 255):
-            fail(opn, f"shuffle_mask[{i}]={m!r} must be a source partition 0..31 within the quadrant or 255")
+            fail(opn, f"shuffle_mask[{i}]={m!r} must be a source partition 0..31 within the quadrant or 255 (C30)")
     ps, pd = src.shape[0], dst.shape[0]
     # C13 for the pair: the start partitions follow the number of active partitions of the shuffle
     active = -(-max(ps, pd) // 32) * 32
@@ -537,7 +538,7 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
             continue
         s = 32 * q + int(mask[i])
         if s >= ps:
-            fail(opn, f"shuffle_mask[{i}]={mask[i]} selects src partition {s} but src has {ps} partitions")
+            fail(opn, f"shuffle_mask[{i}]={mask[i]} selects src partition {s} but src has {ps} partitions (C30)")
         out[d] = vals[s]
     store(opn, dst, out.reshape(dst.shape))
     _emit(opn, "vector", (src,), (dst,), dst)
@@ -549,9 +550,9 @@ def nc_n_gather(dst, data, indices, name=None):
     for nm, t in (("dst", dst), ("data", data), ("indices", indices)):
         on_chip(opn, nm, t, (sbuf,))
     if dst.dtype is not data.dtype:
-        fail(opn, f"dst dtype {dst.dtype.name} must equal data dtype {data.dtype.name}")
+        fail(opn, f"dst dtype {dst.dtype.name} must equal data dtype {data.dtype.name} (C26)")
     if indices.dtype is not dt.uint32:
-        fail(opn, f"indices dtype must be uint32, got {indices.dtype.name}")
+        fail(opn, f"indices dtype must be uint32, got {indices.dtype.name} (C26)")
     p = data.shape[0]
     same_layout(opn, "indices", indices, dst=dst)
     if indices.shape[0] != p:
@@ -573,27 +574,27 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
     for nm, t in (("dst", dst), ("src_buffer", src_buffer), ("index", index)):
         on_chip(opn, nm, t, (sbuf,))
     if dst.dtype is not src_buffer.dtype:
-        fail(opn, f"dst dtype {dst.dtype.name} must equal src_buffer dtype {src_buffer.dtype.name} (no casting)")
+        fail(opn, f"dst dtype {dst.dtype.name} must equal src_buffer dtype {src_buffer.dtype.name} (no casting) (C26)")
     if index.dtype is not dt.uint16:
-        fail(opn, f"index dtype must be uint16, got {index.dtype.name}")
+        fail(opn, f"index dtype must be uint16, got {index.dtype.name} (C26)")
     p = src_buffer.shape[0]
     if index.shape[0] != p or p % 16:
         fail(opn, f"src_buffer and index must have the same partition count, a multiple of 16 (got {p} and "
-                  f"{index.shape[0]})")
+                  f"{index.shape[0]}) (C30)")
     if dst.shape[0] != p:
         fail(opn, f"dst has {dst.shape[0]} partitions but src_buffer has {p} (C2)")
     if num_elem_per_idx not in LOCAL_GATHER_ELEMS:
-        fail(opn, f"num_elem_per_idx={num_elem_per_idx!r} must be one of {list(LOCAL_GATHER_ELEMS)}")
+        fail(opn, f"num_elem_per_idx={num_elem_per_idx!r} must be one of {list(LOCAL_GATHER_ELEMS)} (C30)")
     per_core = 16 * free_size(index)
     nvalid = per_core if num_valid_indices is None else num_valid_indices
     if not isinstance(nvalid, (int, np.integer)) or not 1 <= nvalid <= per_core:
-        fail(opn, f"num_valid_indices={num_valid_indices!r} must be in [1, {per_core}] (index elements per core)")
+        fail(opn, f"num_valid_indices={num_valid_indices!r} must be in [1, {per_core}] (index elements per core) (C30)")
     if nvalid > LOCAL_GATHER_MAX_INDICES:
-        fail(opn, f"{nvalid} indices per core exceed the maximum of {LOCAL_GATHER_MAX_INDICES}")
+        fail(opn, f"{nvalid} indices per core exceed the maximum of {LOCAL_GATHER_MAX_INDICES} (C30)")
     ne = int(num_elem_per_idx)
     if free_size(dst) != nvalid * ne:
         fail(opn, f"dst must hold num_valid_indices * num_elem_per_idx = {nvalid * ne} elements per partition, "
-                  f"got {free_size(dst)}")
+                  f"got {free_size(dst)} (C30)")
     f = free_size(src_buffer)
     src = as_pf(np.asarray(read(src_buffer)), p)
     ind = as_pf(np.asarray(read(index)).astype(np.int64), p)
@@ -603,7 +604,7 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
         idx = ind[16 * g:16 * g + 16].T.reshape(-1)[:nvalid]          # partition dimension first
         if idx.size and (idx.min() < 0 or idx.max() + ne > f):
             fail(opn, f"core {g}: index {int(idx.max())} + {ne} elements is outside the {f} elements per "
-                      "partition of src_buffer (out-of-bounds gathers are undefined)")
+                      "partition of src_buffer (out-of-bounds gathers are undefined) (C30)")
         cols = (idx[:, None] + span[None, :]).reshape(-1)
         out[16 * g:16 * g + 16] = src[16 * g:16 * g + 16][:, cols]
     store(opn, dst, out.reshape(dst.shape))
@@ -622,11 +623,12 @@ def tensor_partition_reduce(dst, op, data, name=None):
     oname = _reduce_name(opn, "op", op, _PART_REDUCE)
     p, f = data.shape[0], free_size(data)
     if dst.shape[0] != 1 or free_size(dst) != f:
-        fail(opn, f"dst must have 1 partition and {f} elements per partition (data {data.shape}), got {dst.shape}")
+        fail(opn, f"dst must have 1 partition and {f} elements per partition (data {data.shape}), got "
+                  f"{dst.shape} (C30)")
     if oname.startswith("bitwise"):
         for nm, t in (("data", data), ("dst", dst)):
             if not t.dtype.is_int:
-                fail(opn, f"bit-vector op nl.{oname} needs integer dtypes; {nm} is {t.dtype.name}")
+                fail(opn, f"bit-vector op nl.{oname} needs integer dtypes; {nm} is {t.dtype.name} (C26)")
         x = as_pf(np.asarray(read(data)).astype(np.int64), p)
         res = getattr(np, oname).reduce(x, axis=0)
     else:
@@ -647,15 +649,15 @@ def sequence_bounds(dst, segment_ids, name=None):
     on_chip(opn, "segment_ids", segment_ids, (sbuf,))
     for nm, t in (("segment_ids", segment_ids), ("dst", dst)):
         if t.dtype.name not in ("float32", "int32"):
-            fail(opn, f"{nm} dtype must be float32 or int32, got {t.dtype.name}")
+            fail(opn, f"{nm} dtype must be float32 or int32, got {t.dtype.name} (C26)")
     if segment_ids.shape[0] != 1 or dst.shape[0] != 1:
-        fail(opn, f"the partition dimension must be 1 (segment_ids {segment_ids.shape}, dst {dst.shape})")
+        fail(opn, f"the partition dimension must be 1 (segment_ids {segment_ids.shape}, dst {dst.shape}) (C30)")
     n = free_size(segment_ids)
     if free_size(dst) != 2 * n:
-        fail(opn, f"dst must be (1, 2, {n}) for {n} segment ids, got {dst.shape}")
+        fail(opn, f"dst must be (1, 2, {n}) for {n} segment ids, got {dst.shape} (C30)")
     s = fp32(segment_ids).reshape(-1)
     if n and (s < 0).any():
-        fail(opn, "segment ids must be non-negative")
+        fail(opn, "segment ids must be non-negative (C30)")
     pos = np.arange(n)
     new_run = np.ones(n, bool)
     new_run[1:] = s[1:] != s[:-1]

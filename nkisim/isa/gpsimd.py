@@ -21,7 +21,7 @@ def _affine(op, dst, pattern, offset, channel_multiplier):
     count = math.prod([n for _, n in pattern]) if pattern else 1
     p, f = dst.shape[0], free_size(dst)
     if count != f:
-        fail(op, f"pattern counts multiply to {count} but dst has {f} elements per partition")
+        fail(op, f"pattern counts multiply to {count} but dst has {f} elements per partition (C14)")
     val = np.zeros([n for _, n in pattern] or [1], dtype=np.int64)
     for k, (s, n) in enumerate(pattern):
         shp = [1] * len(pattern)
@@ -52,7 +52,7 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
         fail(op, f"on_false_value must be an fp32 scalar, got {type(on_false_value).__name__} (C11)")
     cname = "equal" if cmp_op is None else alu_ops.op_name(cmp_op, f"{op}: cmp_op")
     if cname not in ("equal", "not_equal", "greater", "greater_equal", "less", "less_equal"):
-        fail(op, f"cmp_op=nl.{cname} must be a comparison")
+        fail(op, f"cmp_op=nl.{cname} must be a comparison (C29)")
     p = dst.shape[0]
     v = _affine(op, dst, pattern, offset, channel_multiplier).astype(np.float64)
     pred = alu_ops.ALU_ARITH[cname][0](v, 0.0) != 0

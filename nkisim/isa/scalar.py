@@ -40,7 +40,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     if reduce_op is not None and alu_ops.op_name(reduce_op, f"{opn}: reduce_op") != "add":
         fail(opn, "reduce_op must be nl.add (C29)")
     if reduce_res is not None and reduce_op is None and reduce_cmd is not RC.idle:
-        fail(opn, "reduce_res with a reduce_cmd needs reduce_op=nl.add")
+        fail(opn, "reduce_res with a reduce_cmd needs reduce_op=nl.add (C28)")
     s = scalar_operand(opn, "scale", scale, p)
     b = _bias(opn, bias, p)
     x = as_pf(fp32(data), p) * s + b

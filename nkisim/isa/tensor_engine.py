@@ -43,16 +43,16 @@ def _check_tiling(op, tile_position, tile_size, v, double_row):
     if not tile_position and not tile_size:
         return 128, 128
     if not tile_position or not tile_size:
-        fail(op, "tile_position and tile_size must both be set to enable tiling mode")
+        fail(op, "tile_position and tile_size must both be set to enable tiling mode (C3)")
     (r0, c0), (rs, cs) = tile_position, tile_size
     sizes = _TILE_SIZES if v >= 3 else (64, 128)
     if rs not in sizes or cs not in sizes:
-        fail(op, f"tile_size={tuple(tile_size)}: row/column tile sizes must be one of {sizes} on NeuronCore-v{v}")
+        fail(op, f"tile_size={tuple(tile_size)}: row/column tile sizes must be one of {sizes} on NeuronCore-v{v} (C3)")
     if r0 % rs or c0 % cs or r0 + rs > 128 or c0 + cs > 128:
         fail(op, f"tile_position={tuple(tile_position)} must be multiples of tile_size={tuple(tile_size)} inside "
-                 "the 128x128 array")
+                 "the 128x128 array (C3)")
     if double_row and cs != 128:
-        fail(op, "perf_mode=double_row cannot be combined with column tiling")
+        fail(op, "perf_mode=double_row cannot be combined with column tiling (C4)")
     return rs, cs
 
 
@@ -65,14 +65,14 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     on_chip(op, "moving", moving, (sbuf,))
     on_chip(op, "dst", dst, (psum,))
     if not isinstance(perf_mode, matmul_perf_mode):
-        fail(op, f"perf_mode={perf_mode!r} must be an nki.isa.matmul_perf_mode value")
+        fail(op, f"perf_mode={perf_mode!r} must be an nki.isa.matmul_perf_mode value (C15)")
     if accumulate not in (None, True, False):
-        fail(op, f"accumulate={accumulate!r} must be None, True or False")
+        fail(op, f"accumulate={accumulate!r} must be None, True or False (C16)")
     double_row = perf_mode is matmul_perf_mode.double_row
     if double_row and v < 3:
         fail(op, "perf_mode=double_row requires NeuronCore-v3 or newer (C19)")
     if is_transpose and double_row:
-        fail(op, "is_transpose cannot be combined with perf_mode=double_row")
+        fail(op, "is_transpose cannot be combined with perf_mode=double_row (C4)")
     if not is_transpose:
         _check_dtypes(op, stationary, moving, dst, v, double_row)
     k = stationary.shape[0]
@@ -142,11 +142,11 @@ def _transpose_mode(op, stationary, moving, dst, v):
     if v < 3:
         fail(op, "is_transpose=True (bit-accurate transpose) requires NeuronCore-v3 or newer (C19)")
     if dst.dtype is not stationary.dtype and not (stationary.dtype.itemsize == 1 and dst.dtype.itemsize == 2):
-        fail(op, f"is_transpose: dst dtype {dst.dtype.name} must equal the input dtype {stationary.dtype.name}")
+        fail(op, f"is_transpose: dst dtype {dst.dtype.name} must equal the input dtype {stationary.dtype.name} (C5)")
     ident = dt.to_fp32(read(moving)).reshape(moving.shape[0], -1)
     k, n = ident.shape
     if k != n or not np.array_equal(ident, np.eye(k, dtype=np.float32)):
-        fail(op, "is_transpose=True expects moving to be a square identity matrix")
+        fail(op, "is_transpose=True expects moving to be a square identity matrix (C5)")
     s = np.asarray(read(stationary)).reshape(k, -1)
     return s.T  # bit-accurate: no arithmetic, NaN/Inf preserved
 

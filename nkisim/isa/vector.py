@@ -71,7 +71,7 @@ def tensor_tensor(dst, data1, data2, op, engine=Engine.unknown, name=None):
     if kind == "bitvec":
         for nm, t in (("data1", data1), ("data2", data2), ("dst", dst)):
             if not t.dtype.is_int:
-                fail(opn, f"bit-vector op nl.{oname} needs integer dtypes; {nm} is {t.dtype.name}")
+                fail(opn, f"bit-vector op nl.{oname} needs integer dtypes; {nm} is {t.dtype.name} (C26)")
         res = fn(as_pf(_ints(data1), p), as_pf(_ints(data2), p))
     elif engine is Engine.gpsimd and all_int32 and oname in ("add", "subtract", "multiply", "maximum", "minimum"):
         # GpSimd does exact 32-bit integer SIMD arithmetic (wrapping), not the fp32 path.
@@ -107,14 +107,14 @@ def _apply_scalar_op(opn, which, op, operand, reverse, x, p):
     if oname in alu_ops.TRN3_ONLY_ALU:
         require_version(opn, 4, f"{which}=nl.{oname}")
     if operand is None:
-        fail(opn, f"{which}=nl.{oname} needs an operand")
+        fail(opn, f"{which}=nl.{oname} needs an operand (C29)")
     if kind == "bitvec":
         if isinstance(operand, NkiTensor):
             val = as_pf(_ints(operand), p)
         elif isinstance(operand, (int, np.integer)):
             val = int(operand)
         else:
-            fail(opn, f"bit-vector {which}=nl.{oname} needs an integer operand, got {operand!r}")
+            fail(opn, f"bit-vector {which}=nl.{oname} needs an integer operand, got {operand!r} (C26)")
     else:
         val = scalar_operand(opn, f"operand for {which}", operand, p)
     with alu_ops.quiet_fp():
@@ -136,12 +136,12 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     n1 = getattr(op1, "_nki_op", None) if op1 is not None else None
     bitvec = n0 in alu_ops.ALU_BITVEC
     if op1 is not None and (n1 in alu_ops.ALU_BITVEC) != bitvec:
-        fail(opn, f"op0=nl.{n0} and op1=nl.{n1} must both be arithmetic or both bit-vector ops")
+        fail(opn, f"op0=nl.{n0} and op1=nl.{n1} must both be arithmetic or both bit-vector ops (C29)")
     if bitvec:
         if not (data.dtype.is_int and dst.dtype.is_int):
-            fail(opn, f"bit-vector ops need integer data/dst, got {data.dtype.name} -> {dst.dtype.name}")
+            fail(opn, f"bit-vector ops need integer data/dst, got {data.dtype.name} -> {dst.dtype.name} (C26)")
         if engine not in (Engine.unknown, Engine.vector):
-            fail(opn, "bit-vector tensor_scalar runs on VectorE only")
+            fail(opn, "bit-vector tensor_scalar runs on VectorE only (C29)")
         x = as_pf(_ints(data), p)
     else:
         x = as_pf(fp32(data), p)
@@ -149,9 +149,9 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         pair = (n0, n1)
         if current().target.nc_version <= 3 and pair not in (("multiply", "add"), ("multiply", None), ("add", None)):
             fail(opn, f"ScalarE on {current().target.name} supports (multiply, add), (multiply, None), (add, None); "
-                      f"got {pair}")
+                      f"got {pair} (C29)")
     if engine is Engine.gpsimd and n0 != "rsqrt":
-        fail(opn, "GpSimd tensor_scalar supports only op0=nl.rsqrt")
+        fail(opn, "GpSimd tensor_scalar supports only op0=nl.rsqrt (C29)")
     check_gpsimd_access(opn, engine, dst=dst, data=data)
     res, n0, _ = _apply_scalar_op(opn, "op0", op0, operand0, reverse0, x, p)
     if op1 is not None:
@@ -174,7 +174,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     n0, f0, k0 = alu_ops.alu(op0, "op0", opn)
     n1, f1, k1 = alu_ops.alu(op1, "op1", opn)
     if "bitvec" in (k0, k1):
-        fail(opn, "scalar_tensor_tensor supports arithmetic ops only")
+        fail(opn, "scalar_tensor_tensor supports arithmetic ops only (C29)")
     # operand0 may be any dtype ("All input tiles can be any supported NKI data type", nki.isa.scalar_tensor_tensor)
     s = scalar_operand(opn, "operand0", operand0, p, fp32_only=False)
     x = as_pf(fp32(data), p)
@@ -194,7 +194,7 @@ def tensor_copy(dst, src, engine=Engine.unknown, name=None):
     on_chip(opn, "src", src)
     same_layout(opn, "dst", dst, src=src)
     if engine is Engine.scalar and current().target.nc_version <= 2:
-        fail(opn, "tensor_copy is not supported on ScalarE on NeuronCore-v2; use activation(op=nl.copy)")
+        fail(opn, "tensor_copy is not supported on ScalarE on NeuronCore-v2; use activation(op=nl.copy) (C29)")
     check_gpsimd_access(opn, engine, dst=dst, src=src)
     vals = read(src)
     if src.dtype is dst.dtype:
@@ -211,13 +211,13 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
     on_chip(opn, "predicate", predicate)
     same_layout(opn, "dst", dst, predicate=predicate)
     if predicate.dtype.name not in ("uint8", "uint16", "uint32"):
-        fail(opn, f"predicate dtype must be uint8, uint16 or uint32, got {predicate.dtype.name}")
+        fail(opn, f"predicate dtype must be uint8, uint16 or uint32, got {predicate.dtype.name} (C26)")
     if isinstance(src, NkiTensor):
         on_chip(opn, "src", src)
         same_layout(opn, "dst", dst, src=src)
         not_both_psum(opn, "src", src, "predicate", predicate)
         if src.dtype is not dst.dtype:
-            fail(opn, f"src dtype {src.dtype.name} and dst dtype {dst.dtype.name} must match")
+            fail(opn, f"src dtype {src.dtype.name} and dst dtype {dst.dtype.name} must match (C26)")
         vals = np.reshape(read(src), dst.shape)
     else:
         vals = dt.cast(np.full(dst.shape, src, dtype=np.float64), dst.dtype)
@@ -236,14 +236,14 @@ def memset(dst, value, engine=Engine.unknown, name=None):
     on_chip(opn, "dst", dst)
     check_gpsimd_access(opn, engine, dst=dst)
     if isinstance(value, NkiTensor) or not isinstance(value, (bool, int, float, np.integer, np.floating)):
-        fail(opn, f"value must be a compile-time scalar, got {type(value).__name__}")
+        fail(opn, f"value must be a compile-time scalar, got {type(value).__name__} (C11)")
     if dst.dtype.kind == "packed" and value != 0:
-        fail(opn, f"x4 packed dtype {dst.dtype.name} only supports value=0")
+        fail(opn, f"x4 packed dtype {dst.dtype.name} only supports value=0 (C26)")
     # An integral float (0.0) fills an integer tile exactly; AWS's nki-library memsets uint8 MX-scale tiles with
     # 0.0 (core/moe/moe_tkg/gate_up_projection_mx.py). A fractional one has no exact integer fill.
     if dst.dtype.is_int and isinstance(value, (float, np.floating)) and not float(value).is_integer():
         fail(opn, f"value={value!r} is a fractional float but dst dtype is {dst.dtype.name}; the value type must "
-                  "match the dst dtype")
+                  "match the dst dtype (C26)")
     store(opn, dst, np.full(dst.shape, value))
     eng = engine if engine is not Engine.unknown else Engine.vector
     _emit(opn, eng.name, (), (dst,), dst)
@@ -253,7 +253,7 @@ def _norm_axes(opn, axis, t):
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     axes = tuple(sorted(int(a) % t.ndim for a in axes))
     if not axes:
-        fail(opn, "axis must name at least one free axis")
+        fail(opn, "axis must name at least one free axis (C12)")
     if 0 in axes:
         fail(opn, "axis 0 (the partition dim) cannot be reduced; transpose first or matmul with ones (C12)")
     if axes != tuple(range(t.ndim - len(axes), t.ndim)):
@@ -270,7 +270,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     oname, fn, kind = alu_ops.alu(op, "op", opn)
     if not alu_ops.is_reduction(oname):
         fail(opn, f"op=nl.{oname} is not a legal reduction (add, subtract, multiply, maximum, minimum, "
-                  "logical/bitwise and/or/xor)")
+                  "logical/bitwise and/or/xor) (C29)")
     kept = data.shape[:data.ndim - len(axes)]
     kept_free = math.prod(kept[1:]) if len(kept) > 1 else 1
     if dst.shape[0] != data.shape[0] or free_size(dst) != kept_free:
@@ -319,7 +319,7 @@ def bn_stats(dst, data, name=None):
     if f > BN_STATS_FMAX:
         fail(opn, f"data has {f} elements per partition; bn_stats takes at most {BN_STATS_FMAX} (bn_stats_fmax, C12)")
     if dst.shape[0] != p or free_size(dst) != 6:
-        fail(opn, f"dst must be ({p}, 6), got {dst.shape}")
+        fail(opn, f"dst must be ({p}, 6), got {dst.shape} (C30)")
     x = fp32(data).reshape(p, f).astype(np.float64)
     out = np.zeros((p, 6))
     for j, part in enumerate((x[:, 0::2], x[:, 1::2])):
@@ -339,9 +339,9 @@ def bn_aggr(dst, data, name=None):
     p, f = data.shape[0], free_size(data)
     if f % 3:
         fail(opn, f"data must hold (count, mean, count*var) triples per partition; {f} elements is not a multiple "
-                  "of 3")
+                  "of 3 (C30)")
     if dst.shape[0] != p or free_size(dst) != 2:
-        fail(opn, f"dst must be ({p}, 2), got {dst.shape}")
+        fail(opn, f"dst must be ({p}, 2), got {dst.shape} (C30)")
     g = fp32(data).reshape(p, -1, 3).astype(np.float64)
     cnt, mean, m2 = g[..., 0], g[..., 1], g[..., 2]
     total = cnt.sum(axis=1)
