@@ -578,3 +578,36 @@ def test_nkiobject_equality_follows_python_under_tracer():
 def test_nkiobject_equality_is_structural_under_parser(parser):
     assert _Pair(1, 2) == _Pair(1, 2) and _Pair(1, 2) != _Pair(1, 3)
     assert hash(_Pair(1, 2)) is not None
+
+
+# ---- the cost model sees scalar dependencies --------------------------------------------------------------------------
+
+@nki.jit
+def _scalar_addressed_copy(x, n_in):
+    """n = scalar_load(n_in); out rows [2n+1] and [2(n+1)+1] copied from x through a fori_loop (0, n - 1)."""
+    out = nl.ndarray((2, 64), dtype=x.dtype, buffer=nl.shared_hbm)
+    n_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=n_sb, src=n_in)
+    n = nisa.scalar_load(n_sb)
+
+    def body(i):
+        r = (n + i) * 2 + 1
+        row = nl.ndarray((1, 64), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row, src=x[nl.ds(r, 1), :])
+        nisa.dma_copy(dst=out[i, :], src=row)
+
+    nl.fori_loop(0, n - 1, body)
+    return out
+
+
+def test_cost_model_orders_scalar_addressed_dma_after_its_scalar_load():
+    import nkisim
+    x = np.arange(16 * 64, dtype=np.float32).reshape(16, 64)
+    out, rep = nkisim.profile(_scalar_addressed_copy, x, np.array([[3]], np.int32))
+    np.testing.assert_array_equal(out, x[[7, 9]])
+    dmas = [e for e in rep.events if e.op == "dma_copy"]
+    load_n, gathers = dmas[0], dmas[1::2]
+    assert len(gathers) == 2
+    assert all(g.start >= load_n.end for g in gathers)           # RAW through scalar_load -> scalar_op -> nl.ds
+    assert gathers[0].reason == "RAW register"                     # waited for the scalar, not for a DMA queue
+    assert [e.op for e in rep.events].count("scalar_op") >= 4
