@@ -129,20 +129,36 @@ def is_sbuf(buf):
 # ---- tile sizes ---------------------------------------------------------------------------------------------
 
 class _TileSize:
-    """`nl.tile_size`: hardware tile limits of the current target (nki-api.md §3.6)."""
+    """`nl.tile_size`: hardware tile limits of the current target (nki-api.md §3.6), read from its Target (which
+    derives them from nkisim.hardware)."""
 
-    pmax = 128
-    gemm_stationary_fmax = 128
     bn_stats_fmax = 512
-    psum_bank_fmax = 512
-    psum_bank_fmax_bytes = 2048
-    psum_fmax = 512            # deprecated alias of psum_bank_fmax
     psum_min_align = 4         # bytes; undocumented upstream, fp32 element alignment assumed
     sbuf_min_align = 4
 
     @property
+    def pmax(self):
+        return current().target.pmax
+
+    @property
+    def gemm_stationary_fmax(self):
+        return current().target.gemm_stationary_fmax
+
+    @property
     def gemm_moving_fmax(self):
-        return 512
+        return current().target.gemm_moving_fmax
+
+    @property
+    def psum_bank_fmax_bytes(self):
+        return current().target.psum_bank_bytes
+
+    @property
+    def psum_bank_fmax(self):
+        return current().target.psum_bank_bytes // 4
+
+    @property
+    def psum_fmax(self):       # deprecated alias of psum_bank_fmax
+        return self.psum_bank_fmax
 
     @property
     def psum_num_banks(self):
@@ -164,7 +180,7 @@ class _TileSize:
 
     @property
     def sbuf_size_bytes(self):
-        return current().target.sbuf_physical_bytes * 128
+        return current().target.sbuf_physical_bytes * current().target.pmax
 
 
 tile_size = _TileSize()

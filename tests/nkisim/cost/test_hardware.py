@@ -55,3 +55,23 @@ def test_lookup():
     assert hardware("gen3") is HARDWARE["trn2"] and hardware("TRN3") is HARDWARE["trn3"]
     with pytest.raises(KeyError):
         hardware("trn9")
+
+
+def test_trn3_non_mx_fp8_runs_at_the_bf16_rate():
+    c = HARDWARE["trn3"].core
+    assert c.tensor_fp8_flops == c.tensor_bf16_flops == 79e12 and "2x128 (non-MXFP8" in c.source("tensor_fp8_flops")
+    assert c.peak_flops("float8_e4m3", double_row=True) == 79e12 and c.peak_flops("mxfp8") == 315e12
+
+
+def test_targets_derive_from_the_hardware_table():
+    from nkisim.language import tile_size
+    from nkisim.target import ALIASES, TARGETS, resolve_target
+    for name, t in TARGETS.items():
+        c = HARDWARE[name].core
+        assert t.pmax == c.partitions and t.gemm_stationary_fmax == c.tensor_cols
+        assert t.sbuf_physical_bytes == c.sbuf_partition_bytes and t.psum_bytes == c.psum_partition_bytes
+        assert t.psum_num_banks == c.psum_banks and t.gemm_moving_fmax == t.psum_bank_bytes // 4 == 512
+        assert t.sbuf_usable_bytes < t.sbuf_physical_bytes
+    for alias, name in ALIASES.items():     # one alias map serves both lookups
+        assert resolve_target(alias) is TARGETS[name] and hardware(alias) is HARDWARE[name]
+    assert tile_size.pmax == 128 and tile_size.psum_bank_fmax == 512 and tile_size.gemm_moving_fmax == 512
