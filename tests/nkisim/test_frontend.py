@@ -580,7 +580,7 @@ def test_nkiobject_equality_is_structural_under_parser(parser):
     assert hash(_Pair(1, 2)) is not None
 
 
-# ---- the cost model sees scalar dependencies --------------------------------------------------------------------------
+# ---- the cost model sees scalar dependencies -----------------------------------------------------------------------
 
 @nki.jit
 def _scalar_addressed_copy(x, n_in):
