@@ -323,3 +323,18 @@ def alloc_blocks(*, tile_shape, block_shape, element_shape, buffer, dtype, addre
     """alloc_tiles' geometry plus a block level above it (grouping does not change the physical tile order)."""
     return blocks(alloc_tiles(tile_shape=tile_shape, element_shape=element_shape, buffer=buffer, dtype=dtype,
                               address=address, name=name), block_shape=block_shape)
+
+
+def empty_like_grid(grid, dtype, buffer, name="", address=None):
+    """A new grid of `grid`'s geometry: the selected cells packed densely in fresh storage, the same tile shape,
+    block grouping and navigation shape (dims consumed by integer indexing stay consumed)."""
+    shape = grid.element_shape
+    if isinstance(grid, NkiBlockGrid):
+        fresh = alloc_blocks(tile_shape=grid.tile_shape, block_shape=grid.block_shape, element_shape=shape,
+                             buffer=buffer, dtype=dtype, address=address, name=name)
+    else:
+        fresh = alloc_tiles(tile_shape=grid.tile_shape, element_shape=shape, buffer=buffer, dtype=dtype,
+                            address=address, name=name)
+    if any(grid._consumed):
+        fresh = fresh[tuple(0 if c else slice(None) for c in grid._consumed)]
+    return fresh

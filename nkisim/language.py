@@ -273,8 +273,34 @@ def full_like(x, fill_value, dtype=None, buffer=None, name=""):
     return full(x.shape, fill_value, dtype or x.dtype, buffer or x.buffer, name)
 
 
-def empty_like(x, dtype=None, buffer=None, name=""):
-    return ndarray(x.shape, dtype or x.dtype, buffer or x.buffer, name)
+_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
+def empty_like(x, dtype=None, buffer=None, name="", *, transpose_axes=None, address=None):
+    """Uninitialised storage with x's geometry (NKI 0.7: x may be a tile / block grid, whose navigation shape, tile
+    shape, block grouping and remainder extents are kept, the selected cells packed densely). `transpose_axes`
+    shapes an SBUF destination for a later nisa.dma_transpose of a tensor."""
+    dtype = dtype if dtype is not None else x.dtype
+    buffer = buffer if buffer is not None else x.buffer
+    if isinstance(x, NkiGrid):
+        if transpose_axes is not None:
+            raise NotImplementedError("nl.empty_like(grid, transpose_axes=...): not implemented by nkisim")
+        from .grids import empty_like_grid
+        return empty_like_grid(x, dtype, buffer, name, address)
+    shape = tuple(x.shape)
+    if transpose_axes is not None:
+        axes = tuple(transpose_axes)
+        if _TRANSPOSE_AXES.get(len(shape)) != axes:
+            raise NkiValidationError(f"nl.empty_like: transpose_axes={axes} is not supported for a rank-{len(shape)} "
+                                     "tensor (supported: (1, 0), (2, 1, 0), (3, 1, 2, 0))")
+        shape = tuple(shape[a] for a in axes)
+        if check_buffer(buffer) is not sbuf:
+            raise NkiValidationError("nl.empty_like(transpose_axes=...) prepares an SBUF destination; buffer must be "
+                                     "nl.sbuf")
+        if shape[0] > 128:
+            raise NkiValidationError(f"nl.empty_like: transpose_axes={axes} makes the source free extent {shape[0]} "
+                                     "the partition extent; it must not exceed 128")
+    return ndarray(shape, dtype, buffer, name, address=address)
 
 
 def rand(shape, dtype, buffer=None, name=""):

@@ -611,3 +611,26 @@ def test_cost_model_orders_scalar_addressed_dma_after_its_scalar_load():
     assert all(g.start >= load_n.end for g in gathers)           # RAW through scalar_load -> scalar_op -> nl.ds
     assert gathers[0].reason == "RAW register"                     # waited for the scalar, not for a DMA queue
     assert [e.op for e in rep.events].count("scalar_op") >= 4
+
+
+def test_empty_like_keeps_grid_geometry_and_packs_gapped_cells():
+    """nl.empty_like page: grid inputs keep the grid type, navigation shape, tile shape, block grouping and remainder
+    extents; a gapped selection is packed densely."""
+    g = nl.tiles(_hbm_iota((300, 1024)), tile_shape=(128, 256))
+    row = nl.empty_like(g[2, ::2], buffer=nl.sbuf)
+    assert isinstance(row, nl.NkiTileGrid) and row.shape == (2,) and row.element_shape == (44, 512)
+    assert row.is_data_representable and row.data.shape == (44, 512) and row.buffer is nl.sbuf
+    b = nl.empty_like(nl.blocks(_hbm_iota((256, 600)), tile_shape=(128, 256), block_shape=(1, 2)))
+    assert isinstance(b, nl.NkiBlockGrid) and b.shape == (2, 2) and b.block_shape == (1, 2)
+    assert b[1, 1].element_shape == (128, 88) and b.buffer is nl.shared_hbm
+
+
+def test_empty_like_transpose_axes_for_dma_transpose():
+    src = tile((64, 128), nl.bfloat16)
+    dst = nl.empty_like(src, transpose_axes=(1, 0))
+    assert dst.shape == (128, 64) and dst.buffer is nl.sbuf and dst.dtype == nl.bfloat16
+    with pytest.raises(NkiValidationError, match=r"not supported for a rank-2"):
+        nl.empty_like(src, transpose_axes=(0, 1))
+    with pytest.raises(NkiValidationError, match=r"must not exceed 128"):
+        nl.empty_like(tile((64, 256)), transpose_axes=(1, 0))
+    assert nl.empty_like(src).shape == (64, 128)
