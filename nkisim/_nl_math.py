@@ -5,6 +5,7 @@ Called directly, it allocates an SBUF result (dtype defaults to the input dtype)
 broadcasting between tensors (NKI 0.6): a (P, 1) operand goes through tensor_scalar, a Python scalar too.
 """
 
+import builtins
 import math
 
 import numpy as np
@@ -185,8 +186,9 @@ def mean(x, axis, dtype=None, keepdims=False):
 
 
 def var(x, axis, dtype=None, keepdims=False):
-    """Population variance over trailing free axes (keepdims is ignored, as in NKI)."""
-    shape, _ = _reduce_shape(x, axis, False)
+    """Population variance over trailing free axes; as AWS documents, keepdims is ignored and the result always has
+    the keepdims=True shape."""
+    shape, _ = _reduce_shape(x, axis, True)
     m = mean(x, axis, _dt.float32)
     sq = _new(x.shape, _dt.float32)
     _isa.activation(dst=sq, op=square, data=x)  # noqa: F821
@@ -202,22 +204,43 @@ __all__ += ["sum", "max", "min", "prod", "all", "mean", "var"]
 
 
 def softmax(x, axis=-1, dtype=None):
-    """Softmax over the last free axis: max, exp(x - max) with the sum in ScalarE's accumulators, scale by 1/sum."""
-    if axis not in (-1, x.ndim - 1) or x.ndim != 2:
-        raise NkiValidationError(f"nl.softmax: supports 2-D [P, F] tiles over axis=-1, got shape {x.shape} "
-                                 f"axis={axis}")
+    """Softmax over trailing contiguous free axes (AWS: [1], [1,2], [1,2,3], [1,2,3,4]): max, exp(x - max), 1/sum.
+
+    Over all free axes the max is a (P, 1) ScalarE bias and the sum comes from ScalarE's accumulators; over fewer,
+    the per-row max and 1/sum are broadcast back along the reduced axes with stride-0 views."""
+    _, axes = _reduce_shape(x, axis, True)
     p = x.shape[0]
-    neg_max = _new((p, 1), _dt.float32)
-    _isa.tensor_reduce(dst=neg_max, op=maximum, data=x, axis=(1,), negate=True)  # noqa: F821
+    if axes == tuple(range(1, x.ndim)):
+        neg_max = _new((p, 1), _dt.float32)
+        _isa.tensor_reduce(dst=neg_max, op=maximum, data=x, axis=axes, negate=True)  # noqa: F821
+        e = _new(x.shape, _dt.float32)
+        s = _new((p, 1), _dt.float32)
+        _isa.activation(dst=e, op=exp, data=x, bias=neg_max, scale=1.0, reduce_op=add, reduce_res=s,  # noqa: F821
+                        reduce_cmd=_isa.reduce_cmd.reset_reduce)
+        r = _new((p, 1), _dt.float32)
+        _isa.reciprocal(dst=r, data=s)
+        out = _new(x.shape, dtype or x.dtype)
+        _isa.tensor_scalar(dst=out, data=e, op0=multiply, operand0=r)  # noqa: F821
+        return out
+    kept, _ = _reduce_shape(x, axis, True)
+    m = _new(kept, _dt.float32)
+    _isa.tensor_reduce(dst=m, op=maximum, data=x, axis=axes, keepdims=True)  # noqa: F821
     e = _new(x.shape, _dt.float32)
-    s = _new((p, 1), _dt.float32)
-    _isa.activation(dst=e, op=exp, data=x, bias=neg_max, scale=1.0, reduce_op=add, reduce_res=s,  # noqa: F821
-                    reduce_cmd=_isa.reduce_cmd.reset_reduce)
-    r = _new((p, 1), _dt.float32)
-    _isa.reciprocal(dst=r, data=s)
+    _isa.tensor_tensor(dst=e, data1=x, data2=_spread(m, x.shape, axes), op=subtract)  # noqa: F821
+    _isa.activation(dst=e, op=exp, data=e)  # noqa: F821
+    s = _new(kept, _dt.float32)
+    _isa.tensor_reduce(dst=s, op=add, data=e, axis=axes, keepdims=True)  # noqa: F821
+    _isa.reciprocal(dst=s, data=s)
     out = _new(x.shape, dtype or x.dtype)
-    _isa.tensor_scalar(dst=out, data=e, op0=multiply, operand0=r)  # noqa: F821
+    _isa.tensor_tensor(dst=out, data1=e, data2=_spread(s, x.shape, axes), op=multiply)  # noqa: F821
     return out
+
+
+def _spread(t, shape, axes):
+    """A stride-0 view of a keepdims reduction result repeated along the reduced axes."""
+    for a in axes:
+        t = t.broadcast(a, shape[a])
+    return t
 
 
 def rms_norm(x, w, axis, n, epsilon=1e-6, dtype=None, compute_dtype=None):
@@ -261,13 +284,32 @@ def where(condition, x, y, dtype=None):
     return out
 
 
+_TINY = float(np.finfo(np.float32).tiny)
+
+
 def dropout(x, rate, dtype=None):
-    """Zero elements with probability `rate` (seeded by nl.random_seed), scale the rest by 1/(1-rate)."""
+    """Zero elements with probability `rate` (seeded by nl.random_seed), scale the rest by 1/(1-rate); `rate` is a
+    scalar or, as AWS documents, a (P, 1) tile of per-partition probabilities."""
     from .language import rand
     r = rand(x.shape, _dt.float32)
     keep = _new(x.shape, _dt.float32)
-    _isa.tensor_scalar(dst=keep, data=r, op0=greater_equal, operand0=float(rate),  # noqa: F821
-                       op1=multiply, operand1=1.0 / (1.0 - float(rate)))  # noqa: F821
+    if isinstance(rate, NkiTensor):
+        p = x.shape[0]
+        if rate.shape[0] != p or rate.size != p:
+            raise NkiValidationError(f"nl.dropout: rate must be a scalar or a ({p}, 1) tile, got shape {rate.shape} "
+                                     "(C11)")
+        prob = _new((p, 1), _dt.float32)
+        _isa.tensor_copy(dst=prob, src=rate)
+        scale = _new((p, 1), _dt.float32)
+        _isa.tensor_scalar(dst=scale, data=prob, op0=multiply, operand0=-1.0, op1=add, operand1=1.0)  # noqa: F821
+        # rate 1.0 drops everything: keep 1/(1-rate) finite so that 0 * scale stays 0
+        _isa.tensor_scalar(dst=scale, data=scale, op0=maximum, operand0=_TINY)  # noqa: F821
+        _isa.reciprocal(dst=scale, data=scale)
+        _isa.tensor_scalar(dst=keep, data=r, op0=greater_equal, operand0=prob,  # noqa: F821
+                           op1=multiply, operand1=scale)  # noqa: F821
+    else:
+        _isa.tensor_scalar(dst=keep, data=r, op0=greater_equal, operand0=float(rate),  # noqa: F821
+                           op1=multiply, operand1=1.0 / builtins.max(1.0 - float(rate), _TINY))  # noqa: F821
     out = _new(x.shape, dtype or x.dtype)
     _isa.tensor_tensor(dst=out, data1=x, data2=keep, op=multiply)  # noqa: F821
     return out

@@ -309,7 +309,7 @@ def rand(shape, dtype, buffer=None, name=""):
     rng = getattr(ctx, "rng", None) or np.random.default_rng(0)
     ctx.rng = rng
     t.alloc.storage[...] = _dt.cast(rng.random(t.size, dtype=np.float32), t.dtype)
-    ctx.emit("rand", "gpsimd", (), (t,), p=t.shape[0], n=t.size // max(t.shape[0], 1))
+    ctx.emit("rand", "gpsimd", (), (t,), p=t.shape[0], n=t.size // builtins.max(t.shape[0], 1))
     return t
 
 

@@ -382,3 +382,37 @@ def test_tensor_partition_reduce_average_is_documented_and_supported():
     np.testing.assert_allclose(rd(d)[0], x.mean(axis=0), rtol=1e-5, atol=1e-6)
     with pytest.raises(E, match=r"op=nl\.minimum is not supported; allowed: nl\.add, nl\.average"):
         nisa.tensor_partition_reduce(dst=d, op=nl.minimum, data=sb(x))
+
+
+# ---- nl math accepts what its pages document -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("axis,red", [((1, 2), (1, 2)), (2, (2,)), (-1, (2,))])
+def test_nl_softmax_over_trailing_contiguous_axes(axis, red):
+    x = rand((4, 3, 5))
+    ref = np.exp(x - x.max(axis=red, keepdims=True))
+    ref /= ref.sum(axis=red, keepdims=True)
+    np.testing.assert_allclose(rd(nl.softmax(sb(x), axis=axis)), ref, rtol=1e-5, atol=1e-7)
+
+
+def test_nl_softmax_rejects_the_partition_axis_and_non_trailing_axes():
+    with pytest.raises(E, match=r"axis 0 \(the partition dim\) cannot be reduced.*\(C12\)"):
+        nl.softmax(sb(rand((4, 8))), axis=0)
+    with pytest.raises(E, match=r"must be trailing contiguous free axes.*\(C12\)"):
+        nl.softmax(sb(rand((4, 3, 5))), axis=1)
+
+
+def test_nl_var_always_has_the_keepdims_shape():
+    x = rand((4, 3, 5))
+    v = nl.var(sb(x), axis=2)
+    assert v.shape == (4, 3, 1)
+    np.testing.assert_allclose(rd(v)[..., 0], x.var(axis=2), rtol=1e-4, atol=1e-6)
+
+
+def test_nl_dropout_takes_a_per_partition_rate_tile():
+    rate = sb(np.array([[0.0], [1.0], [0.5], [0.25]], np.float32))
+    d = rd(nl.dropout(sb(np.ones((4, 2000), np.float32)), rate))
+    assert (d[0] == 1.0).all() and (d[1] == 0.0).all()          # rate 0 keeps all, rate 1 drops all
+    assert set(np.unique(d[2])) <= {0.0, 2.0} and abs((d[2] == 0).mean() - 0.5) < 0.05
+    assert set(np.unique(d[3])) <= {0.0, np.float32(4.0 / 3.0)} and abs((d[3] == 0).mean() - 0.25) < 0.05
+    with pytest.raises(E, match=r"nl\.dropout: rate must be a scalar or a \(4, 1\) tile, got shape \(4, 2\) \(C11\)"):
+        nl.dropout(sb(np.ones((4, 8), np.float32)), sb(np.zeros((4, 2), np.float32)))
