@@ -145,7 +145,7 @@ class LncShared:
 def _refuse_data_dependent(opname, reads, writes):
     """A trace-only run is valid only if no address or control flow depends on tensor values."""
     from .errors import NkiValidationError
-    if opname == "register_load":
+    if opname in ("register_load", "scalar_load"):
         raise NkiValidationError(f"trace-only run: {opname} reads tensor data into a register, so later addresses "
                                  "or loop bounds depend on values that are not computed; run with numerics")
     for t in tuple(reads) + tuple(writes):

@@ -51,9 +51,9 @@ Scheduling rules (schedule.py), each with its source:
    (observed II of dependent 1-element ScalarE instructions) are charged for instructions with N < 128 elements
    per partition, or when the instruction reads the output of the previous instruction on the same engine
    ([arch1] VectorE cost model, [perf] Opt #5a); independent large instructions pay none.
-8. register_load reads memory into a sequencer register: from HBM it is charged as a DMA round trip (start latency
-   + transfer overhead + bytes) on the sync sequencer, which waits for it; from SBUF one SBUF access (60 cycles,
-   [arch1]). Other register ops take no time.
+8. register_load / scalar_load read memory into a sequencer register, register_store / scalar_store write one
+   back: with HBM on the other side each is charged as the DMA it is (start latency + bytes) on the sync sequencer,
+   which waits for it; with SBUF one SBUF access (60 cycles, [arch1]). Register ALU / move ops take no time.
 9. LNC=2: the k-th core_barrier / sendrecv of the two cores pair up and start together.
 
 Per-instruction costs (costs.py), [api] §8.4 over nkisim.hardware: TensorE max(N, 64) cycles (fp32 4x, double_row

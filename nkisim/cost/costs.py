@@ -122,16 +122,24 @@ def dma_cost(ins, core):
                   hbm_write=wr, dma_bytes=moved, efficiency=eff, note=note, rings=rings)
 
 
-def register_load_cost(ins, core):
-    """register_load reads one value from HBM/SBUF into a sequencer register: from HBM it is a DMA round trip that
-    the sequencer waits for (start latency + one transfer), from SBUF one SBUF access."""
-    src = ins.reads[0] if ins.reads else None
-    rd, _ = _hbm_bytes(ins)
-    if src is not None and src.buffer in HBM_BUFFERS:
-        t = core.dma_start_latency_s + core.dma_transfer_overhead_s + src.nbytes / core.dma_engine_bytes_per_s
-        return OpCost("sync", busy_s=t, hbm_read=rd, dma_bytes=src.nbytes, note="register_load from HBM ~ DMA")
+REGISTER_MEMORY_OPS = frozenset({"register_load", "scalar_load", "register_store", "scalar_store"})
+
+
+def register_memory_cost(ins, core):
+    """register_load / scalar_load read one value from HBM/SBUF into a sequencer register, register_store /
+    scalar_store write one back: with HBM on the other side it is a DMA (start latency + one transfer) that the
+    sequencer waits for; with SBUF one SBUF access (~60 cycles, [arch1])."""
+    mem = (ins.reads if ins.op.endswith("load") else ins.writes) or ()
+    a = next((x for x in mem if x.buffer != "reg"), None)
+    rd, wr = _hbm_bytes(ins)
+    if a is not None and a.buffer in HBM_BUFFERS:
+        t = core.dma_start_latency_s + core.dma_transfer_overhead_s + a.nbytes / core.dma_engine_bytes_per_s
+        return OpCost("sync", busy_s=t, hbm_read=rd, hbm_write=wr, dma_bytes=a.nbytes, note=f"{ins.op} HBM ~ DMA")
     cyc = core.sbuf_access_overhead_cycles
-    return OpCost("sync", busy_s=cyc / core.scalar_clock_hz, cycles=cyc, note="register_load from SBUF")
+    return OpCost("sync", busy_s=cyc / core.scalar_clock_hz, cycles=cyc, note=f"{ins.op} SBUF access")
+
+
+register_load_cost = register_memory_cost
 
 
 def _strided(a, core):
@@ -271,8 +279,8 @@ def instruction_cost(ins, core) -> OpCost:
                       note="barrier")
     if eng == "dma":
         return dma_cost(ins, core)
-    if ins.op == "register_load":
-        return register_load_cost(ins, core)
+    if ins.op in REGISTER_MEMORY_OPS:
+        return register_memory_cost(ins, core)
     if eng == "cc":     # nki.collectives: alpha-beta per algorithm on its own in-order queue (cost/collective.py)
         from .collective import collective_cost
         return collective_cost(ins, core)

@@ -191,3 +191,14 @@ def test_tensor_engine_transpose_streams_the_identity():
     assert instruction_cost(tr(128, 32), T2).cycles == 128
     assert instruction_cost(tr(32, 128), T2).cycles == 64
     assert instruction_cost(tr(128, 128), T2).flops == 0
+
+
+def test_register_store_and_scalar_ops_to_hbm_cost_a_dma():
+    reg = Access(-1, "reg", 0, 4, 4, 1, 4)
+    st = Instruction(0, 0, "register_store", "sync", (reg,), (hbm(1, 4, 4),), {})
+    c = instruction_cost(st, T2)
+    assert c.busy_s > T2.dma_start_latency_s and c.hbm_write == 4 and c.hbm_read == 0
+    sl = Instruction(0, 0, "scalar_load", "sync", (hbm(1, 4, 4),), (reg,), {})
+    assert instruction_cost(sl, T2).busy_s == pytest.approx(c.busy_s)
+    ss = Instruction(0, 0, "scalar_store", "sync", (reg,), (sb(1, 1, 1, 4),), {})
+    assert instruction_cost(ss, T2).busy_s < 1e-7
