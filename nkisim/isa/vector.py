@@ -66,7 +66,8 @@ def tensor_tensor(dst, data1, data2, op, engine=Engine.unknown, name=None):
     if engine is Engine.unknown:
         engine = Engine.gpsimd if (oname == "power" or all_int32) and dst.buffer is sbuf \
             and psum not in (data1.buffer, data2.buffer) else Engine.vector
-    check_gpsimd_access(opn, engine, dst=dst, data1=data1, data2=data2)
+    if engine is Engine.gpsimd:
+        check_gpsimd_access(opn, engine, dst=dst, data1=data1, data2=data2)
     p = dst.shape[0]
     if kind == "bitvec":
         for nm, t in (("data1", data1), ("data2", data2), ("dst", dst)):
@@ -195,7 +196,8 @@ def tensor_copy(dst, src, engine=Engine.unknown, name=None):
     same_layout(opn, "dst", dst, src=src)
     if engine is Engine.scalar and current().target.nc_version <= 2:
         fail(opn, "tensor_copy is not supported on ScalarE on NeuronCore-v2; use activation(op=nl.copy) (C29)")
-    check_gpsimd_access(opn, engine, dst=dst, src=src)
+    if engine is Engine.gpsimd:
+        check_gpsimd_access(opn, engine, dst=dst, src=src)
     vals = read(src)
     if src.dtype is dst.dtype:
         store(opn, dst, vals)  # bit-exact (store reshapes to dst.shape)
