@@ -92,10 +92,10 @@ class NkiScalar(VirtualRegister):
         if isinstance(other, VirtualRegister):
             raise TypeError(f"NkiScalar {op}: the other operand must be a Python int or an NkiScalar, not a "
                             "VirtualRegister")
+        if isinstance(other, np.integer):
+            other = int(other)        # a NumPy int (e.g. a shape entry) is a compile-time int like a Python one
         if isinstance(other, bool) or not isinstance(other, int):
-            if hasattr(other, "__index__") and not isinstance(other, (float, bool)):
-                return int(other.__index__()), ()
-            return None, None
+            return None, None         # NotImplemented: Python raises TypeError for floats, tensors, ...
         lo, hi = -(1 << (self.bits - 1)), (1 << self.bits) - 1
         if not lo <= other <= hi:
             raise TypeError(f"NkiScalar {op}: Python int {other} does not fit the scalar's {self.bits} bits")
