@@ -89,6 +89,26 @@ for _n in _UNARY:
     __all__.append(_n)
 
 
+# nl.sin's range reduction: x -> ((x + S) mod D) - S lands in [-S, S] inside ScalarE's valid [-pi, pi] (C20);
+# D is the largest fp32 below 2*pi so that the fp32 result never exceeds pi.
+_SIN_PERIOD = float(np.nextafter(np.float32(2 * math.pi), np.float32(0)))
+_SIN_SHIFT = _SIN_PERIOD / 2
+
+
+def sin(x, dtype=None):
+    """nl.sin(x, dtype=None): as AWS documents, range-reduces the input to [-pi, pi] before the ScalarE sine, so it
+    stays accurate over the full input domain (nisa.activation(op=nl.sin) does not). Also an activation op=."""
+    t = _new(x.shape, _dt.float32)
+    _isa.tensor_scalar(dst=t, data=x, op0=add, operand0=_SIN_SHIFT, op1=mod, operand1=_SIN_PERIOD)  # noqa: F821
+    _isa.tensor_scalar(dst=t, data=t, op0=subtract, operand0=_SIN_SHIFT)  # noqa: F821
+    out = _new(x.shape, dtype or x.dtype)
+    _isa.activation(dst=out, op=sin, data=t)
+    return out
+
+
+sin._nki_op = "sin"
+
+
 def rsqrt(x, dtype=None):
     """nl.rsqrt(x, dtype=None): 1/sqrt(x). Since NKI 0.5 it runs on GpSimd (tensor_scalar(op0=nl.rsqrt,
     engine=gpsimd), higher precision than ScalarE) and so no longer accepts PSUM input (C8; AWS migration guide

@@ -63,7 +63,7 @@ ALU_ARITH = {
     "maximum": (np.maximum, True, -np.inf),
     "minimum": (np.minimum, True, np.inf),
     "power": (np.power, False, None),
-    "mod": (np.fmod, False, None),
+    "mod": (np.mod, False, None),     # nl.mod: Python/numpy.mod, the sign of the divisor (nl.fmod: of the dividend)
     "fmod": (np.fmod, False, None),
     "equal": (_cmp(np.equal), False, None),
     "not_equal": (_cmp(np.not_equal), False, None),

@@ -416,3 +416,18 @@ def test_nl_dropout_takes_a_per_partition_rate_tile():
     assert set(np.unique(d[3])) <= {0.0, np.float32(4.0 / 3.0)} and abs((d[3] == 0).mean() - 0.25) < 0.05
     with pytest.raises(E, match=r"nl\.dropout: rate must be a scalar or a \(4, 1\) tile, got shape \(4, 2\) \(C11\)"):
         nl.dropout(sb(np.ones((4, 8), np.float32)), sb(np.zeros((4, 2), np.float32)))
+
+
+def test_nl_sin_range_reduces_while_the_isa_activation_does_not():
+    # AWS "Supported Activation Functions": nl.sin range-reduces before the ScalarE sine; activation(op=nl.sin) does
+    # not and is refused outside [-pi, pi] (C20)
+    x = np.concatenate([np.linspace(-1000, 1000, 508), [np.pi, -np.pi, 9.0, 0.0]]).astype(np.float32).reshape(4, 128)
+    np.testing.assert_allclose(rd(nl.sin(sb(x))), np.sin(x.astype(np.float64)), atol=1e-4)
+    with pytest.raises(E, match=r"nl\.sin input .* outside the ScalarE valid range.*\(C20\)"):
+        nisa.activation(dst=tile((4, 128)), op=nl.sin, data=sb(x))
+
+
+def test_nl_mod_takes_the_sign_of_the_divisor_and_fmod_of_the_dividend():
+    x = sb(np.array([[-7.0, 7.0, -1.5, 4.5]], np.float32))
+    np.testing.assert_array_equal(rd(nl.mod(x, 3.0)), np.mod([[-7.0, 7.0, -1.5, 4.5]], 3.0))
+    np.testing.assert_array_equal(rd(nl.fmod(x, 3.0)), np.fmod([[-7.0, 7.0, -1.5, 4.5]], 3.0))
