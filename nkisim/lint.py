@@ -826,7 +826,8 @@ class _Checker:
                 return
             if ref.path in _REMOVED_NL:
                 self.add(filename, sub.lineno, "arange-mgrid",
-                         f"{_REMOVED_NL[ref.path]} is not available in NKI 0.6: {RULES['arange-mgrid']}")
+                         f"{_REMOVED_NL[ref.path]} was removed in NKI 0.2.0 (absent from 0.6 and 0.7): "
+                         f"{RULES['arange-mgrid']}")
             if ref.path is None and ref.obj is not _MISSING:
                 self.enqueue(ref.obj)
                 if not (_atomic(ref.obj) or isinstance(ref.obj, (type, types.ModuleType, types.FunctionType))
