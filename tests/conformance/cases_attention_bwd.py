@@ -35,7 +35,6 @@ def _case(batch, heads, dtype, causal, sinks, seq=2048, d=128, target="trn2"):
 
 
 BF16 = ml_dtypes.bfloat16
-# Each case takes 10-40 s here (a 2048-token backward pass); kept: the smallest shape on trn2 and trn3 and the
-# non-causal LNC=2 sinks shape. (1, 3, fp32, causal, 2 sinks) and (2, 3, bf16, causal) also pass (21 s, 40 s) and
-# are left out to keep the suite short.
-CASES = [_case(1, 1, BF16, True, 0), _case(2, 1, BF16, False, 2), _case(1, 1, BF16, True, 0, target="trn3")]
+CASES = [_case(1, 1, BF16, True, 0), _case(2, 1, BF16, False, 2), _case(1, 3, np.float32, True, 2),
+         _case(2, 3, BF16, True, 0), _case(1, 3, BF16, False, 0), _case(1, 1, BF16, True, 0, target="trn3"),
+         _case(2, 1, np.float32, False, 2, target="trn3")]
