@@ -93,3 +93,7 @@ CASES = [
     _case("SHARD_ON_BLOCK", 3072, 1024, 8, 512, 4, 192, 1, True, "Swish", (7, None, 8, -9)),
     _case("SHARD_ON_BLOCK", 3072, 1024, 8, 256, 4, 192, 3, True, "Swish", (7, None, 8, -9), target="trn3"),
 ]
+
+CASES += [
+    _case("SHARD_ON_INTERMEDIATE", 3072, 1024, 8, 512, 4, 2048, 1, True, "Swish"),
+]
