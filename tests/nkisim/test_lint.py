@@ -248,6 +248,16 @@ def test_neuronxcc_import_at_module_level(fake_nki):
     assert "neuronxcc.nki.language" in got[0].message
 
 
+def test_neuronxcc_typing_alone_is_not_flagged(fake_nki):
+    # AWS's hardware-tested router_topk imports neuronxcc.nki.typing for signature annotations beside `import nki`
+    assert check_kernel(load_case("valid_neuronxcc_typing").kernel) == []
+
+
+def test_neuronxcc_typing_with_the_legacy_language_is_flagged(fake_nki):
+    mod = load_case("bad_neuronxcc_mixed")
+    assert where(check_kernel(mod.kernel)) == [expect("bad_neuronxcc_mixed", "mixed-neuronxcc", "neuronxcc-import")]
+
+
 def test_neuronxcc_import_in_helper_body(fake_nki):
     mod = load_case("bad_kernels")
     assert where(check_kernel(mod.neuronxcc_helper_kernel)) == [
