@@ -182,3 +182,25 @@ def test_neuron_dtypes_static_cast():
     packed = neuron_dtypes.static_cast(x, nl.float8_e4m3fn_x4)
     assert packed.dtype == nl.float8_e4m3fn_x4 and packed.shape == (1, 1)
     assert mx.unpack(packed).tolist() == [[1.0, 2.0, 3.0, 1.0]]
+
+
+def test_neuron_dtypes_static_cast_expands_packed_input():
+    from nkisim import neuron_dtypes
+    packed = mx.pack(np.array([[0.5, -1.0, 6.0, 0.0, 1.5, 2.0, -3.0, 4.0]], np.float32), nl.float4_e2m1fn_x4)
+    out = neuron_dtypes.static_cast(packed, np.float32)
+    assert out.dtype == np.float32 and out.tolist() == [[0.5, -1.0, 6.0, 0.0, 1.5, 2.0, -3.0, 4.0]]
+    with pytest.raises(TypeError, match="unpack to a float dtype first"):
+        neuron_dtypes.static_cast(packed, nl.float8_e4m3fn_x4)
+
+
+def test_memset_packed_tile_with_float_zero():
+    from nkisim.runtime import CoreContext, set_current
+    prev = set_current(CoreContext())
+    try:
+        t = nl.ndarray((2, 4), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+        nisa.memset(dst=t, value=0.0)   # the library zeroes MX weight padding with 0.0
+        assert not np.asarray(nkisim.tensor.read(t)).any()
+        with pytest.raises(NkiValidationError, match="only supports value=0"):
+            nisa.memset(dst=t, value=1.0)
+    finally:
+        set_current(prev)
