@@ -3,8 +3,9 @@
 NKI 0.7 specializes kernels by Python *tracing* (the default frontend): kernel code is ordinary Python, so ``is``,
 generators, inheritance, any class, keyword-only parameters and list arguments are all fine.  The legacy parser stays
 selectable with ``NKI_COMPILER_FRONTEND=custom`` (AWS's switch; deprecated in Neuron 2.33, removed in 0.8) and only
-then are its Python-subset rules (``PARSER_RULES``) enforced.  Rules that are real errors under both frontends (legacy
-namespace, removed APIs and keywords, output buffer, nested jit) always apply.
+then are its Python-subset rules (``PARSER_RULES``) enforced.  Rules that are errors under both frontends (the legacy
+``neuronxcc`` namespace, the removed ``nl.arange`` / ``nl.mgrid``, outputs outside ``nl.shared_hbm``) always apply;
+no 0.7 page reverses them (0.4.0, 0.2.0 and 0.3.0 release notes respectively).
 
 The official NKI simulator runs a kernel as ordinary Python, so a kernel can pass simulation and still be refused by the
 compiler.  This module closes that gap: at ``nki.jit`` time the interpreter calls :func:`check_kernel` (static, on the
@@ -17,8 +18,8 @@ Rule ids (see ``RULES``); the first group is ``PARSER_RULES`` (only under ``NKI_
 ``kwonly-param``      keyword-only parameter in the kernel signature (``def k(a, *, b)``)
 ``is-compare``        ``is`` / ``is not`` (use ``==`` / ``!=``)
 ``list-arg``          a kernel argument is a Python list (use a tuple)
-``class-base``        a user class that does not derive from ``nl.NKIObject``
-``dict-key``          a dict display with a non-string constant key (dict keys must be strings)
+``class-base``        a user class that does not derive from ``nl.NKIObject`` alone (no other base class)
+``dict-key``          a non-string constant key in a dict display, comprehension or ``d[0] = ...`` store
 ``generator``         a generator function (``yield`` / ``yield from``)
 ``nested-jit``        a sub-kernel decorated with ``nki.jit`` (0.7 tracing inlines it under the top-level kernel)
 ``isa-mask-dtype``    ``mask=`` or ``dtype=`` passed to an ``nki.isa`` op (under 0.7: a TypeError when the call runs)
