@@ -97,3 +97,51 @@ CASES = [
 CASES += [
     _case("SHARD_ON_INTERMEDIATE", 3072, 1024, 8, 512, 4, 2048, 1, True, "Swish"),
 ]
+
+
+# ---- experimental/moe forward: blockwise_mm_baseline_shard_hidden (H sharded over the LNC pair) --------------------
+
+SRC_H = "test/integration/nkilib/experimental/moe/test_bwmm_shard_on_H.py"
+
+
+def _shard_h_case(H, T, E, B, K, inter, skip, target="trn2"):
+    """The test's golden sits in a module that needs AWS's metrics packages; the computation is the library's
+    blockwise MoE (output[token] += affinity * down(silu(gate) * up) per block), which moe_cte_torch_ref implements
+    for every blockwise variant, so it serves as the reference here (bwmm_func = SHARD_ON_HIDDEN)."""
+    n_blocks = math.ceil((T * K - (E - 1)) / B) + E - 1
+    skip_token, skip_weight = skip in (1, 3), skip in (2, 3)
+
+    def inputs():
+        from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_utils import SkipMode
+        from nkilib_src.nkilib.core.utils.common_types import ExpertAffinityScaleMode
+        rng = np.random.default_rng(0)
+        mask, slot_to_token, block_to_expert = routing(rng, T, K, E, B, n_blocks, skip_token)
+        rows = T if skip_token else T + 1
+        hidden = rng.random((rows, H)).astype(np.float32)
+        aff = rng.random((rows, E)).astype(np.float32)
+        aff[:T] *= mask
+        if not skip_token:
+            hidden[T], aff[T] = 0, 0
+        return {"hidden_states": hidden.astype(BF16), "expert_affinities_masked": aff.astype(BF16).reshape(-1, 1),
+                "gate_up_proj_weight": rng.uniform(-0.1, 0.1, (E, H, 2, inter)).astype(BF16),
+                "down_proj_weight": rng.uniform(-0.1, 0.1, (E, math.ceil(inter / 16) * 16, H)).astype(BF16),
+                "block_size": B, "token_position_to_id": slot_to_token,
+                "block_to_expert": block_to_expert.reshape(-1, 1),
+                "skip_dma": SkipMode(skip_token, skip_weight), "compute_dtype": _bf16(),
+                "is_tensor_update_accumulating": K != 1,
+                "expert_affinities_scaling_mode": ExpertAffinityScaleMode.POST_SCALE}
+
+    def ref_inputs(kw):
+        from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_utils import SkipMode
+        from nkilib_src.nkilib.core.utils.common_types import ActFnType
+        from test.integration.nkilib.core.moe.moe_cte.test_moe_cte_common import BWMMFunc
+        return {**kw, "skip_dma": SkipMode(skip_token, skip_weight), "bwmm_func": BWMMFunc.SHARD_ON_HIDDEN,
+                "lnc_degree": 2, "top_k": K, "activation_function": ActFnType.SiLU}
+
+    return Case("experimental.moe.forward.bwmm_shard_on_H:blockwise_mm_baseline_shard_hidden",
+                "core.moe.moe_cte.moe_cte_torch:moe_cte_torch_ref",
+                f"H{H}_T{T}_E{E}_B{B}_k{K}_I{inter}_skip{skip}", inputs, atol=1e-5, rtol=2e-2, source=SRC_H,
+                target=target, lnc=2, ref_inputs=ref_inputs)
+
+
+CASES += [_shard_h_case(5120, 8192, 16, 256, 1, 128, 2)]
