@@ -160,7 +160,7 @@ def require_version(op, minimum, feature=None):
 
 def as_pf(a, p):
     """View/copy an array of any shape as [P, F] (elements per partition flattened in row-major order)."""
-    if a.ndim == 2:          # already [P, F] (dim 0 of an on-chip operand is its P partitions)
+    if a.ndim == 2 and a.shape[0] == p:     # already [P, F]
         return a
     return a.reshape(p, -1)
 
