@@ -317,6 +317,28 @@ def test_c7_full_width_or_third_half_tile_does_not_fit():
         _live_together([(64, 120000)] * 3)
 
 
+def _sbuf_at(addresses):
+    @nki.jit
+    def k(x):
+        tiles = []
+        for a in addresses:
+            t = nl.ndarray((128, 150000), nl.uint8, buffer=nl.sbuf, address=(0, a))
+            nisa.memset(dst=t, value=0)
+            tiles.append(t)
+        for t in tiles:
+            nisa.tensor_copy(dst=t, src=t)
+        return x
+    return k(np.zeros((2, 2), np.float32))
+
+
+def test_c7_sbuf_tiles_at_one_explicit_address_count_once():
+    """Explicitly placed SBUF tiles occupy their byte ranges: two live tiles at one address are the same bytes
+    (the nki-library's SbufManager re-uses addresses), at disjoint addresses they add up."""
+    _sbuf_at([0, 0])
+    with pytest.raises(NkiCapacityError, match=r"300000 B/partition live .*\(C7\)"):
+        _sbuf_at([0, 150000])
+
+
 def test_c6_psum_explicit_address_reuse_aliases_storage():
     """Re-using a PSUM address is legal, even while the Python object of the earlier tile is alive; both tiles
     are the same memory (a write through one is read through the other)."""
