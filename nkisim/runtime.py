@@ -206,22 +206,22 @@ class CoreContext:
             _refuse_data_dependent(opname, reads, writes)
         if self.pool.deferred:
             seq = self.seq
-            for group in (reads, writes):
-                for t in group:
-                    a = getattr(t, "alloc", None)
-                    if a is not None:
-                        rec = a.rec
-                        if rec is not None:
-                            if not rec[8]:
-                                rec[0], rec[8] = seq, True
-                            rec[1] = seq
-                        g = t.gather
-                        if g is not None and g.index.alloc.rec is not None:
-                            g.index.alloc.rec[1] = seq
-                        for r in t._regs or ():
-                            ra = getattr(r, "alloc", None)
-                            if ra is not None and ra.rec is not None:
-                                ra.rec[1] = seq
+            for t in (*reads, *writes):
+                a = getattr(t, "alloc", None)
+                if a is None:
+                    continue
+                rec = a.rec
+                if rec is not None:
+                    if not rec[8]:
+                        rec[0], rec[8] = seq, True
+                    rec[1] = seq
+                if t.gather is not None and t.gather.index.alloc.rec is not None:
+                    t.gather.index.alloc.rec[1] = seq
+                if t._regs:
+                    for r in t._regs:
+                        ra = getattr(r, "alloc", None)
+                        if ra is not None and ra.rec is not None:
+                            ra.rec[1] = seq
         if self.record:
             if read_acc is None:
                 read_acc = tuple([t._access or access_of(t) for t in reads])
