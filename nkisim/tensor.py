@@ -297,6 +297,11 @@ class NkiTensor:
 
     # ---- view methods (NKI 0.5+) --------------------------------------------------------------------------
     def slice(self, dim, start, end, step=1):
+        n = self.shape[dim]
+        if not (isinstance(start, (int, np.integer)) and isinstance(end, (int, np.integer))
+                and 0 <= start < end <= n) or not (isinstance(step, (int, np.integer)) and step >= 1):
+            raise NkiValidationError(f"slice(dim={dim}, start={start}, end={end}, step={step}): needs "
+                                     f"0 <= start < end <= {n} and step >= 1 (C31)")
         key = [slice(None)] * self.ndim
         key[dim] = slice(start, end, step)
         return self[tuple(key)]
@@ -421,7 +426,13 @@ class NkiTensor:
 
     def vector_select(self, dim, vector_offset):
         if dim != 0:
-            raise NkiValidationError(f"vector_select(dim={dim}): dim must be 0")
+            raise NkiValidationError(f"vector_select(dim={dim}): dim must be 0 (C31)")
+        if self.buffer.on_chip:
+            raise NkiValidationError(f"vector_select: only HBM tensors can be vector-selected; '{self.name}' is in "
+                                     f"{self.buffer.name} (C31)")
+        if self.gather is not None:
+            raise NkiValidationError("vector_select: the view is already indirect; only one dynamic select per "
+                                     "tensor (C31)")
         v = self.ap([[self.strides[0], vector_offset.shape[0]]] + [[s, n] for s, n in
                                                                    zip(self.strides[1:], self.shape[1:])],
                     offset=self.offset, vector_offset=vector_offset)
@@ -432,6 +443,8 @@ class NkiTensor:
         d = dt.as_dtype(dtype)
         if d is self.dtype:
             return self
+        if self.gather is not None:
+            raise NkiValidationError(f"view({d.name}): not supported on an indirect (vector-selected) view (C31)")
         if self.strides and self.strides[-1] != 1 and self.shape[-1] != 1:
             raise NkiValidationError(f"view({d.name}): the last dim of the tensor must be contiguous")
         num, den = self.dtype.itemsize, d.itemsize

@@ -1166,7 +1166,7 @@ def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w):
     V: partition q' (q' = q, or r*T + t) holds the same positions, block i of the slot. The steps use the matching
     i-major score layout (see _plan), so score chunks read contiguous K^T columns and P^T blocks are contiguous.
       n >= bs: n/bs indirect gathers of 128 blocks each (block q*(n/bs) + i' on partition q);
-      n < bs <= w: K^T by one 4-D transpose [T, K, n, d] -> [d, K, n, T]; V by K gathers of T partitions;
+      n < bs <= w: K^T by one 3-D transpose [T, K*n, d] -> [d, K*n, T]; V by K gathers of T partitions;
       w < bs: the slot lies in one block: one register-addressed DMA each.
     """
     d, bs, n = cfg.d, cfg.bs, w // P_MAX

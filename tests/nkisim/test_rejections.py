@@ -431,3 +431,31 @@ def test_nl_mod_takes_the_sign_of_the_divisor_and_fmod_of_the_dividend():
     x = sb(np.array([[-7.0, 7.0, -1.5, 4.5]], np.float32))
     np.testing.assert_array_equal(rd(nl.mod(x, 3.0)), np.mod([[-7.0, 7.0, -1.5, 4.5]], 3.0))
     np.testing.assert_array_equal(rd(nl.fmod(x, 3.0)), np.fmod([[-7.0, 7.0, -1.5, 4.5]], 3.0))
+
+
+# ---- C31: NkiTensor view-method constraints --------------------------------------------------------------------------
+
+def test_c31_slice_bounds():
+    x = rand((4, 8))
+    t = sb(x)
+    for start, end, step in ((3, 3, 1), (5, 2, 1), (0, 9, 1), (0, 8, 0)):
+        with pytest.raises(E, match=rf"slice\(dim=1, start={start}, end={end}, step={step}\): needs 0 <= start < end "
+                                    r"<= 8 and step >= 1 \(C31\)"):
+            t.slice(1, start, end, step)
+    np.testing.assert_array_equal(rd(t.slice(1, 2, 8, 3)), x[:, 2:8:3])
+
+
+def test_c31_vector_select_only_once_and_only_on_hbm():
+    x = rand((16, 4))
+    h = hbm(x)
+    idx = idx_tile([3, 0, 7, 7])
+    with pytest.raises(E, match=r"vector_select: only HBM tensors can be vector-selected; .* is in sbuf \(C31\)"):
+        sb(x).vector_select(0, idx)
+    g = h.vector_select(0, idx)
+    with pytest.raises(E, match=r"vector_select: the view is already indirect; only one dynamic select.*\(C31\)"):
+        g.vector_select(0, idx)
+    with pytest.raises(E, match=r"view\(bfloat16\): not supported on an indirect \(vector-selected\) view \(C31\)"):
+        g.view(nl.bfloat16)
+    d = tile((4, 4))
+    nisa.dma_copy(dst=d, src=g)
+    np.testing.assert_array_equal(rd(d), x[[3, 0, 7, 7]])
