@@ -6,7 +6,8 @@ the fp8 range by one / per-column scale), bias ~ N(0, 100); CompilerArgs() = trn
 (5e-2 when quantized).
 CTE: test_output_proj_cte.py::test_output_proj_cte_bf16_unit / _static_fp8_unit — attention [B, N, d, S] and
 weights uniform [0, 1) (fp8 weights uniform over the fp8 range with scales in [0, 1/256)); the tests take the
-platform from the command line (trn2 and trn3), LNC=2; atol 1e-5, rtol 2e-2 (bf16) / 0.036 (static fp8).
+platform from the command line (trn2 and trn3), LNC=2; atol 1e-5, rtol 2e-2 (bf16) / 0.036 (static fp8); MXFP4
+weights on trn3 (the library's MX test excludes trn1/trn2).
 """
 
 import ml_dtypes
@@ -98,3 +99,30 @@ CASES = [
     _cte(1, 128, 3072, 8, 32, True, "STATIC", t),
     _cte(1, 512, 8192, 1, 128, False, "STATIC", t),
 )]
+
+
+def _cte_mxfp4(b, s, h, n_head, d_head, bias):
+    """test_output_proj_cte_mxfp4_unit (trn3 only): bf16 attention ~ N(0, 0.1) quantized online by the kernel, MXFP4
+    weights: a float [N*d/4, 4*H] matrix in (-1, 1) through the library's quantize_to_mx (packed [N*d/4, H] words,
+    scales [N*d/32, H]); reference output_projection_cte_mx_torch_ref; atol 1e-5, rtol 5e-2."""
+    def inputs():
+        import nki.language as nl
+        to_mx = nkilib.load("core.utils.mx_torch_common:quantize_to_mx")
+        rng = np.random.default_rng(42)
+        w, w_scale = to_mx(rng.uniform(-1.0, 1.0, (n_head * d_head // 4, h * 4)).astype(np.float32),
+                           nl.float4_e2m1fn_x4)
+        return {"attention": (0.1 * rng.normal(size=(b, n_head, d_head, s))).astype(BF16), "weight": w,
+                "bias": (100 * rng.normal(size=(1, h))).astype(BF16) if bias else None,
+                "quantization_type": _quant("MX"), "input_scales": None, "weight_scales": w_scale}
+
+    return Case("core.output_projection.output_projection_cte:output_projection_cte",
+                "core.output_projection.output_projection_cte.output_projection_cte_torch:"
+                "output_projection_cte_mx_torch_ref",
+                f"b{b}_s{s}_h{h}_nh{n_head}_dh{d_head}_mxfp4{'_bias' if bias else ''}", inputs, atol=1e-5, rtol=5e-2,
+                source=f"{OP}/test_output_proj_cte.py::test_output_proj_cte_mxfp4_unit", lnc=2, target="trn3")
+
+
+CASES += [
+    _cte_mxfp4(1, 128, 3072, 16, 64, True),
+    _cte_mxfp4(4, 256, 7168, 1, 128, False),
+]
