@@ -597,6 +597,8 @@ class _AttnState(nl.NKIObject):
         self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
         self.block_ids, self.starts = None, None
         self.iotas = {}
+        self.valid, self.cur_valid = {}, None     # per pack: _ValidRange of its sequences
+        self.ramps, self.k_ramp = {}, (None, None)  # scrub position tables (see _scrub_slot)
 
     def scores(self):
         buf = self.ps_sc[self.n_scores % 2]
@@ -726,6 +728,9 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         qp_rel = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=qp_rel[:rows], data1=q_pos[:rows], data2=start[:rows], op=nl.subtract)
         p_first, q_pos = pf_rel, qp_rel
+    if p0 not in st.valid:      # per pack, shared by the KV heads
+        st.valid[p0] = _valid_ranges(cfg, position_ids, p0, nb)
+    st.cur_valid = st.valid[p0]
     _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
     if cfg.split:
         _flush_acc(cfg, st, sm, rows, nb)
@@ -1008,6 +1013,7 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
 def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step, views):
     """Loads of the step's slot (when first needed), then its scores and masks into the next score buffer."""
     d, rows = cfg.d, nb * cfg.R
+    fresh = []
     while len(views) <= step.slot:
         j0, w = slots[len(views)]
         n, rem = w // P_MAX, w % P_MAX
@@ -1030,7 +1036,9 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                                   src=V_cache[b, g, j0:j0 + n * P_MAX, :].reshape((P_MAX, n * d)))
                 if rem:
                     nisa.dma_copy(dst=v[:rem, j, n, :], src=V_cache[b, g, j0 + n * P_MAX:j0 + w, :])
+        _scrub_slot(cfg, st, kT, j0, w, nb)
         views.append((kT, v))
+        fresh.append((v, j0, w))
     kT = views[step.slot][0]
     j0, w = slots[step.slot]
     n = w // P_MAX
@@ -1058,6 +1066,8 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                            accumulate=(jj > 0))
         for m in masks:          # each chunk's masks right after its scores: its row max can start early
             _fold_chunk(consts, sc, rows, m, (c0, c1, inner))
+    for v, j0, w in fresh:      # V is needed by the PV, one step later
+        _scrub_v(cfg, st, v, j0, w, nb)
     step.sc = sc
 
 
@@ -1085,18 +1095,19 @@ def _slot_split(cfg, w):
     return cfg.bs // n
 
 
-def _start_rows(cfg, p_first, rows):
-    """fp32 [rows, 1]: first scanned position of each row's sequence (windowed scan; see _Config)."""
-    x = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=x[:rows], data=p_first[:rows], op0=nl.add, operand0=1.0 - cfg.window, op1=nl.maximum,
-                       operand1=0.0)
+def _start_rows(cfg, p_first, rows, cols=1):
+    """fp32 [rows, cols]: first scanned position of each sequence (windowed scan; see _Config), elementwise from
+    its first new position p_first [rows, cols]."""
+    x = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=x[:rows], data=p_first[:rows, :cols], op0=nl.add, operand0=1.0 - cfg.window,
+                       op1=nl.maximum, operand1=0.0)
     if cfg.paged:
-        m = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        m = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=m[:rows], data=x[:rows], op0=nl.mod, operand0=float(cfg.unit))
-        x2 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        x2 = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=x2[:rows], data1=x[:rows], data2=m[:rows], op=nl.subtract)
         x = x2
-    out = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    out = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=out[:rows], data=x[:rows], op0=nl.minimum, operand0=float(cfg.cap - cfg.scan))
     return out
 
@@ -1208,6 +1219,166 @@ def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w):
                 nisa.dma_copy(dst=v[r * T:(r + 1) * T, j, :n, :],
                               src=V_cache.ap([[row, T], [1, n * d]], offset=off + r * n * d, vector_offset=vo),
                               dge_mode=swdge)
+
+
+class _ValidRange(nl.NKIObject):
+    """Scan positions holding data of each sequence of a pack: key k (scan coordinates: relative to the sequence's
+    window start when the scan is windowed) is valid iff lo <= k < hi, hi = the first new position, lo = hi - W + 1
+    (sliding window; None = no lower bound). fp32 per-partition tables in the two slot layouts: _k [128, stacks]
+    (partition u*d + e of stack jj <-> batch jj*kpp + u of the K^T slot) and _v [128, batches] (same on every
+    partition)."""
+
+    def __init__(self):
+        self.hi_k, self.lo_k, self.hi_v, self.lo_v = None, None, None, None
+
+
+def _valid_ranges(cfg, position_ids, p0, nb):
+    S, d, kpp = cfg.S, cfg.d, cfg.kpp
+    nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
+    pv = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=pv[:, :nb], src=position_ids.ap([[0, P_MAX], [S, nb]], offset=p0 * S))
+    pk = nl.ndarray((P_MAX, cfg.nst), dtype=nl.float32, buffer=nl.sbuf)
+    if nb % kpp:       # the last stack's missing batches: any finite value (their partitions are never read)
+        nisa.memset(dst=pk[:npk, nst - 1:nst], value=0.0)
+    for u in range(min(kpp, nb)):
+        cnt = (nb - u + kpp - 1) // kpp
+        nisa.dma_copy(dst=pk[u * d:(u + 1) * d, :cnt], src=position_ids.ap([[0, d], [kpp * S, cnt]],
+                                                                           offset=(p0 + u) * S))
+    vr = _ValidRange()
+    vr.hi_v, vr.lo_v = _range_bounds(cfg, pv, P_MAX, nb)
+    vr.hi_k, vr.lo_k = _range_bounds(cfg, pk, npk, nst)
+    return vr
+
+
+def _range_bounds(cfg, p, rows, cols):
+    """(hi, lo) of _ValidRange from the first new positions p [rows, cols] (fp32)."""
+    hi = p
+    if cfg.dyn:
+        start = _start_rows(cfg, p, rows, cols)
+        hi = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=hi[:rows], data1=p[:rows, :cols], data2=start[:rows], op=nl.subtract)
+    lo = None
+    if cfg.window > 0:
+        lo = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=lo[:rows], data=hi[:rows, :cols], op0=nl.add, operand0=1.0 - cfg.window)
+    return hi, lo
+
+
+def _slot_rel(t, rows, cols, j0, sign=1.0, add=0.0):
+    """sign * (t[:rows, :cols] - j0) + add (fp32): a _ValidRange bound in the key offsets of the slot at j0."""
+    if t is None:
+        return None
+    r = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=r[:rows], data=t[:rows, :cols], op0=nl.add, operand0=-float(j0), op1=nl.multiply,
+                       operand1=sign)
+    if add != 0.0:
+        nisa.tensor_scalar(dst=r[:rows], data=r[:rows], op0=nl.add, operand0=add)
+    return r
+
+
+def _k_ramp(cfg, st, w):
+    """fp32 [128, w]: key offset (position - slot start) of every K^T slot column (same on every partition):
+    contiguous: the column; paged (i-major, see _load_slot_paged): K = 1 column i*128 + q <-> q*n + i, K > 1
+    column r*n*T + i*T + t <-> t*bs + r*n + i. One table at a time (the contiguous one serves every slot)."""
+    n, K = w // P_MAX, _slot_split(cfg, w)
+    if not cfg.paged:
+        key, width, pattern = "c", cfg.fa_tile, [[1, cfg.fa_tile]]
+    elif K == 1:
+        key, width, pattern = f"p{n}", w, [[1, n], [n, P_MAX]]
+    else:
+        key, width, pattern = f"p{n}_{K}", w, [[n, K], [1, n], [cfg.bs, w // cfg.bs]]
+    if st.k_ramp[0] != key:
+        t = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=t[:, :width], pattern=pattern, offset=0, channel_multiplier=0)
+        st.k_ramp = (key, t)
+    return st.k_ramp[1]
+
+
+def _v_positions(cfg, st, w):
+    """fp32 [128, blocks]: key offset of V slot block i on partition q (see _issue_scores / _load_slot_paged):
+    q*n + i (i < n), the remainder block n*128 + q; paged K > 1: partition r*T + t holds t*bs + r*n + i."""
+    n, rem, K = w // P_MAX, w % P_MAX, _slot_split(cfg, w)
+    key = (n, rem, K)
+    if key in st.ramps:
+        return st.ramps[key]
+    t = nl.ndarray((P_MAX, n + 1), dtype=nl.float32, buffer=nl.sbuf)
+    if K == 1:
+        if n > 0:
+            nisa.iota(dst=t[:, :n], pattern=[[1, n]], offset=0, channel_multiplier=n)
+        if rem:
+            nisa.iota(dst=t[:, n:n + 1], pattern=[[0, 1]], offset=n * P_MAX, channel_multiplier=1)
+    else:
+        T = w // cfg.bs
+        q = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=q, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+        tt = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)            # t = q mod T
+        nisa.tensor_scalar(dst=tt, data=q, op0=nl.mod, operand0=float(T))
+        rn = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)            # r * n = (q - t) * n / T
+        nisa.tensor_scalar(dst=rn, data=q, op0=nl.subtract, operand0=tt, op1=nl.multiply, operand1=float(n) / T)
+        base = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)          # t * bs + r * n
+        nisa.scalar_tensor_tensor(dst=base, data=tt, op0=nl.multiply, operand0=float(cfg.bs), op1=nl.add,
+                                  operand1=rn)
+        i = nl.ndarray((P_MAX, n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=i, pattern=[[1, n]], offset=0, channel_multiplier=0)
+        nisa.tensor_scalar(dst=t[:, :n], data=i, op0=nl.add, operand0=base)
+    st.ramps[key] = t
+    return t
+
+
+def _scrub_slot(cfg, st, kT, j0, w, nb):
+    """Exclude, by selection, every K^T element of the slot [j0, j0 + w) whose position is outside its own
+    sequence's valid range (st.cur_valid): rows past a sequence's length (a reused paged block's stale tail, which
+    may hold NaN) and rows before a sliding window. Batch packing contracts other sequences' keys against zero
+    queries and the PV matmul multiplies invalid values by zero probabilities; 0 * NaN = NaN, so invalid data must
+    never reach a matmul. A bitwise AND of the bf16 bits with an int16 mask keeps a valid key exactly and leaves
+    an invalid one finite (its score is masked anyway); never a multiply. Masks per stack on ScalarE, ANDs on
+    GpSimd; V in _scrub_v."""
+    vr = st.cur_valid
+    d, kpp = cfg.d, cfg.kpp
+    nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
+    # K^T mask = sign(key - hi + 1/2) as int16: 0xFFFF (-1) keeps a valid key's bits, 0x0001 (+1) leaves at most
+    # the lowest mantissa bit of an invalid one (0 or a subnormal: finite, and masked anyway). On ScalarE (idle
+    # here); windowed scans AND a second mask sign(lo - 1/2 - key).
+    b_hi = _slot_rel(vr.hi_k, npk, nst, j0, -1.0, 0.5)
+    b_lo = _slot_rel(vr.lo_k, npk, nst, j0, 1.0, -0.5)
+    ramp = _k_ramp(cfg, st, w)
+    k16 = kT.view(nl.int16)
+    for jj in range(nst):
+        kp = min(kpp, nb - jj * kpp) * d
+        for bias, sc in ((b_hi, 1.0), (b_lo, -1.0)):
+            if bias is None:
+                continue
+            m = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.int16, buffer=nl.sbuf)
+            nisa.activation(dst=m[:kp, :w], op=nl.sign, data=ramp[:kp, :w], bias=bias[:kp, jj:jj + 1], scale=sc)
+            nisa.tensor_tensor(dst=k16[:kp, jj, :w], data1=k16[:kp, jj, :w], data2=m[:kp, :w], op=nl.bitwise_and,
+                               engine=nisa.engine.gpsimd)
+
+
+def _scrub_v(cfg, st, v, j0, w, nb):
+    """V half of _scrub_slot (issued after the first step's scores: PV needs it one step later): an int16 mask
+    [128, batches, blocks] (-1 valid, 0 invalid; small, VectorE), ANDed on GpSimd."""
+    vr = st.cur_valid
+    d = cfg.d
+    n, rem = w // P_MAX, w % P_MAX
+    nblk = n + (1 if rem else 0)
+    th_v, tl_v = _slot_rel(vr.hi_v, P_MAX, nb, j0), _slot_rel(vr.lo_v, P_MAX, nb, j0)
+    vpos = _v_positions(cfg, st, w)[:, :nblk].expand_dim(1).broadcast(1, nb)
+    mf = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=mf[:, :nb, :], data1=vpos, data2=th_v[:, :nb].expand_dim(2).broadcast(2, nblk),
+                       op=nl.less)
+    mv = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.int16, buffer=nl.sbuf)
+    if tl_v is None:
+        nisa.tensor_scalar(dst=mv[:, :nb, :], data=mf[:, :nb, :], op0=nl.multiply, operand0=-1.0)
+    else:
+        m2 = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=m2[:, :nb, :], data1=vpos, data2=tl_v[:, :nb].expand_dim(2).broadcast(2, nblk),
+                           op=nl.greater_equal)
+        nisa.scalar_tensor_tensor(dst=mv[:, :nb, :], data=mf[:, :nb, :], op0=nl.multiply, operand0=-1.0,
+                                  op1=nl.multiply, operand1=m2[:, :nb, :])
+    v16 = v.view(nl.int16)
+    nisa.tensor_tensor(dst=v16[:, :nb, :nblk, :], data1=v16[:, :nb, :nblk, :],
+                       data2=mv[:, :nb, :].expand_dim(3).broadcast(3, d), op=nl.bitwise_and,
+                       engine=nisa.engine.gpsimd)
 
 
 def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks):

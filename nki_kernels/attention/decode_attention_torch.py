@@ -17,7 +17,7 @@ def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W
     cos/sin [B, S, d/2] (half-split RoPE; None = no RoPE); W_o [nq*d, H]; gamma [1, H] (None = no RMSNorm);
     bias_qkv [1, (nq+2nkv)*d]; sinks [nq] (per q head, logit units after scaling); bias_o [1, H].
     Key j is visible to a query at position p iff j <= p and (sliding_window == 0 or j > p - sliding_window), and
-    j < context_len.
+    j < context_len. Cache rows a query does not see never affect it (stale rows may hold NaN).
     Paged layout (block_table [B, max_blocks] int): K_cache/V_cache [num_blocks, nkv, block_size, d]; position j of
     sequence b is row j % block_size of block block_table[b, j // block_size]; S_max = max_blocks * block_size.
     """
@@ -89,7 +89,8 @@ def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W
                 den = e.sum()
                 if sinks is not None:
                     den = den + torch.exp(sinks[h].float() - m)
-                out[b * S + s, h] = (e / den) @ vc[b, g]
+                # invalid rows are excluded by selection: 0 * (a stale NaN) would be NaN
+                out[b * S + s, h] = (e / den) @ torch.where(valid[:, None], vc[b, g], 0.0)
     attn = out.reshape(B * S, nq * d).to(dt).float()
     o = attn @ W_o.float()
     if bias_o is not None:
