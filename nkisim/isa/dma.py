@@ -77,8 +77,13 @@ def dma_copy(dst, src, priority=None, oob_mode=OobMode.error, dge_mode=DgeMode.u
         if src.dtype is not dst.dtype:
             fail(op, f"dge_mode=hwdge requires equal dtypes (src {src.dtype.name}, dst {dst.dtype.name}); use "
                      ".view() to reinterpret (C10)")
-        if indirect and nc_version() == 3:
-            fail(op, "indirect (vector_offset) DMA needs dge_mode=swdge on NeuronCore-v3 (C29)")
+        if indirect:
+            fail(op, "dge_mode=hwdge does not support indirect (vector_offset) gather/scatter; use swdge or "
+                     "unknown (C32)")
+    elif dge_mode is DgeMode.none and (indirect or src._regs or dst._regs):
+        what = "an indirect (vector_offset)" if indirect else "a dynamic (register / scalar_offset)"
+        fail(op, f"dge_mode=none uses descriptors generated before execution and cannot address {what} location; "
+                 "use swdge, hwdge or unknown (C32)")
     skip = oob_mode is OobMode.skip
     values = read(src, op, oob_skip=skip)
     if src.dtype is not dst.dtype:

@@ -459,3 +459,37 @@ def test_c31_vector_select_only_once_and_only_on_hbm():
     d = tile((4, 4))
     nisa.dma_copy(dst=d, src=g)
     np.testing.assert_array_equal(rd(d), x[[3, 0, 7, 7]])
+
+
+# ---- C32: DGE modes of dma_copy ----------------------------------------------------------------------------------
+
+def test_c32_dge_none_cannot_address_dynamic_or_indirect_locations():
+    x = rand((8, 4))
+    h = hbm(x)
+    none = nisa.dge_mode.none
+    with pytest.raises(E, match=r"dma_copy: dge_mode=none .* cannot address a dynamic \(register / scalar_offset\) "
+                                r"location.*\(C32\)"):
+        nisa.dma_copy(dst=tile((2, 4)), src=h[nl.ds(nisa.register_alloc(3), 2), :], dge_mode=none)
+    with pytest.raises(E, match=r"dge_mode=none .* cannot address an indirect \(vector_offset\) location.*\(C32\)"):
+        nisa.dma_copy(dst=tile((2, 4)), src=h.ap([[4, 2], [1, 4]], vector_offset=idx_tile([1, 5]), indirect_dim=0),
+                      dge_mode=none)
+    a, b = tile((2, 4)), tile((2, 4))
+    nisa.dma_copy(dst=a, src=h[3:5, :], dge_mode=none)  # static addresses: fine
+    nisa.dma_copy(dst=b, src=h[nl.ds(nisa.register_alloc(3), 2), :], dge_mode=nisa.dge_mode.swdge)
+    np.testing.assert_array_equal(rd(a), x[3:5])
+    np.testing.assert_array_equal(rd(b), x[3:5])
+
+
+@pytest.mark.parametrize("target", ["trn2", "trn3"])
+def test_c32_hwdge_has_no_indirect_gather(on_target, target):  # noqa: F811
+    on_target(target)
+    x = rand((8, 4))
+    src = hbm(x).ap([[4, 2], [1, 4]], vector_offset=idx_tile([6, 2]), indirect_dim=0)
+    with pytest.raises(E, match=r"dge_mode=hwdge does not support indirect \(vector_offset\) gather/scatter.*\(C32\)"):
+        nisa.dma_copy(dst=tile((2, 4)), src=src, dge_mode=nisa.dge_mode.hwdge)
+    d = tile((2, 4))
+    nisa.dma_copy(dst=d, src=src, dge_mode=nisa.dge_mode.swdge)
+    np.testing.assert_array_equal(rd(d), x[[6, 2]])
+    r = tile((2, 4))  # hwdge with a dynamic (register) start address is fine
+    nisa.dma_copy(dst=r, src=hbm(x)[nl.ds(nisa.register_alloc(4), 2), :], dge_mode=nisa.dge_mode.hwdge)
+    np.testing.assert_array_equal(rd(r), x[4:6])
