@@ -223,8 +223,8 @@ def _mx_cte(b, s, h, n_q, n_kv, norm, fused_add, swizzled):
                 f"b{b}_s{s}_h{h}_q{n_q}kv{n_kv}_{norm.lower()}_mxfp8" + ("_4h" if swizzled else "") +
                 ("_add" if fused_add else ""),
                 lambda: _mx_inputs(b, s, h, fused_dim, norm, False, n_q, n_kv, 128, swizzled, fused_add),
-                atol=1e-5, rtol=2e-2, source="test/integration/nkilib/core/qkv/test_qkv_cte.py::test_qkv_cte_mxfp8_unit "
-                "(trn3 only)", target="trn3", lnc=2)
+                atol=1e-5, rtol=2e-2, target="trn3", lnc=2,
+                source="test/integration/nkilib/core/qkv/test_qkv_cte.py::test_qkv_cte_mxfp8_unit (trn3 only)")
 
 
 CASES += [
