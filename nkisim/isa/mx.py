@@ -135,13 +135,15 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
     _check_scale_tile(op, "moving_scale", moving_scale, p, n)
 
     def dequant(data, scale, free):
+        """[P, free] x4 words -> fp32 [4P, free]: row (q, k) is lane q of partition k, scaled by its group."""
         vals = mx.decode(np.asarray(read(data)).reshape(p, free), data.dtype).reshape(p, free, mx.GROUP_F)
         factor = np.exp2(np.repeat(_scales(scale, p), mx.GROUP_P, axis=0) - float(mx.SCALE_BIAS))
-        return vals.astype(np.float64) * factor[:, :, None]
+        vals = vals * factor[:, :, None].astype(np.float32)   # exact: a power of two times a <=4-bit mantissa
+        return np.ascontiguousarray(vals.transpose(2, 0, 1)).reshape(mx.GROUP_F * p, free)
 
     s = dequant(stationary, stationary_scale, m)
     mv = dequant(moving, moving_scale, n)
-    result = np.einsum("kiq,kjq->ij", s, mv).astype(np.float32)
+    result = s.T @ mv   # contraction over partitions and x4 lanes, fp32 accumulation as on TensorE
     _accumulate(op, ctx, dst, result.reshape(dst.shape), accumulate, ctx.target.nc_version)
     ctx.emit(op, "tensor", (stationary, moving, stationary_scale, moving_scale), (dst,), k=p, m=m, n=n,
              dtype=moving.dtype.name, stationary_dtype=stationary.dtype.name, double_row=False, transpose=False,
