@@ -43,13 +43,14 @@ class DecodeAttention(nn.Module):
         """x [B, S, H] -> [B, S, H] (all-reduced); k_cache / v_cache [B, kv, S_max, d] updated in place (paged:
         [num_blocks, kv, block_size, d] with block_table [B, max_blocks] int32)."""
         B, S, H = x.shape
-        # The O bias is added once across the group (by its first rank), so the all-reduce sums it exactly once.
-        b_o = self.b_o if self.b_o is not None and self.tp_group.rank_in_group == 0 else None
+        # The kernel's output is this rank's partial O-projection; the all-reduce sums the ranks' partials, so the
+        # O bias is added by exactly one rank of the group (its first), fused into the kernel's eviction.
         partial = decode_attention(x, self.w_qkv.data, k_cache, v_cache, position_ids, cos, sin, self.w_o.data,
                                    gamma=None if self.gamma is None else self.gamma.data,
                                    bias_qkv=None if self.b_qkv is None else self.b_qkv.data,
                                    sinks=None if self.sinks is None else self.sinks.data,
-                                   bias_o=None if b_o is None else b_o.data, context_len=context_len,
+                                   bias_o=None if self.b_o is None else self.b_o.data,
+                                   add_bias_o=self.tp_group.rank_in_group == 0, context_len=context_len,
                                    softmax_scale=self.softmax_scale, eps=self.eps, hidden_actual=self.hidden_actual,
                                    sliding_window=self.sliding_window, block_table=block_table,
                                    backend=self.backend, lnc=self.lnc)

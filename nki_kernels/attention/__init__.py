@@ -5,18 +5,20 @@
   - "nkisim": the kernel on the nkisim CPU interpreter (when nkisim serves `import nki`);
   - "torch":  the torch reference (same semantics);
   - "auto":   "nki" when the real package serves `import nki`, else "nkisim".
-It returns out [B*S_tkg, H] (the partial O-projection, before the TP all-reduce) and updates K_cache / V_cache in place.
+It returns out [B*S_tkg, H] (the partial O-projection, before the TP all-reduce; bias_o is added iff add_bias_o, which
+under TP must be True on exactly one rank of the group) and updates K_cache / V_cache in place. position_ids and
+block_table may be int64 (torch's default): they are checked on the host and passed to the kernel as int32.
 """
 
 import numpy as np
 
 import nkisim
 
-from .decode_attention import decode_attention_kernel, decode_attention_nki
+from .decode_attention import argument_error, decode_attention_kernel, decode_attention_nki
 from .decode_attention_torch import decode_attention_torch
 
 __all__ = ["decode_attention", "decode_attention_kernel", "decode_attention_nki", "decode_attention_torch",
-           "check_positions", "check_block_table"]
+           "argument_error", "check_positions", "check_block_table"]
 
 BACKENDS = ("auto", "nki", "nkisim", "torch")
 
@@ -53,6 +55,22 @@ def check_block_table(block_table, num_blocks, block_size, position_ids, context
                          f"[{used.min()}, {used.max()}] (pad unused entries with any valid block id)")
 
 
+def _as_int32(name, t):
+    """int32 or int64 index tensors (torch / NumPy) as int32 (after the host checks bound their values); any other
+    dtype is an error naming the argument."""
+    if t is None:
+        return None
+    dtype = str(t.dtype).replace("torch.", "")
+    if dtype == "int32":
+        return t
+    if dtype != "int64":
+        raise ValueError(f"{name} must be int32 or int64, got {dtype}")
+    if isinstance(t, np.ndarray):
+        return t.astype(np.int32)
+    import torch
+    return t.to(torch.int32)
+
+
 def _to_torch(x):
     if x is None:
         return None
@@ -67,12 +85,19 @@ def _to_torch(x):
 
 def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None, sinks=None,
                      bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0, sliding_window=0,
-                     block_table=None, backend="auto", lnc=1):
+                     block_table=None, backend="auto", lnc=1, add_bias_o=True):
     """Fused decode attention for one TP rank. See `decode_attention_kernel` for shapes and semantics."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
     if lnc not in (1, 2):
         raise ValueError(f"lnc={lnc} must be 1 or 2")
+    if not isinstance(add_bias_o, bool):
+        raise ValueError(f"add_bias_o={add_bias_o!r} must be a bool")
+    err = argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table)
+    if err is not None:      # before the position checks, which read S_max from the cache's shape
+        raise ValueError(err)
+    position_ids = _as_int32("position_ids", position_ids)
+    block_table = _as_int32("block_table", block_table)
     if block_table is None:
         check_positions(position_ids, K_cache.shape[2], context_len)
     else:
@@ -82,7 +107,7 @@ def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
         backend = "nkisim" if nkisim.active() else "nki"
     kwargs = dict(gamma=gamma, bias_qkv=bias_qkv, sinks=sinks, bias_o=bias_o, context_len=int(context_len),
                   softmax_scale=float(softmax_scale), eps=float(eps), hidden_actual=int(hidden_actual),
-                  sliding_window=int(sliding_window), block_table=block_table)
+                  sliding_window=int(sliding_window), block_table=block_table, add_bias_o=add_bias_o)
     args = (X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o)
     if backend == "torch":
         is_np = isinstance(X, np.ndarray)

@@ -47,7 +47,7 @@ MAX_CACHE_ROWS = 1 << 24   # paged cache rows num_blocks * kv_heads * block_size
 
 def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None,
                             sinks=None, bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0,
-                            sliding_window=0, block_table=None):
+                            sliding_window=0, block_table=None, add_bias_o=True):
     """Fused decode attention block: out = O_proj(Attn(RoPE(QKV(RMSNorm(X)))), with in-place KV-cache update.
 
     Dimensions:
@@ -66,6 +66,9 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         W_o ([nq * d, H] @ HBM): O-projection shard.
         gamma ([1, H] @ HBM): RMSNorm weight (None: no fused RMSNorm).
         bias_qkv ([1, (nq + 2*nkv) * d] @ HBM), bias_o ([1, H] @ HBM): optional biases.
+        add_bias_o (bool): whether THIS rank adds bias_o. The output is a partial sum over the tensor-parallel
+            ranks, so under TP pass True on exactly one rank of the group (e.g. rank 0) and False on the others
+            (or bias_o=None and add the bias after the all-reduce); True for a single rank.
         sinks ([nq] @ HBM): optional per-head sink logits (scaled-logit units); join the softmax denominator only.
         context_len (int): static number of cache positions scanned (L); 0 = S_max. Every position must be < L.
         softmax_scale (float): 0.0 = 1/sqrt(d). eps (float): RMSNorm epsilon.
@@ -76,7 +79,8 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
             blocks, u = max(128, block_size)) must be a valid block id (pad unused entries with any valid id).
 
     Returns:
-        out ([B * S, H] @ HBM, shared_hbm): partial O-projection (sum over ranks = full output), input dtype.
+        out ([B * S, H] @ HBM, shared_hbm): partial O-projection (sum over ranks = full output; + bias_o iff
+            add_bias_o), input dtype.
 
     Notes:
         - LNC=2 splits the batch between the two cores (each core owns whole sequences). With B = 1 the cores
@@ -100,7 +104,9 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         out = o @ W_o + b_o ; K_cache[b, :, pos[b]] = k ; V_cache[b, :, pos[b]] = v
     """
     cfg = _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
-                           context_len, softmax_scale, hidden_actual, sliding_window, block_table)
+                           context_len, softmax_scale, hidden_actual, sliding_window, block_table, add_bias_o)
+    if not add_bias_o:
+        bias_o = None       # another rank of the TP group adds it
     out = nl.ndarray((cfg.B * cfg.S, cfg.H), dtype=X.dtype, buffer=nl.shared_hbm)
 
     n_prog = nl.num_programs()
@@ -217,8 +223,28 @@ def _slot_bytes(pack, ft, kpp, d, itemsize):
     return ((pack + kpp - 1) // kpp * ft + pack * ft * d // P_MAX) * itemsize
 
 
+def argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table=None):
+    """The argument at fault when a wrong layout would otherwise be blamed on another one, as a message (None: no
+    such error). Shared by the kernel's validation and the host-side checks of `decode_attention`."""
+    if (cos is None) != (sin is None):
+        given, missing = ("cos", "sin") if sin is None else ("sin", "cos")
+        return f"{given} is given but {missing} is None: the RoPE tables come as a pair (both or neither)"
+    paged = block_table is not None
+    layout = "[num_blocks, kv_heads, block_size, d]" if paged else "[B, kv_heads, S_max, d]"
+    if len(K_cache.shape) != 4:
+        return f"K_cache must be {layout}, got shape {tuple(K_cache.shape)}"
+    if tuple(V_cache.shape) != tuple(K_cache.shape):
+        return f"V_cache shape {tuple(V_cache.shape)} must equal K_cache shape {tuple(K_cache.shape)}"
+    nkv, d = K_cache.shape[1], K_cache.shape[3]
+    if len(W_qkv.shape) == 2 and (d < 1 or W_qkv.shape[1] % d or W_qkv.shape[1] // d < 3 * nkv):
+        return (f"K_cache: shape {tuple(K_cache.shape)} read as {layout} gives kv_heads={nkv}, d={d}, which W_qkv's "
+                f"{W_qkv.shape[1]} = (nq + 2*kv_heads) * d columns (nq >= kv_heads) cannot hold: is the cache in "
+                f"another layout (e.g. [B, S_max, kv_heads, d])?")
+    return None
+
+
 def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
-                     context_len, softmax_scale, hidden_actual, sliding_window, block_table=None):
+                     context_len, softmax_scale, hidden_actual, sliding_window, block_table=None, add_bias_o=True):
     """Check every static limit before any work; messages name the argument and the limit."""
     assert nl.tile_size.gemm_moving_fmax >= PSUM_F, \
         f"target: matmul moving free size {nl.tile_size.gemm_moving_fmax} < one PSUM bank ({PSUM_F}); unsupported"
@@ -227,6 +253,10 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
          "(NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true reserves one)")
     assert len(X.shape) == 3, f"X must be [B, S_tkg, H], got shape {X.shape}"
     B, S, H = X.shape
+    assert len(W_qkv.shape) == 2 and W_qkv.shape[0] == H, f"W_qkv must be [H={H}, (nq+2*nkv)*d], got {W_qkv.shape}"
+    err = argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table)
+    assert err is None, err
+    assert isinstance(add_bias_o, bool), f"add_bias_o={add_bias_o!r} must be a bool"
     paged = block_table is not None
     if paged:
         assert len(K_cache.shape) == 4, \
@@ -253,7 +283,6 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     assert Bc == B, f"K_cache: batch {Bc} must equal X batch {B}"
     assert tuple(V_cache.shape) == tuple(K_cache.shape), \
         f"V_cache shape {V_cache.shape} must equal K_cache shape {K_cache.shape}"
-    assert len(W_qkv.shape) == 2 and W_qkv.shape[0] == H, f"W_qkv must be [H={H}, (nq+2*nkv)*d], got {W_qkv.shape}"
     assert W_qkv.shape[1] % d == 0, f"W_qkv: {W_qkv.shape[1]} columns is not a multiple of d={d}"
     nq = W_qkv.shape[1] // d - 2 * nkv
     assert nq >= nkv and nq % nkv == 0, f"W_qkv: {nq} query heads is not a positive multiple of kv_heads={nkv}"
@@ -920,7 +949,8 @@ def _slot_bounds(cfg, lo, hi):
 
     Contiguous: slots of fa_tile positions, the last one split so that only FA_SUB positions arrive last (the
     compute left after the last K/V byte is then one step). Paged: slots of 128 * 2^m positions, each starting at a
-    multiple of its own size (so a slot is whole blocks, or lies inside one block), largest first.
+    multiple of its own size, largest first. A paged slot is whole blocks: the scan's bounds are multiples of
+    u = max(128, block size) and fa_tile >= FA_SUB >= MAX_BLOCK, so the halving stops at w >= block size.
     """
     if not cfg.paged:
         bounds = list(range(lo, hi, cfg.fa_tile)) + [hi]
@@ -935,6 +965,7 @@ def _slot_bounds(cfg, lo, hi):
             w //= 2
         if w > FA_SUB and j + w == hi:     # last slot: halve down to FA_SUB positions arriving last
             w //= 2
+        assert w >= cfg.bs, f"paged slot of {w} positions < block size {cfg.bs}: the plan's invariant is broken"
         j += w
         bounds.append(j)
     return bounds
@@ -1072,25 +1103,22 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
 
 
 def _load_slot_window(cfg, start, K_cache, V_cache, kT, v, b, g, j0, w):
-    """Contiguous cache, windowed scan: K^T / V of positions start + j0 .. start + j0 + w (start: a register)."""
+    """Contiguous cache, windowed scan: K^T / V of positions start + j0 .. start + j0 + w (start: a register).
+    The windowed scan is whole 128-position tiles (scan_w, see _Config), so w = 128 * n."""
     d, s_max = cfg.d, cfg.s_max
-    n, rem = w // P_MAX, w % P_MAX
+    n = w // P_MAX
     base = ((b * cfg.nkv + g) * s_max + j0) * d
     nisa.dma_transpose(dst=kT, src=K_cache.ap([[d, w], [1, d]], offset=base, scalar_offset=start, indirect_dim=2))
-    if n > 0:
-        nisa.dma_copy(dst=v[:, :n, :], src=V_cache.ap([[n * d, P_MAX], [1, n * d]], offset=base, scalar_offset=start,
-                                                     indirect_dim=2))
-    if rem:
-        nisa.dma_copy(dst=v[:rem, n, :], src=V_cache.ap([[d, rem], [1, d]], offset=base + n * P_MAX * d,
-                                                       scalar_offset=start, indirect_dim=2))
+    nisa.dma_copy(dst=v[:, :n, :], src=V_cache.ap([[n * d, P_MAX], [1, n * d]], offset=base, scalar_offset=start,
+                                                 indirect_dim=2))
 
 
 def _slot_split(cfg, w):
     """Paged slot of w = 128 * n positions: K = bs / n partitions share one block when n < bs <= w (T = w / bs
     blocks; partition q = r*T + t holds rows r*n .. r*n + n - 1 of block t), else K = 1 (partition q holds
-    positions q*n .. q*n + n - 1: whole blocks per partition, or the slot lies inside one block)."""
+    positions q*n .. q*n + n - 1: whole blocks per partition). w >= bs always (see _slot_bounds)."""
     n = w // P_MAX
-    if not cfg.paged or n >= cfg.bs or w < cfg.bs:
+    if not cfg.paged or n >= cfg.bs:
         return 1
     return cfg.bs // n
 
@@ -1143,28 +1171,18 @@ def _load_block_ids(cfg, block_table, b_lo, b_hi, starts=None):
     for p0, nb in _packs(cfg, b_lo, b_hi):
         for j0, w in slots:
             b0, n, K = j0 // cfg.bs, w // P_MAX, _slot_split(cfg, w)
-            if w < cfg.bs:           # one block: a [1, nb] row (read into registers)
-                idx = nl.ndarray((1, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
-                if cfg.dyn:          # windowed scan: block columns from each sequence's start register
-                    for j in range(nb):
-                        nisa.dma_copy(dst=idx[:1, j:j + 1], src=block_table.ap(
-                            [[cfg.mb, 1], [1, 1]], offset=(p0 + j) * cfg.mb + b0, scalar_offset=starts[p0 + j],
-                            indirect_dim=1))
-                else:
-                    nisa.dma_copy(dst=idx[:1, :nb], src=block_table.ap([[cfg.mb, 1], [cfg.mb, nb]],
-                                                                       offset=p0 * cfg.mb + b0))
-            else:                    # [t, batch, gather]: block b0 + t*ns + i (K = 1) or b0 + t (K > 1)
-                ns = n // cfg.bs if K == 1 else 1
-                t_n = P_MAX if K == 1 else w // cfg.bs
-                idx = nl.ndarray((P_MAX, cfg.pack, ns), dtype=nl.uint32, buffer=nl.sbuf)
-                if cfg.dyn:
-                    for j in range(nb):
-                        nisa.dma_copy(dst=idx[:t_n, j, :], src=block_table.ap(
-                            [[ns, t_n], [1, ns]], offset=(p0 + j) * cfg.mb + b0, scalar_offset=starts[p0 + j],
-                            indirect_dim=1, dtype=nl.uint32))
-                else:
-                    nisa.dma_copy(dst=idx[:t_n, :nb, :], src=block_table.ap([[ns, t_n], [cfg.mb, nb], [1, ns]],
-                                                                            offset=p0 * cfg.mb + b0, dtype=nl.uint32))
+            # [t, batch, gather]: block b0 + t*ns + i (K = 1) or b0 + t (K > 1)
+            ns = n // cfg.bs if K == 1 else 1
+            t_n = P_MAX if K == 1 else w // cfg.bs
+            idx = nl.ndarray((P_MAX, cfg.pack, ns), dtype=nl.uint32, buffer=nl.sbuf)
+            if cfg.dyn:
+                for j in range(nb):
+                    nisa.dma_copy(dst=idx[:t_n, j, :], src=block_table.ap(
+                        [[ns, t_n], [1, ns]], offset=(p0 + j) * cfg.mb + b0, scalar_offset=starts[p0 + j],
+                        indirect_dim=1, dtype=nl.uint32))
+            else:
+                nisa.dma_copy(dst=idx[:t_n, :nb, :], src=block_table.ap([[ns, t_n], [cfg.mb, nb], [1, ns]],
+                                                                        offset=p0 * cfg.mb + b0, dtype=nl.uint32))
             ids[(p0, j0)] = idx
     return ids
 
@@ -1177,24 +1195,13 @@ def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w):
     V: partition q' (q' = q, or r*T + t) holds the same positions, block i of the slot. The steps use the matching
     i-major score layout (see _plan), so score chunks read contiguous K^T columns and P^T blocks are contiguous.
       n >= bs: n/bs indirect gathers of 128 blocks each (block q*(n/bs) + i' on partition q);
-      n < bs <= w: K^T by one 3-D transpose [T, K*n, d] -> [d, K*n, T]; V by K gathers of T partitions;
-      w < bs: the slot lies in one block: one register-addressed DMA each.
+      n < bs <= w: K^T by one 3-D transpose [T, K*n, d] -> [d, K*n, T]; V by K gathers of T partitions.
+    (w >= bs always: see _slot_bounds.)
     """
     d, bs, n = cfg.d, cfg.bs, w // P_MAX
     row = cfg.nkv * bs * d                       # elements per block of the cache (the indexed rows)
     swdge = nisa.dge_mode.swdge
     idx = st.block_ids[(p0, j0)]
-    if w < bs:
-        off = (g * bs + j0 % bs) * d
-        for j in range(nb):
-            u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
-            blk = nisa.register_alloc()
-            nisa.register_load(dst=blk, src=idx[0:1, j:j + 1])
-            nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, n, P_MAX)),
-                               src=K_cache.ap([[n * d, P_MAX], [d, n], [1, d]], offset=off, scalar_offset=blk))
-            nisa.dma_copy(dst=v[:, j, :n, :], src=V_cache.ap([[n * d, P_MAX], [1, n * d]], offset=off,
-                                                            scalar_offset=blk))
-        return
     K = _slot_split(cfg, w)
     off = g * bs * d
     for j in range(nb):

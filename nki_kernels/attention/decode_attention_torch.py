@@ -10,12 +10,13 @@ import torch
 
 def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None,
                            sinks=None, bias_o=None, context_len=None, softmax_scale=None, eps=1e-5,
-                           hidden_actual=0, sliding_window=0, block_table=None):
+                           hidden_actual=0, sliding_window=0, block_table=None, add_bias_o=True):
     """Reference forward. Updates K_cache / V_cache in place at `position_ids` and returns out [B*S_tkg, H].
 
     Shapes: X [B, S, H]; W_qkv [H, (nq + 2*nkv)*d]; K_cache/V_cache [B, nkv, S_max, d]; position_ids [B, S] int;
     cos/sin [B, S, d/2] (half-split RoPE; None = no RoPE); W_o [nq*d, H]; gamma [1, H] (None = no RMSNorm);
-    bias_qkv [1, (nq+2nkv)*d]; sinks [nq] (per q head, logit units after scaling); bias_o [1, H].
+    bias_qkv [1, (nq+2nkv)*d]; sinks [nq] (per q head, logit units after scaling); bias_o [1, H], added iff
+    add_bias_o (under tensor parallelism: on one rank of the group only, see decode_attention_kernel).
     Key j is visible to a query at position p iff j <= p and (sliding_window == 0 or j > p - sliding_window), and
     j < context_len. Cache rows a query does not see never affect it (stale rows may hold NaN).
     Paged layout (block_table [B, max_blocks] int): K_cache/V_cache [num_blocks, nkv, block_size, d]; position j of
@@ -93,6 +94,6 @@ def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W
                 out[b * S + s, h] = (e / den) @ torch.where(valid[:, None], vc[b, g], 0.0)
     attn = out.reshape(B * S, nq * d).to(dt).float()
     o = attn @ W_o.float()
-    if bias_o is not None:
+    if bias_o is not None and add_bias_o:
         o = o + bias_o.float().reshape(1, -1)
     return o.to(dt)

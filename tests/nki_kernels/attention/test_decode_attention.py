@@ -318,7 +318,7 @@ def test_ring_wrap_balanced_packs_partial_slots(B, S, ctx, shape):
     (2, 1, 512, 300, 16, GPT_OSS_20B_TP8),        # small blocks: two blocks per V partition
     (3, 4, 1024, 1000, 32, LLAMA31_8B_TP8),       # d = 128, S_tkg = 4 crossing block boundaries
     (16, 1, 2048, 2048, 64, GPT_OSS_20B_TP8),     # one pack of 16, 128 blocks per gather
-    (2, 2, 1024, 700, 256, GPT_OSS_20B_TP8),      # slots inside one block (w < block size)
+    (2, 2, 1024, 700, 256, GPT_OSS_20B_TP8),      # blocks larger than a V partition's run (K > 1)
     (2, 3, 2048, 2048, 512, MULTI_KV),            # 2 KV heads per rank, largest block
     (1, 1, 8192, 8192, 16, GPT_OSS_20B_TP8),      # > 128 blocks per slot: several gathers per slot
 ])
@@ -362,7 +362,7 @@ def test_paged_bad_inputs():
     (3, 4, 2048, 300, MULTI_KV, 0),             # W not a multiple of 128, S_tkg = 4, 2 KV heads
     (4, 3, 640, 2, SMALL_D, 0),                 # W < S_tkg: no cache key visible
     (4, 2, 4096, 128, GPT_OSS_20B_TP8, 16),     # paged + window: block-aligned dynamic start
-    (2, 1, 2048, 200, LLAMA31_8B_TP8, 256),     # paged, slots inside one block
+    (2, 1, 2048, 200, LLAMA31_8B_TP8, 256),     # paged, large blocks (K > 1), windowed
 ])
 def test_sliding_window_scan(B, S, ctx, window, shape, bs):
     run_and_check(B, S, s_max=ctx, ctx=ctx, window=window, shape=shape, block_size=bs)
@@ -411,7 +411,7 @@ def _same_bits(a, b):
     (GPT_OSS_20B_TP8, 4, 1, 2048, 128, 0, 1, None),     # SWA-128: windowed scan from a dynamic start
     (GPT_OSS_20B_TP8, 4, 1, 1024, 0, 32, 1, None),      # paged (a reused block's stale tail)
     (GPT_OSS_20B_TP8, 4, 2, 1024, 128, 16, 1, None),    # paged + SWA
-    (LLAMA31_8B_TP8, 4, 2, 640, 0, 0, 1, None),         # d = 128, remainder slot (s_max not a multiple of 128)
+    (LLAMA31_8B_TP8, 4, 2, 600, 0, 0, 1, None),         # d = 128, remainder slot (s_max not a multiple of 128)
     (LLAMA31_8B_TP8, 3, 1, 1024, 0, 64, 1, None),       # Llama paged
     (GPT_OSS_20B_TP8, 4, 1, 1024, 0, 0, 2, None),       # LNC=2, sequences split between the cores
     (GPT_OSS_20B_TP8, 1, 1, 2048, 0, 0, 2, 300),        # LNC=2 context split: core 1's half is all stale
@@ -444,3 +444,71 @@ def test_nan_in_stale_cache_rows_stays_isolated(shape, B, S, ctx, window, bs, ln
         sel = written[:, None, :, None].expand_as(got)
         assert _same_bits(got[~sel], want[~sel])
         assert torch.allclose(got[sel].float(), want[sel].float(), rtol=2e-2, atol=2e-2)
+
+
+# ---- errors name the argument at fault ---------------------------------------------------------------------------
+
+def test_int64_position_ids_and_block_table_are_accepted():
+    """torch's default integer dtype: checked on the host, passed to the kernel as int32; same result."""
+    args, kw = _bad(S=2, s_max=512, ctx=512)
+    pargs, pkw = to_paged(args, kw, 32)
+    want = decode_attention(*[a.clone() for a in pargs], **pkw, backend="nkisim")
+    a64 = [a.clone() for a in pargs]
+    a64[4] = a64[4].long()
+    got = decode_attention(*a64, **dict(pkw, block_table=pkw["block_table"].long()), backend="nkisim")
+    assert _same_bits(got, want)
+    bad = [a.clone() for a in args]
+    bad[4] = bad[4].to(torch.int16)
+    with pytest.raises(ValueError, match="position_ids must be int32 or int64, got int16"):
+        decode_attention(*bad, **kw, backend="nkisim")
+
+
+@pytest.mark.parametrize("missing", [5, 6])
+def test_cos_and_sin_come_together(missing):
+    args, kw = _bad()
+    args = list(args)
+    given = "sin" if missing == 5 else "cos"
+    args[missing] = None
+    k_before = args[2].clone()
+    for call in (lambda: decode_attention(*args, **kw, backend="nkisim"),
+                 lambda: decode_attention(*args, **kw, backend="torch")):
+        with pytest.raises(ValueError, match=f"^{given} is given but .* is None"):
+            call()
+    with pytest.raises(AssertionError, match=f"^{given} is given but"):
+        decode_attention_nki(*args, **kw)
+    assert torch.equal(args[2], k_before)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_cache_in_wrong_layout_names_the_cache(paged):
+    """A [B, S_max, kv_heads, d] cache (the Hugging Face layout) is blamed on K_cache, not on W_qkv or the
+    positions, before any work."""
+    args, kw = _bad(s_max=512, ctx=512)
+    if paged:
+        args, kw = to_paged(args, kw, 32)
+    args = list(args)
+    args[2], args[3] = args[2].transpose(1, 2).contiguous(), args[3].transpose(1, 2).contiguous()
+    k_before = args[2].clone()
+    with pytest.raises(ValueError, match=r"^K_cache: shape .* is the cache in another layout"):
+        decode_attention(*args, **kw, backend="nkisim")
+    with pytest.raises(AssertionError, match=r"^K_cache: shape"):
+        decode_attention_nki(*args, **kw)
+    bad_v = list(args)
+    bad_v[2] = k_before.transpose(1, 2).contiguous()
+    with pytest.raises(ValueError, match=r"^V_cache shape .* must equal K_cache shape"):
+        decode_attention(*bad_v, **kw, backend="nkisim")
+    assert torch.equal(args[2], k_before)
+
+
+def test_add_bias_o_selects_the_rank_that_adds_the_bias():
+    """Under TP the output is a partial sum: add_bias_o=False leaves bias_o out (another rank adds it)."""
+    args, kw = make_inputs(2, 1, s_max=256, ctx=256, seed=2, **MULTI_KV)
+    with_b = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim").float()
+    without_b = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim", add_bias_o=False).float()
+    no_bias = decode_attention(*[a.clone() for a in args], **dict(kw, bias_o=None), backend="nkisim").float()
+    assert torch.equal(without_b, no_bias)
+    ref = decode_attention_torch(*[a.clone() for a in args], **kw, add_bias_o=False).float()
+    assert (without_b - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    assert not torch.equal(with_b, without_b)
+    with pytest.raises(ValueError, match="add_bias_o=1 must be a bool"):
+        decode_attention(*args, **kw, backend="nkisim", add_bias_o=1)
