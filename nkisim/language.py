@@ -410,6 +410,9 @@ def _loop_bound(b, what):
     """Current value of a fori_loop bound: a compile-time int, a VirtualRegister or (tracer) a 32-bit NkiScalar."""
     from .isa.scalars import NkiScalar, check_usable
     from .tensor import scalar_value
+    if isinstance(b, NkiTensor):
+        raise NkiValidationError(f"nl.fori_loop: {what} is a tensor; a bound is an int, a VirtualRegister or an "
+                                 "NkiScalar (read the tensor with nisa.scalar_load or nisa.register_load)")
     if isinstance(b, NkiScalar):
         check_usable(b, f"nl.fori_loop {what}")
         if b.bits != 32:
@@ -448,10 +451,10 @@ def fori_loop(lower, upper, body_fun, step=1):
         ivar = VirtualRegister(lo, frozen=True)
     else:
         ivar = NkiScalar(lo)
-    # Cost model: with register / tensor bounds every instruction of the loop depends on their producers (control
+    # Cost model: with register / scalar bounds every instruction of the loop depends on their producers (control
     # dependency); the induction variable itself has no recorded writer (each engine steps its own copy).
     prev = ctx.ctrl
-    dyn = tuple(access_of(b) for b in (lower, upper) if isinstance(b, (VirtualRegister, NkiTensor)))
+    dyn = tuple(access_of(b) for b in (lower, upper) if isinstance(b, VirtualRegister))
     if dyn:
         ctx.ctrl = prev + dyn
     try:

@@ -187,6 +187,16 @@ def test_fori_loop_bounds_from_scalars_and_registers():
     assert seen == [(nisa.VirtualRegister, v) for v in range(3)]
 
 
+def test_fori_loop_bound_must_not_be_a_tensor():
+    """fori_loop page: lower / upper are an int, a VirtualRegister or an NkiScalar."""
+    n = int_tile(3)
+    with pytest.raises(NkiValidationError, match=r"upper is a tensor.*nisa.scalar_load"):
+        nl.fori_loop(0, n, lambda i: None)
+    seen = []
+    nl.fori_loop(0, nisa.scalar_load(n), lambda i: seen.append(i.value))     # the twin: load it first
+    assert seen == [0, 1, 2]
+
+
 def test_fori_loop_body_gets_register_under_parser(parser):
     seen = []
     nl.fori_loop(0, 2, lambda i: seen.append(type(i)))
