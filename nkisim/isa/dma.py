@@ -73,6 +73,9 @@ def dma_copy(dst, src, priority=None, oob_mode=OobMode.error, dge_mode=DgeMode.u
     if dst.size != src.size:
         fail(op, f"element counts differ: dst {dst.shape} has {dst.size}, src {src.shape} has {src.size} (C10)")
     indirect = src.gather is not None or dst.gather is not None
+    if src.dtype is not dst.dtype and "packed" in (src.dtype.kind, dst.dtype.kind):
+        fail(op, f"casting {src.dtype.name} -> {dst.dtype.name}: DMA casting is not supported for the MXFP8/MXFP4 "
+                 "(x4 packed) dtypes; copy with equal dtypes or reinterpret with .view() (C10)")
     if dge_mode is DgeMode.hwdge:
         if src.dtype is not dst.dtype:
             fail(op, f"dge_mode=hwdge requires equal dtypes (src {src.dtype.name}, dst {dst.dtype.name}); use "
@@ -150,15 +153,18 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DgeMode.unknown, 
 
 
 def _check_transpose_dge(op, dge_mode, oob_mode, indirect):
-    """C21: a direct DMA transpose runs as a hardware-DGE transpose (dge_mode unknown/hwdge); an indirect one
+    """C21: a direct DMA transpose is not a software-DGE transpose (dge_mode unknown/hwdge, or none); an indirect one
     (src.ap(vector_offset=...)) as a software-DGE gather-transpose (unknown/swdge). C23: oob_mode=skip only
     makes sense for the indirect form."""
     if indirect:
         if dge_mode not in (DgeMode.unknown, DgeMode.swdge):
             fail(op, f"dge_mode={dge_mode.name} is not valid for an indirect transpose (src uses vector_offset); "
                      "allowed: unknown, swdge (C22)")
-    elif dge_mode not in (DgeMode.unknown, DgeMode.hwdge):
-        fail(op, f"dge_mode={dge_mode.name} is not valid for a direct transpose; allowed: unknown, hwdge (C21)")
+    elif dge_mode is DgeMode.swdge:
+        # AWS's page allows unknown/hwdge; AWS's hardware-tested nki-library also passes dge_mode=none (static
+        # descriptors; core/mlp/mlp_tkg/mlp_tkg_gate_up_projection.py), so only swdge is refused.
+        fail(op, "dge_mode=swdge is not valid for a direct transpose (software DGE only lowers the indirect "
+                 "gather-transpose); allowed: unknown, hwdge (or none) (C21)")
     if oob_mode is OobMode.skip and not indirect:
         fail(op, "oob_mode=skip is only valid when src uses indirect indexing (.ap(vector_offset=...)) (C23)")
 
