@@ -35,18 +35,19 @@ def _check_scale_tile(op, name, scale, data_p, free):
     # of each quadrant, so a scale view may start at partition 8.
     tensor(op, name, scale)
     if scale.buffer is not sbuf:
-        fail(op, f"{name} '{scale.name}' is in {scale.buffer.name}; it must be in sbuf")
+        fail(op, f"{name} '{scale.name}' is in {scale.buffer.name}; it must be in sbuf (C33)")
     if scale.dtype is not dt.uint8:
-        fail(op, f"{name} dtype must be uint8, got {scale.dtype.name}")
+        fail(op, f"{name} dtype must be uint8, got {scale.dtype.name} (C33)")
     need = int(mx.scale_rows(data_p)[-1]) + 1
     if scale.shape[0] < need:
         fail(op, f"{name} has {scale.shape[0]} partitions; {data_p} data partitions keep their scales in partitions "
-                 f"q*32+0..3 of each quadrant, so it needs at least {need}")
+                 f"q*32+0..3 of each quadrant, so it needs at least {need} (C33)")
     if free_size(scale) != free:
-        fail(op, f"{name} has {free_size(scale)} elements per partition, expected {free} (one per x4 data element)")
+        fail(op, f"{name} has {free_size(scale)} elements per partition, expected {free} (one per x4 data "
+                 "element) (C33)")
     if start_partition(scale) % mx.QUADRANT >= 16:
         fail(op, f"{name} starts at partition {start_partition(scale)}; scales must sit in the first 16 partitions "
-                 "of each SBUF quadrant")
+                 "of each SBUF quadrant (C33)")
 
 
 def _scales(scale, data_p):
@@ -62,21 +63,21 @@ def quantize_mx(dst, src, dst_scale, name=None):
     for nm, t in (("src", src), ("dst", dst)):
         on_chip(op, nm, t, (sbuf,))
     if src.dtype.name not in _QUANT_SRC:
-        fail(op, f"src dtype must be float16 or bfloat16, got {src.dtype.name}")
+        fail(op, f"src dtype must be float16 or bfloat16, got {src.dtype.name} (C33)")
     if dst.dtype.name not in _QUANT_DST:
-        fail(op, f"dst dtype must be float8_e5m2_x4 or float8_e4m3fn_x4, got {dst.dtype.name}")
+        fail(op, f"dst dtype must be float8_e5m2_x4 or float8_e4m3fn_x4, got {dst.dtype.name} (C33)")
     p, f = src.shape[0], free_size(src)
     if p % mx.QUADRANT:
-        fail(op, f"src partition dimension {p} must be a multiple of 32 (and at most 128)")
+        fail(op, f"src partition dimension {p} must be a multiple of 32 (and at most 128) (C33)")
     if f % mx.GROUP_F:
-        fail(op, f"src free size {f} must be a multiple of 4")
+        fail(op, f"src free size {f} must be a multiple of 4 (C33)")
     if dst.shape[0] != p or free_size(dst) != f // mx.GROUP_F:
         fail(op, f"dst shape {dst.shape} must have {p} partitions and {f // mx.GROUP_F} elements per partition "
-                 "(one x4 word per 4 src elements)")
+                 "(one x4 word per 4 src elements) (C33)")
     _check_scale_tile(op, "dst_scale", dst_scale, p, f // mx.GROUP_F)
     if start_partition(dst) // mx.QUADRANT != start_partition(dst_scale) // mx.QUADRANT:
         fail(op, f"dst (partition {start_partition(dst)}) and dst_scale (partition {start_partition(dst_scale)}) "
-                 "must reside in the same SBUF quadrant(s)")
+                 "must reside in the same SBUF quadrant(s) (C33)")
     values = dt.to_fp32(read(src)).reshape(p, f)
     words, dense = mx.quantize(values, dst.dtype)
     write(dst, words.reshape(dst.shape), op)
@@ -91,13 +92,13 @@ def _check_row_tiling(op, tile_position, tile_size):
     if not tile_position and not tile_size:
         return 128
     if not tile_position or not tile_size:
-        fail(op, "tile_position and tile_size must both be set to enable tiling mode")
+        fail(op, "tile_position and tile_size must both be set to enable tiling mode (C33)")
     (r0, c0), (rs, cs) = tile_position, tile_size
     if cs != 128 or c0 != 0:
         fail(op, f"tile_size={tuple(tile_size)}, tile_position={tuple(tile_position)}: only row tiling is supported "
-                 "(column_size must be 128 and start_column 0)")
+                 "(column_size must be 128 and start_column 0) (C33)")
     if rs not in (32, 64, 128) or r0 % rs or r0 + rs > 128:
-        fail(op, f"tile_size row {rs} must be 32/64/128 and tile_position row {r0} a multiple of it inside 128")
+        fail(op, f"tile_size row {rs} must be 32/64/128 and tile_position row {r0} a multiple of it inside 128 (C33)")
     return rs
 
 
@@ -111,26 +112,26 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
     on_chip(op, "moving", moving, (sbuf,))
     on_chip(op, "dst", dst, (psum,))
     if accumulate not in (None, True, False):
-        fail(op, f"accumulate={accumulate!r} must be None, True or False")
+        fail(op, f"accumulate={accumulate!r} must be None, True or False (C33)")
     for nm, t in (("stationary", stationary), ("moving", moving)):
         if t.dtype.name not in _MATMUL_DATA:
-            fail(op, f"{nm} dtype must be one of {', '.join(_MATMUL_DATA)}, got {t.dtype.name}")
+            fail(op, f"{nm} dtype must be one of {', '.join(_MATMUL_DATA)}, got {t.dtype.name} (C33)")
     if dst.dtype.name not in ("float32", "bfloat16"):
-        fail(op, f"dst dtype must be float32 or bfloat16, got {dst.dtype.name}")
+        fail(op, f"dst dtype must be float32 or bfloat16, got {dst.dtype.name} (C33)")
     rs = _check_row_tiling(op, tile_position, tile_size)
     p = stationary.shape[0]
     if moving.shape[0] != p:
-        fail(op, f"stationary and moving partition sizes differ ({p} vs {moving.shape[0]})")
+        fail(op, f"stationary and moving partition sizes differ ({p} vs {moving.shape[0]}) (C33)")
     if p % mx.QUADRANT or p > rs:
-        fail(op, f"partition size {p} must be a multiple of 32 not exceeding {rs}")
+        fail(op, f"partition size {p} must be a multiple of 32 not exceeding {rs} (C33)")
     m, n = free_size(stationary), free_size(moving)
     if m % 2 or m > 128:
-        fail(op, f"stationary free size {m} must be even and at most 128")
+        fail(op, f"stationary free size {m} must be even and at most 128 (C33)")
     nmax = 1024 if dst.dtype is dt.bfloat16 else 512
     if n > nmax:
-        fail(op, f"moving free size {n} exceeds {nmax} for a {dst.dtype.name} dst")
+        fail(op, f"moving free size {n} exceeds {nmax} for a {dst.dtype.name} dst (C33)")
     if dst.shape[0] != m or free_size(dst) != n:
-        fail(op, f"dst shape {dst.shape} must be (M={m}, N={n})")
+        fail(op, f"dst shape {dst.shape} must be (M={m}, N={n}) (C33)")
     _check_scale_tile(op, "stationary_scale", stationary_scale, p, m)
     _check_scale_tile(op, "moving_scale", moving_scale, p, n)
 

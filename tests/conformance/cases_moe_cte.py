@@ -145,3 +145,74 @@ def _shard_h_case(H, T, E, B, K, inter, skip, target="trn2"):
 
 
 CASES += [_shard_h_case(5120, 8192, 16, 256, 1, 128, 2)]
+
+
+# ---- MX (trn3): blockwise_mm_shard_intermediate_mx, against the library test's MX golden -------------------------
+
+SRC_MX = "test/integration/nkilib/core/moe/moe_cte/test_moe_bwmm_mx_cte.py (shard-on-I)"
+
+
+def bwmm_mx_golden(**kw):
+    """The library test's golden_moe_bwmm_mx_cte (its test tree, imported from NKILIB_SRC) on the kernel's inputs."""
+    from test.integration.nkilib.core.moe.moe_cte.test_utils import golden_moe_bwmm_mx_cte
+    inp = {k: (v.detach().numpy() if hasattr(v, "detach") else v) for k, v in kw.items() if k != "_n_blocks"}
+    for k in ("hidden_states", "expert_affinities_masked", "gate_and_up_proj_bias", "down_proj_bias"):
+        if inp.get(k) is not None:
+            inp[k] = inp[k].astype(BF16)
+    inp["_internal"] = {"N": kw["_n_blocks"]}
+    return golden_moe_bwmm_mx_cte(inp, BF16, lnc_degree=2, is_shard_on_I=True)
+
+
+def _mx_shard_i_case(H, T, inter, E, B, K, mx_name, skip, clamps=(7.0, None, 7.0, -7.0)):
+    n_blocks = math.ceil((T * K - (E - 1)) / B) + E - 1
+    skip_token, skip_weight = skip in (1, 3), skip in (2, 3)
+
+    def inputs():
+        import nki.language as nl
+        from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_utils import SkipMode
+        from nkilib_src.nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode
+
+        from nkisim import mx
+
+        from .cases_moe import _stabilized_mx
+        mx_dtype = getattr(nl, mx_name)
+        rng = np.random.default_rng(0)
+        mask, slot_to_token, block_to_expert = routing(rng, T, K, E, B, n_blocks, skip_token)
+        rows = T if skip_token else T + 1
+        n_h512 = H // 512
+        n_i512, rem = divmod(inter, 512)
+        i_par = 128
+        if rem:
+            n_i512, i_par = 1, rem // 4
+        _, _, hid = _stabilized_mx(rng, rows * n_h512 * 128, 1, nl.float8_e4m3fn_x4, 5.0)
+        hidden = hid.reshape(rows, n_h512, 128, 4).transpose(0, 3, 1, 2).reshape(rows, H)
+        aff = rng.random((rows, E)).astype(np.float32)
+        aff[:T] *= mask
+        if not skip_token:
+            hidden[T], aff[T] = 0, 0
+        gu_w, gu_s, _ = _stabilized_mx(rng, E * 128, 2 * n_h512 * inter, mx_dtype, 1.0)
+        dn_w, dn_s, _ = _stabilized_mx(rng, E * i_par, n_i512 * H, mx_dtype, 1.0)
+        kw = {"hidden_states": hidden.astype(BF16), "expert_affinities_masked": aff.astype(BF16).reshape(-1, 1),
+              "gate_up_proj_weight": mx.PackedArray(gu_w.reshape(E, 128, 2, n_h512, inter), mx_dtype),
+              "down_proj_weight": mx.PackedArray(dn_w.reshape(E, i_par, n_i512, H), mx_dtype),
+              "token_position_to_id": slot_to_token, "block_to_expert": block_to_expert,
+              "gate_and_up_proj_bias": rng.uniform(-2.0625, 0.52, (E, i_par, 2, n_i512, 4)).astype(BF16),
+              "down_proj_bias": rng.uniform(-1.632, 1.4375, (E, H)).astype(BF16),
+              "gate_up_proj_scale": gu_s.reshape(E, 16, 2, n_h512, inter),
+              "down_proj_scale": dn_s.reshape(E, i_par // 8, n_i512, H),
+              "block_size": B, "activation_function": ActFnType.Swish, "skip_dma": SkipMode(skip_token, skip_weight),
+              "compute_dtype": nl.bfloat16, "weight_dtype": mx_dtype, "is_tensor_update_accumulating": K != 1,
+              "expert_affinities_scaling_mode": ExpertAffinityScaleMode.POST_SCALE}
+        for name, value in zip(("gate_clamp_upper_limit", "gate_clamp_lower_limit", "up_clamp_upper_limit",
+                                "up_clamp_lower_limit"), clamps):
+            if value is not None:
+                kw[name] = value
+        return kw
+
+    return Case("core.moe.moe_cte.bwmm_shard_on_I_mx:blockwise_mm_shard_intermediate_mx", bwmm_mx_golden,
+                f"mx_shard_on_I_H{H}_T{T}_I{inter}_E{E}_B{B}_k{K}_{mx_name.split('_')[0]}_skip{skip}", inputs,
+                atol=1e-5, rtol=5e-2, source=SRC_MX, target="trn3", lnc=2,
+                ref_inputs=lambda kw: {**kw, "_n_blocks": n_blocks})
+
+
+MX_CASES = [_mx_shard_i_case(3072, 1024, 2048, 8, 256, 4, "float4_e2m1fn_x4", 1)]
