@@ -215,4 +215,7 @@ def _mx_shard_i_case(H, T, inter, E, B, K, mx_name, skip, clamps=(7.0, None, 7.0
                 ref_inputs=lambda kw: {**kw, "_n_blocks": n_blocks})
 
 
+# The smallest shard-on-I MX configuration of the library's test passes (max error 40 vs 164.8, rtol 5e-2) but takes
+# ~280 s under nkisim on this machine (23 blocks of 256 tokens x H 3072 x I 2048), far beyond the suite's budget: it
+# is kept out of CASES; run it with tests/conformance/cases_moe_cte.MX_CASES.
 MX_CASES = [_mx_shard_i_case(3072, 1024, 2048, 8, 256, 4, "float4_e2m1fn_x4", 1)]
