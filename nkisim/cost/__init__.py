@@ -21,10 +21,13 @@ Scheduling rules (schedule.py), each with its source:
    dependency edges. Semaphore latency between compute engines is not charged (no figure published).
 2. Compiler reordering: "Without this directive [no_reorder], the compiler scheduler is free to reorder
    independent operations" [sched]. How well it does so is not documented, so it is a switch and both results are
-   reported (`bounds(result)`): order="ready" (default; each stream takes instructions as their dependencies are
-   met — a greedy list schedule) and order="program" (no reordering: every stream and DMA queue in program order).
-   Neither bounds the other in general: greedy reordering can let prefetch DMAs occupy the rings ahead of a
-   critical transfer (seen on the decode kernel at long contexts).
+   reported (`bounds(result)`): order="ready" (default) is an event-driven list schedule — an instruction is ready
+   when its last dependency ends, each engine stream when free starts the ready instruction earliest in program
+   order (the kernel's order is the priority; only instructions still waiting are bypassed), a DMA issues as soon
+   as it is ready and each DMA engine serves the arrived transfer earliest in program order; order="program" is
+   no reordering (every stream and DMA queue in program order). Neither bounds the other in general. (A first
+   greedy version — place whatever is ready first, DMA engines FIFO — let prefetches occupy the DMA engines ahead
+   of critical transfers and made the decode kernel up to 34% slower at long contexts; it was replaced.)
 3. no_reorder: "a no-reorder block is a section of code where dependency edges are automatically [inserted]
    between every pair of instructions", dynamically scoped [sched]. Modelled: each instruction recorded inside the
    outermost block depends on (starts after the end of) the previous instruction of the block, in both orders.
@@ -78,10 +81,11 @@ SW-DGE descriptor generation time on GpSimd and HW-DGE's ~600 ns per instruction
 trigger engine); DMA casts; allocator address reuse (buffering depth is what the kernel allocates); instruction
 fetch and control-flow overheads; collectives beyond the two-core LNC sync.
 Calibration: bench/calibration compares this model with AWS's published, hardware-measured tutorial timings (no
-constant is fitted to them; bench/calibration/results.json, also in the HTML report). Status (order "ready"): trn2
-matmul tutorial v2-v5 0.90-1.04; trn1 fused Mamba 0.89 / 1.01; trn1 bf16 matmul optimization 3 (TensorE-bound)
-1.03; trn1 bf16 matmul original / optimization 1 / 2 (DMA-bound, 256 B and 1 KiB per-partition chunks) 0.48-0.54 —
-about 2x optimistic, consistently, and no documented trn1 DMA constant explains it (open).
+constant is fitted to them; bench/calibration/results.json, also in the HTML report). Status (modelled /
+published, order "ready"; "program" in brackets): trn2 matmul tutorial v2-v5 0.90 / 0.99 / 0.99 / 0.99 (0.94 / 1.07 / 1.04 / 1.01);
+trn1 fused Mamba 0.95 / 1.09 (0.98 / 1.15); trn1 bf16 matmul optimization 3 (TensorE-bound) 0.86 (0.93); trn1 bf16
+matmul original / optimization 1 / 2 (DMA-bound, 256 B and 1 KiB per-partition chunks) 0.54 / 0.48 / 0.48 — about
+2x optimistic, consistently, and no documented trn1 DMA constant explains it (open).
 """
 
 from collections import namedtuple
@@ -98,7 +102,8 @@ Bounds = namedtuple("Bounds", ["ready", "program"])
 def analyze(result, target=None, kernel_name="", order="ready", useful_flops=None) -> CostReport:
     """Schedule the traces of a `RunResult` (from nkisim.run) and return the modelled CostReport.
 
-    order: "ready" (the compiler reorders independent instructions; default) or "program" (no reordering).
+    order: "ready" (the compiler reorders independent instructions, keeping program order as priority; default) or
+    "program" (no reordering); see rule 2 of the design note.
     useful_flops: the FLOPs the kernel is meant to do (MFU and arithmetic intensity use it; issued TensorE FLOPs,
     padding and selection matmuls included, stay in `flops_issued`)."""
     tgt = target if target is not None else result.target
@@ -114,7 +119,7 @@ def analyze(result, target=None, kernel_name="", order="ready", useful_flops=Non
 def bounds(result, target=None, kernel_name="", useful_flops=None) -> Bounds:
     """The report under both issue policies, `ready` (the compiler reorders independent instructions) and `program`
     (it does not). The docs leave the compiler's reordering open, so both are reported; neither bounds the other in
-    general (greedy reordering can issue prefetches that occupy the DMA rings ahead of a critical transfer)."""
+    general (a reordered DMA can occupy a DMA engine ahead of a transfer that becomes ready later)."""
     return Bounds(*(analyze(result, target, kernel_name, order=o, useful_flops=useful_flops) for o in ORDERS))
 
 

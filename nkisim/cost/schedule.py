@@ -12,8 +12,9 @@ of two issue policies. Every rule below is cited in the design note of `nkisim.c
 - a DMA is triggered from a sequencer queue (the `engine=` of dma_copy, else the compiler's default queue); after
   the fixed start latency each DMA engine ("ring") it uses moves its share in FIFO order, one transfer at a time;
 - ``order="ready"`` (default): the compiler's list scheduler may reorder independent instructions ("Without this
-  directive [no_reorder], the compiler scheduler is free to reorder independent operations"), modelled as each
-  engine stream / DMA queue taking its instructions in the order their dependencies are met;
+  directive [no_reorder], the compiler scheduler is free to reorder independent operations"), modelled by an
+  event-driven list schedule with program order as the priority (each free stream / DMA engine takes the ready /
+  arrived instruction earliest in program order);
   ``order="program"``: no reordering — every engine stream and every DMA queue issues in program order. The docs do
   not say how well the compiler reorders, so the two are reported as bounds (`nkisim.cost.bounds`);
 - under LNC=2, the k-th sync instruction of each core (core_barrier / sendrecv on the same pipe) pair up: both start
@@ -279,49 +280,133 @@ class Scheduler:
                     step(c)
 
     def _run_ready(self, traces, graphs, states, evs, res, partner, offs):
-        # list scheduling: the instruction whose dependencies complete first is placed first on its stream
+        """Event-driven list schedule: an instruction becomes ready when its last dependency ends; each engine
+        stream, when free, starts the ready instruction earliest in program order (the compiler's reordering keeps
+        the kernel's order as its priority and only bypasses instructions still waiting); a DMA is issued when ready
+        and, after its start latency, each DMA engine it uses serves arrived transfers earliest in program order."""
         npred, succs = [], []
         for g in graphs:
             cnt = [0] * len(g)
             sc = [[] for _ in g]
             for i, (_, preds) in enumerate(g):
-                seen = set()
-                for j, _ in preds:
-                    if j not in seen:
-                        seen.add(j)
-                        cnt[i] += 1
-                        sc[j].append(i)
+                for j in {j for j, _ in preds}:
+                    cnt[i] += 1
+                    sc[j].append(i)
             npred.append(cnt)
             succs.append(sc)
-        heap = [(0.0, c, i) for c, g in enumerate(graphs) for i in range(len(g)) if npred[c][i] == 0]
-        heapq.heapify(heap)
+        clock = []          # (time, tiebreak, kind, payload)
+        tick = [0]
+
+        def push(t, kind, payload):
+            tick[0] += 1
+            heapq.heappush(clock, (t, tick[0], kind, payload))
+
+        streams = {}        # (core, resource) -> [free time, last event idx, ready heap of (seq idx, node)]
+        rings = {}          # (core, ring) -> [free time, last event idx, pending heap of (node idx, node)]
+        left = {}           # DMA node -> ring pieces not finished
         parked = {}
 
-        def finish(c, i):
-            for s in succs[c][i]:
-                npred[c][s] -= 1
-                if npred[c][s] == 0:
-                    heapq.heappush(heap, (self._ready_of(c, s, graphs, evs, offs)[0], c, s))
+        def ready(c, i, t):
+            ev = evs[c][i]
+            ev.ready, ev.pred, ev.reason = self._ready_of(c, i, graphs, evs, offs)
+            ev.ready = t
+            p = partner.get((c, i))
+            if p is not None:
+                if p not in parked:
+                    parked[(c, i)] = t
+                    return
+                tp = parked.pop(p)
+                both = max(t, tp)
+                late = (c, i) if t >= tp else p
+                for node, other in (((c, i), p), (p, (c, i))):
+                    e, lt = evs[node[0]][node[1]], evs[late[0]][late[1]]
+                    e.peer = evs[other[0]][other[1]].idx
+                    if node != late and both > e.ready:
+                        e.pred, e.reason = lt.pred, f"sync wait for core {late[0]}"
+                    enqueue(node[0], node[1], both)
+                return
+            enqueue(c, i, t)
 
-        while heap or parked:
-            if not heap:      # partners that can never pair (mismatched streams): run locally
-                for (c, i) in sorted(parked):
-                    self._place(states[c], evs[c][i], res[c][i], parked[(c, i)], self._raw(c, i, graphs, offs))
-                    finish(c, i)
+        def enqueue(c, i, t):
+            ev, cost = evs[c][i], evs[c][i].cost
+            ev.ready = t
+            if cost.engine == "dma":
+                ev.start, ev.queue = t, res[c][i][1]
+                arrive = t + cost.latency_s
+                if cost.rings:
+                    qs = cost.rings
+                else:      # no SBUF side: the least-loaded engines at arrival
+                    qs = sorted(range(self.spec.dma_engines),
+                                key=lambda q: (rings.get((c, q), [0.0])[0], q))[:cost.pieces]
+                left[(c, i)] = len(qs)
+                ev.end = arrive
+                for q in qs:
+                    rings.setdefault((c, q), [0.0, None, []])
+                    push(arrive, "arrive", (c, q, i))
+                return
+            st = streams.setdefault((c, res[c][i]), [0.0, None, []])
+            heapq.heappush(st[2], (i, i))
+            push(t, "stream", (c, res[c][i]))
+
+        def finish(c, i, t):
+            for s2 in succs[c][i]:
+                npred[c][s2] -= 1
+                if npred[c][s2] == 0:
+                    ready(c, s2, t)
+
+        for c, g in enumerate(graphs):
+            for i in range(len(g)):
+                if npred[c][i] == 0:
+                    ready(c, i, 0.0)
+
+        while clock or parked:
+            if not clock:       # partners that can never pair (mismatched streams): run locally
+                for (c, i), t in sorted(parked.items()):
+                    enqueue(c, i, t)
                 parked.clear()
                 continue
-            _, c, i = heapq.heappop(heap)
-            ready = self._ready_of(c, i, graphs, evs, offs)
-            p = partner.get((c, i))
-            if p is None:
-                self._place(states[c], evs[c][i], res[c][i], ready, self._raw(c, i, graphs, offs))
-                finish(c, i)
-            elif p in parked:
-                pr = parked.pop(p)
-                pair = ((c, i), p) if c == 0 else (p, (c, i))
-                rd = [ready, pr] if c == 0 else [pr, ready]
-                self._place_pair(pair, states, evs, res, rd, [self._raw(a, b, graphs, offs) for a, b in pair])
-                finish(*pair[0])
-                finish(*pair[1])
-            else:
-                parked[(c, i)] = ready
+            t, _, kind, payload = heapq.heappop(clock)
+            if kind == "done":
+                c, i = payload
+                finish(c, i, t)
+            elif kind == "stream":
+                st = streams[payload]
+                if st[0] > t or not st[2]:
+                    continue
+                _, i = heapq.heappop(st[2])
+                c = payload[0]
+                ev, cost = evs[c][i], evs[c][i].cost
+                if t > ev.ready and st[1] is not None:
+                    ev.pred, ev.reason = st[1], f"{cost.engine} busy"
+                ev.start = t
+                ev.end = t + cost.busy_s
+                if cost.dep_overhead_s and st[1] is not None and st[1] in self._raw(c, i, graphs, offs):
+                    ev.end += cost.dep_overhead_s
+                st[0], st[1] = ev.end, ev.idx
+                push(ev.end, "done", (c, i))
+                push(ev.end, "stream", payload)
+            else:   # a DMA engine: "arrive" queues a transfer on it, "ring" tries to start one
+                if kind == "arrive":
+                    c, q, i = payload
+                    payload = (c, q)
+                    heapq.heappush(rings[payload][2], i)
+                c, q = payload
+                r = rings[payload]
+                if r[0] > t or not r[2]:
+                    continue
+                i = heapq.heappop(r[2])      # the arrived transfer earliest in program order
+                ev, cost = evs[c][i], evs[c][i].cost
+                arrive = ev.ready + cost.latency_s
+                if t > arrive and r[1] is not None:
+                    ev.pred, ev.reason = r[1], f"DMA ring {q} busy"
+                e = t + cost.busy_s
+                ev.pieces.append((q, t, e))
+                r[0], r[1] = e, ev.idx
+                ev.end = max(ev.end, e)
+                left[(c, i)] -= 1
+                if left[(c, i)] == 0:
+                    push(ev.end, "done", (c, i))
+                push(e, "ring", payload)
+        for row in evs:
+            for ev in row:
+                self.events[ev.idx] = ev
