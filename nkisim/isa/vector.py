@@ -245,7 +245,7 @@ def memset(dst, value, engine=Engine.unknown, name=None):
     # 0.0 (core/moe/moe_tkg/gate_up_projection_mx.py). A fractional one has no exact integer fill.
     if dst.dtype.is_int and isinstance(value, (float, np.floating)) and not float(value).is_integer():
         fail(opn, f"value={value!r} is a fractional float but dst dtype is {dst.dtype.name}; the value type must "
-                  "match the dst dtype (C26)")
+                  "match the dst dtype (C34)")
     # x4 words hold bit patterns: value 0 (0 or 0.0) is the all-zero word
     store(opn, dst, np.zeros(dst.shape, dst.dtype.storage) if dst.dtype.kind == "packed" else np.full(dst.shape, value))
     eng = engine if engine is not Engine.unknown else Engine.vector

@@ -504,3 +504,14 @@ def test_c10_no_dma_cast_for_mx_packed_dtypes():
     same = tile((2, 4), nl.float8_e4m3fn_x4)
     nisa.dma_copy(dst=same, src=src)  # equal dtypes: a plain copy of the packed words
     np.testing.assert_array_equal(rd(same.view(nl.uint32)), words)
+
+
+# ---- C34: memset of an integer tile with a fractional float (nkisim's own rule) -----------------------------------
+
+def test_c34_memset_integer_tile_with_fractional_float():
+    t = tile((2, 4), nl.uint8)
+    with pytest.raises(E, match=r"memset: value=0\.5 is a fractional float but dst dtype is uint8.*\(C34\)"):
+        nisa.memset(dst=t, value=0.5)
+    nisa.memset(dst=t, value=0.0)  # an integral float, as AWS's nki-library writes for uint8 scale tiles
+    nisa.memset(dst=tile((2, 4), nl.int32), value=7)
+    np.testing.assert_array_equal(rd(t), 0)
