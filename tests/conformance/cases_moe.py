@@ -11,7 +11,7 @@ from .harness import Case
 SRC_TKG = "test/integration/nkilib/core/moe/moe_tkg/test_moe_tkg.py::test_moe_tkg"
 
 
-def _moe_tkg_inputs(T, H, inter, E, K, act, all_expert, dtype, clamp, bias):
+def _moe_tkg_inputs(T, H, inter, E, K, act, all_expert, dtype, clamp, bias, fp8_row=False):
     def build():
         from nkilib_src.nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode
         rng = np.random.default_rng(1234)
@@ -27,7 +27,7 @@ def _moe_tkg_inputs(T, H, inter, E, K, act, all_expert, dtype, clamp, bias):
         for t in range(T):
             aff[t, idx[t]] = weights[t]
         normal = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
-        return {
+        kw = {
             "hidden_input": normal(T, H),
             "expert_gate_up_weights": normal(E, H, 2, inter),
             "expert_down_weights": normal(E, inter, H),
@@ -44,6 +44,12 @@ def _moe_tkg_inputs(T, H, inter, E, K, act, all_expert, dtype, clamp, bias):
             "up_clamp_upper_limit": 8.0 if clamp else None,
             "up_clamp_lower_limit": -6.0 if clamp else None,
         }
+        if fp8_row:  # FP8 (cFP8 e4m3) weights with per-row fp32 dequant scales, as the test's ROW cases
+            kw["expert_gate_up_weights"] = kw["expert_gate_up_weights"].astype(np.float32).astype(ml_dtypes.float8_e4m3)
+            kw["expert_down_weights"] = kw["expert_down_weights"].astype(np.float32).astype(ml_dtypes.float8_e4m3)
+            kw["expert_gate_up_weights_scale"] = rng.standard_normal((E, 2, inter)).astype(np.float32)
+            kw["expert_down_weights_scale"] = rng.standard_normal((E, H)).astype(np.float32)
+        return kw
     return build
 
 
@@ -52,11 +58,11 @@ def _nl_dtype(dtype):
     return nl.float16 if np.dtype(dtype) == np.float16 else nl.bfloat16
 
 
-def _tkg(T, H, inter, E, K, act, all_expert, target="trn2", dtype=np.float16, clamp=True, bias=False):
+def _tkg(T, H, inter, E, K, act, all_expert, target="trn2", dtype=np.float16, clamp=True, bias=False, fp8_row=False):
     kind = "all" if all_expert else "sel"
     return Case("core.moe:moe_tkg", "core.moe.moe_tkg.moe_tkg_torch:moe_tkg_torch_ref",
-                f"{kind}_T{T}_H{H}_I{inter}_E{E}_K{K}_{act}{'_bias' if bias else ''}",
-                _moe_tkg_inputs(T, H, inter, E, K, act, all_expert, dtype, clamp, bias),
+                f"{kind}_T{T}_H{H}_I{inter}_E{E}_K{K}_{act}{'_bias' if bias else ''}{'_fp8row' if fp8_row else ''}",
+                _moe_tkg_inputs(T, H, inter, E, K, act, all_expert, dtype, clamp, bias, fp8_row),
                 atol=1e-5, rtol=2e-2, source=SRC_TKG, target=target, lnc=2)
 
 
@@ -67,6 +73,9 @@ CASES = [
     _tkg(2, 512, 128, 2, 1, "SiLU", False),
     _tkg(5, 512, 128, 4, 2, "Swish", False, bias=True),
     _tkg(4, 3072, 192, 128, 4, "Swish", False, bias=True, target="trn3"),
+    _tkg(4, 512, 64, 2, None, "SiLU", True, bias=True, fp8_row=True),
+    _tkg(4, 1024, 128, 4, None, "SiLU", True, bias=True, fp8_row=True, target="trn3"),
+    _tkg(4, 512, 64, 4, 2, "Swish", False, bias=True, fp8_row=True),
 ]
 
 
