@@ -1349,7 +1349,6 @@ def _scrub_slot(cfg, st, kT, j0, w, nb):
     b_hi = _slot_rel(vr.hi_k, npk, nst, j0, -1.0, 0.5)
     b_lo = _slot_rel(vr.lo_k, npk, nst, j0, 1.0, -0.5)
     ramp = _k_ramp(cfg, st, w)
-    k16 = kT.view(nl.int16)
     for jj in range(nst):
         kp = min(kpp, nb - jj * kpp) * d
         for bias, sc in ((b_hi, 1.0), (b_lo, -1.0)):
@@ -1357,8 +1356,7 @@ def _scrub_slot(cfg, st, kT, j0, w, nb):
                 continue
             m = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.int16, buffer=nl.sbuf)
             nisa.activation(dst=m[:kp, :w], op=nl.sign, data=ramp[:kp, :w], bias=bias[:kp, jj:jj + 1], scale=sc)
-            nisa.tensor_tensor(dst=k16[:kp, jj, :w], data1=k16[:kp, jj, :w], data2=m[:kp, :w], op=nl.bitwise_and,
-                               engine=nisa.engine.gpsimd)
+            _and_bits(kT[:kp, jj, :w], m[:kp, :w], vector=jj % 2 == 1)
 
 
 def _scrub_v(cfg, st, v, j0, w, nb):
@@ -1382,10 +1380,27 @@ def _scrub_v(cfg, st, v, j0, w, nb):
                            op=nl.greater_equal)
         nisa.scalar_tensor_tensor(dst=mv[:, :nb, :], data=mf[:, :nb, :], op0=nl.multiply, operand0=-1.0,
                                   op1=nl.multiply, operand1=m2[:, :nb, :])
-    v16 = v.view(nl.int16)
-    nisa.tensor_tensor(dst=v16[:, :nb, :nblk, :], data1=v16[:, :nb, :nblk, :],
-                       data2=mv[:, :nb, :].expand_dim(3).broadcast(3, d), op=nl.bitwise_and,
-                       engine=nisa.engine.gpsimd)
+    if nisa.get_nc_version() >= nisa.nc_version.gen4:     # see _and_bits: VectorE on int32 pairs
+        mv32 = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=mv32[:, :nb, :], src=mv[:, :nb, :])
+        v32 = v.view(nl.int32)
+        nisa.tensor_tensor(dst=v32[:, :nb, :nblk, :], data1=v32[:, :nb, :nblk, :],
+                           data2=mv32[:, :nb, :].expand_dim(3).broadcast(3, d // 2), op=nl.bitwise_and,
+                           engine=nisa.engine.vector)
+    else:
+        _and_bits(v[:, :nb, :nblk, :], mv[:, :nb, :].expand_dim(3).broadcast(3, d))
+
+
+def _and_bits(data, mask, vector=False):
+    """data (bf16) &= mask (int16, same shape, contiguous): keeps data's bits where the mask is -1. GpSimd (int16
+    lanes at twice its fp32 rate on NeuronCore-v3); vector=True on v4 (where GpSimd runs every dtype at the fp32
+    rate): VectorE on int32 pairs (two adjacent values with their two mask halves: half the elements)."""
+    if vector and nisa.get_nc_version() >= nisa.nc_version.gen4:
+        d32, m32 = data.view(nl.int32), mask.view(nl.int32)
+        nisa.tensor_tensor(dst=d32, data1=d32, data2=m32, op=nl.bitwise_and, engine=nisa.engine.vector)
+    else:
+        d16 = data.view(nl.int16)
+        nisa.tensor_tensor(dst=d16, data1=d16, data2=mask, op=nl.bitwise_and, engine=nisa.engine.gpsimd)
 
 
 def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks):
