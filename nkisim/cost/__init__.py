@@ -82,10 +82,11 @@ trigger engine); DMA casts; allocator address reuse (buffering depth is what the
 fetch and control-flow overheads; collectives beyond the two-core LNC sync.
 Calibration: bench/calibration compares this model with AWS's published, hardware-measured tutorial timings (no
 constant is fitted to them; bench/calibration/results.json, also in the HTML report). Status (modelled /
-published, order "ready"; "program" in brackets): trn2 matmul tutorial v2-v5 0.90 / 0.99 / 0.99 / 0.99 (0.94 / 1.07 / 1.04 / 1.01);
-trn1 fused Mamba 0.95 / 1.09 (0.98 / 1.15); trn1 bf16 matmul optimization 3 (TensorE-bound) 0.86 (0.93); trn1 bf16
-matmul original / optimization 1 / 2 (DMA-bound, 256 B and 1 KiB per-partition chunks) 0.54 / 0.48 / 0.48 — about
-2x optimistic, consistently, and no documented trn1 DMA constant explains it (open).
+published, order "ready"; "program" in brackets): trn2 matmul tutorial v2-v5 0.90 / 0.99 / 0.99 / 0.99
+(0.94 / 1.07 / 1.04 / 1.01); trn1 fused Mamba 0.95 / 1.09 (0.98 / 1.15); trn1 bf16 matmul optimization 3
+(TensorE-bound) 0.86 (0.93); trn1 bf16 matmul original / optimization 1 / 2 (DMA-bound, 256 B and 1 KiB
+per-partition chunks) 0.54 / 0.48 / 0.48 — about 2x optimistic, consistently, and no documented trn1 DMA constant
+explains it (open).
 """
 
 from collections import namedtuple
