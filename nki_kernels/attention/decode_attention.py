@@ -1069,7 +1069,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                     nisa.dma_copy(dst=v[:rem, j, n, :], src=V_cache[b, g, j0 + n * P_MAX:j0 + w, :])
         _scrub_slot(cfg, st, kT, j0, w, nb)
         views.append((kT, v))
-        fresh.append((v, j0, w))
+        fresh.append((v, j0, w, st.gates[1]))
     kT = views[step.slot][0]
     j0, w = slots[step.slot]
     n = w // P_MAX
@@ -1097,8 +1097,8 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                            accumulate=(jj > 0))
         for m in masks:          # each chunk's masks right after its scores: its row max can start early
             _fold_chunk(consts, sc, rows, m, (c0, c1, inner))
-    for v, j0, w in fresh:      # V is needed by the PV, one step later
-        _scrub_v(cfg, st, v, j0, w, nb)
+    for v, j0, w, gates in fresh:      # V is needed by the PV, one step later
+        _scrub_v(cfg, st, v, j0, w, nb, gates)
     step.sc = sc
 
 
@@ -1339,7 +1339,8 @@ def _scrub_slot(cfg, st, kT, j0, w, nb):
     queries and the PV matmul multiplies invalid values by zero probabilities; 0 * NaN = NaN, so invalid data must
     never reach a matmul. A bitwise AND of the bf16 bits with an int16 mask keeps a valid key exactly and leaves
     an invalid one finite (its score is masked anyway); never a multiply. Masks per stack on ScalarE, ANDs on
-    GpSimd; V in _scrub_v."""
+    GpSimd; V in _scrub_v. Each stack's / batch's scrub runs only when the slot holds one of its invalid rows (a
+    runtime trip count, see _slot_gates)."""
     vr = st.cur_valid
     d, kpp = cfg.d, cfg.kpp
     nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
@@ -1349,17 +1350,50 @@ def _scrub_slot(cfg, st, kT, j0, w, nb):
     b_hi = _slot_rel(vr.hi_k, npk, nst, j0, -1.0, 0.5)
     b_lo = _slot_rel(vr.lo_k, npk, nst, j0, 1.0, -0.5)
     ramp = _k_ramp(cfg, st, w)
+    st.gates = _slot_gates(cfg, vr, j0, w, nb)
     for jj in range(nst):
         kp = min(kpp, nb - jj * kpp) * d
-        for bias, sc in ((b_hi, 1.0), (b_lo, -1.0)):
-            if bias is None:
-                continue
-            m = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.int16, buffer=nl.sbuf)
-            nisa.activation(dst=m[:kp, :w], op=nl.sign, data=ramp[:kp, :w], bias=bias[:kp, jj:jj + 1], scale=sc)
-            _and_bits(kT[:kp, jj, :w], m[:kp, :w], vector=jj % 2 == 1)
+
+        def stack(_i, jj=jj, kp=kp):
+            for bias, sc in ((b_hi, 1.0), (b_lo, -1.0)):
+                if bias is None:
+                    continue
+                m = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.int16, buffer=nl.sbuf)
+                nisa.activation(dst=m[:kp, :w], op=nl.sign, data=ramp[:kp, :w], bias=bias[:kp, jj:jj + 1],
+                                scale=sc)
+                _and_bits(kT[:kp, jj, :w], m[:kp, :w], vector=jj % 2 == 1)
+        nl.fori_loop(0, st.gates[0][jj], stack)    # runs only when a sequence of the stack has invalid rows here
 
 
-def _scrub_v(cfg, st, v, j0, w, nb):
+def _slot_gates(cfg, vr, j0, w, nb):
+    """Runtime trip counts (registers, 0 or 1) of the slot's scrub: per K^T stack and per batch, 1 iff one of its
+    sequences has an invalid row in [j0, j0 + w): hi < j0 + w, or (window) lo > j0. A slot whose rows are all
+    valid for its sequences (most of a long sequence's slots) is not touched."""
+    kpp, nst = cfg.kpp, (nb + cfg.kpp - 1) // cfg.kpp
+    f = nl.ndarray((1, cfg.nst * kpp), dtype=nl.float32, buffer=nl.sbuf)
+    if nb < nst * kpp:
+        nisa.memset(dst=f[:, nb:nst * kpp], value=0.0)
+    nisa.tensor_scalar(dst=f[:, :nb], data=vr.hi_v[0:1, :nb], op0=nl.less, operand0=float(j0 + w))
+    if vr.lo_v is not None:
+        g = nl.ndarray((1, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=g[:, :nb], data=vr.lo_v[0:1, :nb], op0=nl.greater, operand0=float(j0))
+        nisa.tensor_tensor(dst=f[:, :nb], data1=f[:, :nb], data2=g[:, :nb], op=nl.maximum)
+    fv = nl.ndarray((1, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=fv[:, :nb], src=f[:, :nb])
+    fk = nl.ndarray((1, cfg.nst), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=fk[:, :nst], op=nl.maximum, data=f[:, :nst * kpp].reshape((1, nst, kpp)), axis=(2,))
+    regs = []
+    for t, n in ((fk, nst), (fv, nb)):
+        rs = []
+        for i in range(n):
+            r = nisa.register_alloc()
+            nisa.register_load(dst=r, src=t[0:1, i:i + 1])
+            rs.append(r)
+        regs.append(tuple(rs))
+    return tuple(regs)
+
+
+def _scrub_v(cfg, st, v, j0, w, nb, gates):
     """V half of _scrub_slot (issued after the first step's scores: PV needs it one step later): an int16 mask
     [128, batches, blocks] (-1 valid, 0 invalid; small, VectorE), ANDed on GpSimd."""
     vr = st.cur_valid
@@ -1380,15 +1414,21 @@ def _scrub_v(cfg, st, v, j0, w, nb):
                            op=nl.greater_equal)
         nisa.scalar_tensor_tensor(dst=mv[:, :nb, :], data=mf[:, :nb, :], op0=nl.multiply, operand0=-1.0,
                                   op1=nl.multiply, operand1=m2[:, :nb, :])
-    if nisa.get_nc_version() >= nisa.nc_version.gen4:     # see _and_bits: VectorE on int32 pairs
+    v4 = nisa.get_nc_version() >= nisa.nc_version.gen4
+    if v4:      # see _and_bits: VectorE on int32 pairs
         mv32 = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=mv32[:, :nb, :], src=mv[:, :nb, :])
-        v32 = v.view(nl.int32)
-        nisa.tensor_tensor(dst=v32[:, :nb, :nblk, :], data1=v32[:, :nb, :nblk, :],
-                           data2=mv32[:, :nb, :].expand_dim(3).broadcast(3, d // 2), op=nl.bitwise_and,
-                           engine=nisa.engine.vector)
-    else:
-        _and_bits(v[:, :nb, :nblk, :], mv[:, :nb, :].expand_dim(3).broadcast(3, d))
+    for j in range(nb):
+
+        def batch(_i, j=j):
+            if v4:
+                v32 = v.view(nl.int32)
+                nisa.tensor_tensor(dst=v32[:, j, :nblk, :], data1=v32[:, j, :nblk, :],
+                                   data2=mv32[:, j, :].expand_dim(2).broadcast(2, d // 2), op=nl.bitwise_and,
+                                   engine=nisa.engine.vector)
+            else:
+                _and_bits(v[:, j, :nblk, :], mv[:, j, :].expand_dim(2).broadcast(2, d))
+        nl.fori_loop(0, gates[j], batch)     # only a batch with invalid rows in this slot
 
 
 def _and_bits(data, mask, vector=False):
