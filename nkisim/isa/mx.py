@@ -36,8 +36,10 @@ def _check_scale_tile(op, name, scale, data_p, free):
     tensor(op, name, scale)
     if scale.buffer is not sbuf:
         fail(op, f"{name} '{scale.name}' is in {scale.buffer.name}; it must be in sbuf (C33)")
-    if scale.dtype is not dt.uint8:
-        fail(op, f"{name} dtype must be uint8, got {scale.dtype.name} (C33)")
+    if scale.dtype not in (dt.uint8, dt.float8_e8m0fnu):
+        # AWS (Neuron 2.32 pages of quantize_mx / nc_matmul_mx): float8_e8m0fnu (OCP MX) or uint8 (kept for
+        # backward compatibility); both hold the biased exponent byte
+        fail(op, f"{name} dtype must be float8_e8m0fnu or uint8, got {scale.dtype.name} (C33)")
     need = int(mx.scale_rows(data_p)[-1]) + 1
     if scale.shape[0] < need:
         fail(op, f"{name} has {scale.shape[0]} partitions; {data_p} data partitions keep their scales in partitions "
@@ -50,9 +52,14 @@ def _check_scale_tile(op, name, scale, data_p, free):
                  "of each SBUF quadrant (C33)")
 
 
+def _exponent_bytes(scale):
+    """The scale tile as its exponent bytes (a float8_e8m0fnu tile is reinterpreted as uint8)."""
+    return scale if scale.dtype is dt.uint8 else scale.view(dt.uint8)
+
+
 def _scales(scale, data_p):
     """Dense [P/8, F] uint8 scales read from a quadrant-layout scale tile."""
-    s = np.asarray(read(scale)).reshape(scale.shape[0], -1)
+    s = np.asarray(read(_exponent_bytes(scale))).reshape(scale.shape[0], -1)
     return s[mx.scale_rows(data_p)].astype(np.int32)
 
 
@@ -81,9 +88,10 @@ def quantize_mx(dst, src, dst_scale, name=None):
     values = dt.to_fp32(read(src)).reshape(p, f)
     words, dense = mx.quantize(values, dst.dtype)
     write(dst, words.reshape(dst.shape), op)
-    scale_now = np.array(read(dst_scale)).reshape(dst_scale.shape[0], -1)
+    bits = _exponent_bytes(dst_scale)
+    scale_now = np.array(read(bits)).reshape(dst_scale.shape[0], -1)
     scale_now[mx.scale_rows(p)] = dense   # the other partitions of the scale tile are not written
-    write(dst_scale, scale_now.reshape(dst_scale.shape), op)
+    write(bits, scale_now.reshape(dst_scale.shape), op)
     current().emit(op, "vector", (src,), (dst, dst_scale), p=p, n=f, dtype=src.dtype.name,
                    in_dtypes=(src.dtype.name,))
 
@@ -127,7 +135,9 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
     m, n = free_size(stationary), free_size(moving)
     if m % 2 or m > 128:
         fail(op, f"stationary free size {m} must be even and at most 128 (C33)")
-    nmax = 1024 if dst.dtype is dt.bfloat16 else 512
+    # AWS nc_matmul_mx (Neuron 2.32): up to 4096 (fp32 dst) / 8192 (bf16 dst), the 8 PSUM banks (older pages: 512);
+    # a dst that large is already refused by PSUM capacity (C6), this names the matmul limit for strided dsts
+    nmax = 8192 if dst.dtype is dt.bfloat16 else 4096
     if n > nmax:
         fail(op, f"moving free size {n} exceeds {nmax} for a {dst.dtype.name} dst (C33)")
     if dst.shape[0] != m or free_size(dst) != n:
