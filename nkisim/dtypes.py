@@ -66,6 +66,10 @@ bool_ = DType("bool_", np.uint8, "bool")
 int8 = DType("int8", np.int8, "int")
 int16 = DType("int16", np.int16, "int")
 int32 = DType("int32", np.int32, "int")
+# NKI 0.7: nl.int64 exists for HBM/SBUF data, DMA and NkiScalar (nisa.scalar_load / scalar_store, 64-bit
+# scalar_offset on HBM); compute instructions do not accept it (AWS nki.isa.scalar_load page, "Unlike the compute
+# instructions, scalar_load accepts nl.int64") -- checked in nkisim.isa._common.emit.
+int64 = DType("int64", np.int64, "int")
 uint8 = DType("uint8", np.uint8, "int")
 uint16 = DType("uint16", np.uint16, "int")
 uint32 = DType("uint32", np.uint32, "int")
@@ -82,7 +86,7 @@ float8_e4m3fn_x4 = DType("float8_e4m3fn_x4", np.uint32, "packed")
 float8_e5m2_x4 = DType("float8_e5m2_x4", np.uint32, "packed")
 float4_e2m1fn_x4 = DType("float4_e2m1fn_x4", np.uint16, "packed")
 
-ALL = (bool_, int8, int16, int32, uint8, uint16, uint32, float16, bfloat16, tfloat32, float32, float8_e4m3,
+ALL = (bool_, int8, int16, int32, int64, uint8, uint16, uint32, float16, bfloat16, tfloat32, float32, float8_e4m3,
        float8_e4m3fn, float8_e5m2, float8_e8m0fnu, float8_e4m3fn_x4, float8_e5m2_x4, float4_e2m1fn_x4)
 _BY_NAME = {d.name: d for d in ALL}
 _BY_NAME["bool"] = bool_  # the real nl.bool_ is the string 'bool'
@@ -107,7 +111,8 @@ def as_dtype(x) -> DType:
     if tname:
         mapped = _TORCH_NAMES.get(tname)
         if mapped is None:
-            raise TypeError(f"torch dtype {x} has no NKI equivalent (no 64-bit types on Trainium)")
+            raise TypeError(f"torch dtype {x} has no NKI equivalent (no 64-bit floating-point or unsigned types; "
+                            "nl.int64 is the only 64-bit dtype)")
         return mapped
     try:
         npd = np.dtype(x)
@@ -115,13 +120,14 @@ def as_dtype(x) -> DType:
         raise TypeError(f"dtype {x!r} is not an NKI dtype") from None
     d = _BY_NP.get(npd)
     if d is None:
-        raise TypeError(f"dtype {npd} has no NKI equivalent (Trainium has no 64-bit types; use float32/int32)")
+        raise TypeError(f"dtype {npd} has no NKI equivalent (no 64-bit floating-point or unsigned types; nl.int64 "
+                        "is the only 64-bit dtype; use float32/int32)")
     return d
 
 
 _TORCH_NAMES = {
     "torch.float32": float32, "torch.float16": float16, "torch.bfloat16": bfloat16, "torch.int8": int8,
-    "torch.int16": int16, "torch.int32": int32, "torch.uint8": uint8, "torch.uint16": uint16,
+    "torch.int16": int16, "torch.int32": int32, "torch.int64": int64, "torch.uint8": uint8, "torch.uint16": uint16,
     "torch.uint32": uint32, "torch.bool": bool_, "torch.float8_e4m3fn": float8_e4m3fn,
     "torch.float8_e5m2": float8_e5m2, "torch.float8_e8m0fnu": float8_e8m0fnu,
 }

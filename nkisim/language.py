@@ -29,6 +29,7 @@ from .dtypes import (  # noqa: F401 - re-exported as nl.<dtype>
     int8,
     int16,
     int32,
+    int64,
     tfloat32,
     uint8,
     uint16,

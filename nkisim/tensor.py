@@ -109,6 +109,14 @@ class Indirect:
         self.rows = rows            # number of rows in the base (bound for oob_mode)
 
 
+def _check_offset_width(alloc, x, what):
+    """AWS nki.isa.scalar_load: a scalar of either width may address memory, but "on an SBUF or PSUM operand the
+    offset must be nl.int32" (a 64-bit offset there is rejected rather than narrowed); HBM takes either width."""
+    if getattr(x, "dtype", None) is dt.int64 and alloc.buffer.on_chip:
+        raise NkiValidationError(f"{what}: an nl.int64 offset cannot address on-chip tensor '{alloc.name}' "
+                                 f"({alloc.buffer.name}); use an nl.int32 scalar")
+
+
 def _dynamic(x):
     """The register or 1-element tensor behind a dynamic offset, else None (compile-time ints)."""
     return x if isinstance(x, (VirtualRegister, NkiTensor)) else None
@@ -276,6 +284,9 @@ class NkiTensor:
         drop = set(ints) - keep
         shape = [x for j, x in enumerate(shape) if j not in drop]
         strides = [x for j, x in enumerate(strides) if j not in drop]
+        if regs:
+            for r in regs:
+                _check_offset_width(self.alloc, r, "dynamic index / nl.ds start")
         return self._with(shape, strides, offset, regs)
 
     def _plain_slices(self, key):
@@ -460,7 +471,7 @@ class NkiTensor:
     reinterpret_cast = view
 
     def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
-        """Access pattern over the *base* storage: loop nest reading flat[offset + sum(i_k * s_k)]."""
+        """Access pattern over the storage: loop nest reading flat[offset + sum(i_k * s_k)] (offset=None: view's)."""
         if scalar_offset is not None and vector_offset is not None:
             raise NkiValidationError(".ap(): vector_offset and scalar_offset are mutually exclusive; pass one "
                                      "(C24)")
@@ -478,8 +489,18 @@ class NkiTensor:
                 )
             if len(pattern) - 1 > 4:
                 raise NkiValidationError(f".ap(): {len(pattern) - 1} free-dim levels exceed the hardware's 4 (C14)")
-        off = int(offset) if offset is not None else 0
         regs = None
+        if offset is not None:
+            off = int(offset)        # an explicit offset counts from the start of the storage (AWS's AP deep dive)
+        else:
+            # AWS 0.7 (NkiTensor.ap docstring; language guide, "Low-level raw access pattern"): offset=None inherits
+            # the current view's storage offset, converted to elements of the access dtype.
+            view_bytes = self.offset * self.dtype.itemsize
+            if view_bytes % d.itemsize:
+                raise NkiValidationError(f".ap(dtype={d.name}): the view's storage offset of {view_bytes} B is not a "
+                                         f"multiple of the {d.name} element size; pass offset= explicitly")
+            off = view_bytes // d.itemsize
+            regs = self._regs        # a register-addressed view keeps its register dependency
         # AWS: indirect_dim is the "dimension in self.shape whose stride scales the indirect scalar/vector offset" --
         # the tensor .ap() is called on, which may be a reshape of the allocation (TensorView exposes a stride the
         # allocation lacks by reshaping it), in units of the access dtype.
@@ -492,9 +513,10 @@ class NkiTensor:
                                          f"the {d.name} element size")
             unit //= d.itemsize
         if scalar_offset is not None:
+            _check_offset_width(base, scalar_offset, ".ap(scalar_offset=...)")
             off += scalar_value(scalar_offset, ".ap scalar_offset") * unit
             if _dynamic(scalar_offset) is not None:
-                regs = (scalar_offset,)
+                regs = (regs or ()) + (scalar_offset,)
         shape = [n for _, n in pattern]
         strides = [s for s, _ in pattern]
         if d is not base.dtype:

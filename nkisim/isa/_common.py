@@ -114,11 +114,23 @@ def emit(opname, engine, reads, writes, dst, **meta):
         if isinstance(t, NkiTensor):
             ws.append(t)
             wa.append(t._access or access_of(t))
+            names.append(t.dtype.name)
+    if "int64" in names:
+        _int64_operand(opname, rs + ws)
+    names = names[:len(rs)]
     meta["p"] = dst.shape[0]
     meta["n"] = dst._free if dst._free is not None else free_size(dst)
     meta["dtype"] = dst.dtype.name
     meta["in_dtypes"] = tuple(names)
     current().emit_accesses(opname, engine, rs, ws, tuple(ra), tuple(wa), meta)
+
+
+def _int64_operand(op, tensors):
+    """AWS nki.isa.scalar_load: "Unlike the compute instructions, scalar_load accepts nl.int64" -- nl.int64 data
+    moves by DMA and into NkiScalars, never through an engine's datapath."""
+    t = next(t for t in tensors if t.dtype.name == "int64")
+    fail(op, f"operand '{t.name}' is nl.int64; compute instructions do not accept 64-bit integers (only DMA and "
+             "nisa.scalar_load / scalar_store do): keep the data in int32 or load it as an NkiScalar")
 
 
 # Enum members as module constants: `engine.unknown` goes through the enum's descriptor on every access.

@@ -52,7 +52,8 @@ def test_as_dtype_mappings():
     torch = pytest.importorskip("torch")
     assert dt.as_dtype(torch.bfloat16) is nl.bfloat16
     assert dt.as_dtype(torch.float8_e4m3fn) is nl.float8_e4m3fn
-    for bad in (np.float64, np.int64, torch.float64):
+    assert dt.as_dtype(np.int64) is nl.int64 and dt.as_dtype(torch.int64) is nl.int64   # NKI 0.7 nl.int64
+    for bad in (np.float64, np.uint64, torch.float64):
         with pytest.raises(TypeError, match=r"64-bit"):
             dt.as_dtype(bad)
 

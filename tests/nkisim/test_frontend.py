@@ -132,6 +132,98 @@ def test_scalar_calls_rejected_by_parser(parser):
         nisa.scalar_store(tile((1, 1), nl.int32), nisa.NkiScalar(1))
 
 
+# ---- nl.int64 (nki.isa.scalar_load / scalar_store / NkiScalar pages, "NKI Scalar Values") ---------------------------
+
+BIG = 2 ** 40 + 3          # needs more than 32 bits
+
+
+def int64_tile(value):
+    t = tile((1, 1), nl.int64)
+    nisa.dma_copy(dst=t, src=nl.shared_constant(np.array([[value]], np.int64)))
+    return t
+
+
+def test_int64_scalar_load_and_store_without_truncation():
+    """'scalar_load accepts nl.int64, and the value is not truncated. An int64 scalar can be written back with
+    nki.isa.scalar_store()'; at 64 bits +, - and * are available."""
+    i = nisa.scalar_load(int64_tile(BIG))
+    assert i.dtype == nl.int64 and i.value == BIG
+    out = tile((1, 1), nl.int64)
+    nisa.scalar_store(out, i * 4 - 1)
+    assert rd(out)[0, 0] == BIG * 4 - 1 and rd(out).dtype == np.int64
+
+
+def test_int64_scalar_store_width_must_match():
+    """'dst must have the same width as value' in both directions."""
+    with pytest.raises(NkiValidationError, match=r"width of value"):
+        nisa.scalar_store(tile((1, 1), nl.int64), nisa.scalar_load(int_tile(1)))
+    with pytest.raises(NkiValidationError, match=r"width of value"):
+        nisa.scalar_store(tile((1, 1), nl.int32), nisa.scalar_load(int64_tile(1)))
+
+
+def test_int64_scalar_comparison_and_loop_bound_rejected():
+    """Comparisons: 'Rejected at compile time' at 64 bits; fori_loop bound: 'Not supported'. Twin: int32 ones."""
+    i64, i32 = nisa.scalar_load(int64_tile(3)), nisa.scalar_load(int_tile(3))
+    with pytest.raises(TypeError, match=r"nl.int64 scalars are rejected"):
+        i64 < 5  # noqa: B015
+    assert (i32 < 5).is_comparison
+    with pytest.raises(NkiValidationError, match=r"nl.fori_loop.*32-bit"):
+        nl.fori_loop(0, i64, lambda it: None)
+    seen = []
+    nl.fori_loop(0, i32, lambda it: seen.append(it))
+    assert len(seen) == 3
+
+
+def test_int64_scalar_offset_on_hbm_only():
+    """'A scalar of either dtype can be used as a scalar_offset ... on an SBUF or PSUM operand the offset must be
+    nl.int32.'"""
+    data = hbm(np.arange(8 * 4, dtype=np.float32).reshape(8, 4))
+    row = tile((1, 4))
+    nisa.dma_copy(dst=row, src=data.ap([[4, 1], [1, 4]], scalar_offset=nisa.scalar_load(int64_tile(5)),
+                                       indirect_dim=0))
+    assert rd(row).tolist() == [[20.0, 21.0, 22.0, 23.0]]
+    on_chip = sb(np.arange(4 * 8, dtype=np.float32).reshape(4, 8))
+    with pytest.raises(NkiValidationError, match=r"nl.int64 offset cannot address on-chip"):
+        on_chip.ap([[8, 4], [1, 2]], scalar_offset=nisa.scalar_load(int64_tile(1)), indirect_dim=1)
+    with pytest.raises(NkiValidationError, match=r"nl.ds start: an nl.int64 offset cannot address on-chip"):
+        on_chip[:, nl.ds(nisa.scalar_load(int64_tile(1)), 2)]
+    assert rd(data[nl.ds(nisa.scalar_load(int64_tile(2)), 1)]).tolist() == [[8.0, 9.0, 10.0, 11.0]]
+    twin = tile((4, 2))
+    nisa.tensor_copy(dst=twin, src=on_chip.ap([[8, 4], [1, 2]], scalar_offset=nisa.scalar_load(int_tile(3)),
+                                              indirect_dim=1))
+    assert rd(twin)[:, 0].tolist() == [3.0, 11.0, 19.0, 27.0]
+
+
+def test_int64_moves_by_dma_but_not_through_compute_engines():
+    """'Unlike the compute instructions, scalar_load accepts nl.int64': DMA moves int64 exactly, engines refuse it."""
+    src = nl.shared_constant(np.array([[BIG, -BIG]], np.int64))
+    t = tile((1, 2), nl.int64)
+    nisa.dma_copy(dst=t, src=src)
+    assert rd(t).tolist() == [[BIG, -BIG]]
+    with pytest.raises(NkiValidationError, match=r"tensor_copy.*nl.int64; compute instructions"):
+        nisa.tensor_copy(dst=tile((1, 2), nl.int64), src=t)
+    with pytest.raises(NkiValidationError, match=r"nl.int64; compute instructions"):
+        nisa.tensor_copy(dst=tile((1, 2), nl.int32), src=t)
+    i32 = tile((1, 2), nl.int32)
+    nisa.tensor_copy(dst=i32, src=sb(np.array([[7, -7]], np.int32)))
+    assert rd(i32).tolist() == [[7, -7]]
+
+
+def test_int64_kernel_argument():
+    """NumPy/torch int64 arrays are nl.int64 kernel arguments (float64 still has no NKI dtype)."""
+    @nki.jit
+    def first(idx):
+        t = nl.ndarray((1, 1), dtype=nl.int64, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=idx)
+        out = nl.ndarray((1, 1), dtype=nl.int64, buffer=nl.shared_hbm)
+        nisa.scalar_store(t, nisa.scalar_load(t) + 1)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    got = first(np.array([[BIG]], np.int64))
+    assert got.dtype == np.int64 and got[0, 0] == BIG + 1
+
+
 # ---- nl.fori_loop (nki.language.fori_loop page, v2.33.0) -------------------------------------------------------------
 
 def test_fori_loop_variable_is_a_scalar_with_arithmetic_in_addressing():

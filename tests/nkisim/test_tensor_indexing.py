@@ -204,7 +204,7 @@ def test_views_share_storage(t):
 # ---- .ap(): access patterns over the base storage --------------------------------------------------------------------
 
 def test_ap_addresses_base_not_view(t):
-    v = t[10:20, 3, 5:9]  # .ap ignores this view
+    v = t[10:20, 3, 5:9]  # with an explicit offset .ap ignores this view
     a = v.ap([[256, 2], [32, 3], [1, 4]], offset=256 * 4 + 2)
     assert a.shape == (2, 3, 4)
     flat = BASE.reshape(-1)
@@ -213,6 +213,33 @@ def test_ap_addresses_base_not_view(t):
     np.testing.assert_array_equal(rd(a), ref)
     # offset alone selects a partition start: partition 4 onward
     np.testing.assert_array_equal(rd(t.ap([[256, 2], [1, 256]], offset=4 * 256)), BASE[4:6].reshape(2, 256))
+
+
+def test_ap_offset_none_inherits_the_view_offset(t):
+    """AWS (NkiTensor.ap docstring; language guide "Low-level raw access pattern"): "offset defaults to None, which
+    means the new view inherits the current view's storage offset. Pass an explicit integer to override." The
+    pattern still addresses the storage, not the view's shape/strides."""
+    v = t[4:6, 2, 8:]                        # storage offset 4*256 + 2*32 + 8
+    assert v.offset == 4 * 256 + 72
+    a = v.ap([[256, 2], [1, 3]])             # inherits the offset: partitions 4..5, elements 72..74
+    assert a.offset == v.offset
+    np.testing.assert_array_equal(rd(a), BASE[4:6].reshape(2, 256)[:, 72:75])
+    b = v.ap([[256, 2], [1, 3]], offset=0)   # an explicit offset overrides it: counted from the storage start
+    np.testing.assert_array_equal(rd(b), BASE[0:2].reshape(2, 256)[:, 0:3])
+    # with dtype= the inherited offset is converted to elements of the new dtype (fp32 -> bf16: twice as many)
+    c = v.ap([[512, 2], [2, 3]], dtype=nl.bfloat16)
+    assert c.offset == 2 * v.offset
+    lo = BASE.view(np.uint32).reshape(64, 256)[4:6, 72:75] & 0xFFFF
+    np.testing.assert_array_equal(rd(c).view(np.uint16), lo.astype(np.uint16))
+
+
+def test_ap_offset_none_keeps_the_register_of_a_dynamic_view(h):
+    """A view addressed by a register (nl.ds(reg, n)) passes its offset -- and its register dependency -- on."""
+    r = nisa.register_alloc(2)
+    v = h[nl.ds(r, 1)]
+    a = v.ap([[6, 5], [1, 6]])
+    np.testing.assert_array_equal(rd(a), np.arange(120, dtype=np.float32).reshape(4, 5, 6)[2])
+    assert a._regs and r in a._regs
 
 
 def test_ap_get_pattern_roundtrip(t):
