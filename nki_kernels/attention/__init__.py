@@ -14,7 +14,7 @@ import numpy as np
 
 import nkisim
 
-from .decode_attention import argument_error, decode_attention_kernel, decode_attention_nki
+from .decode_attention import P_MAX, argument_error, decode_attention_kernel, decode_attention_nki
 from .decode_attention_torch import decode_attention_torch
 
 __all__ = ["decode_attention", "decode_attention_kernel", "decode_attention_nki", "decode_attention_torch",
@@ -38,7 +38,7 @@ def check_positions(position_ids, s_max, context_len=None):
 
 def check_block_table(block_table, num_blocks, block_size, position_ids, context_len=None):
     """Host-side checks of a paged cache's block table (the kernel sees its entries only as data): every entry the
-    kernel reads -- the first ceil((context_len - S_tkg) / u) * u / block_size columns, u = max(128, block_size),
+    kernel reads -- the first ceil((context_len - S_tkg) / u) * u / block_size columns, u = max(P_MAX, block_size),
     and the blocks of the new positions -- must be a valid block id in [0, num_blocks)."""
     bt = np.asarray(block_table.cpu() if hasattr(block_table, "cpu") else block_table).astype(np.int64)
     pos = np.asarray(position_ids.cpu() if hasattr(position_ids, "cpu") else position_ids).astype(np.int64)
@@ -46,7 +46,7 @@ def check_block_table(block_table, num_blocks, block_size, position_ids, context
         raise ValueError(f"block_table must be [B={pos.shape[0]}, max_blocks_per_seq], got shape {bt.shape}")
     s_max = bt.shape[1] * block_size
     L = s_max if not context_len else int(context_len)
-    unit = max(128, block_size)
+    unit = max(P_MAX, block_size)     # the kernel's scan unit (DecodePlan.unit): one source
     n_read = min(bt.shape[1], ((L - pos.shape[1] + unit - 1) // unit * unit) // block_size)
     used = np.concatenate([bt[:, :n_read].reshape(-1), bt[np.arange(bt.shape[0])[:, None], pos // block_size]
                            .reshape(-1)]) if pos.size else bt[:, :n_read].reshape(-1)
