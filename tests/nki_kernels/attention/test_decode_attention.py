@@ -408,6 +408,8 @@ def _same_bits(a, b):
 
 @pytest.mark.parametrize("shape,B,S,ctx,window,bs,lnc,pos0", [
     (GPT_OSS_20B_TP8, 4, 1, 1024, 0, 0, 1, None),       # full attention: batch packing, stacked K^T (d = 64)
+    (GPT_OSS_20B_TP8, 4, 1, 4096, 0, 0, 1, None),       # several slots: fully valid ones skip the scrub (gates)
+    (LLAMA31_8B_TP8, 3, 1, 4096, 0, 16, 1, None),       # same, paged with small blocks
     (GPT_OSS_20B_TP8, 4, 1, 2048, 128, 0, 1, None),     # SWA-128: windowed scan from a dynamic start
     (GPT_OSS_20B_TP8, 4, 1, 1024, 0, 32, 1, None),      # paged (a reused block's stale tail)
     (GPT_OSS_20B_TP8, 4, 2, 1024, 128, 16, 1, None),    # paged + SWA
