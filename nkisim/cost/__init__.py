@@ -87,6 +87,33 @@ published, order "ready"; "program" in brackets): trn2 matmul tutorial v2-v5 0.9
 (TensorE-bound) 0.86 (0.93); trn1 bf16 matmul original / optimization 1 / 2 (DMA-bound, 256 B and 1 KiB
 per-partition chunks) 0.54 / 0.48 / 0.48 — about 2x optimistic, consistently, and no documented trn1 DMA constant
 explains it (open).
+DMA efficiency vs chunk size, what AWS documents (searched: [bw], [dma], [perf], [arch1-3], [dge], neuron-runtime
+compute-comm-overlap.rst, neuron-explorer overview-device-profiles.rst; measured points in
+hardware.DMA_MEASUREMENTS / DMA_THROUGHPUT_FIGURE, checked in tests/nkisim/cost/test_dma_efficiency.py):
+- No formula. [bw] gives bands per partition: < 256 B "severely overhead-bound", 256 B - 2 KiB "improving",
+  >= 2 KiB "approaches peak", >= 4 KiB "saturates", and names the cause as the ~1300 ns per-transfer setup /
+  semaphore latency; [perf] Opt #9: "larger than 32KiB" per transfer on trn1/inf2 for ideal bandwidth (a 4 B
+  transfer example; a large-transfer example at "close 70%"); the runtime's static DMA rings use 4 KiB packets, "the
+  empirically determined minimum for DMA/HBM efficiency"; [arch1]: "overhead at both DMA buffer and transfer levels"
+  with no figure. Nothing separates HBM-side from SBUF-side chunks, or element-wise (2-4 B runs) from bulk beyond
+  "tiny"; [dge] gives only HW-DGE's ~600 ns per instruction (v3+; trn1 has no HW-DGE).
+- AWS's own measurements (trn2 profiles in [dma]): 32 KiB in 8 KiB rows on one engine 1416 ns (model 1491 ns, +5%);
+  2 KiB as 8 SBUF rows of 256 B (HBM side contiguous) 97 ns = 92% of the 23 B/ns peak, where this model's fitted
+  run/(run+256) charges 50% (181 ns): at 256 B the documented measurement is FASTER than the model, not slower. The
+  [dma] throughput figure (one [128, B] transfer) is flat in time up to ~1-2 KiB and bytes-bound beyond (at 4 KiB
+  already 97% of the 32 KiB throughput): max(fixed time, bytes / peak) rather than latency + bytes.
+- The published trn1 figures per transfer: optimization 1 = 42.96 ms / 32768 rhs loads ([128, 512] bf16, 8 KiB per
+  engine in 1 KiB rows) = 1.31 us each; optimization 2 = 22.07 ms / 16384 = 1.35 us; original = 51.80 ms / 32768
+  (lhsT 256 B rows + rhs 1 KiB rows) = 1.58 us per pair. So trn1 moved ~6.3 B/ns per engine (~100 GB/s per core,
+  37% of 17 B/ns) whatever the chunk (256 B or 1 KiB), one ~1.3 us per 8 KiB-per-engine transfer; trn2 did not
+  (v2: 1.22 us per pair with 2.5x the bytes; v3: 0.86 us per 16 KiB-per-engine transfer, 19 B/ns). No single
+  chunk-size curve fits both: reading the [dma] figure as a steady-state efficiency (0.10 @256 B, 0.42 @1 KiB,
+  0.81 @2 KiB) fits trn1 optimization 1 (0.88) but makes trn1 original 1.47x and trn2 v2 1.44x too slow; a 1.3 us
+  engine occupancy per transfer fits trn1 optimization 1/2 but not trn1 original (1.64x) or trn2 v2/v3 (2.1x/1.5x).
+  Undocumented candidates (not modelled, no factor invented): trn1's descriptor path (static descriptors fetched from
+  HBM or SW-DGE; no HW-DGE on NeuronCore-v2), the start latency being serial per queue on trn1, HBM channel
+  hot-spots for power-of-two row strides (the newer [bw] revision credits address hashing / interleaving and lists
+  only Trn2/Trn3). The rule stays as it was (rule 6); the three trn1 DMA-bound cases remain outside the band.
 """
 
 from collections import namedtuple
