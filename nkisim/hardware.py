@@ -475,7 +475,8 @@ _CC = "[SDK:cc] intranode-collective-comm.rst, parallel-and-perf-model.md §2.3/
 _COLLECTIVE = _build(
     CollectiveSpec,
     hop_latency_s=(1.5e-6, f"{_CC}: Ring/KangaRing per-hop latency about 1-2 us (midpoint; HBM-load dependent)"),
-    base_latency_s=(5e-6, f"{_CC}: latency term 1-10 us (GenZ ring AR uses 5 us base; parallel-and-perf §3)"),
+    base_latency_s=(5e-6, f"ASSUMPTION within {_CC}: latency term 1-10 us (GenZ ring AR uses 5 us base; "
+                          "parallel-and-perf §3)"),
     mesh_max_bytes=(1 << 20, f"{_CC}: Mesh < 1 MB"),
     rdh_max_bytes=(56 << 20, f"{_CC}: RDH 1-56 MB, KangaRing > 56 MB"),
 )
@@ -499,8 +500,10 @@ def hardware(name=None) -> Platform:
 
 
 # =====================================================================================================================
-# Added by the bench harness (bench/model): collective bandwidth plateaus per algorithm and a per-kernel floor.
-# Modelled defaults, uncalibrated; replace with an nccom-test sweep on the target instance.
+# Collective bus-bandwidth plateaus per algorithm: used by the cost of nki.collectives instructions
+# (nkisim.cost.collective) and, through its own collective table (bench/model/_hw_source.collective_table, which
+# labels each value documented / ASSUMPTION), by the bench. Modelled defaults, uncalibrated; replace with an
+# nccom-test sweep on the target instance.
 # =====================================================================================================================
 _NCCOM = "nccom-test.rst example (parallel-and-perf-model.md §2.2)"
 COLLECTIVE_BUSBW = {

@@ -11,8 +11,10 @@ Conventions (parallel-and-perf-model.md §2.2, §2.3, Part 3):
   above 56 MB (O(n/2) steps). An all-reduce is a reduce-scatter followed by an all-gather, so it takes twice the steps.
 * ``t = alpha_base + steps * alpha_hop + factor * S / busbw(algorithm)``.
 
-The per-hop latency (1-2 µs) is published; the base latency and the busbw plateaus are modelled defaults in the
-hardware table (``nkisim.hardware``) to be replaced by an nccom-test sweep on the target instance.
+The per-hop latency (1-2 µs) and the band limits are published; the base latency and the busbw plateaus are modelled
+defaults to be replaced by an nccom-test sweep on the target instance. The bench reads every one of them through its
+collective table (``bench.model._hw_source.collective_table``: value, status documented / ASSUMPTION, source), which
+re-exports the one written copy in ``nkisim.hardware`` (shared with the cost of nki.collectives instructions).
 """
 
 from __future__ import annotations
