@@ -26,7 +26,7 @@ def _moe_tkg_inputs(T, H, inter, E, K, act, all_expert, dtype, clamp, bias, fp8_
         aff = np.zeros((T, E), np.float32)
         for t in range(T):
             aff[t, idx[t]] = weights[t]
-        normal = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
+        normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(dtype)  # noqa: E731
         kw = {
             "hidden_input": normal(T, H),
             "expert_gate_up_weights": normal(E, H, 2, inter),

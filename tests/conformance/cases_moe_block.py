@@ -34,11 +34,10 @@ def _case(all_expert, B, S, H, h_actual, inter, E_g, E_l, k, act, weight, in_dt,
         import nki.language as nl
         from nkilib_src.nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode, RouterActFnType
 
-        from nkisim import mx
         rng = np.random.default_rng(42)
         in_np = _NP[in_dt]
         uni = lambda *s: rng.uniform(-0.1, 0.1, size=s).astype(np.float32).astype(in_np)  # noqa: E731
-        normal = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+        normal = lambda *s: rng.standard_normal(s, dtype=np.float32)  # noqa: E731
         kw = {"inp": uni(B, S, H), "gamma": uni(1, H), "router_weights": uni(H, E_g)}
         if is_mx:
             mx_dtype = getattr(nl, weight)
@@ -59,7 +58,6 @@ def _case(all_expert, B, S, H, h_actual, inter, E_g, E_l, k, act, weight, in_dt,
             kw.update(expert_gate_up_weights=gu_w, expert_down_weights=dn_w,   # raw words, as NxD passes them
                       expert_gate_up_weights_scale=gu_s, expert_down_weights_scale=dn_s)
             gu_b_shape = (E_l, i_p, 2, n_i512, 4)
-            kw["_packed"] = (mx.PackedArray(gu_w, mx_dtype), mx.PackedArray(dn_w, mx_dtype))
         else:
             kw.update(expert_gate_up_weights=normal(E_l, H, 2, inter).astype(_NP[weight]),
                       expert_down_weights=normal(E_l, inter, H).astype(_NP[weight]))
@@ -76,40 +74,38 @@ def _case(all_expert, B, S, H, h_actual, inter, E_g, E_l, k, act, weight, in_dt,
                   rank_id=np.array([[rng.integers(0, E_g // E_l)]], np.uint32) if all_expert else None)
         return kw
 
-    def kernel_inputs():
-        kw = inputs()
-        kw.pop("_packed", None)
-        return kw
-
     def ref_inputs(kw):
         if not is_mx:
             return kw
-        full = inputs()  # same seed: the same words, as PackedArrays for the reference
-        return {**kw, "expert_gate_up_weights": full["_packed"][0], "expert_down_weights": full["_packed"][1]}
+        import nki.language as nl
+
+        from nkisim import mx
+        mx_dtype = getattr(nl, weight)   # the reference reads the same words as packed MX arrays
+        return {**kw, "expert_gate_up_weights": mx.PackedArray(kw["expert_gate_up_weights"], mx_dtype),
+                "expert_down_weights": mx.PackedArray(kw["expert_down_weights"], mx_dtype)}
 
     low = is_mx or weight.startswith("float8")
     kind = "all" if all_expert else "sel"
     return Case(moe_block_tkg_mx_launch if is_mx else "core.moe_block.moe_block_tkg:moe_block_tkg",
                 "core.moe_block.moe_block_tkg_torch:moe_block_tkg_torch_ref",
                 f"{kind}_B{B}_S{S}_H{H}{'/' + str(h_actual) if h_actual else ''}_I{inter}_E{E_g}/{E_l}_k{k}_{weight}",
-                kernel_inputs, atol=1e-5, rtol=5e-2 if low else 1e-2, source=SOURCE + (_PADDING if is_mx else ""),
+                inputs, atol=1e-5, rtol=5e-2 if low else 1e-2, source=SOURCE + (_PADDING if is_mx else ""),
                 target=target, lnc=2, ref_inputs=ref_inputs, env={"NKISIM_UNINIT": "zero"} if is_mx else {})
 
 
+# Kept small for the suite's budget: the selective configurations of the test all carry 128 local experts (up to
+# 0.4 G weight elements, widened to fp32 for the reference); of those we run the smaller ones. Left out for time,
+# not for failing (each passed when run: max error <= 1.5e-3 vs >= 5e-3): (B1 S1 H3072 I384 fp16), (B1 S1 H4096
+# I384 k8 bf16 and fp8_e4m3), (B1 S1 H3072 I384 MXFP4).
 CASES = [
-    _case(False, 1, 1, 3072, None, 384, 128, 128, 4, "Swish", "float16", "float16", True, True, False, False),
     _case(False, 1, 5, 3072, None, 128, 128, 128, 4, "Swish", "float16", "float16", True, True, False, False,
           target="trn3"),
     _case(False, 4, 1, 3072, 2880, 192, 128, 128, 4, "Swish", "float16", "float16", True, True, False, False),
-    _case(False, 1, 1, 4096, None, 384, 128, 128, 8, "SiLU", "bfloat16", "bfloat16", False, False, True, True),
-    _case(False, 1, 1, 4096, None, 384, 128, 128, 8, "SiLU", "float8_e4m3", "bfloat16", False, False, True, True),
     # (all-expert, B19, H3072, I128, E128/1, k4, fp16, bias) of the same list is left out: its gate/up bias load
     # calls dma_transpose(..., dge_mode=3 "none") on a direct (non-indirect) transpose, which AWS's dma_transpose page
     # rules out ("The only valid dge_modes are unknown and hwdge"); nkisim follows the page (C21). It passed before
     # that rule landed (max error 2.7e-4 vs 6.3e-3).
     _case(True, 16, 1, 4096, None, 384, 128, 8, 8, "SiLU", "float8_e4m3", "bfloat16", False, False, True, True),
-    _case(False, 1, 1, 3072, None, 384, 128, 128, 4, "Swish", "float4_e2m1fn_x4", "float16", True, True, False, False,
-          target="trn3"),
     _case(False, 1, 4, 3072, 2880, 192, 128, 128, 4, "Swish", "float4_e2m1fn_x4", "float16", True, True, False,
           False, target="trn3"),
     _case(False, 1, 1, 3072, None, 384, 128, 128, 4, "Swish", "float8_e4m3fn_x4", "float16", True, True, False,
