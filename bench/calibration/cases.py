@@ -4,7 +4,9 @@ source, and how to run our NKI 0.7 version of the kernel on the same shapes.
 Nothing in the cost model is fitted to these figures (hardware constants come from AWS's documentation, see
 nkisim.cost's design note). `held_out` marks the cross-check cases: they were not looked at while choosing between
 documented interpretations of a constant (the DMA transfer overhead, rule 6 of the design note), which used only the
-trn2 tutorial's v2/v3 figures as a sanity check.
+trn2 tutorial's v2/v3 figures as a sanity check. The later review of DMA efficiency vs chunk size read the trn1
+DMA-bound figures (per-transfer arithmetic in the cost design note's calibration section) but changed no constant,
+so they stay held out.
 """
 
 from __future__ import annotations
