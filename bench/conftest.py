@@ -1,9 +1,14 @@
 """Benchmark-session plumbing: record skipped configurations and write the HTML report when the session ends.
 
 At the end of ``pytest bench/ --benchmark-only`` this writes, under ``reports/`` (or ``--bench-report-dir``):
-``bench-<timestamp>.json`` (pytest-benchmark JSON + our ``bench_report`` block), ``report-<timestamp>.html`` and
-``latest.html`` / ``latest.json``. ``--no-bench-report`` turns it off. ``--benchmark-json PATH`` output also carries
-the ``bench_report`` block, so ``python -m bench.cli report PATH`` re-renders the same report.
+``bench-<timestamp>.json`` (pytest-benchmark JSON + our ``bench_report`` block), ``report-<timestamp>.html``,
+``latest.html``, ``latest.json`` (a link to that JSON, not a second copy) and ``latest-summary.json`` (small summary,
+bench/report/console.py). ``--no-bench-report`` turns it off. ``--benchmark-json PATH`` output also carries the
+``bench_report`` block, so ``python -m bench.cli report PATH`` re-renders the same report; with it the JSON is
+generated and written once, at PATH, and ``latest.json`` links there.
+
+The terminal shows, per group, the modelled (or device) figures instead of pytest-benchmark's CPU-time table for
+benchmarks whose timing is host time of the interpreter or of a formula (see bench/report/console.py).
 """
 
 from __future__ import annotations
@@ -49,12 +54,47 @@ def _bench_report_block() -> dict:
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     output_json["bench_report"] = _bench_report_block()
+    if getattr(config.option, "benchmark_json", None) is not None:
+        config._bench_written_json = output_json     # reuse at session end rather than generate it a second time
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_benchmark_group_stats(config, benchmarks, group_by):
+    """Withhold host-timed benchmarks (nkisim-interpreted kernels, model formulas) from pytest-benchmark's Min/Max/Mean
+    table: those timings are CPU time, not kernel time. They stay in the JSON (and in --benchmark-compare); the
+    terminal summary below shows their modelled figures instead."""
+    from bench.report.console import withhold_host_timed
+
+    groups, config._bench_host_timed = withhold_host_timed((yield))
+    return groups
+
+
+@pytest.hookimpl(trylast=True)   # after pytest-benchmark's own table, so the figures that matter end the output
+def pytest_terminal_summary(terminalreporter, config):
+    data = getattr(config, "_bench_data", None)
+    if data is None:
+        return
+    from bench.report.console import format_console
+
+    tr = terminalreporter
+    tr.write_sep("=", "benchmark figures (modelled unless marked measured)")
+    tr.write_line(format_console(data))
+    n = getattr(config, "_bench_host_timed", 0)
+    if n:
+        tr.write_line(f"({n} benchmarks timed only on the host CPU (nkisim interpreter or model formula) are left out "
+                      "of pytest-benchmark's Min/Max/Mean table: that is not kernel time; their timings stay in "
+                      "the JSON)")
+    for line in getattr(config, "_bench_paths", ()):
+        tr.write_line(line)
 
 
 def _session_json(config) -> dict | None:
     bs = getattr(config, "_benchmarksession", None)
     if bs is None or not bs.benchmarks:
         return None
+    written = getattr(config, "_bench_written_json", None)
+    if written is not None:
+        return written
     machine_info = {"node": "", "machine": "", "python_version": ""}
     try:
         import platform
@@ -78,17 +118,31 @@ def pytest_sessionfinish(session, exitstatus):
     if data is None:
         return
     from bench.report import write_report
+    from bench.report.console import summary
 
     out_dir = Path(config.getoption("--bench-report-dir") or (config.rootpath / "reports"))
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     t0 = time.perf_counter()
-    json_path = out_dir / f"bench-{stamp}.json"
-    json_path.write_text(json.dumps(data, default=repr))
+    if getattr(config, "_bench_written_json", None) is not None:      # already at --benchmark-json PATH
+        json_path = Path(config.option.benchmark_json).resolve()
+    else:
+        json_path = out_dir / f"bench-{stamp}.json"
+        json_path.write_text(json.dumps(data, default=repr, separators=(",", ":")))
     html_path = write_report(data, out_dir / f"report-{stamp}.html", config.getoption("--bench-mem-limit-gib"))
     (out_dir / "latest.html").write_text(html_path.read_text(encoding="utf-8"), encoding="utf-8")
-    (out_dir / "latest.json").write_text(json_path.read_text())
-    tr = config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None:
-        tr.write_line(f"bench report: {html_path} (+ latest.html, {json_path.name}) "
-                      f"rendered in {time.perf_counter() - t0:.1f}s")
+    _link(out_dir / "latest.json", json_path)
+    summary_path = out_dir / "latest-summary.json"
+    summary_path.write_text(json.dumps(summary(data, str(html_path), str(json_path)), indent=1) + "\n")
+    config._bench_data = data
+    config._bench_paths = (f"bench report: {html_path} (+ latest.html) rendered in {time.perf_counter() - t0:.1f}s",
+                           f"benchmark JSON: {json_path} (latest.json); summary: {summary_path}")
+
+
+def _link(link: Path, target: Path) -> None:
+    """latest.json points at the run's JSON instead of being a second copy of it (a copy where links fail)."""
+    link.unlink(missing_ok=True)
+    try:
+        link.symlink_to(target if target.parent != link.parent else target.name)
+    except OSError:
+        link.write_bytes(target.read_bytes())

@@ -54,7 +54,8 @@ def published_comparison(rows: list[dict]) -> list[dict]:
         modelled = r["t_step_us"] / 1e3
         out.append({
             "label": f"{p['model']} {p['instance'].split('.')[0]} TP{p['tp']} b{p['batch']} ctx{p['ctx']}",
-            "model": p["model"], "instance": p["instance"], "lnc": p["lnc"], "tp": p["tp"], "batch": p["batch"],
+            "key": p.get("key", ""), "model": p["model"], "instance": p["instance"], "lnc": p["lnc"], "tp": p["tp"],
+            "batch": p["batch"],
             "ctx": p["ctx"], "what": p["what"], "setup": p["setup"], "source": p["source"],
             "published_ms": p["tpot_ms"], "modelled_ms": modelled, "roof_ms": r["t_roof_us"] / 1e3,
             "ratio": p["tpot_ms"] / modelled if modelled else float("nan"), "bound": r["bound"], "fits": r["fits"],

@@ -1,0 +1,95 @@
+"""The terminal tables and latest-summary.json built from a fixture benchmark JSON (no bench run)."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.report.console import (
+    console_tables,
+    format_console,
+    is_host_timed,
+    kernel_records,
+    summary,
+    withhold_host_timed,
+)
+from bench.report.data import load
+
+FIXTURE = Path(__file__).parent / "fixtures" / "bench_fixture.json"
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load(FIXTURE)
+
+
+def _device_bench():
+    """A device-timed row as bench/test_decode_attention_device.py records it on a trn instance."""
+    return {"group": None, "name": "test_decode_attention_device[8192-8-llama-3.1-8b-tp8]",
+            "params": {"model": "llama-3.1-8b-tp8", "B": 8, "ctx": 8192}, "stats": {"median": 2e-4},
+            "extra_info": {"measured": "device", "kernel": "decode_attention · llama-3.1-8b-tp8",
+                           "bucket": "B=8, ctx=8192", "device_latency_s": 2e-4, "flops": 3.3e8,
+                           "hbm_bytes": 5.4e7, "target": "trn2"}}
+
+
+def _tables(data):
+    return {t["title"]: t for t in console_tables(data)}
+
+
+def test_kernel_table_shows_modelled_figures_not_cpu_time(data):
+    t = _tables(data)["test_decode_attention_modelled — MODELLED by nkisim (not measured)"]
+    assert t["header"][2] == "modelled latency" and "roofline bound" in t["header"]
+    row = next(r for r in t["rows"] if r[0] == "trn2-1024-1-llama-3.1-8b-tp8")
+    # fixture: modelled 54.453 us, roofline fraction 0.7 -> bound 38.1 us, 12.5 MiB read+written
+    assert row[1:] == ["trn2", "54.5 µs", "38.1 µs", "memory", "70%", "12.5 MiB"]
+    text = format_console(data)
+    assert "500 ms" not in text      # the fixture's pytest-benchmark CPU median (0.5 s) is never shown
+
+
+def test_model_and_published_tables(data):
+    tables = _tables(data)
+    model = tables["whole-model sweep — MODELLED (analytical model, per rank)"]
+    assert "tok/s/chip" in model["header"]
+    rows = {(r[0], r[2]): r for r in model["rows"]}
+    r = rows[("GPT-OSS-120B:decode:trn2.48xlarge", "decode b1 ctx8192")]
+    assert r[3] == "1.82 ms" and r[5] == "memory" and r[7] == "137"
+    pub = tables["modelled vs published decode latency"]["rows"]
+    assert ["GPT-OSS-120B trn2 TP16 b1 ctx768", "7 ms", "1.77 ms", "3.94×"] in pub
+
+
+def test_device_rows_are_measured_with_a_roofline(data):
+    d = copy.deepcopy(data)
+    d["benchmarks"].append(_device_bench())
+    t = _tables(d)["test_decode_attention_device — measured on device"]
+    assert t["header"][2] == "device latency (median)"
+    (row,) = t["rows"]
+    assert row[2] == "200 µs" and row[3] != "—" and row[5].endswith("%")
+    assert not is_host_timed(_device_bench())
+
+
+def test_only_host_timed_rows_are_withheld_from_pytest_benchmark_table(data):
+    benches = data["benchmarks"] + [_device_bench()]
+    groups = [("g", benches)]
+    kept, dropped = withhold_host_timed(groups)
+    names = [b["name"] for _, bs in kept for b in bs]
+    assert dropped == 11 + 3 + 4          # model rows, published rows, nkisim-modelled kernels
+    assert names == ["test_dispatch_per_instruction[tensor_copy]", _device_bench()["name"]]
+    assert withhold_host_timed([("only-modelled", data["benchmarks"][:2])]) == ([], 2)
+
+
+def test_summary_is_small_and_complete(data):
+    s = summary(data, "reports/report-x.html", "reports/bench-x.json")
+    assert s["report"] == "reports/report-x.html"
+    names = {k["name"] for k in s["kernels"]}
+    assert names == {k["name"] for k in kernel_records(data)} and len(names) == 4
+    for k in s["kernels"]:
+        assert k["source"] == "modelled" and k["latency_s"] > k["bound_s"] > 0 and k["bound"] == "memory"
+    pub = {p["key"]: p for p in s["published_comparison"]}
+    assert set(pub) == {"llama70b-tp64", "llama8b-tp8", "gptoss120b-tp16"}
+    assert pub["gptoss120b-tp16"]["published_s"] == 0.007
+    assert pub["gptoss120b-tp16"]["modelled_s"] == pytest.approx(1.7746e-3, rel=1e-4)
+    assert set(pub["llama8b-tp8"]) == {"name", "key", "published_s", "modelled_s"}
+    assert s["model_sweep"]["configurations"] == 11
+    text = json.dumps(s)
+    assert len(text) < 4000 and json.loads(text) == s
