@@ -483,9 +483,16 @@ class NkiTensor:
             free_bytes = math.prod(base.shape[1:]) * base.dtype.itemsize
             free = free_bytes // d.itemsize if free_bytes % d.itemsize == 0 else free_bytes / d.itemsize
             if pattern[0][0] != free:
+                # AWS's AP deep dive ("Composition and .ap on a view"): .ap() interprets pattern and offset against
+                # the storage, ignoring the shape/strides/offset of the view it is called on -- so a step equal to a
+                # narrower view's width is still a step over storage rows, and says so.
+                hint = ""
+                if tuple(self.shape) != tuple(base.shape) and pattern[0][0] == math.prod(self.shape[1:]):
+                    hint = (f"; {pattern[0][0]} is the width of the view .ap() was called on, but .ap() addresses "
+                            f"the storage (row of {free}), not the view")
                 raise NkiValidationError(
                     f".ap() on on-chip tensor '{base.name}': the partition stride {pattern[0][0]} must equal the "
-                    f"tensor's free size {free} (C14)"
+                    f"tensor's free size {free} (C14){hint}"
                 )
             if len(pattern) - 1 > 4:
                 raise NkiValidationError(f".ap(): {len(pattern) - 1} free-dim levels exceed the hardware's 4 (C14)")

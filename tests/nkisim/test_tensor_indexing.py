@@ -233,6 +233,22 @@ def test_ap_offset_none_inherits_the_view_offset(t):
     np.testing.assert_array_equal(rd(c).view(np.uint16), lo.astype(np.uint16))
 
 
+def test_ap_on_a_column_slice_steps_over_storage_rows():
+    """AWS's AP deep dive, "Composition and .ap on a view": .ap() interprets pattern and offset against the storage,
+    ignoring the view's shape, strides and offset; "Restriction on SBUF/PSUM Tensors": the partition step must be
+    the element count of the entire free dimension of the tensor. So on a column half of a (4, 16) buffer -- itself
+    an .ap() view, as a fused gate/up buffer's halves are -- the partition step is the storage row 16, and an
+    explicit offset counts from the storage start, not from the half."""
+    data = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+    s = sb(data)
+    up = s.ap([[16, 4], [1, 8]], offset=8)                      # right half: storage columns 8..15
+    np.testing.assert_array_equal(rd(up.ap([[16, 4], [1, 8]])), data[:, 8:16])          # offset inherited
+    np.testing.assert_array_equal(rd(up.ap([[16, 4], [1, 4]], offset=2)), data[:, 2:6])  # explicit: from storage
+    with pytest.raises(NkiValidationError, match=r"partition stride 8 must equal the tensor's free size 16 \(C14\); "
+                                                 r"8 is the width of the view"):
+        up.ap([[8, 4], [1, 8]], offset=0)
+
+
 def test_ap_offset_none_keeps_the_register_of_a_dynamic_view(h):
     """A view addressed by a register (nl.ds(reg, n)) passes its offset -- and its register dependency -- on."""
     r = nisa.register_alloc(2)
