@@ -6,7 +6,7 @@ import nki
 import numpy as np
 import pytest
 
-from nkisim.errors import NkiCapacityError, NkiValidationError
+from nkisim.errors import NkiValidationError
 
 from ._sim import fresh_core, hbm, nisa, nl, on_target, rd, sb, tile  # noqa: F401
 
@@ -515,50 +515,3 @@ def test_c34_memset_integer_tile_with_fractional_float():
     nisa.memset(dst=t, value=0.0)  # an integral float, as AWS's nki-library writes for uint8 scale tiles
     nisa.memset(dst=tile((2, 4), nl.int32), value=7)
     np.testing.assert_array_equal(rd(t), 0)
-
-
-# ---- C33: MX ops take float8_e8m0fnu scales and the 8-bank moving size of the 2.32 pages ---------------------------
-
-@nki.jit
-def _mx_matmul(a, b, scale_dtype, dst_dtype):
-    p, m4 = a.shape
-    _, n4 = b.shape
-    tiles = []
-    for x, f in ((a, m4), (b, n4)):
-        src = nl.ndarray((p, f), dtype=x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=src, src=x)
-        q = nl.ndarray((p, f // 4), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf)
-        s = nl.ndarray((p, f // 4), dtype=scale_dtype, buffer=nl.sbuf)
-        nisa.quantize_mx(dst=q, src=src, dst_scale=s)
-        tiles.append((q, s))
-    acc = nl.ndarray((m4 // 4, n4 // 4), dtype=dst_dtype, buffer=nl.psum)
-    nisa.nc_matmul_mx(dst=acc, stationary=tiles[0][0], moving=tiles[1][0], stationary_scale=tiles[0][1],
-                      moving_scale=tiles[1][1])
-    res = nl.ndarray(acc.shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=res, src=acc)
-    out = nl.ndarray(acc.shape, dtype=nl.float32, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=res)
-    return out
-
-
-def test_c33_mx_scales_may_be_float8_e8m0fnu(monkeypatch):
-    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
-    rng = np.random.default_rng(3)
-    a = rng.standard_normal((32, 64)).astype(np.float32)
-    b = rng.standard_normal((32, 32)).astype(np.float32)
-    ab, bb = hbm(a, nl.bfloat16), hbm(b, nl.bfloat16)
-    ref = _mx_matmul(ab, bb, nl.uint8, nl.float32)
-    np.testing.assert_array_equal(_mx_matmul(ab, bb, nl.float8_e8m0fnu, nl.float32), ref)
-    with pytest.raises(E, match=r"stationary_scale dtype must be float8_e8m0fnu or uint8, got int8 \(C33\)|"
-                                r"dst_scale dtype must be float8_e8m0fnu or uint8, got int8 \(C33\)"):
-        _mx_matmul(ab, bb, nl.int8, nl.float32)
-
-
-def test_c33_mx_moving_free_size_is_the_8_psum_banks(monkeypatch):
-    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
-    a = hbm(np.ones((32, 8), np.float32), nl.bfloat16)
-    out = _mx_matmul(a, hbm(np.ones((32, 4 * 2048), np.float32), nl.bfloat16), nl.uint8, nl.float32)
-    np.testing.assert_allclose(out, 128.0)           # N = 2048 > the old 512 limit; K = 4 * 32
-    # one more column than the 8 banks hold: the fp32 dst itself no longer fits PSUM
-    with pytest.raises(NkiCapacityError, match=r"needs 16388 B/partition > PSUM size 16384 B \(C6\)"):
-        _mx_matmul(a, hbm(np.ones((32, 4 * 4097), np.float32), nl.bfloat16), nl.uint8, nl.float32)

@@ -6,12 +6,14 @@ import pytest
 
 import nkisim
 from nkisim import mx
-from nkisim.errors import NkiValidationError
+from nkisim.errors import NkiCapacityError, NkiValidationError
 
 nkisim.install()
 import nki  # noqa: E402
 import nki.isa as nisa  # noqa: E402
 import nki.language as nl  # noqa: E402
+
+from .._sim import hbm  # noqa: E402
 
 
 @pytest.fixture
@@ -77,8 +79,9 @@ def test_quantize_mx_scale_must_sit_in_first_16_partitions_of_a_quadrant(target)
 
 
 @nki.jit
-def mx_matmul_kernel(a, b):
-    """a [K, M], b [K, N] bf16 with K = 4 * P: quantize both on chip, one nc_matmul_mx -> [M, N] fp32."""
+def mx_matmul_kernel(a, b, scale_dtype=nl.uint8, dst_dtype=nl.float32):
+    """a [K, M], b [K, N] bf16 with K = 4 * P: quantize both on chip (scales in scale_dtype), one nc_matmul_mx into a
+    dst_dtype PSUM tile -> [M, N] fp32."""
     p, m4 = a.shape
     _, n4 = b.shape
     tiles = []
@@ -86,10 +89,10 @@ def mx_matmul_kernel(a, b):
         src = nl.ndarray((p, f), dtype=x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=src, src=x)
         q = nl.ndarray((p, f // 4), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf)
-        s = nl.ndarray((p, f // 4), dtype=nl.uint8, buffer=nl.sbuf)
+        s = nl.ndarray((p, f // 4), dtype=scale_dtype, buffer=nl.sbuf)
         nisa.quantize_mx(dst=q, src=src, dst_scale=s)
         tiles.append((q, s))
-    acc = nl.ndarray((m4 // 4, n4 // 4), dtype=nl.float32, buffer=nl.psum)
+    acc = nl.ndarray((m4 // 4, n4 // 4), dtype=dst_dtype, buffer=nl.psum)
     nisa.nc_matmul_mx(dst=acc, stationary=tiles[0][0], moving=tiles[1][0], stationary_scale=tiles[0][1],
                       moving_scale=tiles[1][1])
     res = nl.ndarray(acc.shape, dtype=nl.float32, buffer=nl.sbuf)
@@ -204,3 +207,28 @@ def test_memset_packed_tile_with_float_zero():
             nisa.memset(dst=t, value=1.0)
     finally:
         set_current(prev)
+
+
+# ---- C33: MX ops take float8_e8m0fnu scales and the 8-bank moving size of the 2.32 pages ---------------------------
+
+def test_c33_mx_scales_may_be_float8_e8m0fnu(target):
+    target("trn3")
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((32, 64)).astype(np.float32)
+    b = rng.standard_normal((32, 32)).astype(np.float32)
+    ab, bb = hbm(a, nl.bfloat16), hbm(b, nl.bfloat16)
+    ref = mx_matmul_kernel(ab, bb, nl.uint8, nl.float32)
+    np.testing.assert_array_equal(mx_matmul_kernel(ab, bb, nl.float8_e8m0fnu, nl.float32), ref)
+    with pytest.raises(NkiValidationError, match=r"(stationary_scale|dst_scale) dtype must be float8_e8m0fnu or "
+                                                  r"uint8, got int8 \(C33\)"):
+        mx_matmul_kernel(ab, bb, nl.int8, nl.float32)
+
+
+def test_c33_mx_moving_free_size_is_the_8_psum_banks(target):
+    target("trn3")
+    a = hbm(np.ones((32, 8), np.float32), nl.bfloat16)
+    out = mx_matmul_kernel(a, hbm(np.ones((32, 4 * 2048), np.float32), nl.bfloat16), nl.uint8, nl.float32)
+    np.testing.assert_allclose(out, 128.0)           # N = 2048 > the old 512 limit; K = 4 * 32
+    # one more column than the 8 banks hold: the fp32 dst itself no longer fits PSUM
+    with pytest.raises(NkiCapacityError, match=r"needs 16388 B/partition > PSUM size 16384 B \(C6\)"):
+        mx_matmul_kernel(a, hbm(np.ones((32, 4 * 4097), np.float32), nl.bfloat16), nl.uint8, nl.float32)
