@@ -11,21 +11,28 @@ from .harness import Case
 SRC_TKG = "test/integration/nkilib/core/moe/moe_tkg/test_moe_tkg.py::test_moe_tkg"
 
 
+def _routing(rng, T, E, K, all_expert):
+    """(expert index [T, k] int32, affinities [T, E] fp32): k = K (all E when K is None) experts per token, drawn
+    without replacement (all-expert) or uniformly (selective), normalised random weights placed at those indices."""
+    k = K if K is not None else E
+    if all_expert:
+        idx = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    else:
+        idx = rng.integers(0, E, size=(T, k)).astype(np.int32)
+    weights = rng.random((T, k))
+    weights /= weights.sum(axis=1, keepdims=True)
+    aff = np.zeros((T, E), np.float32)
+    for t in range(T):
+        aff[t, idx[t]] = weights[t]
+    return idx, aff
+
+
 def _moe_tkg_inputs(T, H, inter, E, K, act, all_expert, dtype, clamp, bias, fp8_row=False):
     def build():
         from nkilib_src.nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode
         rng = np.random.default_rng(1234)
-        k = K if K is not None else E
-        if all_expert:
-            idx = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
-        else:
-            idx = rng.integers(0, E, size=(T, k)).astype(np.int32)
-        weights = rng.random((T, k))
-        weights /= weights.sum(axis=1, keepdims=True)
+        idx, aff = _routing(rng, T, E, K, all_expert)
         aff_dtype = ml_dtypes.bfloat16 if all_expert else np.float32
-        aff = np.zeros((T, E), np.float32)
-        for t in range(T):
-            aff[t, idx[t]] = weights[t]
         normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32).astype(dtype)  # noqa: E731
         kw = {
             "hidden_input": normal(T, H),
@@ -106,6 +113,34 @@ def _mx_weights(rng, n_rows, n_words, mx_dtype):
     return words[:n_rows], scales[: -(-n_rows // 8)]
 
 
+def _mx_down_layout(inter):
+    """(partitions, 512-column tiles) of the MX down projection's I/4 rows: padded to a multiple of 8 below I = 512."""
+    return (-(-inter // 4 // 8) * 8 if inter < 512 else 128), -(-inter // 512)
+
+
+def _mx_expert_weights(rng, E, H, inter, mx_dtype):
+    """Packed MX expert weights and uint8 scales in the tkg kernels' layout: gate/up [E, 128, 2, H/512, I] (scales
+    [E, 16, ...]) and down [E, i_p, I/512 tiles, H] (scales [E, i_p/8, ...]); _mx_weights draws each projection."""
+    n_h512 = H // 512
+    i_p, n_i512 = _mx_down_layout(inter)
+    gu_w = np.zeros((E, 128, 2, n_h512, inter), mx_dtype.storage)
+    gu_s = np.zeros((E, 16, 2, n_h512, inter), np.uint8)
+    dn_w = np.zeros((E, i_p, n_i512, H), mx_dtype.storage)
+    dn_s = np.zeros((E, -(-i_p // 8), n_i512, H), np.uint8)
+    for e in range(E):
+        for g in range(2):
+            w, s = _mx_weights(rng, 128, n_h512 * inter, mx_dtype)
+            gu_w[e, :, g] = w.reshape(128, n_h512, inter)
+            gu_s[e, :, g] = s.reshape(16, n_h512, inter)
+        w, s = _mx_weights(rng, -(-inter // 4), H, mx_dtype)
+        for t in range(n_i512):
+            rows = min(128, w.shape[0] - t * 128)
+            srows = min(16, s.shape[0] - t * 16)
+            dn_w[e, :rows, t] = w[t * 128:t * 128 + rows]
+            dn_s[e, :srows, t] = s[t * 16:t * 16 + srows]
+    return gu_w, gu_s, dn_w, dn_s
+
+
 def _mx_hidden(rng, T, H):
     """bf16 hidden states exactly representable in MXFP8 (e4m3fn) in the kernel's quantization layout: H index
     q * H/4 + tile * 128 + p, groups of 8 partitions p x the 4 lanes q (as test_moe_tkg.py lays them out)."""
@@ -124,33 +159,9 @@ def _moe_tkg_mx_inputs(T, H, inter, E, K, act, all_expert, mx_name, bias):
         from nkisim import mx
         mx_dtype = getattr(nl, mx_name)
         rng = np.random.default_rng(7)
-        k = K if K is not None else E
-        if all_expert:
-            idx = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
-        else:
-            idx = rng.integers(0, E, size=(T, k)).astype(np.int32)
-        weights = rng.random((T, k))
-        weights /= weights.sum(axis=1, keepdims=True)
-        aff = np.zeros((T, E), np.float32)
-        for t in range(T):
-            aff[t, idx[t]] = weights[t]
-        n_h512, n_i512 = H // 512, -(-inter // 512)
-        i_p = -(-inter // 4 // 8) * 8 if inter < 512 else 128
-        gu_w = np.zeros((E, 128, 2, n_h512, inter), mx_dtype.storage)
-        gu_s = np.zeros((E, 16, 2, n_h512, inter), np.uint8)
-        dn_w = np.zeros((E, i_p, n_i512, H), mx_dtype.storage)
-        dn_s = np.zeros((E, -(-i_p // 8), n_i512, H), np.uint8)
-        for e in range(E):
-            for g in range(2):
-                w, s = _mx_weights(rng, 128, n_h512 * inter, mx_dtype)
-                gu_w[e, :, g] = w.reshape(128, n_h512, inter)
-                gu_s[e, :, g] = s.reshape(16, n_h512, inter)
-            w, s = _mx_weights(rng, -(-inter // 4), H, mx_dtype)
-            for t in range(n_i512):
-                rows = min(128, w.shape[0] - t * 128)
-                srows = min(16, s.shape[0] - t * 16)
-                dn_w[e, :rows, t] = w[t * 128:t * 128 + rows]
-                dn_s[e, :srows, t] = s[t * 16:t * 16 + srows]
+        idx, aff = _routing(rng, T, E, K, all_expert)
+        gu_w, gu_s, dn_w, dn_s = _mx_expert_weights(rng, E, H, inter, mx_dtype)
+        i_p, n_i512 = _mx_down_layout(inter)
         bf16 = lambda *shape: rng.standard_normal(shape).astype(ml_dtypes.bfloat16)  # noqa: E731
         return {
             "hidden_input": _mx_hidden(rng, T, H),

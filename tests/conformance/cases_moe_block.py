@@ -8,7 +8,7 @@ the packed arrays."""
 import ml_dtypes
 import numpy as np
 
-from .cases_moe import _PADDING, _mx_weights
+from .cases_moe import _PADDING, _mx_down_layout, _mx_expert_weights
 from .harness import Case
 
 SOURCE = "test/integration/nkilib/core/moe_block/test_moe_block_tkg.py::test_moe_block_kernel"
@@ -41,20 +41,8 @@ def _case(all_expert, B, S, H, h_actual, inter, E_g, E_l, k, act, weight, in_dt,
         kw = {"inp": uni(B, S, H), "gamma": uni(1, H), "router_weights": uni(H, E_g)}
         if is_mx:
             mx_dtype = getattr(nl, weight)
-            n_h512, n_i512 = H // 512, -(-inter // 512)
-            i_p = -(-inter // 4 // 8) * 8 if inter < 512 else 128
-            gu_w = np.zeros((E_l, 128, 2, n_h512, inter), mx_dtype.storage)
-            gu_s = np.zeros((E_l, 16, 2, n_h512, inter), np.uint8)
-            dn_w = np.zeros((E_l, i_p, n_i512, H), mx_dtype.storage)
-            dn_s = np.zeros((E_l, -(-i_p // 8), n_i512, H), np.uint8)
-            for e in range(E_l):
-                for g in range(2):
-                    w, s = _mx_weights(rng, 128, n_h512 * inter, mx_dtype)
-                    gu_w[e, :, g], gu_s[e, :, g] = w.reshape(128, n_h512, inter), s.reshape(16, n_h512, inter)
-                w, s = _mx_weights(rng, -(-inter // 4), H, mx_dtype)
-                for t in range(n_i512):
-                    rows, srows = min(128, w.shape[0] - t * 128), min(16, s.shape[0] - t * 16)
-                    dn_w[e, :rows, t], dn_s[e, :srows, t] = w[t * 128:t * 128 + rows], s[t * 16:t * 16 + srows]
+            gu_w, gu_s, dn_w, dn_s = _mx_expert_weights(rng, E_l, H, inter, mx_dtype)
+            i_p, n_i512 = _mx_down_layout(inter)
             kw.update(expert_gate_up_weights=gu_w, expert_down_weights=dn_w,   # raw words, as NxD passes them
                       expert_gate_up_weights_scale=gu_s, expert_down_weights_scale=dn_s)
             gu_b_shape = (E_l, i_p, 2, n_i512, 4)
