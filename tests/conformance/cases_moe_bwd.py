@@ -5,12 +5,11 @@ with the test's recipe (routing as cases_moe_cte.routing; hidden / affinities un
 weights uniform(-0.1, 0.1), output gradient uniform(-1, 1)); the forward activation checkpoints the kernel consumes
 come from the test tree's forward golden (_generate_fwd_golden) on those inputs."""
 
-import math
 
 import ml_dtypes
 import numpy as np
 
-from .cases_moe_cte import routing
+from .cases_moe_cte import n_blocks_dropless, routed_tokens, routing
 from .harness import Case
 
 SOURCE = ("test/integration/nkilib/experimental/moe/test_bwmm_bwd.py"
@@ -25,7 +24,7 @@ def bwd_reference(**kw):
 
 
 def _bwd_case(H, T, E, B, K, inter, skip, clamps, bias, act, target="trn2"):
-    n_blocks = math.ceil((T * K - (E - 1)) / B) + E - 1
+    n_blocks = n_blocks_dropless(T, K, E, B)
     skip_token = skip in (1, 3)
 
     def inputs():
@@ -35,13 +34,10 @@ def _bwd_case(H, T, E, B, K, inter, skip, clamps, bias, act, target="trn2"):
         from test.integration.nkilib.experimental.moe.test_bwmm_bwd_common import _generate_fwd_golden
         rng = np.random.default_rng(0)
         mask, slot_to_token, block_to_expert = routing(rng, T, K, E, B, n_blocks, skip_token)
-        rows = T if skip_token else T + 1
-        hidden = rng.random((rows, H)).astype(np.float32)
-        aff = rng.random((rows, E)).astype(np.float32)
-        aff[:T] *= mask
-        grad = rng.uniform(-1, 1, (rows, H)).astype(np.float32)
+        hidden, aff = routed_tokens(rng, T, E, H, mask, skip_token)
+        grad = rng.uniform(-1, 1, (len(hidden), H)).astype(np.float32)
         if not skip_token:
-            hidden[T], aff[T], grad[T] = 0, 0, 0
+            grad[T] = 0
         down = rng.uniform(-0.1, 0.1, (E, inter, H)).astype(BF16)
         gate_up = rng.uniform(-0.1, 0.1, (E, H, 2, inter)).astype(BF16)
         gu_b = rng.uniform(-0.1, 0.1, (E, 2, inter)).astype(BF16) if bias else None

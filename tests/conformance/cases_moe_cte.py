@@ -36,11 +36,29 @@ def routing(rng, T, K, E, B, n_blocks, skip_token):
     return mask, slot_to_token, block_to_expert
 
 
+def routed_tokens(rng, T, E, H, mask, skip_token):
+    """(hidden [rows, H], affinities [rows, E]) fp32, uniform [0, 1) with the affinities masked by the routing; rows =
+    T, plus the all-zero token T that unused slots point at unless skip_token."""
+    rows = T if skip_token else T + 1
+    hidden = rng.random((rows, H)).astype(np.float32)
+    aff = rng.random((rows, E)).astype(np.float32)
+    aff[:T] *= mask
+    if not skip_token:
+        hidden[T], aff[T] = 0, 0
+    return hidden, aff
+
+
+def n_blocks_dropless(T, K, E, B):
+    """The library tests' block count: enough B-slot blocks for T * K routed slots with every expert's last block
+    partly empty."""
+    return math.ceil((T * K - (E - 1)) / B) + E - 1
+
+
 def _case(func, H, T, E, B, K, inter, skip, bias, act, clamps=(None, None, None, None), target="trn2"):
     lnc = 2
     block_parallel = func == "SHARD_ON_BLOCK"
     per_iter = lnc if block_parallel else 1
-    n_blocks = per_iter * math.ceil((math.ceil((T * K - (E - 1)) / B) + E - 1) / per_iter)
+    n_blocks = per_iter * math.ceil(n_blocks_dropless(T, K, E, B) / per_iter)
     skip_token, skip_weight = skip in (1, 3), skip in (2, 3)
 
     def inputs():
@@ -48,13 +66,7 @@ def _case(func, H, T, E, B, K, inter, skip, bias, act, clamps=(None, None, None,
         from nkilib_src.nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode
         rng = np.random.default_rng(0)
         mask, slot_to_token, block_to_expert = routing(rng, T, K, E, B, n_blocks, skip_token)
-        rows = T if skip_token else T + 1
-        hidden = rng.random((rows, H)).astype(np.float32)
-        aff = rng.random((rows, E)).astype(np.float32)
-        aff[:T] *= mask
-        if not skip_token:
-            hidden[T] = 0
-            aff[T] = 0
+        hidden, aff = routed_tokens(rng, T, E, H, mask, skip_token)
         i_pad = math.ceil(inter / 16) * 16
         kw = {"hidden_states": hidden.astype(BF16), "expert_affinities_masked": aff.astype(BF16).reshape(-1, 1),
               "gate_up_proj_weight": rng.uniform(-0.1, 0.1, (E, H, 2, inter)).astype(BF16),
@@ -108,7 +120,7 @@ def _shard_h_case(H, T, E, B, K, inter, skip, target="trn2"):
     """The test's golden sits in a module that needs AWS's metrics packages; the computation is the library's
     blockwise MoE (output[token] += affinity * down(silu(gate) * up) per block), which moe_cte_torch_ref implements
     for every blockwise variant, so it serves as the reference here (bwmm_func = SHARD_ON_HIDDEN)."""
-    n_blocks = math.ceil((T * K - (E - 1)) / B) + E - 1
+    n_blocks = n_blocks_dropless(T, K, E, B)
     skip_token, skip_weight = skip in (1, 3), skip in (2, 3)
 
     def inputs():
@@ -116,12 +128,7 @@ def _shard_h_case(H, T, E, B, K, inter, skip, target="trn2"):
         from nkilib_src.nkilib.core.utils.common_types import ExpertAffinityScaleMode
         rng = np.random.default_rng(0)
         mask, slot_to_token, block_to_expert = routing(rng, T, K, E, B, n_blocks, skip_token)
-        rows = T if skip_token else T + 1
-        hidden = rng.random((rows, H)).astype(np.float32)
-        aff = rng.random((rows, E)).astype(np.float32)
-        aff[:T] *= mask
-        if not skip_token:
-            hidden[T], aff[T] = 0, 0
+        hidden, aff = routed_tokens(rng, T, E, H, mask, skip_token)
         return {"hidden_states": hidden.astype(BF16), "expert_affinities_masked": aff.astype(BF16).reshape(-1, 1),
                 "gate_up_proj_weight": rng.uniform(-0.1, 0.1, (E, H, 2, inter)).astype(BF16),
                 "down_proj_weight": rng.uniform(-0.1, 0.1, (E, math.ceil(inter / 16) * 16, H)).astype(BF16),
@@ -164,7 +171,7 @@ def bwmm_mx_golden(**kw):
 
 
 def _mx_shard_i_case(H, T, inter, E, B, K, mx_name, skip, clamps=(7.0, None, 7.0, -7.0)):
-    n_blocks = math.ceil((T * K - (E - 1)) / B) + E - 1
+    n_blocks = n_blocks_dropless(T, K, E, B)
     skip_token, skip_weight = skip in (1, 3), skip in (2, 3)
 
     def inputs():
