@@ -51,6 +51,16 @@ def _out(t):
     return out
 
 
+def _stage_v(x, meta, src, dst, md):
+    """Operands of a *_v collective: x and the metadata loaded; dst zeroed, as the collective writes only the slots
+    the metadata routes data to."""
+    nisa.dma_copy(dst=src, src=x)
+    nisa.dma_copy(dst=md, src=meta)
+    zero = nl.ndarray(dst.shape, dtype=dst.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=zero, value=0.0)
+    nisa.dma_copy(dst=dst, src=zero)
+
+
 # ---- kernels (NKI 0.7: explicit dst, outputs in shared_hbm; collective operands in private HBM or SBUF) ------------
 
 @nki.jit
@@ -112,11 +122,7 @@ def k_all_to_all_v(x, meta, rg, split, has_rdispls):
     src = _private(x.shape, x.dtype)
     dst = _private(x.shape, x.dtype)
     md = _private(meta.shape, meta.dtype)
-    nisa.dma_copy(dst=src, src=x)
-    nisa.dma_copy(dst=md, src=meta)
-    zero = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=zero, value=0.0)
-    nisa.dma_copy(dst=dst, src=zero)
+    _stage_v(x, meta, src, dst, md)
     if split:
         prep = ncc.all_to_all_v_prepare(srcs=[src], dsts=[dst], replica_group=rg, metadata_tensor=md,
                                         has_rdispls=has_rdispls)
@@ -131,11 +137,7 @@ def k_all_gather_v(x, meta, rg, split):
     src = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
     dst = nl.ndarray((4 * x.shape[0], x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
     md = nl.ndarray(meta.shape, dtype=meta.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=src, src=x)
-    nisa.dma_copy(dst=md, src=meta)
-    zero = nl.ndarray(dst.shape, dtype=x.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=zero, value=0.0)
-    nisa.dma_copy(dst=dst, src=zero)
+    _stage_v(x, meta, src, dst, md)
     if split:
         ncc.all_gather_v_trigger(ncc.all_gather_v_prepare(srcs=[src], dsts=[dst], replica_group=rg,
                                                           metadata_tensor=md))
@@ -809,11 +811,7 @@ def test_plain_lnc2_launch_reports_a_core_that_skips_a_collective():
 def k_prepare_then_edit_metadata(x, meta, rg):
     """The prepare reads the metadata; zeroing it before the trigger must not change what moves."""
     src, dst, md = _private(x.shape, x.dtype), _private(x.shape, x.dtype), _private(meta.shape, meta.dtype)
-    nisa.dma_copy(dst=src, src=x)
-    nisa.dma_copy(dst=md, src=meta)
-    zero = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=zero, value=0.0)
-    nisa.dma_copy(dst=dst, src=zero)
+    _stage_v(x, meta, src, dst, md)
     prep = ncc.all_to_all_v_prepare(srcs=[src], dsts=[dst], replica_group=rg, metadata_tensor=md,
                                     recv_counts_known=True)
     blank = nl.ndarray(meta.shape, dtype=meta.dtype, buffer=nl.sbuf)
