@@ -15,16 +15,7 @@ from nkisim.errors import NkiTensorTruthWarning, NkiValidationError
 
 from ._sim import fresh_core, hbm, nisa, nl, rd, sb, tile  # noqa: F401
 
-
-@pytest.fixture(autouse=True)
-def tracer(monkeypatch):
-    """Default frontend (0.7 tracing) unless a test selects the parser."""
-    monkeypatch.delenv("NKI_COMPILER_FRONTEND", raising=False)
-
-
-@pytest.fixture
-def parser(monkeypatch):
-    monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")
+pytestmark = pytest.mark.usefixtures("tracing")   # every test starts under the 0.7 frontend (conftest)
 
 
 def int_tile(value, buffer=None):

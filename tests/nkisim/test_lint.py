@@ -24,6 +24,9 @@ import pytest
 from nkisim import lint
 from nkisim.lint import NkiLanguageError, Violation, check_call_args, check_kernel, check_outputs
 
+pytestmark = pytest.mark.usefixtures("tracing")   # every test starts under the 0.7 frontend (conftest)
+
+
 CASES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lint_cases")
 PKG = "_nkisim_lint_cases"
 
@@ -108,18 +111,6 @@ def fake_nki(monkeypatch):
     for name in [n for n in sys.modules if n == PKG or n.startswith(PKG + ".")]:
         del sys.modules[name]
     lint.clear_cache()
-
-
-@pytest.fixture(autouse=True)
-def tracing(monkeypatch):
-    """Every test starts under the default (0.7 tracing) frontend, whatever the caller's environment says."""
-    monkeypatch.delenv("NKI_COMPILER_FRONTEND", raising=False)
-
-
-@pytest.fixture
-def parser(monkeypatch):
-    """Select the legacy parser frontend, whose Python-subset rules are then enforced."""
-    monkeypatch.setenv("NKI_COMPILER_FRONTEND", "custom")
 
 
 @pytest.fixture
