@@ -43,6 +43,9 @@ MAX_HEAD_DIM = P_MAX   # head dim lives on the partitions for QK^T
 MAX_TOKENS = 4 * P_MAX  # B * S_tkg handled per launch (4 token tiles of 128 partitions)
 MIN_BLOCK, MAX_BLOCK = 16, 512   # paged KV cache: block sizes (powers of two) in this range
 MAX_CACHE_ROWS = 1 << 24   # paged cache rows num_blocks * kv_heads * block_size: exact in fp32 (row ids on-chip)
+# AWS nki.isa.dma_transpose, "DMA Indirect Transpose Constraints": a gather-transpose takes 16..128 index rows (a
+# multiple of 16), so a paged slot is gathered in at least this many rows (sub-blocks when blocks are large).
+GATHER_ROWS_MIN = 16
 
 
 def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None,
@@ -1114,13 +1117,16 @@ def _load_slot_window(cfg, start, K_cache, V_cache, kT, v, b, g, j0, w):
 
 
 def _slot_split(cfg, w):
-    """Paged slot of w = 128 * n positions: K = bs / n partitions share one block when n < bs <= w (T = w / bs
-    blocks; partition q = r*T + t holds rows r*n .. r*n + n - 1 of block t), else K = 1 (partition q holds
-    positions q*n .. q*n + n - 1: whole blocks per partition). w >= bs always (see _slot_bounds)."""
+    """Paged slot of w = 128 * n positions: K = 1 when n >= bs (partition q holds positions q*n .. q*n + n - 1:
+    whole blocks per partition). When n < bs <= w the slot is gathered as R = 128 / K rows of m = K * n positions
+    (gathered row t holds positions t*m ..; partition q = r*R + t holds rows r*n .. r*n + n - 1 of gathered row t):
+    a gathered row is a whole block (m = bs, K = bs / n) unless that gives fewer than GATHER_ROWS_MIN rows (AWS's
+    indirect dma_transpose needs 16..128 index rows), then a sub-block of m = w / 16 positions (K = 128 / 16).
+    w >= bs always (see _slot_bounds)."""
     n = w // P_MAX
     if not cfg.paged or n >= cfg.bs:
         return 1
-    return cfg.bs // n
+    return min(cfg.bs // n, P_MAX // GATHER_ROWS_MIN)
 
 
 def _start_rows(cfg, p_first, rows, cols=1):
@@ -1168,21 +1174,35 @@ def _load_block_ids(cfg, block_table, b_lo, b_hi, starts=None):
     if not cfg.paged:
         return ids
     slots, _steps = _plan(cfg)
+    subs = {}
     for p0, nb in _packs(cfg, b_lo, b_hi):
         for j0, w in slots:
             b0, n, K = j0 // cfg.bs, w // P_MAX, _slot_split(cfg, w)
-            # [t, batch, gather]: block b0 + t*ns + i (K = 1) or b0 + t (K > 1)
+            # [t, batch, gather]: block b0 + t*ns + i (K = 1) or gathered row t = block b0 + t // sub, part t % sub
             ns = n // cfg.bs if K == 1 else 1
-            t_n = P_MAX if K == 1 else w // cfg.bs
+            t_n = P_MAX if K == 1 else P_MAX // K
+            sub = 1 if K == 1 else cfg.bs // (K * n)      # gathered rows per block (> 1: sub-blocks)
+            pat = [[ns, t_n]] if sub == 1 else [[1, t_n // sub], [0, sub]]    # each block id repeated sub times
             idx = nl.ndarray((P_MAX, cfg.pack, ns), dtype=nl.uint32, buffer=nl.sbuf)
             if cfg.dyn:
                 for j in range(nb):
                     nisa.dma_copy(dst=idx[:t_n, j, :], src=block_table.ap(
-                        [[ns, t_n], [1, ns]], offset=(p0 + j) * cfg.mb + b0, scalar_offset=starts[p0 + j],
+                        pat + [[1, ns]], offset=(p0 + j) * cfg.mb + b0, scalar_offset=starts[p0 + j],
                         indirect_dim=1, dtype=nl.uint32))
             else:
-                nisa.dma_copy(dst=idx[:t_n, :nb, :], src=block_table.ap([[ns, t_n], [cfg.mb, nb], [1, ns]],
+                nisa.dma_copy(dst=idx[:t_n, :nb, :], src=block_table.ap(pat + [[cfg.mb, nb], [1, ns]],
                                                                         offset=p0 * cfg.mb + b0, dtype=nl.uint32))
+            if sub > 1:
+                # sub-block row id (rows of m = K * n positions of the cache): block * nkv * sub + part; the head's
+                # part g * sub is the gathers' static offset. fp32 arithmetic is exact (< MAX_CACHE_ROWS).
+                if sub not in subs:
+                    q = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.iota(dst=q, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+                    part = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=part, data=q, op0=nl.mod, operand0=float(sub))
+                    subs[sub] = part
+                nisa.tensor_scalar(dst=idx[:t_n, :nb, 0], data=idx[:t_n, :nb, 0], op0=nl.multiply,
+                                   operand0=float(cfg.nkv * sub), op1=nl.add, operand1=subs[sub][:t_n])
             ids[(p0, j0)] = idx
     return ids
 
@@ -1195,7 +1215,8 @@ def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w):
     V: partition q' (q' = q, or r*T + t) holds the same positions, block i of the slot. The steps use the matching
     i-major score layout (see _plan), so score chunks read contiguous K^T columns and P^T blocks are contiguous.
       n >= bs: n/bs indirect gathers of 128 blocks each (block q*(n/bs) + i' on partition q);
-      n < bs <= w: K^T by one 3-D transpose [T, K*n, d] -> [d, K*n, T]; V by K gathers of T partitions.
+      n < bs <= w: R = 128 / K gathered rows of m = K*n positions (whole blocks, or sub-blocks so that R >= 16, see
+      _slot_split): K^T by one 3-D transpose [R, K*n, d] -> [d, K*n, R]; V by K gathers of R partitions.
     (w >= bs always: see _slot_bounds.)
     """
     d, bs, n = cfg.d, cfg.bs, w // P_MAX
@@ -1216,15 +1237,19 @@ def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w):
                               src=V_cache.ap([[row, P_MAX], [1, bs * d]], offset=off, vector_offset=vo),
                               dge_mode=swdge)
         else:
-            T = w // bs
+            T, m = P_MAX // K, K * n                 # gathered rows of m positions (see _slot_split)
+            kc, vc, rm = K_cache, V_cache, row
+            if m < bs:      # sub-blocks: the indexed rows are m positions of one head (ids from _load_block_ids)
+                nsub = K_cache.shape[0] * cfg.nkv * (bs // m)
+                kc, vc, rm = K_cache.reshape((nsub, m * d)), V_cache.reshape((nsub, m * d)), m * d
             vo = idx[:T, j, 0]
             # (K, n) merged into one level (stride d): a 4-D indirect transpose needs src.shape[1] or [2] == 1
             nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, K * n, T)),
-                               src=K_cache.ap([[row, T], [d, K * n], [1, d]], offset=off, vector_offset=vo),
+                               src=kc.ap([[rm, T], [d, K * n], [1, d]], offset=off, vector_offset=vo),
                                dge_mode=swdge)
             for r in range(K):
                 nisa.dma_copy(dst=v[r * T:(r + 1) * T, j, :n, :],
-                              src=V_cache.ap([[row, T], [1, n * d]], offset=off + r * n * d, vector_offset=vo),
+                              src=vc.ap([[rm, T], [1, n * d]], offset=off + r * n * d, vector_offset=vo),
                               dge_mode=swdge)
 
 
@@ -1286,14 +1311,15 @@ def _slot_rel(t, rows, cols, j0, sign=1.0, add=0.0):
 def _k_ramp(cfg, st, w):
     """fp32 [128, w]: key offset (position - slot start) of every K^T slot column (same on every partition):
     contiguous: the column; paged (i-major, see _load_slot_paged): K = 1 column i*128 + q <-> q*n + i, K > 1
-    column r*n*T + i*T + t <-> t*bs + r*n + i. One table at a time (the contiguous one serves every slot)."""
+    column r*n*T + i*T + t <-> t*m + r*n + i (T = 128 / K gathered rows of m = K*n positions, see _slot_split).
+    One table at a time (the contiguous one serves every slot)."""
     n, K = w // P_MAX, _slot_split(cfg, w)
     if not cfg.paged:
         key, width, pattern = "c", cfg.fa_tile, [[1, cfg.fa_tile]]
     elif K == 1:
         key, width, pattern = f"p{n}", w, [[1, n], [n, P_MAX]]
     else:
-        key, width, pattern = f"p{n}_{K}", w, [[n, K], [1, n], [cfg.bs, w // cfg.bs]]
+        key, width, pattern = f"p{n}_{K}", w, [[n, K], [1, n], [K * n, P_MAX // K]]
     if st.k_ramp[0] != key:
         t = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=t[:, :width], pattern=pattern, offset=0, channel_multiplier=0)
@@ -1303,7 +1329,8 @@ def _k_ramp(cfg, st, w):
 
 def _v_positions(cfg, st, w):
     """fp32 [128, blocks]: key offset of V slot block i on partition q (see _issue_scores / _load_slot_paged):
-    q*n + i (i < n), the remainder block n*128 + q; paged K > 1: partition r*T + t holds t*bs + r*n + i."""
+    q*n + i (i < n), the remainder block n*128 + q; paged K > 1: partition r*T + t holds t*m + r*n + i
+    (T = 128 / K gathered rows of m = K*n positions, see _slot_split)."""
     n, rem, K = w // P_MAX, w % P_MAX, _slot_split(cfg, w)
     key = (n, rem, K)
     if key in st.ramps:
@@ -1315,15 +1342,15 @@ def _v_positions(cfg, st, w):
         if rem:
             nisa.iota(dst=t[:, n:n + 1], pattern=[[0, 1]], offset=n * P_MAX, channel_multiplier=1)
     else:
-        T = w // cfg.bs
+        T, m = P_MAX // K, K * n
         q = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=q, pattern=[[0, 1]], offset=0, channel_multiplier=1)
         tt = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)            # t = q mod T
         nisa.tensor_scalar(dst=tt, data=q, op0=nl.mod, operand0=float(T))
         rn = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)            # r * n = (q - t) * n / T
         nisa.tensor_scalar(dst=rn, data=q, op0=nl.subtract, operand0=tt, op1=nl.multiply, operand1=float(n) / T)
-        base = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)          # t * bs + r * n
-        nisa.scalar_tensor_tensor(dst=base, data=tt, op0=nl.multiply, operand0=float(cfg.bs), op1=nl.add,
+        base = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)          # t * m + r * n
+        nisa.scalar_tensor_tensor(dst=base, data=tt, op0=nl.multiply, operand0=float(m), op1=nl.add,
                                   operand1=rn)
         i = nl.ndarray((P_MAX, n), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=i, pattern=[[1, n]], offset=0, channel_multiplier=0)

@@ -318,7 +318,8 @@ def test_ring_wrap_balanced_packs_partial_slots(B, S, ctx, shape):
     (2, 1, 512, 300, 16, GPT_OSS_20B_TP8),        # small blocks: two blocks per V partition
     (3, 4, 1024, 1000, 32, LLAMA31_8B_TP8),       # d = 128, S_tkg = 4 crossing block boundaries
     (16, 1, 2048, 2048, 64, GPT_OSS_20B_TP8),     # one pack of 16, 128 blocks per gather
-    (2, 2, 1024, 700, 256, GPT_OSS_20B_TP8),      # blocks larger than a V partition's run (K > 1)
+    (2, 2, 1024, 700, 256, GPT_OSS_20B_TP8),      # blocks larger than a V partition's run (K > 1), gathered
+                                                  # as 16 sub-blocks per slot (indirect transpose rows, C22)
     (2, 3, 2048, 2048, 512, MULTI_KV),            # 2 KV heads per rank, largest block
     (1, 1, 8192, 8192, 16, GPT_OSS_20B_TP8),      # > 128 blocks per slot: several gathers per slot
 ])
