@@ -182,8 +182,10 @@ def _check_indirect_transpose(op, src):
         fail(op, f"indirect transpose: the indices must be in SBUF, got {idx.buffer.name} (C22)")
     if idx.dtype is not dt.uint32:
         fail(op, f"indirect transpose: the indices must be uint32, got {idx.dtype.name} (C22)")
-    # Not yet checked (see CONSTRAINTS.md): src.shape[0] % 16 == 0 and indices.shape[0] in [16, 128], divisible
-    # by 16 — the project's paged decode kernel still gathers 8-row slots.
+    if src.shape[0] % 16:
+        fail(op, f"indirect transpose: src.shape[0] must be divisible by 16, got {src.shape[0]} (C22)")
+    if not (16 <= idx.shape[0] <= 128 and idx.shape[0] % 16 == 0):
+        fail(op, f"indirect transpose: the indices need 16..128 rows, a multiple of 16, got {idx.shape[0]} (C22)")
 
 
 def _inverse(axes):

@@ -82,6 +82,51 @@ def test_c22_indirect_dma_transpose_constraints(case, match):
         nisa.dma_transpose(dst=tile((data.shape[1], len(rows)), dtype), src=src)
 
 
+@pytest.mark.parametrize("n_rows,match", [
+    (8, r"indirect transpose: src.shape\[0\] must be divisible by 16, got 8 \(C22\)"),
+    (24, r"indirect transpose: src.shape\[0\] must be divisible by 16, got 24 \(C22\)"),
+])
+def test_c22_indirect_dma_transpose_rejects_row_counts(n_rows, match):
+    data = rand((200, 8))
+    with pytest.raises(E, match=match):
+        nisa.dma_transpose(dst=tile((8, n_rows), nl.bfloat16), src=_gather_src(data, list(range(n_rows))))
+
+
+def test_c22_indirect_dma_transpose_rejects_fewer_than_16_index_rows():
+    """16 src rows but an 8-row index tile: the index rule names the indices (an SBUF index tile cannot have more
+    than 128 rows: that half of the rule is C1's partition limit)."""
+    idx = sb(np.arange(8, dtype=np.uint32).reshape(-1, 1))
+    src = hbm(rand((40, 8)), nl.bfloat16).ap(pattern=[[8, 16], [1, 8]], vector_offset=idx, indirect_dim=0)
+    with pytest.raises(E, match=r"indirect transpose: the indices need 16..128 rows, a multiple of 16, got 8 "
+                                r"\(C22\)"):
+        nisa.dma_transpose(dst=tile((8, 16), nl.bfloat16), src=src)
+
+
+@pytest.mark.parametrize("n_rows", [16, 48, 128])
+def test_c22_indirect_dma_transpose_accepts_16_to_128_rows(n_rows):
+    data = rand((200, 8))
+    rows = list(np.random.default_rng(n_rows).permutation(200)[:n_rows])
+    dst = tile((8, n_rows), nl.bfloat16)
+    nisa.dma_transpose(dst=dst, src=_gather_src(data, rows))
+    np.testing.assert_allclose(rd(dst), data[rows].T, rtol=1e-2, atol=1e-2)
+
+
+def test_c22_indirect_3d_transpose_row_rule():
+    """The paged-attention form: 3-D src [rows, m, d] gathered by block id; 8 rows refused, 16 accepted."""
+    data = rand((32, 4 * 8))
+
+    def src(rows):
+        idx = sb(np.asarray(rows, np.uint32).reshape(-1, 1))
+        return hbm(data, nl.bfloat16).ap(pattern=[[32, len(rows)], [8, 4], [1, 8]], vector_offset=idx,
+                                         indirect_dim=0)
+    with pytest.raises(E, match=r"src.shape\[0\] must be divisible by 16, got 8 \(C22\)"):
+        nisa.dma_transpose(dst=tile((8, 4, 8), nl.bfloat16), src=src(list(range(8))))
+    rows = list(range(31, 15, -1))
+    dst = tile((8, 4, 16), nl.bfloat16)
+    nisa.dma_transpose(dst=dst, src=src(rows))
+    np.testing.assert_allclose(rd(dst), data[rows].reshape(16, 4, 8).transpose(2, 1, 0), rtol=1e-2, atol=1e-2)
+
+
 def test_c22_indirect_dma_transpose_needs_trn2(on_target):  # noqa: F811
     on_target("trn1")
     with pytest.raises(E, match=r"indirect transpose requires NeuronCore-v3 \(trn2\) or newer \(C22\)"):
