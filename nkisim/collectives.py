@@ -138,6 +138,14 @@ def _tensor_list(op, name, xs, exactly_one=False):
     return list(xs)
 
 
+def _paired_lists(op, srcs, dsts):
+    """srcs / dsts of the coalesced collectives: lists of tensors that pair up by index."""
+    srcs, dsts = _tensor_list(op, "srcs", srcs), _tensor_list(op, "dsts", dsts)
+    if len(srcs) != len(dsts):
+        _fail(op, f"{len(srcs)} srcs but {len(dsts)} dsts; they pair up by index")
+    return srcs, dsts
+
+
 def _memory(op, srcs, dsts, ctx, sbuf_ok=True, coalesced=True, hbm_kinds=False):
     """Placement rules of the collectives pages (NKI 0.6 stub; NKI 0.7 pages). `coalesced`: several srcs are several
     tensors of one collective (False for the per-channel tensors of a ring permute). `hbm_kinds`: the private/shared
@@ -296,9 +304,7 @@ def all_reduce(srcs, dsts, replica_group, op, priority=None, name=None):
     cop = "all_reduce"
     ctx = current()
     world = _world(ctx)
-    srcs, dsts = _tensor_list(cop, "srcs", srcs), _tensor_list(cop, "dsts", dsts)
-    if len(srcs) != len(dsts):
-        _fail(cop, f"{len(srcs)} srcs but {len(dsts)} dsts; they pair up by index")
+    srcs, dsts = _paired_lists(cop, srcs, dsts)
     _memory(cop, srcs, dsts, ctx, hbm_kinds=True)
     _priority(cop, priority, ctx)
     rg = _group(cop, replica_group, world)
@@ -334,9 +340,7 @@ def all_gather(srcs, dsts, replica_group, collective_dim, priority=None, name=No
     cop = "all_gather"
     ctx = current()
     world = _world(ctx)
-    srcs, dsts = _tensor_list(cop, "srcs", srcs), _tensor_list(cop, "dsts", dsts)
-    if len(srcs) != len(dsts):
-        _fail(cop, f"{len(srcs)} srcs but {len(dsts)} dsts; they pair up by index")
+    srcs, dsts = _paired_lists(cop, srcs, dsts)
     where = _memory(cop, srcs, dsts, ctx, hbm_kinds=True)
     # collective_dim: only 0 on HBM; 0 or 1 on SBUF (2D tensors) [SDK stub all_gather]
     dim = _dim(cop, collective_dim, (0, 1) if where == "sbuf" else (0,))
@@ -365,9 +369,7 @@ def reduce_scatter(srcs, dsts, replica_group, collective_dim, op, priority=None,
     cop = "reduce_scatter"
     ctx = current()
     world = _world(ctx)
-    srcs, dsts = _tensor_list(cop, "srcs", srcs), _tensor_list(cop, "dsts", dsts)
-    if len(srcs) != len(dsts):
-        _fail(cop, f"{len(srcs)} srcs but {len(dsts)} dsts; they pair up by index")
+    srcs, dsts = _paired_lists(cop, srcs, dsts)
     _memory(cop, srcs, dsts, ctx)
     dim = _dim(cop, collective_dim, (0,))     # only 0 for HBM and SBUF [SDK stub reduce_scatter]
     _priority(cop, priority, ctx)
@@ -397,9 +399,7 @@ def all_to_all(srcs, dsts, replica_group, collective_dim, priority=None, name=No
     cop = "all_to_all"
     ctx = current()
     world = _world(ctx)
-    srcs, dsts = _tensor_list(cop, "srcs", srcs), _tensor_list(cop, "dsts", dsts)
-    if len(srcs) != len(dsts):
-        _fail(cop, f"{len(srcs)} srcs but {len(dsts)} dsts; they pair up by index")
+    srcs, dsts = _paired_lists(cop, srcs, dsts)
     _memory(cop, srcs, dsts, ctx, sbuf_ok=False)    # HBM only [SDK stub all_to_all]
     _dim(cop, collective_dim, (0,))
     _priority(cop, priority, ctx)
@@ -547,16 +547,20 @@ def _v_collective(kind, ctx, args, meta_values, prepared_at=None):
          split=prepared_at is not None)
 
 
+def _v_call(op, check, srcs, dsts, replica_group, metadata_tensor, recv_counts_known, has_rdispls, priority, name):
+    """An unsplit *_v collective: check (the op's own limits included), then run at once."""
+    ctx = current()
+    args, meta = check(op, ctx, srcs, dsts, replica_group, metadata_tensor, recv_counts_known, has_rdispls, priority)
+    _v_collective(op, ctx, args, meta)
+    return NkiInstruction(op, name)
+
+
 def all_to_all_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=False, has_rdispls=False,
                  priority=None, name=None):
     """All-to-all of per-destination element counts given at execution time by a uint32 metadata tensor: rows
     send_counts, send_displs, recv_counts (written unless recv_counts_known), recv_displs (with has_rdispls)."""
-    op = "all_to_all_v"
-    ctx = current()
-    args, meta = _check_a2av(op, ctx, srcs, dsts, replica_group, metadata_tensor, recv_counts_known, has_rdispls,
-                             priority)
-    _v_collective("all_to_all_v", ctx, args, meta)
-    return NkiInstruction(op, name)
+    return _v_call("all_to_all_v", _check_a2av, srcs, dsts, replica_group, metadata_tensor, recv_counts_known,
+                   has_rdispls, priority, name)
 
 
 def _check_a2av(op, ctx, srcs, dsts, replica_group, metadata_tensor, recv_counts_known, has_rdispls, priority):
@@ -592,12 +596,8 @@ def all_gather_v(srcs, dsts, replica_group, metadata_tensor, recv_counts_known=F
                  priority=None, name=None):
     """Each rank broadcasts src[send_displ : send_displ + send_count] (metadata rows 0/1, first column) into slot s
     of every rank's dst (slot = dst elements / rank-list size); row 2 receives the per-sender counts."""
-    op = "all_gather_v"
-    ctx = current()
-    args, meta = _check_agv(op, ctx, srcs, dsts, replica_group, metadata_tensor, recv_counts_known, has_rdispls,
-                            priority)
-    _v_collective("all_gather_v", ctx, args, meta)
-    return NkiInstruction(op, name)
+    return _v_call("all_gather_v", _check_agv, srcs, dsts, replica_group, metadata_tensor, recv_counts_known,
+                   has_rdispls, priority, name)
 
 
 def _prepare(op, kind, check, ctx, srcs, dsts, replica_group, metadata_tensor, recv_counts_known, has_rdispls,
