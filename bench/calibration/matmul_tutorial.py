@@ -48,10 +48,10 @@ def matmul_v2(lhsT, rhs):
     return out
 
 
-def _load_column(src, col, width, nk, tk):
-    """The nk [tk, width] tiles of columns [col, col + width) of src, one dma_copy each."""
+def _load_column(src, col, width, nk, tk, k0=0):
+    """The nk [tk, width] tiles of columns [col, col + width) of src from row tile k0 on, one dma_copy each."""
     tiles = []
-    for k in range(nk):
+    for k in range(k0, k0 + nk):
         t = nl.ndarray((tk, width), dtype=src.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=src[k * tk:(k + 1) * tk, col:col + width])
         tiles.append(t)
@@ -119,19 +119,9 @@ def matmul_v5(lhsT, rhs, tiles_m=16, tiles_n=2, tiles_k=8):
                 rows.append(row)
             sums.append(rows)
         for kb in range(K // BK):
-            b_rows = []
-            for kk in range(tiles_k):
-                t = nl.ndarray((TK, BN), dtype=rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=t, src=rhs[(kb * tiles_k + kk) * TK:(kb * tiles_k + kk + 1) * TK,
-                                             nb * BN:(nb + 1) * BN])
-                b_rows.append(t)
+            b_rows = _load_column(rhs, nb * BN, BN, tiles_k, TK, k0=kb * tiles_k)
             for mb in range(M // BM):
-                a_rows = []
-                for kk in range(tiles_k):
-                    t = nl.ndarray((TK, BM), dtype=lhsT.dtype, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=t, src=lhsT[(kb * tiles_k + kk) * TK:(kb * tiles_k + kk + 1) * TK,
-                                                  mb * BM:(mb + 1) * BM])
-                    a_rows.append(t)
+                a_rows = _load_column(lhsT, mb * BM, BM, tiles_k, TK, k0=kb * tiles_k)
                 for j in range(tiles_n):
                     for i in range(tiles_m):
                         acc = nl.ndarray((TM, TN), dtype=nl.float32, buffer=nl.psum)
