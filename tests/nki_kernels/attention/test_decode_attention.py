@@ -142,14 +142,15 @@ def test_odd_shapes_no_norm_no_rope():
 
 # ---- trn3 (sizes from nl.tile_size: a larger usable SBUF gives longer K/V slots) --------------------------------
 
-@pytest.mark.parametrize("B,S,ctx,shape,lnc", [
-    (3, 1, 4096, LLAMA31_8B_TP8, 1),     # 3072-position slots on trn3 (2048 on trn2)
-    (16, 1, 2048, GPT_OSS_20B_TP8, 1),
-    (5, 4, 512, LLAMA31_8B_TP8, 2),
+@pytest.mark.parametrize("B,S,ctx,shape,lnc,bs", [
+    (3, 1, 4096, LLAMA31_8B_TP8, 1, 0),     # 3072-position slots on trn3 (2048 on trn2)
+    (16, 1, 2048, GPT_OSS_20B_TP8, 1, 0),
+    (5, 4, 512, LLAMA31_8B_TP8, 2, 0),
+    (2, 2, 700, GPT_OSS_20B_TP8, 1, 256),   # paged, sub-block gathers (16 index rows per transpose, C22)
 ])
-def test_trn3(B, S, ctx, shape, lnc, monkeypatch):
+def test_trn3(B, S, ctx, shape, lnc, bs, monkeypatch):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
-    run_and_check(B, S, s_max=ctx, ctx=ctx, shape=shape, lnc=lnc)
+    run_and_check(B, S, s_max=ctx if not bs else 1024, ctx=ctx, shape=shape, lnc=lnc, block_size=bs)
 
 
 # ---- LNC=2 ------------------------------------------------------------------------------------------------------
