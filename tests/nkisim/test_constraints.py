@@ -290,12 +290,15 @@ def test_c7_dead_tiles_do_not_count_while_python_references_them():
     k(np.zeros((2, 2), np.float32))
 
 
-def _live_together(shapes):
+def _live_together(shapes, addresses=None):
+    """uint8 SBUF tiles of the given shapes (at the given explicit (0, byte) addresses, if any) all live at once."""
+    placed = [{}] * len(shapes) if addresses is None else [{"address": (0, a)} for a in addresses]
+
     @nki.jit
     def k(x):
         tiles = []
-        for shape in shapes:
-            t = nl.ndarray(shape, nl.uint8, buffer=nl.sbuf)
+        for shape, where in zip(shapes, placed):
+            t = nl.ndarray(shape, nl.uint8, buffer=nl.sbuf, **where)
             nisa.memset(dst=t, value=0)
             tiles.append(t)
         for t in tiles:
@@ -318,17 +321,7 @@ def test_c7_full_width_or_third_half_tile_does_not_fit():
 
 
 def _sbuf_at(addresses):
-    @nki.jit
-    def k(x):
-        tiles = []
-        for a in addresses:
-            t = nl.ndarray((128, 150000), nl.uint8, buffer=nl.sbuf, address=(0, a))
-            nisa.memset(dst=t, value=0)
-            tiles.append(t)
-        for t in tiles:
-            nisa.tensor_copy(dst=t, src=t)
-        return x
-    return k(np.zeros((2, 2), np.float32))
+    return _live_together([(128, 150000)] * len(addresses), addresses)
 
 
 def test_c7_sbuf_tiles_at_one_explicit_address_count_once():
