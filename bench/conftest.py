@@ -133,7 +133,7 @@ def pytest_sessionfinish(session, exitstatus):
     (out_dir / "latest.html").write_text(html_path.read_text(encoding="utf-8"), encoding="utf-8")
     _link(out_dir / "latest.json", json_path)
     summary_path = out_dir / "latest-summary.json"
-    summary_path.write_text(json.dumps(summary(data, str(html_path), str(json_path)), indent=1) + "\n")
+    summary_path.write_text(json.dumps(summary(data, str(html_path), str(json_path)), separators=(",", ":")) + "\n")
     config._bench_data = data
     config._bench_paths = (f"bench report: {html_path} (+ latest.html) rendered in {time.perf_counter() - t0:.1f}s",
                            f"benchmark JSON: {json_path} (latest.json); summary: {summary_path}")

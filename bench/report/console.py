@@ -10,6 +10,7 @@ because there its timings are what they claim to be.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 from bench.report.analysis import cfg_label, published_comparison
@@ -46,6 +47,11 @@ def _group(b: dict) -> str:
 def _param(b: dict) -> str:
     name = b.get("name", "")
     return name.split("[", 1)[1].rstrip("]") if "[" in name else name
+
+
+def _natural(s: str) -> list:
+    """Sort key with numbers compared as numbers (B=8 before B=16, ctx 4096 before 16384)."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", s) if p]
 
 
 def _t(s: float | None) -> str:
@@ -95,7 +101,9 @@ def kernel_records(data: dict) -> list[dict]:
             bound_s = x.get("modelled_bound_s")
             if bound_s is None and x.get("modelled_roofline_fraction") is not None:
                 bound_s = k["latency_s"] * x["modelled_roofline_fraction"]
-        out.append({"name": b.get("name", ""), "group": _group(b), "case": _param(b), "target": k["target"],
+        model = (b.get("params") or {}).get("model")
+        case = " ".join(str(p) for p in (model, k["bucket"]) if p) or _param(b)
+        out.append({"name": b.get("name", ""), "group": _group(b), "case": case, "target": k["target"],
                     "source": "device" if device else "modelled", "latency_s": k["latency_s"], "bound_s": bound_s,
                     "bound": k["bound"] or "", "roofline_fraction": (bound_s / k["latency_s"]
                                                                      if bound_s and k["latency_s"] else None),
@@ -127,7 +135,8 @@ def console_tables(data: dict) -> list[dict]:
             "title": f"{group} — {'measured on device' if device else 'MODELLED by nkisim (not measured)'}",
             "header": ["case", "target", lat, "roofline bound", "bound", "of roofline", "HBM bytes"],
             "rows": [[k["case"], k["target"], _t(k["latency_s"]), _t(k["bound_s"]), k["bound"] or "—",
-                      _pct(k["roofline_fraction"]), _b(k["hbm_bytes"])] for k in sorted(ks, key=lambda k: k["case"])],
+                      _pct(k["roofline_fraction"]), _b(k["hbm_bytes"])]
+                     for k in sorted(ks, key=lambda k: (_natural(k["case"]), k["target"]))],
             "note": "" if device else "of roofline = modelled roofline time / modelled latency",
         })
     groups: dict[str, list[dict]] = defaultdict(list)
