@@ -65,26 +65,33 @@ def pytest_benchmark_group_stats(config, benchmarks, group_by):
     terminal summary below shows their modelled figures instead."""
     from bench.report.console import withhold_host_timed
 
-    groups, config._bench_host_timed = withhold_host_timed((yield))
+    groups, _ = withhold_host_timed((yield))
     return groups
 
 
 @pytest.hookimpl(trylast=True)   # after pytest-benchmark's own table, so the figures that matter end the output
 def pytest_terminal_summary(terminalreporter, config):
+    bs = getattr(config, "_benchmarksession", None)
     data = getattr(config, "_bench_data", None)
-    if data is None:
-        return
-    from bench.report.console import format_console
+    if data is not None:
+        _write_console(terminalreporter, data, bs)
+    if bs is not None and not bs.groups and bs.benchmarks:
+        # every row was withheld, so pytest-benchmark's display() returned before its --benchmark-compare-fail check
+        bs.check_regressions()
+
+
+def _write_console(terminalreporter, data: dict, bs) -> None:
+    from bench.report.console import format_console, is_host_timed
 
     tr = terminalreporter
     tr.write_sep("=", "benchmark figures (modelled unless marked measured)")
     tr.write_line(format_console(data))
-    n = getattr(config, "_bench_host_timed", 0)
+    n = sum(is_host_timed({"extra_info": b.extra_info}) for b in bs.benchmarks) if bs is not None else 0
     if n:
         tr.write_line(f"({n} benchmarks timed only on the host CPU (nkisim interpreter or model formula) are left out "
                       "of pytest-benchmark's Min/Max/Mean table: that is not kernel time; their timings stay in "
                       "the JSON)")
-    for line in getattr(config, "_bench_paths", ()):
+    for line in getattr(tr.config, "_bench_paths", ()):
         tr.write_line(line)
 
 
