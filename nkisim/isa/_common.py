@@ -44,6 +44,7 @@ def partition_row(t):
 
 
 def start_partition(t):
+    """First SBUF/PSUM partition a (direct) view touches."""
     row = partition_row(t)
     return t.offset // row if row else 0
 

@@ -13,20 +13,12 @@ from .. import mx
 from ..memory import psum, sbuf
 from ..runtime import current
 from ..tensor import read, write
-from ._common import fail, free_size, on_chip, require_version, tensor
+from ._common import fail, free_size, on_chip, require_version, start_partition, tensor
 from .tensor_engine import _accumulate
 
 _QUANT_SRC = ("bfloat16", "float16")
 _QUANT_DST = ("float8_e5m2_x4", "float8_e4m3fn_x4")
 _MATMUL_DATA = ("float8_e5m2_x4", "float8_e4m3fn_x4", "float4_e2m1fn_x4")
-
-
-def start_partition(t) -> int:
-    """First SBUF/PSUM partition a (direct) view touches."""
-    a = t.alloc
-    row = a.storage.size // a.shape[0] if a.shape[0] else 1
-    row = row * a.dtype.itemsize // t.dtype.itemsize
-    return t.offset // row if row else 0
 
 
 def _check_scale_tile(op, name, scale, data_p, free):
