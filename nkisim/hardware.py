@@ -223,6 +223,14 @@ _COMMON_OVERHEADS = dict(
                              "half-efficiency point of eff = run/(run+256) (a FIT to those bands, no AWS formula: "
                              "50% @256 B, 89% @2 KiB, 94% @4 KiB; AWS's measured 8 x 256 B rows ran at 92%, "
                              "DMA_MEASUREMENTS)"),
+    # Engine time per DMA transfer beyond its bytes: none, on every core. AWS lists the per-transfer overhead as
+    # 'descriptor setup, synchronization, and semaphore-to-start latency (~1300 ns cross-engine)' ([SDK:bw]) —
+    # charged as dma_start_latency_s, which does not occupy an engine — and the per-buffer overhead as the
+    # efficiency curve (dma_overhead_bytes). Reading '32KiB per transfer for ideal bandwidth' ([SDK:perf]) as a
+    # further 90%-at-32-KiB occupancy was tried and rejected: it made the trn2 tutorial's DMA-bound v2/v3 16-18%
+    # slower than measured.
+    dma_transfer_overhead_s=(0.0, "[SDK:bw] nki-dma-bandwidth-guide.rst: per-transfer overhead = the ~1300 ns "
+                                  "start latency (dma_start_latency_s); no separate engine occupancy documented"),
     dma_transpose_efficiency=(0.9, "[SDK:arch2] nki-api.md §8.4: HBM2SBUF dma_transpose <=90% DMA efficiency "
                                    "(upper bound used as the factor; real transposes are often slower)"),
     static_instruction_cycles=(100, "[SDK:arch1] trainium_inferentia2_arch.rst VectorE cost model: 'static "
@@ -265,17 +273,6 @@ DMA_THROUGHPUT_FIGURE = {32: 0.014, 64: 0.026, 128: 0.050, 256: 0.103, 512: 0.20
                          4096: 0.97, 8192: 0.98, 16384: 0.99, 32768: 1.0}
 
 
-def _transfer_overhead(engine_bytes_per_s):
-    """Engine time per DMA transfer beyond its bytes: none. AWS lists the per-transfer overhead as 'descriptor setup,
-    synchronization, and semaphore-to-start latency (~1300 ns cross-engine)' ([SDK:bw]) — charged as
-    dma_start_latency_s, which does not occupy an engine — and the per-buffer overhead as the efficiency curve
-    (dma_overhead_bytes). Reading '32KiB per transfer for ideal bandwidth' ([SDK:perf]) as a further 90%-at-32-KiB
-    occupancy was tried and rejected: it made the trn2 tutorial's DMA-bound v2/v3 16-18% slower than measured."""
-    del engine_bytes_per_s
-    return (0.0, "[SDK:bw] nki-dma-bandwidth-guide.rst: per-transfer overhead = the ~1300 ns start latency "
-                 "(dma_start_latency_s); no separate engine occupancy documented")
-
-
 def _core_v2():
     return _build(
         CoreSpec, name="NeuronCore-v2", nc_version=(2, "[SDK:arch1] nki-api.md §8.1 column NC-v2"),
@@ -305,7 +302,6 @@ def _core_v2():
         dma_bytes_per_s=(272e9, "[SDK:dma] nki-api.md §8.1: 16 x 17 B/ns"),
         hbm_bytes_per_s=(0.41e12, "derived: Trainium chip 0.82 TB/s / 2 cores (nki-api.md §8.2; alt: 0.8 TB/s)"),
         dma_issue_s=(0.0, "HW-DGE does not exist on v2"),
-        dma_transfer_overhead_s=_transfer_overhead(17e9),
         **_COMMON_OVERHEADS,
     )
 
@@ -342,7 +338,6 @@ def _core_v3():
         hbm_bytes_per_s=(2.9e12 / 8, "derived: chip 2.9 TB/s / 8 cores = 0.3625 TB/s (nki-api.md §8.2; alt: 3 TB/s "
                                      "chip in [SDK:arch2] -> 0.375)"),
         dma_issue_s=(600e-9, "[SDK:arch2] nki-api.md §8.4: HW-DGE DMA instruction ~600 ns (hideable)"),
-        dma_transfer_overhead_s=_transfer_overhead(23e9),
         **_COMMON_OVERHEADS,
     )
 
@@ -378,7 +373,6 @@ def _core_v4():
         hbm_bytes_per_s=(4.9e12 / 8, "derived: chip 4.9 TB/s / 8 cores = 0.6125 TB/s (nki-api.md §8.2; alt: "
                                      "4.7 TB/s chip in [SDK:arch3]); DMA engines cap a core at 0.528 TB/s"),
         dma_issue_s=(600e-9, "v3 figure reused (no v4 number documented)"),
-        dma_transfer_overhead_s=_transfer_overhead(33e9),
         **_COMMON_OVERHEADS,
     )
 
