@@ -139,9 +139,6 @@ def register_memory_cost(ins, core):
     return OpCost("sync", busy_s=cyc / core.scalar_clock_hz, cycles=cyc, note=f"{ins.op} SBUF access")
 
 
-register_load_cost = register_memory_cost
-
-
 def _strided(a, core):
     """An SBUF operand whose innermost stride exceeds the full-bandwidth limit (>16 B, nki-api.md §8.4)."""
     return a.buffer == "sbuf" and a.stride_bytes > core.sbuf_fast_stride_bytes
