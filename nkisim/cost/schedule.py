@@ -175,9 +175,8 @@ class Scheduler:
         ev.start = t
         if cost.engine == "dma":
             ev.queue = res[1]
-            # program order: the next DMA of this queue is issued no earlier than this one; ready order: no constraint
-            if self.order == "program":
-                st.free[res] = (t, ev.idx)
+            # program order (the only caller is _run_program): the next DMA of this queue issues no earlier
+            st.free[res] = (t, ev.idx)
             t0 = t + cost.latency_s
             rings = cost.rings if cost.rings else sorted(range(len(st.rings)),
                                                          key=lambda q: (st.rings[q][0], q))[:cost.pieces]
