@@ -19,7 +19,3 @@ FRONTEND_ENV = "NKI_COMPILER_FRONTEND"
 def parser_frontend() -> bool:
     """True when `NKI_COMPILER_FRONTEND=custom` selects the legacy (0.6) parser; the default is 0.7 tracing."""
     return os.environ.get(FRONTEND_ENV, "").strip().lower() == "custom"
-
-
-def name() -> str:
-    return "parser (NKI_COMPILER_FRONTEND=custom)" if parser_frontend() else "tracer (NKI 0.7 default)"
