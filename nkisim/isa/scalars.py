@@ -31,10 +31,7 @@ from ..tensor import NkiTensor, VirtualRegister, read, write
 from ._common import fail
 
 _WIDTHS = {"int32": 32, "int64": 64}
-
-
-def _scalar_dtypes():
-    return tuple(d for d in (getattr(dt, "int32", None), getattr(dt, "int64", None)) if d is not None)
+_SCALAR_DTYPES = (dt.int32, dt.int64)
 
 
 def _wrap(value, bits):
@@ -199,7 +196,7 @@ def _check_1x1(op, name, t):
         fail(op, f"{name} must be a 1x1 tensor, got shape {t.shape}")
     if t.buffer.name == "psum":
         fail(op, f"{name} must be in SBUF or HBM, got PSUM")
-    if t.dtype not in _scalar_dtypes():
+    if t.dtype not in _SCALAR_DTYPES:
         hint = " (unsigned dtypes are not accepted; use the signed dtype of the same width)" \
             if t.dtype.name.startswith("uint") else ""
         fail(op, f"{name} dtype must be nl.int32 or nl.int64, got nl.{t.dtype.name}{hint}")
