@@ -41,7 +41,7 @@ from .grids import NkiBlockGrid, NkiGrid, NkiTileGrid, alloc_blocks, alloc_tiles
 from .memory import Allocation, check_buffer, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
 from .ops import FP32_MIN  # noqa: F401 - nl.FP32_MIN
 from .runtime import access_of, current
-from .tensor import DynSlice, NkiTensor, VirtualRegister, ds, read  # noqa: F401
+from .tensor import DynSlice, NkiTensor, VirtualRegister, contiguous_strides, ds, read  # noqa: F401
 
 
 class _NKIObjectType(type):
@@ -216,10 +216,7 @@ def ndarray(shape, dtype, buffer=None, name="", address=None):
         alloc = Allocation(shape, d, buf, name=name, pool=ctx.pool if buf.on_chip else None, address=address)
     if ctx.loop_scopes:
         ctx.loop_scopes[-1].append(alloc)   # lives only in this fori_loop / while_loop iteration
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
-    return NkiTensor(alloc, shape, strides, 0, d)
+    return NkiTensor(alloc, shape, contiguous_strides(shape), 0, d)
 
 
 def _shared_allocation(ctx, shape, d, name):

@@ -83,6 +83,14 @@ def ds(start, size):
     return DynSlice(start, size)
 
 
+def contiguous_strides(shape):
+    """Row-major element strides of a dense tensor of `shape`."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return strides
+
+
 def scalar_value(x, what):
     """Current integer value of a compile-time int, a register, or a 1-element tensor (dynamic offsets)."""
     if isinstance(x, VirtualRegister):
@@ -171,10 +179,7 @@ class NkiTensor:
         published stub, but the nki-library reads it on plain kernel arguments and SBUF tiles (core/moe/moe_tkg
         gate_up_projection_mx.py: `weight.base_tensor`, then `.view(weight.dtype)` of a copy in the base dtype)."""
         a = self.alloc
-        strides = [1] * len(a.shape)
-        for i in range(len(a.shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * a.shape[i + 1]
-        return NkiTensor(a, a.shape, strides, 0, a.dtype)
+        return NkiTensor(a, a.shape, contiguous_strides(a.shape), 0, a.dtype)
 
     @property
     def data(self):
