@@ -7,6 +7,7 @@ outputs (indices) compare exactly. The reference is called as the library's `tor
 inputs become torch tensors with bf16/fp8 widened to fp32 and uint32 narrowed to int32.
 """
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -179,82 +180,83 @@ def _name_outputs(case: Case, outs, gold: dict) -> dict:
     return dict(zip(gold, seq))
 
 
-def run_case(case: Case) -> Result:
-    """Run the kernel under nkisim on `case.target` and compare it with the reference."""
-    import nki
-
-    if case.ranks > 1:
-        return run_ranks_case(case)
-
-    kernel = nkilib.load(case.kernel)
-    if not getattr(kernel, "_is_nki_kernel", False):
-        kernel = nki.jit(kernel)
-    kwargs = case.inputs()
-    copies = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
-    gold = golden(case, kwargs)
-    env = {"NEURON_PLATFORM_TARGET_OVERRIDE": case.target, **case.env}
+@contextlib.contextmanager
+def _environment(env: dict):
+    """Set `env` for the duration of a launch, restoring what was there before."""
     previous = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    start = time.perf_counter()
     try:
-        launch = kernel[case.lnc] if case.lnc != 1 else kernel
-        outs = nki.simulate(launch)(**copies)
+        yield
     finally:
         for k, v in previous.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _launch(case: Case):
+    """The case's kernel (plain sub-kernels wrapped in nki.jit) at its LNC degree."""
+    import nki
+
+    kernel = nkilib.load(case.kernel)
+    if not getattr(kernel, "_is_nki_kernel", False):
+        kernel = nki.jit(kernel)
+    return kernel[case.lnc] if case.lnc != 1 else kernel
+
+
+def _worst(case: Case, named: dict, gold: dict, worst: tuple[bool, float, float]) -> tuple[bool, float, float]:
+    """Fold one golden dict into (passed, worst error, its tolerance); the first output is shown unless another
+    is further over (or less under) its tolerance."""
+    passed, worst_err, worst_tol = worst
+    for key, ref in gold.items():
+        atol, rtol = (0.0, 0.0) if key in case.exact else case.tols.get(key, (case.atol, case.rtol))
+        err, tol = max_mode_error(_to_numpy(named[key]), ref, atol, rtol, case.pass_rates.get(key, 1.0))
+        passed &= err <= tol
+        if worst_err is None or err - tol > worst_err - worst_tol:
+            worst_err, worst_tol = err, tol
+    return passed, worst_err, worst_tol
+
+
+def run_case(case: Case) -> Result:
+    """Run the kernel under nkisim on `case.target` and compare it with the reference."""
+    import nki
+
+    if case.ranks > 1:
+        return run_ranks_case(case)
+    launch = _launch(case)
+    kwargs = case.inputs()
+    copies = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
+    gold = golden(case, kwargs)
+    start = time.perf_counter()
+    with _environment({"NEURON_PLATFORM_TARGET_OVERRIDE": case.target, **case.env}):
+        outs = nki.simulate(launch)(**copies)
     wall = time.perf_counter() - start
     if case.out_args:
         outs = tuple(copies[k] for k in case.out_args)
     named = _name_outputs(case, outs, gold)
     if case.compare:
         named, gold = case.compare({k: _to_numpy(v) for k, v in named.items()}, gold, kwargs)
-    worst_err, worst_tol, passed = 0.0, 0.0, True
-    for key, ref in gold.items():
-        atol, rtol = (0.0, 0.0) if key in case.exact else case.tols.get(key, (case.atol, case.rtol))
-        err, tol = max_mode_error(_to_numpy(named[key]), ref, atol, rtol, case.pass_rates.get(key, 1.0))
-        passed &= err <= tol
-        if err - tol > worst_err - worst_tol or key == next(iter(gold)):
-            worst_err, worst_tol = err, tol
-    return Result(case, passed, worst_err, worst_tol, wall)
+    passed, err, tol = _worst(case, named, gold, (True, None, None))
+    return Result(case, passed, err, tol, wall)
 
 
 def run_ranks_case(case: Case) -> Result:
     """`case.ranks` instances of the kernel in one collective launch (nkisim.run_ranks), each rank compared with its
     own golden (rank 0 only with `rank0_only`); the worst rank's error is reported."""
-    import nki
-
     import nkisim
 
-    kernel = nkilib.load(case.kernel)
-    if not getattr(kernel, "_is_nki_kernel", False):
-        kernel = nki.jit(kernel)
+    launch = _launch(case)
     per_rank = [case.inputs(r) for r in range(case.ranks)]
-    previous = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
-    os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = case.target
     start = time.perf_counter()
-    try:
-        launch = kernel[case.lnc] if case.lnc != 1 else kernel
+    with _environment({"NEURON_PLATFORM_TARGET_OVERRIDE": case.target, **case.env}):
         outs = nkisim.run_ranks(launch, case.ranks, per_rank).outputs
-    finally:
-        if previous is None:
-            os.environ.pop("NEURON_PLATFORM_TARGET_OVERRIDE", None)
-        else:
-            os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = previous
     wall = time.perf_counter() - start
-    worst_err, worst_tol, passed = 0.0, 0.0, True
+    worst = (True, None, None)
     for r in range(1 if case.rank0_only else case.ranks):
         gold = {k: np.asarray(v) for k, v in case.ref(r).items()}
-        named = _name_outputs(case, outs[r], gold)
-        for key, ref in gold.items():
-            atol, rtol = (0.0, 0.0) if key in case.exact else case.tols.get(key, (case.atol, case.rtol))
-            err, tol = max_mode_error(_to_numpy(named[key]), ref, atol, rtol, case.pass_rates.get(key, 1.0))
-            passed &= err <= tol
-            if err - tol > worst_err - worst_tol or (r == 0 and key == next(iter(gold))):
-                worst_err, worst_tol = err, tol
-    return Result(case, passed, worst_err, worst_tol, wall)
+        worst = _worst(case, _name_outputs(case, outs[r], gold), gold, worst)
+    return Result(case, *worst, wall)
 
 
 def table(results: list[Result]) -> str:
