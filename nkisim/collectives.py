@@ -218,20 +218,11 @@ def _sig(t):
 # ---- world access --------------------------------------------------------------------------------------------------
 
 def _world(ctx):
-    """The launch's world; a plain one-rank launch (nki.simulate, kernel[2]) gets a world of its own cores."""
-    if ctx.world is not None:
-        return ctx.world
-    sh = ctx.shared
-    if sh is None:
+    """The launch's world. Every launch sets it (run_ranks; jit's LNC=2 path via world.one_rank_world); only a lone
+    LNC=1 core (kernel(...), a default core outside a kernel) gets a one-rank world of its own here."""
+    if ctx.world is None:
         ctx.world = World(1, 1, ctx.target)
-        return ctx.world
-    with sh.lock:
-        w = getattr(sh, "world", None)
-        if w is None:
-            w = sh.world = World(1, ctx.num_programs, ctx.target)
-            w.lnc_shared.append(sh)
-    ctx.world = w
-    return w
+    return ctx.world
 
 
 def _vals(t, op):

@@ -328,7 +328,6 @@ def one_rank_world(shared, contexts):
     world = World(1, len(contexts), contexts[0].target)
     if shared is not None:
         world.lnc_shared.append(shared)
-        shared.world = world
     for ctx in contexts:
         ctx.world = world
     return world
