@@ -455,8 +455,7 @@ def _check_v(op, srcs, dsts, replica_group, metadata_tensor, recv_counts_known, 
     for flag, v in (("recv_counts_known", recv_counts_known), ("has_rdispls", has_rdispls)):
         if not isinstance(v, (bool, np.bool_)):
             _fail(op, f"{flag}={v!r} must be a bool")
-    g = rg.rank_list_of(ctx.rank)
-    n = len(g) if g else 1
+    n = _rank_list_size(rg, ctx.rank)
     meta = _metadata(op, metadata_tensor, n, bool(has_rdispls))
     return srcs[0], dsts[0], rg, n, meta
 
@@ -723,11 +722,9 @@ def _max_channels(rg, ctx):
     return _MAX_CHANNELS_NODE if len(g) >= _ranks_per_node(ctx) else _MAX_CHANNELS_OTHER
 
 
-def _ring(op, reduce_name, channels, replica_group, channel_ids, priority, name):
-    ctx = current()
-    world = _world(ctx)
+def _ring(ctx, op, rg, reduce_name, channels, priority, name):
+    """The ring step of both implicit permutes; `rg` and `channels` already checked by the caller."""
     _priority(op, priority, ctx)
-    rg = _group(op, replica_group, world)
     srcs, dsts = channels[0], channels[-1]
     srcs1 = channels[1] if reduce_name else None
     _memory(op, srcs + (srcs1 or []), dsts, ctx, coalesced=False)
@@ -768,7 +765,7 @@ def collective_permute_implicit(srcs_by_channel, dsts_by_channel, replica_group,
     ctx = current()
     rg = _group(op, replica_group, _world(ctx))
     channels = _channels(op, srcs_by_channel, dsts_by_channel, channel_ids, rg, ctx)
-    return _ring(op, None, channels, replica_group, channel_ids, priority, name)
+    return _ring(ctx, op, rg, None, channels, priority, name)
 
 
 def collective_permute_implicit_reduce(srcs0_by_channel, srcs1_by_channel, dsts_by_channel, replica_group, op,
@@ -781,7 +778,7 @@ def collective_permute_implicit_reduce(srcs0_by_channel, srcs1_by_channel, dsts_
     rname = _reduce_op(cop, op)
     s0, d, s1 = _channels(cop, srcs0_by_channel, dsts_by_channel, channel_ids, rg, ctx,
                           extra=[("srcs1_by_channel", srcs1_by_channel)])
-    return _ring(cop, rname, [s0, s1, d], replica_group, channel_ids, priority, name)
+    return _ring(ctx, cop, rg, rname, [s0, s1, d], priority, name)
 
 
 def _scalar_int(op, what, v):
