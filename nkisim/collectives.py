@@ -465,73 +465,79 @@ def _v_signature(src, dst, rg, recv_counts_known, has_rdispls):
             "has_rdispls": bool(has_rdispls)}
 
 
-def _place(op, rec_desc, dst, offset, count, chunk, pending, flat_dsts):
-    if offset < 0 or offset + count > dst.size:
-        raise NkiValidationError(f"{op}: {rec_desc}: chunk of {count} elements at offset {offset} overflows dst "
-                                 f"'{dst.name}' of {dst.size} elements (metadata validated at execution time)")
-    flat_dsts.setdefault(id(dst), (dst, _vals(dst, op).reshape(-1)))[1][offset:offset + count] = chunk
+def _copy_of(copies, t, op):
+    """A NumPy copy of `t`'s values, read once per collective execution (`copies`: tensor id -> (t, values))."""
+    got = copies.get(id(t))
+    if got is None:
+        got = copies[id(t)] = (t, _vals(t, op))
+    return got[1]
 
 
-def _a2av_execute(op, rg, records, pending):
-    flat_dsts, metas = {}, {}
+def _a2av_route(op, g, p, q, ssrc, meta_p, meta_q, rdispls, slot, n):
+    """all_to_all_v: rank p sends send_counts[q] elements from send_displs[q] to rank q, at recv_displs[p] with
+    has_rdispls, else at p's equally-spaced slot."""
+    count, displ = int(meta_p[0, q]), int(meta_p[1, q])
+    if displ < 0 or displ + count > ssrc.size:
+        raise NkiValidationError(
+            f"{op}: rank {g[p]} sends {count} elements from offset {displ} to rank {g[q]} but its src "
+            f"'{ssrc.name}' has {ssrc.size} (send_counts / send_displs rows of the metadata)")
+    if rdispls:
+        return count, displ, int(meta_q[3, p])
+    if count > slot:
+        raise NkiValidationError(
+            f"{op}: rank {g[p]} sends {count} elements to rank {g[q]}, more than its equally-spaced slot "
+            f"of {slot} = dst elements / {n} (pass has_rdispls=True with recv displacements)")
+    return count, displ, slot * p
+
+
+def _agv_route(op, g, p, q, ssrc, meta_p, meta_q, rdispls, slot, n):
+    """all_gather_v: rank p broadcasts its send_count elements from send_displ (rows 0/1: only the first column is
+    read) into slot p of every rank."""
+    count, displ = int(meta_p[0, 0]), int(meta_p[1, 0])
+    if displ < 0 or displ + count > ssrc.size:
+        raise NkiValidationError(
+            f"{op}: rank {g[p]} broadcasts {count} elements from offset {displ} but its src "
+            f"'{ssrc.name}' has {ssrc.size} (send_count / send_displ of the metadata)")
+    if count > slot:
+        raise NkiValidationError(f"{op}: rank {g[p]} broadcasts {count} elements, more than the slot of "
+                                 f"{slot} = dst elements / {n}")
+    return count, displ, slot * p
+
+
+def _v_execute(op, rg, records, pending, route):
+    """Data movement of the *_v collectives: for every sender p and receiver q of a rank-list, `route` reads the
+    metadata into (count, displ, offset) (checked at execution time) and src[displ:+count] lands at dst[offset:];
+    row 2 of the receiver's metadata gets the count unless recv_counts_known."""
+    srcs, dsts, metas = {}, {}, {}      # each tensor read once; the dsts' and metadata's copies are written back
     for _, g, recs in _by_list(records, rg):
         n = len(recs)
         for q, recv in enumerate(recs):
-            src_unused, dst, meta_t, known, rdispls, meta_q = recv.payload
+            _, dst, meta_t, known, rdispls, meta_q = recv.payload
             slot = dst.size // n
             for p, send in enumerate(recs):
-                ssrc, _, _, _, _, meta_p = send.payload
-                count, displ = int(meta_p[0, q]), int(meta_p[1, q])
-                if displ < 0 or displ + count > ssrc.size:
+                ssrc, meta_p = send.payload[0], send.payload[5]
+                count, displ, offset = route(op, g, p, q, ssrc, meta_p, meta_q, rdispls, slot, n)
+                if offset < 0 or offset + count > dst.size:
                     raise NkiValidationError(
-                        f"{op}: rank {g[p]} sends {count} elements from offset {displ} to rank {g[q]} but its src "
-                        f"'{ssrc.name}' has {ssrc.size} (send_counts / send_displs rows of the metadata)")
-                offset = int(meta_q[3, p]) if rdispls else slot * p
-                if not rdispls and count > slot:
-                    raise NkiValidationError(
-                        f"{op}: rank {g[p]} sends {count} elements to rank {g[q]}, more than its equally-spaced slot "
-                        f"of {slot} = dst elements / {n} (pass has_rdispls=True with recv displacements)")
-                chunk = _vals(ssrc, op).reshape(-1)[displ:displ + count]
-                _place(op, f"rank {g[p]} -> rank {g[q]}", dst, offset, count, chunk, pending, flat_dsts)
+                        f"{op}: rank {g[p]} -> rank {g[q]}: chunk of {count} elements at offset {offset} overflows "
+                        f"dst '{dst.name}' of {dst.size} elements (metadata validated at execution time)")
+                chunk = _copy_of(srcs, ssrc, op).reshape(-1)[displ:displ + count]
+                _copy_of(dsts, dst, op).reshape(-1)[offset:offset + count] = chunk
                 if not known:
-                    m = metas.setdefault(id(meta_t), (meta_t, _vals(meta_t, op).reshape(-1, n)))[1]
-                    m[2, p] = count
-    pending.extend((t, v) for t, v in flat_dsts.values())
-    pending.extend((t, v) for t, v in metas.values())
-
-
-def _agv_execute(op, rg, records, pending):
-    flat_dsts, metas = {}, {}
-    for _, g, recs in _by_list(records, rg):
-        n = len(recs)
-        for q, recv in enumerate(recs):
-            _, dst, meta_t, known, _, _ = recv.payload
-            slot = dst.size // n
-            for p, send in enumerate(recs):
-                ssrc, _, _, _, _, meta_p = send.payload
-                count, displ = int(meta_p[0, 0]), int(meta_p[1, 0])     # rows 0/1: only the first column is read
-                if displ < 0 or displ + count > ssrc.size:
-                    raise NkiValidationError(
-                        f"{op}: rank {g[p]} broadcasts {count} elements from offset {displ} but its src "
-                        f"'{ssrc.name}' has {ssrc.size} (send_count / send_displ of the metadata)")
-                if count > slot:
-                    raise NkiValidationError(f"{op}: rank {g[p]} broadcasts {count} elements, more than the slot of "
-                                             f"{slot} = dst elements / {n}")
-                chunk = _vals(ssrc, op).reshape(-1)[displ:displ + count]
-                _place(op, f"rank {g[p]} -> rank {g[q]}", dst, slot * p, count, chunk, pending, flat_dsts)
-                if not known:
-                    m = metas.setdefault(id(meta_t), (meta_t, _vals(meta_t, op).reshape(-1, n)))[1]
-                    m[2, p] = count
-    pending.extend((t, v) for t, v in flat_dsts.values())
-    pending.extend((t, v) for t, v in metas.values())
+                    _copy_of(metas, meta_t, op).reshape(-1, n)[2, p] = count
+    pending.extend(dsts.values())
+    pending.extend(metas.values())
 
 
 def _v_collective(kind, ctx, args, meta_values, prepared_at=None):
     src, dst, rg, n, metadata_tensor, known, rdispls = args
     sig = _v_signature(src, dst, rg, known, rdispls)
     payload = (src, dst, metadata_tensor, bool(known), bool(rdispls), meta_values)
-    execute = (lambda recs, pend: _a2av_execute(kind, rg, recs, pend)) if kind == "all_to_all_v" else \
-        (lambda recs, pend: _agv_execute(kind, rg, recs, pend))
+    route = _a2av_route if kind == "all_to_all_v" else _agv_route
+
+    def execute(recs, pend):
+        _v_execute(kind, rg, recs, pend, route)
+
     writes = (dst,) if known else (dst, metadata_tensor)
     _run(ctx, kind, sig, payload, execute, n, src.size * src.dtype.itemsize, (src, metadata_tensor), writes,
          split=prepared_at is not None)
