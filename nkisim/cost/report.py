@@ -128,7 +128,6 @@ class CostReport:
         self.peak_dtype = dt[0] + (" double_row" if dt[1] else "")
         self.memory_bytes_per_s = lc.memory_bytes_per_s
         self.hbm_bytes_per_s = lc.hbm_bytes_per_s
-        self._useful_ratio = 1.0
         self.mfu = self.roofs_s["tensor"] / self.latency_s if self.latency_s else 0.0
         self.mbu = self.hbm_bytes / (self.latency_s * lc.hbm_bytes_per_s) if self.latency_s else 0.0
         self.arithmetic_intensity = self.flops / self.hbm_bytes if self.hbm_bytes else math.inf
