@@ -192,14 +192,11 @@ class CoreContext:
 
     def emit(self, opname, engine, reads=(), writes=(), **meta):
         """Record one instruction. `reads`/`writes` are NkiTensors or VirtualRegisters."""
-        self.emit_meta(opname, engine, reads, writes, meta)
-
-    def emit_meta(self, opname, engine, reads, writes, meta):
-        """`emit` with the op's meta as a dict."""
         self.emit_accesses(opname, engine, reads, writes, None, None, meta)
 
     def emit_accesses(self, opname, engine, reads, writes, read_acc, write_acc, meta):
-        """`emit_meta` given the operands' footprints (tuples of `access_of`, or None): the ISA ops' hot path."""
+        """`emit` with the op's meta as a dict and the operands' footprints (tuples of `access_of`, or None): the ISA
+        ops' hot path."""
         if self.dead_allocs:
             _check_in_scope(self.dead_allocs, opname, reads, writes)
         if not self.numerics:
