@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import nkisim
-from nkisim.cost.costs import dma_efficiency
 from nkisim.hardware import HARDWARE
 from nkisim.runtime import access_of
+
+from .test_profile import _dma_piece_s
 
 T2 = HARDWARE["trn2"].core
 L = T2.dma_start_latency_s
@@ -19,17 +20,9 @@ F = 1024                     # fp32 row of 4 KiB: one row per partition is one 4
 VEC_1 = (1 + T2.static_instruction_cycles) / T2.vector_clock_hz     # VectorE op on 1 element per partition
 
 
-def _piece(nbytes, run, partitions):
-    """Time on each DMA engine of a 1-HBM-side transfer of `nbytes` over `partitions` SBUF partitions (one engine per
-    8 partitions) with `run` contiguous bytes per partition: transfer overhead + its share at the efficiency."""
-    rings = -(-partitions // 8)
-    bw = min(T2.dma_engine_bytes_per_s, T2.hbm_bytes_per_s / T2.dma_engines)
-    return T2.dma_transfer_overhead_s + (nbytes / rings) / (bw * dma_efficiency(run, T2))
-
-
-TILE = _piece(128 * F * 4, F * 4, 128)   # [128, F] fp32 HBM <-> SBUF
-IDX = _piece(128 * 4, 4, 128)            # [128, 1] int32 HBM -> SBUF: 4 B per partition
-ONE = _piece(4, 4, 1)                    # [1, 1] int32 HBM -> SBUF
+TILE = _dma_piece_s(T2, 128 * F * 4, F * 4)   # [128, F] fp32 HBM <-> SBUF
+IDX = _dma_piece_s(T2, 128 * 4, 4)            # [128, 1] int32 HBM -> SBUF: 4 B per partition
+ONE = _dma_piece_s(T2, 4, 4, partitions=1)    # [1, 1] int32 HBM -> SBUF
 # register_load from SBUF: one SBUF access on the sync sequencer
 RL = T2.sbuf_access_overhead_cycles / T2.scalar_clock_hz
 

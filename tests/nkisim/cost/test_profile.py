@@ -22,6 +22,8 @@ def _rand(shape, dtype=np.float32, seed=0):
 
 
 def _dma_piece_s(core, nbytes, run, hbm_sides=1, partitions=128):
+    """Time on each DMA engine of a transfer of `nbytes` over `partitions` SBUF partitions with `run` contiguous bytes
+    per partition and `hbm_sides` HBM sides: transfer overhead + its share at the engine rate and efficiency."""
     rings = -(-partitions // 8)          # one DMA engine per 8 SBUF partitions
     bw = min(core.dma_engine_bytes_per_s, core.hbm_bytes_per_s / core.dma_engines / hbm_sides)
     return core.dma_transfer_overhead_s + (nbytes / rings) / (bw * dma_efficiency(run, core))
