@@ -298,8 +298,7 @@ def _run_lnc(func, n, tgt, args, kwargs, record, options=None, numerics=True):
             world.finish(0, i, contexts[i].cc_count)
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread below
             errors[i] = e
-            shared.abort()
-            world.fail(0, i, e)
+            world.fail(0, i, e)      # also aborts `shared` (one_rank_world registered it with the world)
 
     threads = [threading.Thread(target=body, args=(i,), name=f"nkisim-core{i}") for i in range(n)]
     for t in threads:
