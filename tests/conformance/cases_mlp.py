@@ -141,7 +141,7 @@ CASES += [
 
 def _mx_case(lnc, B, S, H, inter, mx_name, norm, bias, col_tiling):
     """MX weights (trn3): our stabilized MX generator (cases_moe) in the layouts test_mlp_tkg.py documents."""
-    from .cases_moe import _PADDING, _stabilized_mx
+    from .cases_moe import _PADDING, _mx_down_tiles, _mx_hidden, _stabilized_mx
 
     def inputs():
         import nki.language as nl
@@ -151,21 +151,13 @@ def _mx_case(lnc, B, S, H, inter, mx_name, norm, bias, col_tiling):
         rng = np.random.default_rng(0)
         mx_dtype = getattr(nl, mx_name)
         n_h512, n_i512 = H // 512, -(-inter // 512)
-        T = B * S
-        _, _, hid = _stabilized_mx(rng, T * n_h512 * 128, 1, nl.float8_e4m3fn_x4, 1.0)
-        hidden = hid.reshape(T, n_h512, 128, 4).transpose(0, 3, 1, 2).reshape(B, S, H).astype(BF16)
-        kw = {"hidden_tensor": hidden}
+        kw = {"hidden_tensor": _mx_hidden(rng, B * S, H, 1.0).reshape(B, S, H).astype(BF16)}
         for name in ("gate", "up"):
             words, scales, _ = _stabilized_mx(rng, 128, n_h512 * inter, mx_dtype, 1.0)
             kw[f"{name}_proj_weights_tensor"] = mx.PackedArray(words.reshape(128, n_h512, inter), mx_dtype)
             kw[f"{name}_w_scale"] = scales.reshape(16, n_h512, inter)
-        p_i = inter // 4 if inter < 512 else 128
         dwords, dscales, _ = _stabilized_mx(rng, inter // 4, H, mx_dtype, 1.0)
-        down = np.zeros((p_i, n_i512, H), mx_dtype.storage)
-        down_s = np.zeros((p_i // 8, n_i512, H), np.uint8)
-        for t in range(n_i512):
-            rows, srows = min(128, inter // 4 - t * 128), min(16, inter // 32 - t * 16)
-            down[:rows, t], down_s[:srows, t] = dwords[t * 128:t * 128 + rows], dscales[t * 16:t * 16 + srows]
+        down, down_s = _mx_down_tiles(dwords, dscales, inter, H, mx_dtype.storage)
         kw["down_proj_weights_tensor"] = mx.PackedArray(down, mx_dtype)
         kw["down_w_scale"] = down_s
         norm_type = getattr(NormType, norm)

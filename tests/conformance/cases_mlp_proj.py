@@ -13,7 +13,7 @@ import numpy as np
 
 from nkisim import mx
 
-from .cases_moe import _stabilized_mx
+from .cases_moe import _mx_down_tiles, _stabilized_mx
 from .harness import Case
 
 SOURCE = "test/integration/nkilib/core/mlp/test_mlp_proj_mxfp4.py"
@@ -103,12 +103,7 @@ def _down_case(BxS, H, inter, ssb, lnc=1):
             rows = min(128, inter // 4 - t * 128)
             inter_kernel[:rows, t] = inter_vals[t * 128:t * 128 + rows]
         ww, ws, _ = _stabilized_mx(rng, inter // 4, H, nl.float4_e2m1fn_x4, 1.0)
-        p = 128 if inter >= 512 else inter // 4
-        w = np.zeros((p, n_i512, H), np.uint16)
-        s = np.zeros((p // 8, n_i512, H), np.uint8)
-        for t in range(n_i512):
-            rows, srows = min(128, inter // 4 - t * 128), min(16, inter // 32 - t * 16)
-            w[:rows, t], s[:srows, t] = ww[t * 128:t * 128 + rows], ws[t * 16:t * 16 + srows]
+        w, s = _mx_down_tiles(ww, ws, inter, H, nl.float4_e2m1fn_x4.storage)
         bias = rng.random((H // 128, 128)).astype(np.float32).T.reshape(1, H)
         return {"inter": inter_kernel.astype(BF16), "weight_qtz": mx.PackedArray(w, nl.float4_e2m1fn_x4),
                 "weight_scale": s, "bias": bias.astype(BF16), "H": H, "I": inter, "BxS": BxS,

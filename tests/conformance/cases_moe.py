@@ -132,23 +132,31 @@ def _mx_expert_weights(rng, E, H, inter, mx_dtype):
             w, s = _mx_weights(rng, 128, n_h512 * inter, mx_dtype)
             gu_w[e, :, g] = w.reshape(128, n_h512, inter)
             gu_s[e, :, g] = s.reshape(16, n_h512, inter)
-        w, s = _mx_weights(rng, -(-inter // 4), H, mx_dtype)
-        for t in range(n_i512):
-            rows = min(128, w.shape[0] - t * 128)
-            srows = min(16, s.shape[0] - t * 16)
-            dn_w[e, :rows, t] = w[t * 128:t * 128 + rows]
-            dn_s[e, :srows, t] = s[t * 16:t * 16 + srows]
+        dn_w[e], dn_s[e] = _mx_down_tiles(*_mx_weights(rng, -(-inter // 4), H, mx_dtype), inter, H, mx_dtype.storage)
     return gu_w, gu_s, dn_w, dn_s
 
 
-def _mx_hidden(rng, T, H):
-    """bf16 hidden states exactly representable in MXFP8 (e4m3fn) in the kernel's quantization layout: H index
-    q * H/4 + tile * 128 + p, groups of 8 partitions p x the 4 lanes q (as test_moe_tkg.py lays them out)."""
+def _mx_down_tiles(words, scales, inter, H, storage):
+    """The MX down projection's words [I/4, H] and scales [I/32, H] in the kernels' tile layout: words
+    [i_p, I/512 tiles, H] (row t * 128 + p of the I/4 rows on partition p of tile t), scales [i_p/8, tiles, H];
+    partitions past the last row stay zero."""
+    i_p, n_i512 = _mx_down_layout(inter)
+    w = np.zeros((i_p, n_i512, H), storage)
+    s = np.zeros((-(-i_p // 8), n_i512, H), np.uint8)
+    for t in range(n_i512):
+        rows, srows = min(128, words.shape[0] - t * 128), min(16, scales.shape[0] - t * 16)
+        w[:rows, t], s[:srows, t] = words[t * 128:t * 128 + rows], scales[t * 16:t * 16 + srows]
+    return w, s
+
+
+def _mx_hidden(rng, T, H, val_range):
+    """Hidden states [T, H] (fp32 values, exact in bf16) exactly representable in MXFP8 (e4m3fn) in the kernels'
+    quantization layout: H index q * H/4 + tile * 128 + p, groups of 8 partitions p x the 4 lanes q (as
+    test_moe_tkg.py lays them out); MX scales below val_range (see _stabilized_mx)."""
     from nkisim import mx
     n512 = H // 512
-    _, _, values = _stabilized_mx(rng, T * n512 * 128, 1, mx.dt.float8_e4m3fn_x4, 5.0)
-    h = values.reshape(T, n512, 128, 4).transpose(0, 3, 1, 2).reshape(T, H)
-    return h.astype(ml_dtypes.bfloat16)
+    _, _, values = _stabilized_mx(rng, T * n512 * 128, 1, mx.dt.float8_e4m3fn_x4, val_range)
+    return values.reshape(T, n512, 128, 4).transpose(0, 3, 1, 2).reshape(T, H)
 
 
 def _moe_tkg_mx_inputs(T, H, inter, E, K, act, all_expert, mx_name, bias):
@@ -164,7 +172,7 @@ def _moe_tkg_mx_inputs(T, H, inter, E, K, act, all_expert, mx_name, bias):
         i_p, n_i512 = _mx_down_layout(inter)
         bf16 = lambda *shape: rng.standard_normal(shape).astype(ml_dtypes.bfloat16)  # noqa: E731
         return {
-            "hidden_input": _mx_hidden(rng, T, H),
+            "hidden_input": _mx_hidden(rng, T, H, 5.0).astype(ml_dtypes.bfloat16),
             "expert_gate_up_weights": mx.PackedArray(gu_w, mx_dtype),
             "expert_down_weights": mx.PackedArray(dn_w, mx_dtype),
             "expert_affinities": aff.astype(ml_dtypes.bfloat16 if all_expert else np.float32),

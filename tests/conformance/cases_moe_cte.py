@@ -181,7 +181,7 @@ def _mx_shard_i_case(H, T, inter, E, B, K, mx_name, skip, clamps=(7.0, None, 7.0
 
         from nkisim import mx
 
-        from .cases_moe import _stabilized_mx
+        from .cases_moe import _mx_hidden, _stabilized_mx
         mx_dtype = getattr(nl, mx_name)
         rng = np.random.default_rng(0)
         mask, slot_to_token, block_to_expert = routing(rng, T, K, E, B, n_blocks, skip_token)
@@ -191,8 +191,7 @@ def _mx_shard_i_case(H, T, inter, E, B, K, mx_name, skip, clamps=(7.0, None, 7.0
         i_par = 128
         if rem:
             n_i512, i_par = 1, rem // 4
-        _, _, hid = _stabilized_mx(rng, rows * n_h512 * 128, 1, nl.float8_e4m3fn_x4, 5.0)
-        hidden = hid.reshape(rows, n_h512, 128, 4).transpose(0, 3, 1, 2).reshape(rows, H)
+        hidden = _mx_hidden(rng, rows, H, 5.0)
         aff = rng.random((rows, E)).astype(np.float32)
         aff[:T] *= mask
         if not skip_token:
