@@ -46,7 +46,7 @@ def check_block_table(block_table, num_blocks, block_size, position_ids, context
         raise ValueError(f"block_table must be [B={pos.shape[0]}, max_blocks_per_seq], got shape {bt.shape}")
     s_max = bt.shape[1] * block_size
     L = s_max if not context_len else int(context_len)
-    unit = max(P_MAX, block_size)     # the kernel's scan unit (DecodePlan.unit): one source
+    unit = max(P_MAX, block_size)     # the kernel's scan unit (_Config.unit)
     n_read = min(bt.shape[1], ((L - pos.shape[1] + unit - 1) // unit * unit) // block_size)
     used = np.concatenate([bt[:, :n_read].reshape(-1), bt[np.arange(bt.shape[0])[:, None], pos // block_size]
                            .reshape(-1)]) if pos.size else bt[:, :n_read].reshape(-1)

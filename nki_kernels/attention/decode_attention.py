@@ -257,13 +257,11 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     assert len(X.shape) == 3, f"X must be [B, S_tkg, H], got shape {X.shape}"
     B, S, H = X.shape
     assert len(W_qkv.shape) == 2 and W_qkv.shape[0] == H, f"W_qkv must be [H={H}, (nq+2*nkv)*d], got {W_qkv.shape}"
-    err = argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table)
+    err = argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table)   # cache rank, V_cache shape, d | W_qkv
     assert err is None, err
     assert isinstance(add_bias_o, bool), f"add_bias_o={add_bias_o!r} must be a bool"
     paged = block_table is not None
     if paged:
-        assert len(K_cache.shape) == 4, \
-            f"K_cache (paged) must be [num_blocks, kv_heads, block_size, d], got shape {K_cache.shape}"
         n_blocks, nkv, bs, d = K_cache.shape
         assert len(block_table.shape) == 2 and block_table.shape[0] == B, \
             f"block_table must be [B={B}, max_blocks_per_seq], got shape {block_table.shape}"
@@ -275,7 +273,6 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
         mb = block_table.shape[1]
         Bc, s_max = B, mb * bs
     else:
-        assert len(K_cache.shape) == 4, f"K_cache must be [B, kv_heads, S_max, d], got shape {K_cache.shape}"
         Bc, nkv, s_max, d = K_cache.shape
         bs, mb = 0, 0
     assert 1 <= B <= MAX_BATCH, f"X: batch {B} must be in 1..{MAX_BATCH}"
@@ -284,9 +281,6 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     assert B * S <= MAX_TOKENS, f"X: B*S_tkg = {B * S} must be <= {MAX_TOKENS}"
     assert d <= MAX_HEAD_DIM and d % 2 == 0, f"K_cache: head dim d={d} must be even and <= {MAX_HEAD_DIM}"
     assert Bc == B, f"K_cache: batch {Bc} must equal X batch {B}"
-    assert tuple(V_cache.shape) == tuple(K_cache.shape), \
-        f"V_cache shape {V_cache.shape} must equal K_cache shape {K_cache.shape}"
-    assert W_qkv.shape[1] % d == 0, f"W_qkv: {W_qkv.shape[1]} columns is not a multiple of d={d}"
     nq = W_qkv.shape[1] // d - 2 * nkv
     assert nq >= nkv and nq % nkv == 0, f"W_qkv: {nq} query heads is not a positive multiple of kv_heads={nkv}"
     assert nq // nkv <= MAX_GROUP, f"W_qkv: {nq // nkv} query heads per KV head exceeds {MAX_GROUP}"
