@@ -7,7 +7,7 @@ from .. import ops as alu_ops
 from ..memory import private_hbm, psum, sbuf
 from ..runtime import current
 from ..tensor import indirect_valid_rows, np_view, read, strided_valid, write
-from ._common import fail, nc_version, tensor
+from ._common import fail, free_size, nc_version, tensor
 from .enums import dge_mode as DgeMode
 from .enums import dma_engine as DmaEngine
 from .enums import engine as Engine
@@ -44,9 +44,10 @@ def _dge_mode(op, dge_mode):
 
 
 def _check_modes(op, oob_mode, dge_mode, engine=Engine.unknown, priority=None):
+    """Check the DMA mode arguments; returns dge_mode as a member (a raw int 0..3 is accepted, see _dge_mode)."""
+    dge_mode = _dge_mode(op, dge_mode)
     if not isinstance(oob_mode, OobMode):
         fail(op, f"oob_mode={oob_mode!r} must be an nki.isa.oob_mode value (C15)")
-    dge_mode = _dge_mode(op, dge_mode)
     if not isinstance(engine, Engine):
         fail(op, f"engine={engine!r} must be an nki.isa.engine value (C15)")
     if dge_mode is DgeMode.hwdge and nc_version() < 3:
@@ -61,6 +62,7 @@ def _check_modes(op, oob_mode, dge_mode, engine=Engine.unknown, priority=None):
             fail(op, "priority requires NeuronCore-v4 (trn3) (C19)")
         if not 0 <= int(priority) <= 3:
             fail(op, f"priority={priority} must be in 0..3 (C29)")
+    return dge_mode
 
 
 def dma_copy(dst, src, priority=None, oob_mode=OobMode.error, dge_mode=DgeMode.unknown, engine=Engine.unknown,
@@ -68,8 +70,7 @@ def dma_copy(dst, src, priority=None, oob_mode=OobMode.error, dge_mode=DgeMode.u
     op = "dma_copy"
     _check_dma_operand(op, "dst", dst)
     _check_dma_operand(op, "src", src)
-    dge_mode = _dge_mode(op, dge_mode)
-    _check_modes(op, oob_mode, dge_mode, engine, priority)
+    dge_mode = _check_modes(op, oob_mode, dge_mode, engine, priority)
     if dst.size != src.size:
         fail(op, f"element counts differ: dst {dst.shape} has {dst.size}, src {src.shape} has {src.size} (C10)")
     indirect = src.gather is not None or dst.gather is not None
@@ -112,8 +113,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DgeMode.unknown, 
     op = "dma_transpose"
     _check_dma_operand(op, "src", src)
     tensor(op, "dst", dst)
-    dge_mode = _dge_mode(op, dge_mode)
-    _check_modes(op, oob_mode, dge_mode, Engine.unknown, priority)
+    dge_mode = _check_modes(op, oob_mode, dge_mode, Engine.unknown, priority)
     indirect = src.gather is not None
     _check_transpose_dge(op, dge_mode, oob_mode, indirect)
     if dst.buffer is not sbuf:
@@ -259,7 +259,6 @@ GPSIMD_DMA_MAX_BYTES = {4: 1024, 2: 512, 1: 256}
 
 def _check_sendrecv_operands(op, src, dst, dma_engine):
     """C27: both tiles in SBUF, same dtype, same partitions and elements per partition; gpsimd_dma size limit."""
-    from ._common import free_size
     if nc_version() < 3:
         fail(op, "sendrecv requires NeuronCore-v3 (trn2) or newer (C19)")
     for name, t in (("src", src), ("dst", dst)):
