@@ -78,7 +78,7 @@ def _check_cmd(opn, cmd, allowed):
 
 def _row_reduce(name, x):
     """Per-partition reduction of an fp32 [P, F] array."""
-    with np.errstate(all="ignore"):
+    with alu_ops.quiet_fp():
         if name in ("abs_max", "abs_min"):
             return (np.max if name == "abs_max" else np.min)(np.abs(x), axis=1)
         return alu_ops.REDUCE_UFUNCS[name].reduce(x, axis=1, dtype=np.float32)
@@ -111,7 +111,7 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
     b = as_pf(fp32(data1), p)
     out = np.empty(a.shape, np.float32)
     prev = np.broadcast_to(np.asarray(init, np.float32).reshape(-1), (p,)).astype(np.float32)
-    with np.errstate(all="ignore"):
+    with alu_ops.quiet_fp():
         for i in range(a.shape[1]):
             t = f0(prev, a[:, i]) if reverse0 else f0(a[:, i], prev)
             prev = (f1(b[:, i], t) if reverse1 else f1(t, b[:, i])).astype(np.float32)
@@ -189,7 +189,7 @@ def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=RC.
         reg = np.full(p, alu_ops.reduce_identity(n1), np.float32)
     else:
         reg = regs[:p].copy()
-    with np.errstate(all="ignore"):
+    with alu_ops.quiet_fp():
         x = np.asarray(f0(as_pf(fp32(src), p), a), np.float32)
         if n1 == "subtract":
             out = np.empty_like(x)
@@ -239,7 +239,7 @@ def activate2(dst, op, data, imm0, imm1, op0, op1, relu_param=0.0, reverse0=Fals
     if aname != "prelu":
         aname, afn = alu_ops.activation(op, opn)
     x = as_pf(fp32(data), p)
-    with np.errstate(all="ignore"):
+    with alu_ops.quiet_fp():
         for nm, imm, rev, which in ((n0, imm0, reverse0, "imm0"), (n1, imm1, reverse1, "imm1")):
             if nm == "bypass":
                 continue
@@ -633,7 +633,7 @@ def tensor_partition_reduce(dst, op, data, name=None):
         res = getattr(np, oname).reduce(x, axis=0)
     else:
         x = as_pf(fp32(data), p)
-        with np.errstate(all="ignore"):
+        with alu_ops.quiet_fp():
             res = (np.maximum if oname == "maximum" else np.add).reduce(x, axis=0, dtype=np.float32)
             if oname == "average":
                 res = res / np.float32(p)

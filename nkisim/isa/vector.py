@@ -180,7 +180,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     s = scalar_operand(opn, "operand0", operand0, p, fp32_only=False)
     x = as_pf(fp32(data), p)
     t = as_pf(fp32(operand1), p)
-    with np.errstate(all="ignore"):
+    with alu_ops.quiet_fp():
         r = f0(s, x) if reverse0 else f0(x, s)
         r = f1(t, r) if reverse1 else f1(r, t)
     store(opn, dst, r)
@@ -287,7 +287,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
         res = getattr(np, oname).reduce(x.astype(np.int64), axis=-1)
     else:
         x = dt.to_fp32(x)
-        with np.errstate(all="ignore"):
+        with alu_ops.quiet_fp():
             if oname in alu_ops.REDUCE_UFUNCS:
                 res = alu_ops.REDUCE_UFUNCS[oname].reduce(x, axis=-1, dtype=np.float32)
             else:
@@ -395,7 +395,7 @@ def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=_RC.idle, r
                   f"{reduce_cmd.name}) (C28)")
     p = dst.shape[0]
     m = scalar_operand(opn, "max_value", max_value, p)
-    with np.errstate(all="ignore"):
+    with alu_ops.quiet_fp():
         e = np.exp((as_pf(fp32(src), p) - m).astype(np.float64)).astype(np.float32)
     store(opn, dst, e)
     init = None
