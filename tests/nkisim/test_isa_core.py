@@ -329,7 +329,6 @@ def test_nc_matmul_bf16_inputs_accumulate_in_fp32():
     np.testing.assert_allclose(rd(d), ab.astype(np.float32).T @ bb.astype(np.float32), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.filterwarnings("ignore::nkisim.errors.NkiPsumAccumulationWarning")
 def test_nc_matmul_accumulate_modes_per_element():
     a, b = np.ones((4, 2), np.float32), np.ones((4, 3), np.float32)
     s, m = sb(a), sb(b)
