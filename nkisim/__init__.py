@@ -105,7 +105,6 @@ def _install_legacy_typing(nki_typing) -> None:
     """`neuronxcc.nki.typing` for kernels that import annotation types from the legacy package (AWS's nki-library
     does) when neuronx-cc itself is absent. Only the typing module is provided: `neuronxcc.nki.language` and the rest
     stay unimportable, and the linter still flags them (rule neuronxcc-import)."""
-    import importlib.machinery
     import types
     if "neuronxcc" in sys.modules or importlib.util.find_spec("neuronxcc") is not None:
         return
