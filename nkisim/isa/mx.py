@@ -14,7 +14,7 @@ from ..memory import psum, sbuf
 from ..runtime import current
 from ..tensor import read, write
 from ._common import fail, free_size, on_chip, require_version, start_partition, tensor
-from .tensor_engine import _accumulate
+from .tensor_engine import _accumulate, _product
 
 _QUANT_SRC = ("bfloat16", "float16")
 _QUANT_DST = ("float8_e5m2_x4", "float8_e4m3fn_x4")
@@ -146,7 +146,7 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
 
     s = dequant(stationary, stationary_scale, m)
     mv = dequant(moving, moving_scale, n)
-    result = s.T @ mv   # contraction over partitions and x4 lanes, fp32 accumulation as on TensorE
+    result = _product(op, s, mv)   # contraction over partitions and x4 lanes, as nc_matmul's (fp32 by default)
     _accumulate(op, ctx, dst, result.reshape(dst.shape), accumulate, ctx.target.nc_version)
     ctx.emit(op, "tensor", (stationary, moving, stationary_scale, moving_scale), (dst,), k=p, m=m, n=n,
              dtype=moving.dtype.name, stationary_dtype=stationary.dtype.name, double_row=False, transpose=False,
