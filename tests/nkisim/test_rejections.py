@@ -116,8 +116,7 @@ def test_c22_indirect_3d_transpose_row_rule():
     data = rand((32, 4 * 8))
 
     def src(rows):
-        idx = sb(np.asarray(rows, np.uint32).reshape(-1, 1))
-        return hbm(data, nl.bfloat16).ap(pattern=[[32, len(rows)], [8, 4], [1, 8]], vector_offset=idx,
+        return hbm(data, nl.bfloat16).ap(pattern=[[32, len(rows)], [8, 4], [1, 8]], vector_offset=idx_tile(rows),
                                          indirect_dim=0)
     with pytest.raises(E, match=r"src.shape\[0\] must be divisible by 16, got 8 \(C22\)"):
         nisa.dma_transpose(dst=tile((8, 4, 8), nl.bfloat16), src=src(list(range(8))))
