@@ -228,7 +228,7 @@ def softmax(x, axis=-1, dtype=None):
 
     Over all free axes the max is a (P, 1) ScalarE bias and the sum comes from ScalarE's accumulators; over fewer,
     the per-row max and 1/sum are broadcast back along the reduced axes with stride-0 views."""
-    _, axes = _reduce_shape(x, axis, True)
+    kept, axes = _reduce_shape(x, axis, True)
     p = x.shape[0]
     if axes == tuple(range(1, x.ndim)):
         neg_max = _new((p, 1), _dt.float32)
@@ -242,7 +242,6 @@ def softmax(x, axis=-1, dtype=None):
         out = _new(x.shape, dtype or x.dtype)
         _isa.tensor_scalar(dst=out, data=e, op0=multiply, operand0=r)  # noqa: F821
         return out
-    kept, _ = _reduce_shape(x, axis, True)
     m = _new(kept, _dt.float32)
     _isa.tensor_reduce(dst=m, op=maximum, data=x, axis=axes, keepdims=True)  # noqa: F821
     e = _new(x.shape, _dt.float32)
