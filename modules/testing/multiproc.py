@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "modules.parallel.coordinator")
+# How long a rank that exited may take to be seen as dead (or to have its result arrive) before it is blamed.
+DEAD_PEER_GRACE_S = 1.0
 
 
 class RankFailedError(RuntimeError):
@@ -65,6 +67,16 @@ def _worker(fn, rank, world_size, host, port, backend, timeout_s, args, kwargs, 
         if dist.is_initialized():
             dist.destroy_process_group()
     results.put((rank, True, payload))
+
+
+def _dead_peers(procs: Sequence[mp.process.BaseProcess], done: dict, failed: int, wait: float) -> list[int]:
+    """Ranks other than `failed` (and not finished) that exited nonzero, polling up to `wait` seconds for one."""
+    end = time.monotonic() + wait
+    while True:
+        dead = [r for r, p in enumerate(procs) if r not in done and r != failed and p.exitcode]
+        if dead or time.monotonic() >= end:
+            return dead
+        time.sleep(0.02)
 
 
 def _kill_all(procs: Sequence[mp.process.BaseProcess], grace: float = 0.0) -> None:
@@ -121,8 +133,9 @@ def run_distributed(
                 pass
             else:
                 if not ok:
-                    # Peers of a dead rank fail with "connection reset"; name the dead rank as the cause.
-                    dead = [r for r, p in enumerate(procs) if r not in out and r != rank and p.exitcode]
+                    # Peers of a dead rank fail with "connection reset", often before the parent has seen the dead
+                    # process exit: give its exit the same moment as a result in flight, then name it as the cause.
+                    dead = _dead_peers(procs, out, rank, wait=DEAD_PEER_GRACE_S)
                     if dead:
                         r = dead[0]
                         raise RankFailedError(
@@ -137,7 +150,7 @@ def run_distributed(
                     continue
                 # A rank that exited may still have its result in flight; give the queue a moment first.
                 first = dead_since.setdefault(r, now)
-                if now - first > 1.0:
+                if now - first > DEAD_PEER_GRACE_S:
                     raise RankFailedError(
                         f"rank {r} of {world_size} died with exit code {p.exitcode} without reporting a result",
                         r)
