@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from bench.model.collectives import Collective, collective_time
 from bench.model.hardware import Instance
-from bench.model.specs import BF16, TextModelSpec, VisionModelSpec
+from modules.model_specs import BF16, TextModelSpec, VisionModelSpec
 
 GiB = 2**30
 COMPONENTS = ("embedding", "attention", "mlp", "lm_head")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from bench.model.analytical import Bucket, InvalidConfig, KernelLatency, ParallelConfig, evaluate
 from bench.model.hardware import get_instance
 from bench.model.published import PUBLISHED, Published
-from bench.model.specs import ALL_MODELS, TEXT_MODELS, VISION_MODELS
+from modules.model_specs import ALL_MODELS, TEXT_MODELS, VISION_MODELS
 
 INSTANCES = ("trn2.48xlarge", "trn3-server")
 TEXT_TP = (4, 8, 16, 32, 64)

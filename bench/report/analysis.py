@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from bench.model.analytical import ParallelConfig, legacy_decode_layer_collectives
 from bench.model.hardware import get_instance
-from bench.model.specs import TEXT_MODELS
+from modules.model_specs import TEXT_MODELS
 
 
 def cfg_label(r: dict) -> str:

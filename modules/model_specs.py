@@ -1,4 +1,4 @@
-"""Model shapes used by the analytical model (from the public Hugging Face config.json files, model-configs.md).
+"""Model shapes: the one table tests, the bench and the modules use (public HF config.json files, model-configs.md).
 
 Only dimensions live here; no weights are ever read. Bytes are bf16 (2 bytes) throughout: the toolkit works in bf16
 (MXFP4 expert weights are dequantised at load on Trn2, as in the published GPT-OSS-120B Trn2 recipe).
