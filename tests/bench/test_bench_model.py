@@ -15,8 +15,8 @@ from bench.model.analytical import (
 from bench.model.collectives import CollectiveParams, busbw_factor, choose_algorithm, collective_time
 from bench.model.hardware import Instance, get_instance
 from bench.model.kernel_table import KernelTable
-from modules.model_specs import GPT_OSS_120B, LLAMA_31_8B, LLAMA_33_70B, QWEN3_VL_VIT, TextModelSpec
 from bench.model.sweep import cases, published_cases, run_case
+from modules.model_specs import GPT_OSS_120B, LLAMA_31_8B, LLAMA_33_70B, QWEN3_VL_VIT, TextModelSpec
 
 COLL = CollectiveParams(alpha_base_s=5e-6, alpha_hop_s=1.5e-6, mesh_max_bytes=1 << 20, rdh_max_bytes=56 << 20,
                         busbw_mesh=50e9, busbw_rdh=100e9, busbw_kangaring=100e9)
