@@ -13,7 +13,8 @@ attention_tkg_fast_configs (test_attn_tkg_fast runs LNC 1 and 2 on the platform 
 import ml_dtypes
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 TKG_SOURCE = "test/integration/nkilib/core/attention/test_attention_tkg.py::test_attn_tkg_fast"

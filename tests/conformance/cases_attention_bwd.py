@@ -6,7 +6,8 @@ compute_o_lse (mixed precision), as the test builds them."""
 import ml_dtypes
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 SOURCE = "test/integration/nkilib/core/attention/test_attention_bwd.py::test_attention_bwd_fast"

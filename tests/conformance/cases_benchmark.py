@@ -4,7 +4,8 @@ or all nonzero), exact. The library's golden is test-only; ours: [indices of non
 
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 SOURCE = "test/integration/nkilib/experimental/benchmark/test_find_nonzero_indices_with_count.py"

@@ -6,7 +6,8 @@ atol = rtol = 1e-2; the test's golden is a torch grouped conv2d, ours the same i
 import ml_dtypes
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 _SRC = "test/integration/nkilib/experimental/conv/"

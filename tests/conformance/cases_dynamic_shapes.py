@@ -10,7 +10,8 @@ kernels."""
 import ml_dtypes
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 SOURCE = "test/integration/nkilib/experimental/dynamic_shapes/test_dynamic_elementwise_add.py"

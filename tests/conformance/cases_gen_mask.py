@@ -9,7 +9,8 @@ import nki.isa as nisa
 import nki.language as nl
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 P = 128

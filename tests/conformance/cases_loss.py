@@ -9,7 +9,8 @@ same V / PB / CS (single- and multi-chunk)."""
 import ml_dtypes
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 _SRC = "test/integration/nkilib/experimental/loss/"

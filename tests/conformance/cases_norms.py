@@ -8,7 +8,8 @@ layernorm: or shard_on_h), else the LNC=1 one; atol 1e-5, rtol 2e-2; trn2 (the t
 
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 SUB = "test/integration/nkilib/core/subkernels"

@@ -13,7 +13,8 @@ weights on trn3 (the library's MX test excludes trn1/trn2).
 import ml_dtypes
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 OP = "test/integration/nkilib/core/output_projection"

@@ -20,7 +20,8 @@ atol 1e-5, rtol 2e-2 (4e-2 when quantized), max mode; trn2 (the test's default p
 import ml_dtypes
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 SOURCE = "test/integration/nkilib/core/qkv/test_qkv_tkg.py::test_qkv_tkg_accuracy_unit"

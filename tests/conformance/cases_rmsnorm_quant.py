@@ -10,7 +10,8 @@ Shapes: test_rmsnorm_quant_lnc_unit (bf16 Gaussian, LNC=2) and test_rmsnorm_quan
 import ml_dtypes
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 SOURCE = "test/integration/nkilib/core/rmsnorm/test_rmsnorm_quant.py"

@@ -7,7 +7,8 @@ import atexit
 import ml_dtypes
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 SOURCE = "test/integration/nkilib/core/topk/test_topk.py::test_topk_unit / test_topk_unsorted"

@@ -17,7 +17,8 @@ within tolerance (its min_pass_rate).
 import ml_dtypes
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 BLOCK_SOURCE = "test/integration/nkilib/experimental/transformer/test_attention_block_tkg.py::test_attn_blk_megakernel"

@@ -7,7 +7,8 @@ import nki.isa as nisa
 import nki.language as nl
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
+
 from .harness import Case
 
 _SRC = "test/integration/nkilib/core/utils/"

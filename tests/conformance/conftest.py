@@ -2,7 +2,9 @@
 
 import pytest
 
-from . import harness, nkilib
+from bench.peers import nkilib
+
+from . import harness
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import nkilib
+from bench.peers import nkilib
 
 TARGETS = ("trn2", "trn3")
 

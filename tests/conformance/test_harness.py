@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from . import harness, nkilib
+from bench.peers import nkilib
+
+from . import harness
 
 
 def test_max_mode_uses_the_global_range():

@@ -10,7 +10,7 @@ import traceback
 
 import pytest
 
-from . import nkilib
+from bench.peers import nkilib
 
 FAMILIES = ("core", "experimental")
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from . import harness, nkilib
+from bench.peers import nkilib
+
+from . import harness
 
 
 def _all_cases() -> list[harness.Case]:

@@ -21,10 +21,11 @@ def root() -> Path | None:
 
 
 def skip_reason() -> str | None:
-    """Why the conformance suite cannot run here, or None when it can."""
+    """Why the library cannot be run here, or None when it can."""
     src = root()
     if src is None:
-        return f"{ENV} is unset: point it at a checkout of aws-neuron/nki-library to run the conformance suite"
+        return (f"{ENV} is unset: point it at a checkout of aws-neuron/nki-library to run its kernels "
+                "(conformance suite, side-by-side benchmarks)")
     if not (src / "src" / "nkilib_src" / "nkilib").is_dir():
         return f"{ENV}={src} has no src/nkilib_src/nkilib: not a checkout of aws-neuron/nki-library"
     return None
