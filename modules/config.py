@@ -105,6 +105,8 @@ class VisionNeuronConfig:
 
     tp_size: int | None = None
     dp_size: int | None = None
+    # Compiled encoder shapes: one (block_size, num_total_vision_attention_blocks) pair per bucket.
+    buckets: tuple[tuple[int, int], ...] = ()
     _resolved_world: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +114,11 @@ class VisionNeuronConfig:
             _check_positive_int("tp_size", self.tp_size)
         if self.dp_size is not None:
             _check_positive_int("dp_size", self.dp_size)
+        self.buckets = _check_vision_buckets(self.buckets)
+        # Block padding point 1 (seed): the compiled num_blocks of every bucket is a multiple of dp. When dp is
+        # still to be inferred from the world size, resolve_tp_dp pads them instead.
+        if self.dp_size is not None:
+            self.buckets = _pad_vision_buckets(self.buckets, self.dp_size)
 
     def resolve_tp_dp(self, world_size: int) -> tuple[int, int]:
         """Resolve (tp_size, dp_size) for world_size, per the vision seed's rules, and write them back.
@@ -134,6 +141,7 @@ class VisionNeuronConfig:
                     + ("" if self.tp_size is not None else "; set tp_size explicitly")
                 )
         self.tp_size, self.dp_size, self._resolved_world = tp, dp, world_size
+        self.buckets = _pad_vision_buckets(self.buckets, dp)
         return tp, dp
 
     def _require_resolved(self) -> int:
@@ -147,6 +155,40 @@ class VisionNeuronConfig:
 
     def pad_blocks(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return pad_blocks(x, self._require_resolved(), dim=dim)
+
+
+# A vision block is the kernel's sequence tile: whole 128-row partition tiles (the vision seed's block sizes).
+VISION_BLOCK_ALIGN = 128
+
+
+def check_vision_block_size(block_size: int, merge_unit: int = 1) -> int:
+    """block_size must be a positive multiple of 128 and of the merger's unit (spatial_merge_size**2 patches), so a
+    merge group never straddles two blocks."""
+    _check_positive_int("block_size", block_size)
+    if block_size % VISION_BLOCK_ALIGN:
+        raise ValueError(f"block_size={block_size} must be a multiple of {VISION_BLOCK_ALIGN}")
+    if block_size % merge_unit:
+        raise ValueError(f"block_size={block_size} must be a multiple of the merge unit {merge_unit} "
+                         "(spatial_merge_size**2 patches)")
+    return block_size
+
+
+def _check_vision_buckets(buckets) -> tuple[tuple[int, int], ...]:
+    out = []
+    for b in tuple(buckets):
+        if not (isinstance(b, tuple | list) and len(b) == 2):
+            raise ValueError(f"buckets entry {b!r} must be a (block_size, num_blocks) pair")
+        check_vision_block_size(b[0])
+        _check_positive_int("buckets num_blocks", b[1])
+        out.append((b[0], b[1]))
+    if len(set(out)) != len(out):
+        raise ValueError(f"buckets has duplicate entries: {tuple(out)!r}")
+    return tuple(sorted(out))
+
+
+def _pad_vision_buckets(buckets: tuple[tuple[int, int], ...], dp_size: int) -> tuple[tuple[int, int], ...]:
+    # Padding can make two buckets equal (e.g. 3 and 4 blocks at dp 4): keep one.
+    return tuple(sorted({(bs, pad_num_blocks(n, dp_size)) for bs, n in buckets}))
 
 
 def pad_num_blocks(num_blocks: int, dp_size: int) -> int:

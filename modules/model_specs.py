@@ -94,6 +94,11 @@ class VisionModelSpec:
     deepstack_mergers: int
     num_position_embeddings: int
     block_size: int = 1024     # patches per packed block (a 512x512 image at patch 16 = 32x32 = 1024 patches)
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    deepstack_indexes: tuple[int, ...] = ()   # layers whose output feeds one extra (deepstack) merger each
+    layer_norm_eps: float = 1e-6
 
     def layer_params(self) -> int:
         h = self.hidden
@@ -119,7 +124,8 @@ LLAMA_33_70B = TextModelSpec("Llama-3.3-70B", layers=80, hidden=8192, intermedia
                              head_dim=128, vocab=128256)
 QWEN3_VL_VIT = VisionModelSpec("Qwen3-VL-ViT", layers=27, hidden=1152, heads=16, head_dim=72, intermediate=4304,
                                patch_dim=1536, spatial_merge=2, out_hidden=4096, deepstack_mergers=3,
-                               num_position_embeddings=2304)
+                               num_position_embeddings=2304, in_channels=3, patch_size=16, temporal_patch_size=2,
+                               deepstack_indexes=(8, 16, 24), layer_norm_eps=1e-6)
 
 TEXT_MODELS: dict[str, TextModelSpec] = {m.name: m for m in (GPT_OSS_20B, GPT_OSS_120B, LLAMA_31_8B, LLAMA_33_70B)}
 VISION_MODELS: dict[str, VisionModelSpec] = {QWEN3_VL_VIT.name: QWEN3_VL_VIT}

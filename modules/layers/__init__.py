@@ -3,11 +3,12 @@
 from modules.layers.attention import ParallelAttention, QKVParallelLinear
 from modules.layers.embedding import VocabDimShardedEmbedding
 from modules.layers.linear import ColumnParallelLinear, RowParallelLinear
-from modules.layers.norm import RMSNorm
+from modules.layers.norm import LayerNorm, RMSNorm
 from modules.layers.sampling import sharded_greedy_sample
 
 __all__ = [
     "ColumnParallelLinear",
+    "LayerNorm",
     "ParallelAttention",
     "QKVParallelLinear",
     "RMSNorm",

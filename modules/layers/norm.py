@@ -1,4 +1,4 @@
-"""Replicated RMSNorm (no collectives: it is per token)."""
+"""Replicated RMSNorm and LayerNorm (no collectives: they are per token)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,22 @@ class RMSNorm(nn.Module):
         xf = x.float()
         var = xf.pow(2).sum(-1, keepdim=True) / self.hidden_size
         return (self.weight[: x.shape[-1]] * (xf * torch.rsqrt(var + self.eps))).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Replicated LayerNorm with weight and bias (ViT encoders); statistics in fp32, output in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+        set_weight_loader(self.weight, replicated_weight_loader())
+        set_weight_loader(self.bias, replicated_weight_loader())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"LayerNorm: last dim {x.shape[-1]} != hidden_size={self.hidden_size}")
+        y = torch.nn.functional.layer_norm(x.float(), (self.hidden_size,), self.weight.float(), self.bias.float(),
+                                           self.eps)
+        return y.to(x.dtype)

@@ -100,7 +100,8 @@ def initialize_parallel_state(config: NeuronConfig, vision: VisionNeuronConfig |
         vtp, vdp = vision.resolve_tp_dp(world_size)
         # Same size → the text TP group is reused, no new group (the vision seed's rule).
         vision_tp = tp_group if vtp == tp else cache.get(rl.build_vision_tp_group_ranks(world_size, vtp), "vision_tp")
-        vision_dp = cache.get(rl.build_vision_dp_group_ranks(world_size, vtp, vdp), "vision_dp")
+        # Vision DP column groups exist only when dp > 1 (at dp 1 there is nothing to scatter or gather).
+        vision_dp = cache.get(rl.build_vision_dp_group_ranks(world_size, vtp, vdp), "vision_dp") if vdp > 1 else None
 
     local = cache.get(rl.build_dp_column_group_ranks(world_size, tp, 1), "local")
     return ParallelState(config=config, world=world, tp=tp_group, dp=dp_group, local=local, vision_tp=vision_tp,

@@ -37,8 +37,11 @@ def _check_state(rank, world_size, cfg_kwargs, vision_kwargs):
     if vision is not None:
         vtp, vdp = vision.tp_size, vision.dp_size
         assert st.vision_tp.ranks == rl.group_containing(rl.build_vision_tp_group_ranks(world_size, vtp), rank)
-        assert st.vision_dp.ranks == rl.group_containing(rl.build_vision_dp_group_ranks(world_size, vtp, vdp), rank)
         assert (st.vision_tp is st.tp) == (vtp == tp)
+        if vdp == 1:
+            assert st.vision_dp is None          # the seed creates vision DP groups only when dp > 1
+            return info
+        assert st.vision_dp.ranks == rl.group_containing(rl.build_vision_dp_group_ranks(world_size, vtp, vdp), rank)
         info["vision_dp"] = st.vision_dp.ranks
         # Vision block DP: pad num_blocks to a multiple of dp, scatter, compute, gather back on every rank.
         blocks = vision.pad_blocks(torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3))
