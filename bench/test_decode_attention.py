@@ -5,29 +5,33 @@ Llama-3.1-8B TP=8 shard (4 q / 1 kv head, d 128, H 4096), on trn2 and trn3, S_tk
 Extra rows (trn2): the paged KV layout (block table, block sizes 16 / 128) next to the contiguous one, and the
 GPT-OSS sliding-window layers (W = 128) whose cost must not grow with the context, and LNC=2 with a single
 sequence (context split between the two cores).
-bound = CostReport.roofline_s (the cost model's one roofline: max of the memory roof and every engine's roof);
-fraction = modelled latency / bound
-(target from the issue: <= 1.3 at batch >= 8 and context >= 4K on trn2). Figures go to benchmark.extra_info.
+bound = CostReport.roofline_s (the cost model's one roofline of what the kernel issued: max of the memory roof and
+every engine's roof); fraction = modelled latency / bound. FLOPs: the useful work (QKV, QK^T and PV over the keys each
+token really attends, O-projection; nki_kernels/attention/decode_work.py) is declared to the cost model, so MFU and
+arithmetic intensity come from it; the console shows useful / issued GFLOP. `modelled_useful_bound_s` is the bound
+of the useful work alone (weights once, real cache rows, useful FLOPs at the bf16 peak).
+Issue 11's targets (trn2 <= 1.15x the bound at B >= 8, ctx >= 4K; <= 1.4x at B = 1; trn3 <= 1.3x at B >= 8) are
+recorded per cell (`modelled_meets_target`), not asserted: they are not all met. Figures go to benchmark.extra_info.
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 
 import nkisim
+from modules.model_specs import GPT_OSS_20B, LLAMA_31_8B
 from nki_kernels.attention.decode_attention import decode_attention_nki
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "nki_kernels" / "attention"))
-from test_decode_attention import GPT_OSS_20B_TP8, LLAMA31_8B_TP8, make_inputs, to_paged  # noqa: E402
+from nki_kernels.attention.decode_inputs import make_inputs, rank_shard, to_paged
+from nki_kernels.attention.decode_work import useful_bound_s, useful_flops
 
 # The cost model needs the interpreter: with AWS's real `nki` the kernel is timed by test_decode_attention_device.py.
 pytestmark = pytest.mark.skipif(not nkisim.active(), reason="real nki present: decode attention is timed on the "
                                                             "device (test_decode_attention_device.py)")
 
+GPT_OSS_20B_TP8, LLAMA31_8B_TP8 = rank_shard(GPT_OSS_20B, 8), rank_shard(LLAMA_31_8B, 8)
 SHAPES = {"gpt-oss-20b-tp8": GPT_OSS_20B_TP8, "llama-3.1-8b-tp8": LLAMA31_8B_TP8}
+# A representative grid (the whole main job must stay short): B = 1 and the issue's target region B >= 8, ctx >= 4K.
 BATCHES = (1, 8, 16, 64)
-CONTEXTS = (1024, 4096, 16384)
+CONTEXTS = (4096, 16384)
 
 
 def modelled(shape, B, ctx, target, window=0, block_size=0, lnc=1):
@@ -35,8 +39,22 @@ def modelled(shape, B, ctx, target, window=0, block_size=0, lnc=1):
     if block_size:
         args, kw = to_paged(args, kw, block_size)
     kernel = decode_attention_nki if lnc == 1 else decode_attention_nki[lnc]
-    _, rep = nkisim.profile(kernel, *args, target=target, sliding_window=window, **kw)
+    X, pos, W_o = args[0], args[4], args[7]
+    nq = W_o.shape[0] // shape["d"]
+    dims = (X.shape[2], shape["d"], nq, shape["nkv"])
+    flops = useful_flops(pos, *dims, window=window, hidden_actual=shape.get("hidden_actual", 0))
+    _, rep = nkisim.profile(kernel, *args, target=target, sliding_window=window, useful_flops=flops, **kw)
+    # the bound of the useful work alone (real keys, weights once), beside the model's roofline of what was issued
+    rep.useful_bound_s = useful_bound_s(pos, *dims, target=target, window=window,
+                                        hidden_actual=shape.get("hidden_actual", 0), lnc=lnc)
     return rep, rep.roofline_s
+
+
+def _target(B, ctx, target):
+    """Issue 11's latency / bound target for a cell of the grid (None: no target there)."""
+    if target == "trn2":
+        return 1.4 if B == 1 else (1.15 if B >= 8 and ctx >= 4096 else None)
+    return 1.3 if B >= 8 else None
 
 
 @pytest.mark.parametrize("target", ["trn2", "trn3"])
@@ -48,10 +66,14 @@ def test_decode_attention_modelled(benchmark, model, B, ctx, target):
     info = rep.extra_info()
     info.update({"model": model, "batch": B, "context": ctx, "s_tkg": 1, "lnc": 1,
                  "modelled_bound_s": bound, "modelled_latency_over_bound": rep.latency_s / bound,
-                 "modelled_meets_1p3x_target": rep.latency_s <= 1.3 * bound,
-                 "modelled_critical_path_s": rep.critical_path_s})
+                 "modelled_target_ratio": _target(B, ctx, target),
+                 "modelled_meets_target": (_target(B, ctx, target) is not None
+                                           and rep.latency_s <= _target(B, ctx, target) * bound),
+                 "modelled_critical_path_s": rep.critical_path_s, "modelled_useful_bound_s": rep.useful_bound_s,
+                 "modelled_latency_over_useful_bound": rep.latency_s / rep.useful_bound_s})
     benchmark.extra_info.update(info)
     assert rep.latency_s >= bound * 0.999  # a modelled latency can never beat its own roofline
+    assert rep.flops <= rep.flops_issued   # the declared useful work is part of what TensorE executed
 
 
 def _record(benchmark, rep, bound, **labels):
@@ -59,13 +81,14 @@ def _record(benchmark, rep, bound, **labels):
     info.update({f"modelled_{k}" if k not in ("model", "batch", "context") else k: v for k, v in labels.items()})
     info.update({"s_tkg": 1, "lnc": 1, "modelled_bound_s": bound,
                  "modelled_latency_over_bound": rep.latency_s / bound,
-                 "modelled_critical_path_s": rep.critical_path_s})
+                 "modelled_critical_path_s": rep.critical_path_s, "modelled_useful_bound_s": rep.useful_bound_s})
     benchmark.extra_info.update(info)
     assert rep.latency_s >= bound * 0.999
+    assert rep.flops <= rep.flops_issued
 
 
 @pytest.mark.parametrize("block_size", [16, 128])
-@pytest.mark.parametrize("ctx", (4096, 16384))
+@pytest.mark.parametrize("ctx", (4096,))
 @pytest.mark.parametrize("B", (1, 16))
 @pytest.mark.parametrize("model", sorted(SHAPES))
 def test_decode_attention_paged_modelled(benchmark, model, B, ctx, block_size):
@@ -76,7 +99,7 @@ def test_decode_attention_paged_modelled(benchmark, model, B, ctx, block_size):
 
 
 @pytest.mark.parametrize("ctx", CONTEXTS)
-@pytest.mark.parametrize("B", BATCHES)
+@pytest.mark.parametrize("B", (1, 16))
 def test_decode_attention_swa_modelled(benchmark, B, ctx):
     """GPT-OSS sliding-window layers (W = 128) on trn2: the windowed scan's latency is flat in the context."""
     rep, bound = benchmark.pedantic(modelled, args=(GPT_OSS_20B_TP8, B, ctx, "trn2"), kwargs=dict(window=128),

@@ -7,8 +7,6 @@ goes to `extra_info["device_latency_s"]` beside the analytic FLOPs and HBM bytes
 roofline as a measured point.
 """
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,14 +16,14 @@ import nkisim
 
 nkisim.install()
 
+from modules.model_specs import GPT_OSS_20B, LLAMA_31_8B  # noqa: E402
 from nki_kernels.attention.decode_attention import decode_attention_nki  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "nki_kernels" / "attention"))
-from test_decode_attention import GPT_OSS_20B_TP8, LLAMA31_8B_TP8, make_inputs  # noqa: E402
+from nki_kernels.attention.decode_inputs import make_inputs, rank_shard  # noqa: E402
 
 pytestmark = pytest.mark.skipif(nkisim.active(), reason="no Trainium here: `nki` is served by nkisim, so device "
                                 "timing is impossible (modelled figures: test_decode_attention.py)")
 
+GPT_OSS_20B_TP8, LLAMA31_8B_TP8 = rank_shard(GPT_OSS_20B, 8), rank_shard(LLAMA_31_8B, 8)
 SHAPES = {"gpt-oss-20b-tp8": GPT_OSS_20B_TP8, "llama-3.1-8b-tp8": LLAMA31_8B_TP8}
 WARMUP_ROUNDS = 5
 ROUNDS = 20

@@ -107,8 +107,15 @@ def kernel_records(data: dict) -> list[dict]:
                     "source": "device" if device else "modelled", "latency_s": k["latency_s"], "bound_s": bound_s,
                     "bound": k["bound"] or "", "roofline_fraction": (bound_s / k["latency_s"]
                                                                      if bound_s and k["latency_s"] else None),
-                    "hbm_bytes": k["hbm_bytes"], "flops": k["flops"]})
+                    "hbm_bytes": k["hbm_bytes"], "flops": k["flops"],
+                    "flops_issued": None if device else x.get("modelled_flops_issued")})
     return out
+
+
+def _flops_pair(k: dict) -> list[str]:
+    if not k["flops_issued"]:
+        return ["—"]
+    return [f"{k['flops'] / 1e9:.2f} / {k['flops_issued'] / 1e9:.2f}"]
 
 
 def _model_picks(rows: list[dict]) -> list[dict]:
@@ -131,13 +138,17 @@ def console_tables(data: dict) -> list[dict]:
     for group, ks in sorted(by_group.items()):
         device = all(k["source"] == "device" for k in ks)
         lat = "device latency (median)" if device else "modelled latency"
+        # Kernels that declare their useful FLOPs (padding, masks, selection matmuls excluded) show both figures.
+        declared = any(k["flops_issued"] and k["flops"] != k["flops_issued"] for k in ks)
         tables.append({
             "title": f"{group} — {'measured on device' if device else 'MODELLED by nkisim (not measured)'}",
-            "header": ["case", "target", lat, "roofline bound", "bound", "of roofline", "HBM bytes"],
+            "header": ["case", "target", lat, "roofline bound", "bound", "of roofline", "HBM bytes"]
+            + (["GFLOP useful / issued"] if declared else []),
             "rows": [[k["case"], k["target"], _t(k["latency_s"]), _t(k["bound_s"]), k["bound"] or "—",
-                      _pct(k["roofline_fraction"]), _b(k["hbm_bytes"])]
+                      _pct(k["roofline_fraction"]), _b(k["hbm_bytes"])] + (_flops_pair(k) if declared else [])
                      for k in sorted(ks, key=lambda k: (_natural(k["case"]), k["target"]))],
-            "note": "" if device else "of roofline = modelled roofline time / modelled latency",
+            "note": "" if device else "of roofline = modelled roofline time / modelled latency"
+            + ("; MFU and intensity use the useful FLOPs" if declared else ""),
         })
     groups: dict[str, list[dict]] = defaultdict(list)
     for b in data.get("benchmarks", []):

@@ -47,6 +47,17 @@ def test_kernel_table_shows_modelled_figures_not_cpu_time(data):
     assert "500 ms" not in text      # the fixture's pytest-benchmark CPU median (0.5 s) is never shown
 
 
+def test_declared_useful_flops_shown_beside_issued(data):
+    d = copy.deepcopy(data)
+    group = "test_decode_attention_modelled"
+    rows = [b for b in d["benchmarks"] if (b.get("group") or b["name"].split("[")[0]) == group]
+    assert "GFLOP useful / issued" not in _tables(d)[f"{group} — MODELLED by nkisim (not measured)"]["header"]
+    rows[0]["extra_info"].update(modelled_flops=1.0e9, modelled_flops_issued=4.0e9)
+    t = _tables(d)[f"{group} — MODELLED by nkisim (not measured)"]
+    assert t["header"][-1] == "GFLOP useful / issued" and "useful FLOPs" in t["note"]
+    assert "1.00 / 4.00" in [r[-1] for r in t["rows"]]
+
+
 def test_model_and_published_tables(data):
     tables = _tables(data)
     model = tables["whole-model sweep — MODELLED (analytical model, per rank)"]

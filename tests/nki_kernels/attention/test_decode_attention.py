@@ -10,63 +10,21 @@ import pytest
 import torch
 
 import nki_kernels  # noqa: F401 - registers the nki layer
+
+# by tests/modules too)
+from modules.model_specs import GPT_OSS_20B, LLAMA_31_8B, LLAMA_33_70B
 from nki_kernels.attention import check_positions, decode_attention, decode_attention_torch
 from nki_kernels.attention.decode_attention import decode_attention_nki
+from nki_kernels.attention.decode_inputs import make_inputs, rank_shard, to_paged  # noqa: F401 (make_inputs: used
 
 RTOL, ATOL, MIN_COS = 1.5e-2, 1e-5, 0.99
 
 # Rank-shard shapes (docs/model-configs.md): H padded, head dim, kv heads, q heads per rank, extras.
-GPT_OSS_20B_TP8 = dict(H=3072, d=64, nkv=1, nq=8, hidden_actual=2880, gamma=True, bias=True, sinks=True)
-LLAMA31_8B_TP8 = dict(H=4096, d=128, nkv=1, nq=4, gamma=True, bias=False, sinks=False)
-LLAMA33_70B_TP16 = dict(H=8192, d=128, nkv=1, nq=4, gamma=True, bias=False, sinks=False)  # KV replicated x2
+GPT_OSS_20B_TP8 = rank_shard(GPT_OSS_20B, 8)
+LLAMA31_8B_TP8 = rank_shard(LLAMA_31_8B, 8)
+LLAMA33_70B_TP16 = rank_shard(LLAMA_33_70B, 16)     # KV replicated x2
 MULTI_KV = dict(H=1024, d=128, nkv=2, nq=8, gamma=True, bias=True, sinks=True)           # 2 KV heads, GQA 4
 SMALL_D = dict(H=256, d=32, nkv=3, nq=6, gamma=False, bias=False, sinks=False)           # any even d, no norm
-
-
-def make_inputs(B, S, H, d, nkv, nq, s_max, ctx, gamma=True, bias=True, sinks=True, hidden_actual=0, seed=0,
-                rope=True):
-    g = torch.Generator().manual_seed(seed)
-    bf = torch.bfloat16
-
-    def r(*shape, sc=1.0):
-        return (torch.randn(*shape, generator=g) * sc).to(bf)
-
-    C = (nq + 2 * nkv) * d
-    X = r(B, S, H)
-    if hidden_actual:
-        X[..., hidden_actual:] = 0
-    start = torch.randint(0, ctx - S + 1, (B,), generator=g)
-    start[0] = ctx - S                           # one sequence always reaches the end of the context
-    pos = (start[:, None] + torch.arange(S)[None]).to(torch.int32)
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    ang = pos.float()[..., None] * inv
-    args = (X, r(H, C, sc=H ** -0.5), r(B, nkv, s_max, d), r(B, nkv, s_max, d), pos,
-            ang.cos().to(bf) if rope else None, ang.sin().to(bf) if rope else None, r(nq * d, H, sc=(nq * d) ** -0.5))
-    kw = dict(gamma=(1 + 0.1 * torch.randn(1, H, generator=g)).to(bf) if gamma else None,
-              bias_qkv=r(1, C, sc=0.1) if bias else None,
-              sinks=torch.randn(nq, generator=g).float() if sinks else None,
-              bias_o=r(1, H, sc=0.1) if bias else None,
-              context_len=ctx, hidden_actual=hidden_actual)
-    return args, kw
-
-
-def to_paged(args, kw, block_size, extra_blocks=3, seed=0):
-    """Contiguous caches [B, nkv, S_max, d] -> paged caches [num_blocks, nkv, block_size, d] (blocks in a random
-    order, extra blocks of noise) + block_table [B, S_max / block_size] int32 (vLLM layout)."""
-    K, V = args[2], args[3]
-    B, nkv, s_max, d = K.shape
-    mb = s_max // block_size
-    g = torch.Generator().manual_seed(seed + 7)
-    n_blocks = B * mb + extra_blocks
-    table = torch.randperm(n_blocks, generator=g)[:B * mb].reshape(B, mb).to(torch.int32)
-    paged = []
-    for c in (K, V):
-        p = torch.randn(n_blocks, nkv, block_size, d, generator=g).to(c.dtype)
-        p[table.reshape(-1).long()] = c.reshape(B, nkv, mb, block_size, d).permute(0, 2, 1, 3, 4).reshape(
-            B * mb, nkv, block_size, d)
-        paged.append(p)
-    kw = dict(kw, block_table=table)
-    return (args[0], args[1], paged[0], paged[1]) + tuple(args[4:]), kw
 
 
 def _written_rows(args, kw, B):
