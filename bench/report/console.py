@@ -171,6 +171,9 @@ def console_tables(data: dict) -> list[dict]:
             "note": f"per group: the fitting configuration with the most tokens/s/chip, then the lowest step latency "
                     f"(all {sum(len(v) for v in groups.values())} in the HTML report)",
         })
+    waste = vision_bucket_table(split(data)["vision_buckets"])
+    if waste:
+        tables.append(waste)
     pub = published_comparison(split(data)["published"])
     if pub:
         tables.append({
@@ -181,6 +184,24 @@ def console_tables(data: dict) -> list[dict]:
             "note": "",
         })
     return tables
+
+
+def vision_bucket_table(rows: list[dict]) -> dict | None:
+    """bench/test_vision_buckets.py rows: block-level vision DP vs replicas per bucket (modelled)."""
+    if not rows:
+        return None
+    order = sorted(rows, key=lambda r: (r["instance"], r["world"], r["replicas"], r["tp"]))
+    return {
+        "title": "vision bucket waste (small 256 + large 4096-patch image) — MODELLED (analytical model)",
+        "header": ["instance", "world", "mode", "layout", "buckets", "real patches", "small image", "large image",
+                   "rank-seconds"],
+        "rows": [[r["instance"], str(r["world"]), r["mode"], r["layout"], r["buckets"],
+                  f"{r['patches_real']:,}/{r['patches_processed']:,} ({_pct(r['real_fraction'])})",
+                  _t(r["modelled_small_image_latency_s"]), _t(r["modelled_large_image_latency_s"]),
+                  _t(r["modelled_rank_seconds"])] for r in order],
+        "note": "modelled latency of each image's encoder call; rank-seconds = ranks x busy time for the workload; "
+                "attention charged per whole block (bench/model/vision_buckets.py)",
+    }
 
 
 def _numeric(c: str) -> bool:

@@ -61,12 +61,14 @@ def kernel_row(b: dict) -> dict | None:
 
 
 def split(data: dict) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {"model": [], "published": [], "kernel": [], "other": []}
+    out: dict[str, list[dict]] = {"model": [], "published": [], "kernel": [], "vision_buckets": [], "other": []}
     for b in data.get("benchmarks", []):
         x = b.get("extra_info") or {}
         kind = x.get("kind")
         if kind == "model":
             out["model"].append(x)
+        elif kind == "vision-buckets":
+            out["vision_buckets"].append(x)
         elif kind == "published":
             out["published"].append(x)
         else:

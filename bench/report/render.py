@@ -13,6 +13,7 @@ import jinja2
 from bench.model.collectives import collective_time
 from bench.model.hardware import instances
 from bench.report import analysis, charts
+from bench.report.console import vision_bucket_table
 from bench.report.data import extras, split
 
 SECTIONS = (
@@ -27,6 +28,7 @@ SECTIONS = (
     ("collectives", "Collectives per layer"),
     ("pareto", "Pareto frontier"),
     ("kernels", "Kernel results"),
+    ("vision-buckets", "Vision bucket waste"),
     ("skipped", "Skipped configurations"),
     ("other", "Other benchmarks"),
     ("constants", "Hardware constants"),
@@ -216,6 +218,7 @@ def build_context(data: dict, mem_limit_gib: float | None = None, title: str = "
             examples[s.get("reason", "")].append(s.get("id", ""))
     ctx["skipped"] = [{"reason": r, "count": c, "examples": examples[r]} for r, c in reasons.most_common()]
     ctx["other"] = parts["other"]
+    ctx["vision_buckets"] = vision_bucket_table(parts["vision_buckets"])
     ctx["hardware"] = ext.get("hardware") or _hardware_rows()
     return ctx
 
