@@ -68,6 +68,9 @@ class Bucket:
     ctx: int = 0                # decode: context length bucket
     prefill_len: int = 0        # prefill: tokens per sequence
     vision_blocks: int = 0      # vision: packed blocks per encoder call
+    # vision: (query, key) pairs the attention computes per head on the busiest rank; 0 = every block in full
+    # (block_size² per block, a dense mask). A bounds-skipping kernel computes only the tiles its images cover.
+    vision_attn_pairs: int = 0
 
     def label(self) -> str:
         if self.phase == "decode":
@@ -528,7 +531,8 @@ def evaluate_vision(model: VisionModelSpec, inst: Instance, cfg: ParallelConfig,
     bld.add("embedding", 2 * T * model.patch_dim * h, BF16 * (embed_params + T * (model.patch_dim + 2 * h)),
             shape=dict(tokens=T, hidden=h))
     heads = model.heads // tp
-    flops = 2 * T * layer_params + 4 * heads * model.head_dim * T * model.block_size  # block-diagonal attention
+    pairs = bucket.vision_attn_pairs or T * model.block_size                  # block-diagonal attention
+    flops = 2 * T * layer_params + 4 * heads * model.head_dim * pairs
     nbytes = BF16 * layer_params + BF16 * T * (6 * h + 2 * model.intermediate / tp)
     bld.add("attention", flops * L, nbytes * L, count=L,
             shape=dict(tokens=T, heads=heads, head_dim=model.head_dim, block=model.block_size, phase="vision"))

@@ -6,20 +6,22 @@ compiled buckets of 1024, 2048 and 4096-patch blocks. ``select_vision_bucket`` (
 bucket exactly as the encoder would; each call's latency is the analytical model's modelled step
 (``evaluate_vision``: per-rank FLOPs/bytes roofs, TP all-reduces, the DP all-gather, padding blocks included).
 
-The analytical model charges attention over whole blocks (block_size² per block, the dense-mask cost); the block
-kernel skips tiles outside every image, so the small image's block costs less attention there than modelled — but
-every linear layer (QKV, O, MLP, mergers: most of the work) runs on every row of every block, padded or not, which is
-the waste this table shows. All figures are modelled, none measured.
+Attention is charged for the 128 x 128 (query, key) tiles the images cover (``attended_pairs``: the block kernel
+skips tiles outside every image), on the busiest DP rank; every linear layer (QKV, O, MLP, mergers) runs on every row
+of every block, padded or not — that per-row work is the waste this table shows. All figures are modelled, none
+measured.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from bench.model.analytical import Bucket, ParallelConfig, evaluate_vision
 from bench.model.hardware import get_instance
 from modules.model_specs import QWEN3_VL_VIT, VisionModelSpec
-from modules.vision.packing import ImageGrid, select_vision_bucket
+from modules.vision.packing import ImageGrid, place_frames, select_vision_bucket
+from nki_kernels.vision.limits import P as TILE  # the kernel's query / key tile (SBUF partitions)
 
 SMALL = ImageGrid(1, 16, 16)     # a 256 x 256 image at patch 16
 LARGE = ImageGrid(1, 64, 64)     # a 1024 x 1024 image
@@ -51,10 +53,29 @@ LAYOUTS = (Layout("block-level DP", 1, 2), Layout("block-level DP", 2, 1), Layou
            Layout("model-level DP", 2, 1, 2))
 
 
+def attended_pairs(images, block_size: int, num_blocks: int, dp: int) -> int:
+    """(query, key) pairs per head the attention computes on the busiest of ``dp`` ranks: per query tile, the key
+    tiles from its rows' lowest to highest bound, for the blocks select_vision_bucket/pack_images would lay out."""
+    frames = [g.frame_tokens for g in images for _ in range(g.t)]
+    spans = defaultdict(list)                       # block → [(start, end)] of its frames
+    for (b, off), n in zip(place_frames(frames, block_size), frames):
+        spans[b].append((off, off + n))
+    per_block = [0] * num_blocks
+    for b, sp in spans.items():
+        for q0 in range(0, block_size, TILE):
+            hit = [(lo, hi) for lo, hi in sp if lo < q0 + TILE and hi > q0]
+            if hit:
+                k_tiles = -(-max(hi for _, hi in hit) // TILE) - min(lo for lo, _ in hit) // TILE
+                per_block[b] += k_tiles * TILE * TILE
+    per = num_blocks // dp
+    return max(sum(per_block[r * per:(r + 1) * per]) for r in range(dp))
+
+
 def _call(spec: VisionModelSpec, instance: str, tp: int, dp: int, images) -> tuple[tuple[int, int], float]:
     block_size, num_blocks = select_vision_bucket(images, BUCKETS, dp)
+    pairs = attended_pairs(images, block_size, num_blocks, dp)
     step = evaluate_vision(replace(spec, block_size=block_size), get_instance(instance), ParallelConfig(tp, dp),
-                           Bucket("vision", vision_blocks=num_blocks))
+                           Bucket("vision", vision_blocks=num_blocks, vision_attn_pairs=pairs))
     return (block_size, num_blocks), step.t_step
 
 

@@ -200,7 +200,7 @@ def vision_bucket_table(rows: list[dict]) -> dict | None:
                   _t(r["modelled_small_image_latency_s"]), _t(r["modelled_large_image_latency_s"]),
                   _t(r["modelled_rank_seconds"])] for r in order],
         "note": "modelled latency of each image's encoder call; rank-seconds = ranks x busy time for the workload; "
-                "attention charged per whole block (bench/model/vision_buckets.py)",
+                "attention charged for the 128x128 tiles the images cover (bench/model/vision_buckets.py)",
     }
 
 

@@ -2,10 +2,11 @@
 
 import pytest
 
-from bench.model.vision_buckets import LARGE, SMALL, Layout, bucket_waste_row
+from bench.model.vision_buckets import LARGE, SMALL, Layout, attended_pairs, bucket_waste_row
 from bench.report import render_html
 from bench.report.console import console_tables
 from bench.report.data import split
+from modules.vision import ImageGrid
 
 REAL = SMALL.tokens + LARGE.tokens
 
@@ -42,3 +43,17 @@ def test_rows_reach_the_console_and_the_html_report():
     assert table["rows"][1][5] == f"{REAL:,}/5,120 (85%)"
     html = render_html(data)
     assert '<section id="vision-buckets">' in html and "2 replicas x (tp1 dp1)" in html
+
+
+def test_attended_pairs_follow_the_images_not_the_blocks():
+    # One 4096-patch image fills a 4096 block: every tile. The 256-patch image alone in a 4096 block: 2 x 2 tiles.
+    assert attended_pairs([LARGE], 4096, 1, 1) == 4096 * 4096
+    assert attended_pairs([SMALL], 4096, 1, 1) == 256 * 256
+    # Both at dp 2: the busiest rank is the large image's; at dp 1 one rank does both blocks.
+    assert attended_pairs([SMALL, LARGE], 4096, 2, 2) == 4096 * 4096
+    assert attended_pairs([SMALL, LARGE], 4096, 2, 1) == 4096 * 4096 + 256 * 256
+    # Frames not aligned to tiles: 64-patch frames at offsets 0, 64: query tile 0 spans keys [0, 128) → 1 tile.
+    two = [ImageGrid(1, 8, 8), ImageGrid(1, 8, 8)]
+    assert attended_pairs(two, 1024, 1, 1) == 128 * 128
+    # 96 + 96 patches: tile 0 holds rows of both frames (keys 0..192 → 2 tiles), tile 1 rows of the second.
+    assert attended_pairs([ImageGrid(1, 8, 12)] * 2, 1024, 1, 1) == 2 * 128 * 128 + 2 * 128 * 128
