@@ -99,4 +99,6 @@ def hardware_rows() -> list[dict]:
                      "source": f"[{r['status']}] {r['source']}"})
     rows.append({"item": "kernel floor s", "trn2": KERNEL_MIN_LATENCY_S, "trn3": KERNEL_MIN_LATENCY_S,
                  "source": KERNEL_MIN_LATENCY_SOURCE})
-    return rows
+    from bench.model.calibration import terms_rows  # the whole-model calibration terms, in the same one table
+
+    return rows + terms_rows()

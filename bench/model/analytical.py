@@ -189,8 +189,11 @@ class StepResult:
             "collective_bytes_per_layer": sum(c.bytes for c in layer_coll),
             "n_collectives_per_step": sum(self.collective_multiplier(c) for c in self.collectives if c.n > 1),
             "kernel_sources": sorted({c.name for c in self.components if c.source != "roofline"}),
-            "components": [c.as_dict() for c in self.components],
-            "collectives": [c.as_dict() for c in self.collectives if c.n > 1],
+            # per-component kernel time and the exposed collective time split; the full lists (every collective
+            # with its algorithm) stay on the StepResult: one row per configuration keeps the JSON small
+            "kernel_us": {c.name: c.t_kernel * 1e6 for c in self.components},
+            "coll_layer_us": sum(c.time_s * self.layers for c in self.collectives if c.per_layer) * 1e6,
+            "coll_other_us": sum(c.time_s for c in self.collectives if not c.per_layer) * 1e6,
         }
 
 

@@ -19,20 +19,32 @@ def cfg_label(r: dict) -> str:
     return s
 
 
+def step_us(r: dict) -> float:
+    """The step latency a ranking uses: calibrated where the row has it (decode), else the uncalibrated step."""
+    v = r.get("t_step_cal_us")
+    return r["t_step_us"] if v is None else v
+
+
+def tokens_per_s_per_chip(r: dict) -> float:
+    v = r.get("tokens_per_s_per_chip_cal")
+    return r["tokens_per_s_per_chip"] if v is None else v
+
+
 def pareto_frontier(rows: list[dict]) -> list[dict]:
-    """Rows not dominated in (lower t_step, higher tokens/s per chip)."""
+    """Rows not dominated in (lower step latency, higher tokens/s per chip); calibrated figures where present."""
     best: list[dict] = []
     top = -1.0
-    for r in sorted(rows, key=lambda r: (r["t_step_us"], -r["tokens_per_s_per_chip"])):
-        if r["tokens_per_s_per_chip"] > top:
+    for r in sorted(rows, key=lambda r: (step_us(r), -tokens_per_s_per_chip(r))):
+        if tokens_per_s_per_chip(r) > top:
             best.append(r)
-            top = r["tokens_per_s_per_chip"]
+            top = tokens_per_s_per_chip(r)
     return best
 
 
 def best_under_memory(rows: list[dict], mem_limit_gib: float | None = None) -> dict[tuple[str, str], dict]:
     """Per (model, instance): the fitting decode configuration with the highest tokens/s per chip, and the one with
-    the lowest step latency. The limit defaults to each rank's HBM capacity."""
+    the lowest step latency, both by the calibrated figures (bench.model.calibration) where the rows carry them. The
+    limit defaults to each rank's HBM capacity."""
     out: dict[tuple[str, str], dict] = {}
     by = defaultdict(list)
     for r in rows:
@@ -42,8 +54,8 @@ def best_under_memory(rows: list[dict], mem_limit_gib: float | None = None) -> d
         if r["mem_total_gib"] <= limit:
             by[(r["model"], r["instance"])].append(r)
     for key, sel in sorted(by.items()):
-        out[key] = {"throughput": max(sel, key=lambda r: r["tokens_per_s_per_chip"]),
-                    "latency": min(sel, key=lambda r: r["t_step_us"]), "n": len(sel)}
+        out[key] = {"throughput": max(sel, key=tokens_per_s_per_chip), "latency": min(sel, key=step_us),
+                    "n": len(sel)}
     return out
 
 
@@ -62,8 +74,36 @@ def published_comparison(rows: list[dict]) -> list[dict]:
             "mem_gib": r["mem_total_gib"], "collective_ms": r["t_collective_us"] / 1e3,
             "memory_ms": r["t_memory_us"] / 1e3, "kernel_sources": r.get("kernel_sources", []),
             "efficiency": modelled / p["tpot_ms"] if p["tpot_ms"] else 0.0,
+            **_calibrated(r, p),
         })
     return out
+
+
+def _calibrated(r: dict, p: dict) -> dict:
+    """Calibrated figure of a published row and how it was validated (bench.model.calibration)."""
+    from bench.model import calibration
+
+    if r.get("t_step_cal_us") is None:
+        return {"calibrated_ms": None, "residual": None, "residual_oos": None, "out_of_sample_ms": None,
+                "in_sample": None, "validation": ""}
+    cal = r["t_step_cal_us"] / 1e3
+    val = {v["key"]: v for v in calibration.validation()}.get(p.get("key", ""))
+    return {"calibrated_ms": cal, "residual": cal / p["tpot_ms"] - 1.0 if p["tpot_ms"] else None,
+            "residual_oos": val["residual_oos"] if val else None,
+            "out_of_sample_ms": val["out_of_sample_s"] * 1e3 if val else None,
+            "in_sample": val["in_sample"] if val else None, "validation": val["validation"] if val else "",
+            "cal_terms_ms": {k: r.get(f"cal_{k}_us", 0.0) / 1e3 for k in
+                             ("kernels", "collectives", "layer_fixed", "host")}, "stack": r.get("cal_stack", "")}
+
+
+def step_collectives(r: dict) -> list[dict]:
+    """Every collective of one decode sweep row, re-evaluated by the model (the JSON keeps only their totals)."""
+    from bench.model.analytical import Bucket, evaluate
+
+    cfg = ParallelConfig(r["tp"], r["dp"], r["attn_dp"], r["emb_dp"], r["mlp_dp"], r["lm_dp"])
+    res = evaluate(TEXT_MODELS[r["model"]], get_instance(r["instance"], r["lnc"]), cfg,
+                   Bucket("decode", batch=r["batch"], ctx=r["ctx"]))
+    return [c.as_dict() for c in res.collectives if c.n > 1]
 
 
 def memory_grid(rows: list[dict], model: str, instance: str, batch: int, ctx: int) -> dict[tuple[int, int], dict]:

@@ -122,16 +122,13 @@ def latency_breakdown(rows: list[dict], title: str, salt: str, max_rows: int = 1
         _note(ax, "no valid configuration")
         return to_svg(fig, salt)
     labels, parts = [], defaultdict(list)
-    names = [c["name"] for c in rows[0]["components"]]
+    names = list(rows[0]["kernel_us"])
     for r in rows:
         labels.append(f"tp{r['tp']} dp{r['dp']} {r['mix']}" + ("" if r["fits"] else "  ✗mem"))
-        comp = {c["name"]: c["t_kernel"] * 1e3 for c in r["components"]}
         for n in names:
-            parts[n].append(comp.get(n, 0.0))
-        layer = sum(c["time_s"] * (r["layers"] if c["per_layer"] else 1) for c in r["collectives"] if c["per_layer"])
-        other = sum(c["time_s"] for c in r["collectives"] if not c["per_layer"])
-        parts["collectives (layers)"].append(layer * 1e3)
-        parts["collectives (other)"].append(other * 1e3)
+            parts[n].append(r["kernel_us"].get(n, 0.0) * 1e-3)
+        parts["collectives (layers)"].append(r["coll_layer_us"] * 1e-3)
+        parts["collectives (other)"].append(r["coll_other_us"] * 1e-3)
     left = [0.0] * len(rows)
     ys = list(range(len(rows)))
     for n, vals in parts.items():
@@ -234,25 +231,29 @@ def collective_bands(curves: dict[str, list[tuple[float, float, str]]], mesh_max
 
 
 def pareto(rows: list[dict], frontier: list[dict], title: str, salt: str) -> str:
-    """Latency (TPOT) vs tokens/s per chip for every fitting decode configuration, frontier highlighted."""
+    """Latency (TPOT) vs tokens/s per chip for every fitting decode configuration, frontier highlighted; calibrated
+    figures where the rows carry them (bench.model.calibration)."""
+    from bench.report.analysis import step_us
+    from bench.report.analysis import tokens_per_s_per_chip as tps
+
     fig, ax = plt.subplots(figsize=(4.6, 3.3))
     if not rows:
         _note(ax, "no fitting decode configuration")
         return to_svg(fig, salt)
     for tgt in sorted({r["target"] for r in rows}):
         sel = [r for r in rows if r["target"] == tgt]
-        ax.scatter([r["t_step_us"] / 1e3 for r in sel], [r["tokens_per_s_per_chip"] for r in sel], s=9, alpha=0.45,
+        ax.scatter([step_us(r) / 1e3 for r in sel], [tps(r) for r in sel], s=9, alpha=0.45,
                    color=TARGET_COLORS.get(tgt, "#555"), linewidth=0, label=f"{tgt} configs")
     for tgt in sorted({r["target"] for r in frontier}):
-        f = sorted([r for r in frontier if r["target"] == tgt], key=lambda r: r["t_step_us"])
-        ax.plot([r["t_step_us"] / 1e3 for r in f], [r["tokens_per_s_per_chip"] for r in f], "-o", ms=3.5, lw=1.3,
+        f = sorted([r for r in frontier if r["target"] == tgt], key=step_us)
+        ax.plot([step_us(r) / 1e3 for r in f], [tps(r) for r in f], "-o", ms=3.5, lw=1.3,
                 color=TARGET_COLORS.get(tgt, "#555"), markeredgecolor="black", markeredgewidth=0.4,
                 label=f"{tgt} Pareto frontier")
     ax.set_xscale("log")
     ax.set_yscale("log")
     _plain_log_axes(ax)
-    ax.set_xlabel("modelled step latency / TPOT (ms)")
-    ax.set_ylabel("tokens/s per chip (modelled)")
+    ax.set_xlabel("modelled step latency / TPOT (ms, calibrated)")
+    ax.set_ylabel("tokens/s per chip (modelled, calibrated)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=6.5, loc="lower right")
     return to_svg(fig, salt)
@@ -261,18 +262,22 @@ def pareto(rows: list[dict], frontier: list[dict], title: str, salt: str) -> str
 def published_bars(rows: list[dict]) -> str:
     fig, ax = plt.subplots(figsize=(7.6, 0.42 * max(len(rows), 2) + 1.0))
     ys = list(range(len(rows)))
-    pub = [r["published_ms"] for r in rows]
-    mod = [r["modelled_ms"] for r in rows]
-    roof = [r["roof_ms"] for r in rows]
-    ax.barh([y - 0.27 for y in ys], pub, 0.26, color="#636363", label="published (measured)")
-    ax.barh(ys, mod, 0.26, color="#3182bd", label="modelled step (serial)")
-    ax.barh([y + 0.27 for y in ys], roof, 0.26, color="#9ecae1", label="modelled three-roof bound")
+    cal = [r.get("calibrated_ms") or 0.0 for r in rows]
+    ax.barh([y - 0.27 for y in ys], [r["published_ms"] for r in rows], 0.26, color="#636363",
+            label="published (measured)")
+    ax.barh(ys, cal, 0.26, color="#31a354", label="modelled, calibrated")
+    ax.barh([y + 0.27 for y in ys], [r["modelled_ms"] for r in rows], 0.26, color="#3182bd",
+            label="modelled, uncalibrated step")
     for y, r in zip(ys, rows, strict=True):
-        ax.text(max(r["published_ms"], r["modelled_ms"]), y, f"  ×{r['ratio']:.1f}", va="center", fontsize=7)
+        note = f"  {r['residual_oos']:+.0%} out of sample" if r.get("residual_oos") is not None else \
+            f"  ×{r['ratio']:.1f}"
+        ax.text(max(r["published_ms"], r.get("calibrated_ms") or 0.0, r["modelled_ms"]), y, note, va="center",
+                fontsize=7)
     ax.set_yticks(ys, [r["label"] for r in rows], fontsize=7.5)
     ax.invert_yaxis()
     ax.set_xlabel("decode latency per step (ms)")
-    ax.set_title("Published decode latency vs the model (×: published / modelled step)")
+    ax.set_xlim(0, max(max(r["published_ms"], r.get("calibrated_ms") or 0.0) for r in rows) * 1.35)
+    ax.set_title("Published decode latency vs the model, calibrated and not (residual: calibrated out of sample)")
     ax.grid(axis="y", visible=False)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.6 / max(len(rows), 2) - 0.1), ncol=3)
     return to_svg(fig, "pub")

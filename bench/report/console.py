@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from bench.report.analysis import cfg_label, published_comparison
-from bench.report.data import extras, kernel_row, split
+from bench.report.analysis import cfg_label, published_comparison, step_us, tokens_per_s_per_chip
+from bench.report.data import TABLE_KIND, kernel_row, model_rows, skipped, split
 
 MODEL_ROWS_PER_GROUP = 2        # per model group: the best tokens/s/chip and the lowest step latency that fit
 SUMMARY_SCHEMA = 1
@@ -26,7 +26,8 @@ def is_host_timed(b: dict) -> bool:
     x = b.get("extra_info") or {}
     if x.get("measured") == "device" or x.get("kind") == "kernel-device":
         return False
-    return "modelled_latency_s" in x or x.get("kind") in ("model", "published") or bool(x.get("modelled"))
+    return "modelled_latency_s" in x or x.get("kind") in ("model", "published", TABLE_KIND) or \
+        bool(x.get("modelled"))
 
 
 def withhold_host_timed(groups: list[tuple[str, list[dict]]]) -> tuple[list[tuple[str, list[dict]]], int]:
@@ -120,7 +121,7 @@ def _flops_pair(k: dict) -> list[str]:
 
 def _model_picks(rows: list[dict]) -> list[dict]:
     fit = [r for r in rows if r.get("fits")] or rows
-    picks = [max(fit, key=lambda r: r["tokens_per_s_per_chip"]), min(fit, key=lambda r: r["t_step_us"])]
+    picks = [max(fit, key=tokens_per_s_per_chip), min(fit, key=step_us)]
     seen, out = set(), []
     for r in picks[:MODEL_ROWS_PER_GROUP]:
         if id(r) not in seen:
@@ -152,24 +153,26 @@ def console_tables(data: dict) -> list[dict]:
         })
     groups: dict[str, list[dict]] = defaultdict(list)
     for b in data.get("benchmarks", []):
-        x = b.get("extra_info") or {}
-        if x.get("kind") == "model":
-            groups[_group(b)].append(x)
-    model_rows = []
+        groups[_group(b)] += [r for r in model_rows(b) if r.get("kind") == "model"]
+    groups = {g: rows for g, rows in groups.items() if rows}
+    picked = []
     for group, rows in sorted(groups.items()):
         for r in _model_picks(rows):
-            frac = r["t_roof_us"] / r["t_step_us"] if r["t_step_us"] else None
-            model_rows.append([group.removeprefix("model:"), cfg_label(r), r["bucket"], _t(r["t_step_us"] * 1e-6),
+            frac = r["t_roof_us"] / step_us(r) if step_us(r) else None
+            cal = r.get("t_step_cal_us")
+            picked.append([group.removeprefix("model:"), cfg_label(r), r["bucket"],
+                               _t(cal * 1e-6) if cal is not None else "—", _t(r["t_step_us"] * 1e-6),
                                _t(r["t_roof_us"] * 1e-6), r["bound"], _pct(frac),
-                               f"{r['tokens_per_s_per_chip']:,.0f}", _b(r["hbm_bytes"]), f"{len(rows)}"])
-    if model_rows:
+                               f"{tokens_per_s_per_chip(r):,.0f}", _b(r["hbm_bytes"]), f"{len(rows)}"])
+    if picked:
         tables.append({
             "title": "whole-model sweep — MODELLED (analytical model, per rank)",
-            "header": ["group", "config", "bucket", "modelled step", "roofline", "bound", "of roofline",
-                       "tok/s/chip", "HBM bytes", "configs"],
-            "rows": model_rows,
-            "note": f"per group: the fitting configuration with the most tokens/s/chip, then the lowest step latency "
-                    f"(all {sum(len(v) for v in groups.values())} in the HTML report)",
+            "header": ["group", "config", "bucket", "calibrated step", "uncalibrated", "roofline", "bound",
+                       "of roofline", "tok/s/chip", "HBM bytes", "configs"],
+            "rows": picked,
+            "note": f"per group: the fitting configuration with the most tokens/s/chip, then the lowest step latency, "
+                    f"by the calibrated figures where present (decode; prefill and vision are uncalibrated); "
+                    f"of roofline = roofline / step; all {sum(len(v) for v in groups.values())} in the HTML report",
         })
     waste = vision_bucket_table(split(data)["vision_buckets"])
     if waste:
@@ -177,11 +180,15 @@ def console_tables(data: dict) -> list[dict]:
     pub = published_comparison(split(data)["published"])
     if pub:
         tables.append({
-            "title": "modelled vs published decode latency",
-            "header": ["run", "published", "modelled", "published / modelled"],
-            "rows": [[p["label"], _t(p["published_ms"] * 1e-3), _t(p["modelled_ms"] * 1e-3), f"{p['ratio']:.2f}×"]
+            "title": "modelled vs published decode latency (calibrated: bench/model/calibration.py)",
+            "header": ["run", "published", "uncalibrated", "calibrated", "residual", "out of sample", "validation"],
+            "rows": [[p["label"], _t(p["published_ms"] * 1e-3), _t(p["modelled_ms"] * 1e-3),
+                      _t(p["calibrated_ms"] * 1e-3) if p["calibrated_ms"] is not None else "—",
+                      f"{p['residual']:+.0%}" if p["residual"] is not None else "—",
+                      f"{p['residual_oos']:+.0%}" if p["residual_oos"] is not None else "—", p["validation"]]
                      for p in pub],
-            "note": "",
+            "note": "residual = calibrated / published - 1; out of sample = leave-one-out (fitted rows) or the "
+                    "declared subset's fit (held-out rows)",
         })
     return tables
 
@@ -205,7 +212,7 @@ def vision_bucket_table(rows: list[dict]) -> dict | None:
 
 
 def _numeric(c: str) -> bool:
-    return c[:1].isdigit() or c == "—"
+    return c[:1].isdigit() or c[:1] in "+-" and c[1:2].isdigit() or c == "—"
 
 
 def _r(v: float | None) -> float | None:
@@ -248,7 +255,9 @@ def summary(data: dict, report: str = "", json_path: str = "") -> dict:
                      "bound_s": _r(r["bound_s"]), "bound": r["bound"], "roofline_fraction": _r(r["roofline_fraction"]),
                      "hbm_bytes": r["hbm_bytes"]} for r in kernel_records(data)],
         "published_comparison": [{"name": p["label"], "key": p["key"], "published_s": _r(p["published_ms"] * 1e-3),
-                                  "modelled_s": _r(p["modelled_ms"] * 1e-3)} for p in pub],
+                                  "modelled_s": _r(p["modelled_ms"] * 1e-3),
+                                  "calibrated_s": _r(p["calibrated_ms"] * 1e-3) if p["calibrated_ms"] else None,
+                                  "residual_out_of_sample": _r(p["residual_oos"])} for p in pub],
         "model_sweep": {"configurations": len(models), "fit": sum(bool(r.get("fits")) for r in models),
-                        "skipped": len(extras(data).get("skipped", []))},
+                        "skipped": len(skipped(data))},
     }

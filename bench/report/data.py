@@ -60,17 +60,41 @@ def kernel_row(b: dict) -> dict | None:
     }
 
 
+TABLE_KIND = "model-table"     # bench.model.sweep.run_table: one benchmark per group, rows stored as columns
+
+
+def model_rows(b: dict) -> list[dict]:
+    """The whole-model rows one benchmark carries: a columnar group table, one per-configuration row (older JSON
+    and ``bench.cli sweep``), or none."""
+    x = b.get("extra_info") or {}
+    if x.get("kind") == TABLE_KIND:
+        cols = x.get("columns") or []
+        return [dict(zip(cols, vals, strict=True)) for vals in x.get("rows") or []]
+    if x.get("kind") in ("model", "published"):
+        return [x]
+    return []
+
+
+def skipped(data: dict) -> list[dict]:
+    """Invalid configurations with their reasons: from the group tables and from the session's skip records."""
+    out = list(extras(data).get("skipped", []))
+    for b in data.get("benchmarks", []):
+        x = b.get("extra_info") or {}
+        if x.get("kind") == TABLE_KIND:
+            out += [{"id": i, "reason": r} for i, r in x.get("skipped") or []]
+    return out
+
+
 def split(data: dict) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {"model": [], "published": [], "kernel": [], "vision_buckets": [], "other": []}
     for b in data.get("benchmarks", []):
         x = b.get("extra_info") or {}
-        kind = x.get("kind")
-        if kind == "model":
-            out["model"].append(x)
-        elif kind == "vision-buckets":
+        rows = model_rows(b)
+        if rows:
+            for r in rows:
+                out["published" if r.get("kind") == "published" else "model"].append(r)
+        elif x.get("kind") == "vision-buckets":
             out["vision_buckets"].append(x)
-        elif kind == "published":
-            out["published"].append(x)
         else:
             k = kernel_row(b)
             if k is not None:

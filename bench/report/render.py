@@ -10,11 +10,13 @@ from pathlib import Path
 
 import jinja2
 
+from bench.model import calibration
 from bench.model.collectives import collective_time
 from bench.model.hardware import instances
 from bench.report import analysis, charts
 from bench.report.console import vision_bucket_table
 from bench.report.data import extras, split
+from bench.report.data import skipped as skipped_rows
 
 SECTIONS = (
     ("summary", "Summary"),
@@ -112,7 +114,7 @@ def build_context(data: dict, mem_limit_gib: float | None = None, title: str = "
     mi = data.get("machine_info") or {}
     ctx["machine"] = f"{mi.get('node', '?')} · {mi.get('machine', '')} · Python {mi.get('python_version', '')}"
     ctx["pytest_benchmark_version"] = data.get("version", "")
-    skipped = ext.get("skipped", [])
+    skipped = skipped_rows(data)
     ctx["counts"] = {
         "model": len(rows), "decode": len(decode), "prefill": sum(r["phase"] == "prefill" for r in rows),
         "vision": sum(r["phase"] == "vision" for r in rows), "published": len(parts["published"]),
@@ -129,6 +131,8 @@ def build_context(data: dict, mem_limit_gib: float | None = None, title: str = "
     # ---- published comparison ----
     pub = analysis.published_comparison(parts["published"])
     ctx["published"] = pub
+    ctx["cal_params"] = calibration.params()
+    ctx["cal_band"] = calibration.BAND
     ctx["published_svg"] = charts.published_bars(pub) if pub else ""
 
     # ---- cost-model calibration (bench/calibration) ----
@@ -191,7 +195,7 @@ def build_context(data: dict, mem_limit_gib: float | None = None, title: str = "
         for r in decode:
             if (r["model"], r["tp"], r["dp"], r["mix"], r["instance"], r["batch"], r["ctx"]) == (
                     *want, "trn2.48xlarge", 8, 8192):
-                samples.append(r)
+                samples.append({**r, "collectives": analysis.step_collectives(r)})
                 break
     ctx["coll_samples"] = samples
 
@@ -205,7 +209,7 @@ def build_context(data: dict, mem_limit_gib: float | None = None, title: str = "
             front = [f for tgt in sorted({r["target"] for r in sel})
                      for f in analysis.pareto_frontier([r for r in sel if r["target"] == tgt])]
             paretos.append({"model": model, "ctx": ctx_len, "frontier": sorted(front, key=lambda r: (
-                r["target"], r["t_step_us"])), "svg": charts.pareto(sel, front, f"{model} · ctx {ctx_len}",
+                r["target"], analysis.step_us(r))), "svg": charts.pareto(sel, front, f"{model} · ctx {ctx_len}",
                                                                      f"par{len(paretos)}")})
     ctx["paretos"] = paretos
 

@@ -64,9 +64,13 @@ def test_model_and_published_tables(data):
     assert "tok/s/chip" in model["header"]
     rows = {(r[0], r[2]): r for r in model["rows"]}
     r = rows[("GPT-OSS-120B:decode:trn2.48xlarge", "decode b1 ctx8192")]
-    assert r[3] == "1.82 ms" and r[5] == "memory" and r[7] == "137"
-    pub = tables["modelled vs published decode latency"]["rows"]
-    assert ["GPT-OSS-120B trn2 TP16 b1 ctx768", "7 ms", "1.77 ms", "3.94×"] in pub
+    # calibrated step first, the uncalibrated one beside it; tok/s/chip from the calibrated step
+    assert r[3:8] == ["7.16 ms", "1.82 ms", "993 µs", "memory", "14%"] and r[8] == "35"
+    prefill = rows[("Llama-3.1-8B:prefill:trn2.48xlarge", "prefill 2048")]
+    assert prefill[3] == "—" and prefill[4] == "42.8 ms"          # prefill is not calibrated: no figure invented
+    pub = tables["modelled vs published decode latency (calibrated: bench/model/calibration.py)"]["rows"]
+    assert ["GPT-OSS-120B trn2 TP16 b1 ctx576", "7 ms", "1.77 ms", "7.03 ms", "+0%", "+2%", "leave-one-out"] in pub
+    assert ["Llama-3.3-70B trn2 TP64 b1 ctx10750", "19.6 ms", "5.9 ms", "20.1 ms", "+2%", "+2%", "held out"] in pub
 
 
 def test_device_rows_are_measured_with_a_roofline(data):
@@ -99,8 +103,10 @@ def test_summary_is_small_and_complete(data):
     pub = {p["key"]: p for p in s["published_comparison"]}
     assert set(pub) == {"llama70b-tp64", "llama8b-tp8", "gptoss120b-tp16"}
     assert pub["gptoss120b-tp16"]["published_s"] == 0.007
-    assert pub["gptoss120b-tp16"]["modelled_s"] == pytest.approx(1.7746e-3, rel=1e-4)
-    assert set(pub["llama8b-tp8"]) == {"name", "key", "published_s", "modelled_s"}
+    assert pub["gptoss120b-tp16"]["modelled_s"] == pytest.approx(1.7734e-3, rel=1e-4)
+    assert pub["gptoss120b-tp16"]["calibrated_s"] == pytest.approx(7.034e-3, rel=1e-3)
+    assert set(pub["llama8b-tp8"]) == {"name", "key", "published_s", "modelled_s", "calibrated_s",
+                                       "residual_out_of_sample"}
     assert s["model_sweep"]["configurations"] == 11
     text = json.dumps(s)
     assert len(text) < 4000 and json.loads(text) == s

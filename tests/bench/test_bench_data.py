@@ -1,0 +1,32 @@
+"""bench/report/data.py: the whole-model group tables (bench.model.sweep.run_table) expand back to rows."""
+
+import json
+
+from bench.model.analytical import Bucket, ParallelConfig
+from bench.model.sweep import Case, case_groups, run_case, run_table
+from bench.report.console import is_host_timed
+from bench.report.data import model_rows, skipped, split
+
+
+def _cases():
+    inst = "trn2.48xlarge"
+    return [Case("Llama-3.1-8B", inst, ParallelConfig(8), Bucket("decode", batch=1, ctx=2048)),
+            Case("Llama-3.1-8B", inst, ParallelConfig(8, 2, 2, 1, 1, 2), Bucket("decode", batch=8, ctx=2048),
+                 "a2-e1-m1-l2"),
+            Case("Llama-3.1-8B", inst, ParallelConfig(5), Bucket("decode", batch=1, ctx=2048))]   # invalid: tp=5
+
+
+def test_group_table_round_trips_rows_and_reasons():
+    cases = _cases()
+    (group, members), = case_groups(cases).items()
+    table = run_table(members)
+    assert table["configurations"] == 2 and [s[0] for s in table["skipped"]] == [cases[2].id]
+    assert "does not divide" in table["skipped"][0][1]
+    b = {"group": group, "name": "test_model[x]", "extra_info": json.loads(json.dumps(table))}
+    rows = model_rows(b)
+    assert [r["case_id"] for r in rows] == [cases[0].id, cases[1].id]
+    assert rows[0] == json.loads(json.dumps({**run_case(cases[0]), "case_id": cases[0].id}))
+    data = {"benchmarks": [b], "bench_report": {"skipped": [{"id": "other", "reason": "r"}]}}
+    assert len(split(data)["model"]) == 2 and not split(data)["kernel"]
+    assert [s["id"] for s in skipped(data)] == ["other", cases[2].id]
+    assert is_host_timed(b)      # the formula's CPU time is never shown as a latency
