@@ -109,7 +109,8 @@ def kernel_records(data: dict) -> list[dict]:
                     "bound": k["bound"] or "", "roofline_fraction": (bound_s / k["latency_s"]
                                                                      if bound_s and k["latency_s"] else None),
                     "hbm_bytes": k["hbm_bytes"], "flops": k["flops"],
-                    "flops_issued": None if device else x.get("modelled_flops_issued")})
+                    "flops_issued": None if device else x.get("modelled_flops_issued"),
+                    "speedup_vs_peer": x.get("modelled_speedup_vs_peer")})
     return out
 
 
@@ -141,12 +142,15 @@ def console_tables(data: dict) -> list[dict]:
         lat = "device latency (median)" if device else "modelled latency"
         # Kernels that declare their useful FLOPs (padding, masks, selection matmuls excluded) show both figures.
         declared = any(k["flops_issued"] and k["flops"] != k["flops_issued"] for k in ks)
+        # Side-by-side benches record a peer kernel's latency over ours on the same case.
+        peer = any(k["speedup_vs_peer"] for k in ks)
         tables.append({
             "title": f"{group} — {'measured on device' if device else 'MODELLED by nkisim (not measured)'}",
             "header": ["case", "target", lat, "roofline bound", "bound", "of roofline", "HBM bytes"]
-            + (["GFLOP useful / issued"] if declared else []),
+            + (["GFLOP useful / issued"] if declared else []) + (["peer / ours"] if peer else []),
             "rows": [[k["case"], k["target"], _t(k["latency_s"]), _t(k["bound_s"]), k["bound"] or "—",
                       _pct(k["roofline_fraction"]), _b(k["hbm_bytes"])] + (_flops_pair(k) if declared else [])
+                     + ([f"{k['speedup_vs_peer']:.2f}×" if k["speedup_vs_peer"] else "—"] if peer else [])
                      for k in sorted(ks, key=lambda k: (_natural(k["case"]), k["target"]))],
             "note": "" if device else "of roofline = modelled roofline time / modelled latency"
             + ("; MFU and intensity use the useful FLOPs" if declared else ""),
