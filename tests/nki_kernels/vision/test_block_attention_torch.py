@@ -9,8 +9,7 @@ import torch
 
 import nki_kernels  # noqa: F401 - registers the nki layer
 from nki_kernels.vision import vision_block_attention, vision_block_attention_torch
-
-from .inputs import make_inputs, packed_bounds
+from nki_kernels.vision.inputs import make_inputs, packed_bounds
 
 
 def _per_image(x, w_qkv, b_qkv, cos, sin, w_o, sizes, nh, d):

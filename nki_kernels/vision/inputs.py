@@ -1,4 +1,5 @@
-"""Inputs of the block vision-attention tests: random weights and a packed block of images with its bounds."""
+"""Inputs of the block vision-attention tests and benchmarks: random rank-shard weights and a packed block of images
+with its bounds and 2D rotary tables (shared by tests/ and bench/, which must not import each other)."""
 
 import torch
 

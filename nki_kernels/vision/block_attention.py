@@ -1,0 +1,387 @@
+"""Fused block vision attention for one tensor-parallel rank (Qwen3-VL vision encoder, packed image patches).
+
+QKV projection (+bias) -> 2D rotary embedding (rotate-half) -> bidirectional attention restricted per query row to the
+keys of its own image ([bound_min, bound_max)) with key tiles outside a query tile's range skipped at run time ->
+partial O-projection (no O bias), everything kept in SBUF between the hidden-state input and the output.
+See DESIGN.md beside this file.
+"""
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from .limits import argument_error
+
+# ---- tile sizes and constants ---------------------------------------------------------------------------------
+P_MAX = nl.tile_size.pmax                # partitions: query / key / token tile, contraction tile
+PSUM_F = nl.tile_size.psum_bank_fmax     # fp32 elements per PSUM bank: one matmul's output row
+# TensorE transposes of [128, 128] bf16 batched into one PSUM bank before one eviction
+TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
+STEP_WIDE = 2 * PSUM_F // P_MAX          # key tiles per step of the main key loop (1024 keys: 2 PSUM banks)
+STEP_SHORT = PSUM_F // P_MAX             # key tiles per step of the tail loop (512 keys: 1 bank)
+PAD_TILES = STEP_SHORT - 1               # zero key tiles after the block: a tail step may run past the range end
+M_INIT = -1.0e30          # running max before any key: above the range_select fill, so exp(fill - max) = 0
+FP32_MIN = -3.4028235e38  # range_select's fill for keys outside the range (a hardware constant, C11)
+NO_KEY = float(1 << 20)   # lower bound of a padding row (empty range) when taking a tile's min: beyond any block
+L_MIN = 2.0 ** -40        # row-sum floor: padding rows (sum 0, accumulator 0) give 0 * 2^40 = 0, never 0/0
+
+
+class _Config(nl.NKIObject):
+    """Static shapes of one launch."""
+
+    def __init__(self, S, H, nh, d, n_prog, core):
+        self.S, self.H, self.nh, self.d = S, H, nh, d
+        self.hd = nh * d                        # q (or k, v) columns of this rank
+        self.C = 3 * self.hd                    # fused QKV columns
+        self.KT = H // P_MAX                    # contraction tiles of the QKV projection
+        self.n_kt = S // P_MAX                  # token / query / key tiles
+        self.n_pad = self.n_kt + PAD_TILES      # key tiles held, with the zero padding
+        self.n_k = (self.hd + P_MAX - 1) // P_MAX   # contraction chunks of the O-projection
+        self.scale = float(d) ** -0.5
+        self.n_prog, self.core = n_prog, core
+        # LNC=2: core c owns token / query tiles t with t % 2 == c (interleaved: images of different sizes load both
+        # cores alike); it computes Q, K, V of its tiles and receives the other core's K and V.
+        self.mine = tuple(range(core, self.n_kt, n_prog))
+
+
+def vision_block_attention_kernel(x, w_qkv, b_qkv, cos, sin, bound_min, bound_max, w_o, num_heads, head_dim):
+    """Block vision attention: out = O_proj(Attn_bounds(RoPE(x @ W_qkv + b_qkv))) for one rank's heads.
+
+    Dimensions: S block size (multiple of 128, 128..4096), H hidden (multiple of 128), nh = num_heads on this rank,
+    d = head_dim (even, <= 128).
+
+    Args:
+        x ([S, H] bf16 @ HBM): the block's patches (images packed from row 0, padding rows after them).
+        w_qkv ([H, 3*nh*d] bf16): fused projection, columns [q heads | k heads | v heads], head-major in each.
+        b_qkv ([3*nh*d] bf16 or fp32): its bias.
+        cos, sin ([S, d] fp32): rotary tables per token, rotate-half layout (Qwen-VL 2D rope: row / column
+            frequencies concatenated, duplicated over the two halves).
+        bound_min, bound_max ([S] int32): query row i attends to keys j with bound_min[i] <= j < bound_max[i];
+            bound_min[i] >= bound_max[i] marks a padding row (zero output).
+        w_o ([nh*d, H] bf16): O-projection rows of this rank's heads.
+        num_heads, head_dim (int): nh and d.
+
+    Returns:
+        out ([S, H] bf16 @ shared_hbm): partial O-projection of this rank's heads, without the O bias (added once
+        after the tensor-parallel all-reduce).
+
+    Pseudocode (per query tile qt of 128 rows, per head h):
+        [klo, khi) = key tiles covering the union of the rows' ranges (padding rows excluded); m = -1e30, l = 0, acc = 0
+        for key step c in [klo, khi) (1024 keys a step, the tail 512): s = q_h k_h[c]^T ; s = range_select(s, rows'
+            bounds) with row max mt ; m' = max(m, mt) ; p = exp(scale (s - m')) ; alpha = exp(scale (m - m'))
+            l = l alpha + sum p ; acc = acc alpha + p v_h[c] ; m = m'
+        o[qt, h] = acc / max(l, 2^-40) ;   out[qt] = o[qt] @ W_o
+    LNC=2: query tiles alternate between the cores; each core loads half of each weight and receives the other half,
+    and each computes Q, K, V of its own tiles and receives the other core's K and V (nisa.sendrecv).
+    """
+    err = argument_error(x, w_qkv, b_qkv, cos, sin, bound_min, bound_max, w_o, num_heads, head_dim)
+    if err is not None:
+        raise ValueError(err)
+    n_prog = nl.num_programs()
+    S, H = x.shape
+    if n_prog > 1 and (S // P_MAX) % n_prog:
+        raise ValueError(f"x: block size S={S} must be a multiple of {P_MAX * n_prog} at LNC={n_prog} (query tiles "
+                         "are split evenly between the cores)")
+    cfg = _Config(S, H, num_heads, head_dim, n_prog, nl.program_id(0) if n_prog > 1 else 0)
+    out = nl.ndarray((S, H), dtype=x.dtype, buffer=nl.shared_hbm)
+
+    wq, wo = _load_weights(cfg, w_qkv, w_o)
+    bias = nl.ndarray((P_MAX, cfg.C), dtype=nl.float32, buffer=nl.sbuf)       # b_qkv on every partition
+    nisa.dma_copy(dst=bias, src=b_qkv.ap([[0, P_MAX], [1, cfg.C]], offset=0))
+    rb0, kreg = _key_ranges(cfg, bound_min, bound_max)
+    qkT, v = _qkv_rope(cfg, x, wq, bias, cos, sin)
+    if n_prog > 1:
+        _exchange_kv(cfg, qkT, v)
+    for qt in cfg.mine:
+        regs = []
+        for j in range(3):
+            r = nisa.register_alloc()
+            nisa.register_load(dst=r, src=kreg[qt:qt + 1, j:j + 1])
+            regs.append(r)
+        o_tok = nl.ndarray((P_MAX, cfg.hd), dtype=x.dtype, buffer=nl.sbuf)
+        for h in range(cfg.nh):
+            _attend(cfg, qkT, v, rb0, regs, qt, h, o_tok)
+        _project(cfg, o_tok, wo, out, qt)
+    return out
+
+
+# ---- weights and key ranges -----------------------------------------------------------------------------------
+
+def _load_weights(cfg, w_qkv, w_o):
+    """W_qkv as [128, KT, C] (H row kt*128 + p on partition p) and W_o as [128, n_k, H] (rows k*128 + p), both
+    resident. LNC=2: each core loads half of the columns and the cores swap halves (no weight read twice from
+    HBM)."""
+    wq = nl.ndarray((P_MAX, cfg.KT, cfg.C), dtype=w_qkv.dtype, buffer=nl.sbuf)
+    wo = nl.ndarray((P_MAX, cfg.n_k, cfg.H), dtype=w_o.dtype, buffer=nl.sbuf)
+    hc, ho = cfg.C // cfg.n_prog, cfg.H // cfg.n_prog
+    c0, o0 = cfg.core * hc, cfg.core * ho
+    for kt in range(cfg.KT):
+        nisa.dma_copy(dst=wq[:, kt, c0:c0 + hc], src=w_qkv[kt * P_MAX:(kt + 1) * P_MAX, c0:c0 + hc])
+    for k in range(cfg.n_k):
+        kn = min(P_MAX, cfg.hd - k * P_MAX)
+        nisa.dma_copy(dst=wo[:kn, k, o0:o0 + ho], src=w_o[k * P_MAX:k * P_MAX + kn, o0:o0 + ho])
+    if cfg.n_prog > 1:
+        other = 1 - cfg.core
+        c1, o1 = other * hc, other * ho
+        nisa.sendrecv(src=wq[:, :, c0:c0 + hc], dst=wq[:, :, c1:c1 + hc], send_to_rank=other,
+                      recv_from_rank=other, pipe_id=0)
+        for k in range(cfg.n_k):
+            kn = min(P_MAX, cfg.hd - k * P_MAX)
+            nisa.sendrecv(src=wo[:kn, k, o0:o0 + ho], dst=wo[:kn, k, o1:o1 + ho], send_to_rank=other,
+                          recv_from_rank=other, pipe_id=1 + k)
+    return wq, wo
+
+
+def _key_ranges(cfg, bound_min, bound_max):
+    """Per query tile the key tiles [klo, khi) covering its rows' ranges (padding rows excluded), and mid = klo +
+    8 * floor((khi - klo) / 8), where the wide key steps end: kreg [n_kt, 3] int32 = (klo, mid, khi), loaded into
+    registers per query tile (an all-padding tile gets klo > khi: no key step). rb0 [128, n_kt, 2] fp32: each row's
+    bounds relative to key klo * 128, the range_select bounds of the first step."""
+    n = cfg.n_kt
+    f32 = nl.float32
+    # [tile, row] layout: the per-tile min / max are free-axis reductions
+    bt = []
+    for src in (bound_min, bound_max):
+        ti = nl.ndarray((n, P_MAX), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ti, src=src.reshape((n, P_MAX)))
+        tf = nl.ndarray((n, P_MAX), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=tf, src=ti)
+        bt.append(tf)
+    lo_t, hi_t = bt
+    empty = nl.ndarray((n, P_MAX), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=empty, data1=lo_t, data2=hi_t, op=nl.greater_equal)
+    lo_eff = nl.ndarray((n, P_MAX), dtype=f32, buffer=nl.sbuf)           # padding rows: NO_KEY (ignored by min)
+    nisa.scalar_tensor_tensor(dst=lo_eff, data=empty, op0=nl.multiply, operand0=NO_KEY, op1=nl.add, operand1=lo_t)
+    hi_eff = nl.ndarray((n, P_MAX), dtype=f32, buffer=nl.sbuf)           # padding rows: 0 (ignored by max)
+    nisa.scalar_tensor_tensor(dst=hi_eff, data=empty, op0=nl.subtract, operand0=1.0, op1=nl.multiply, operand1=hi_t)
+    tmin = nl.ndarray((n, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=tmin, op=nl.minimum, data=lo_eff, axis=1)
+    tmax = nl.ndarray((n, 1), dtype=f32, buffer=nl.sbuf)                 # = -max(hi_eff): hi_eff holds -(1-e)*hi
+    nisa.tensor_reduce(dst=tmax, op=nl.minimum, data=hi_eff, axis=1)
+    # klo = floor(tmin / 128); khi = ceil(-tmax / 128) = floor((127 - tmax) / 128); mid = klo + 8 floor((khi-klo)/8)
+    kf = nl.ndarray((n, 3), dtype=f32, buffer=nl.sbuf)
+    rem = nl.ndarray((n, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=rem, data=tmin, op0=nl.mod, operand0=float(P_MAX))
+    nisa.tensor_scalar(dst=kf[:, 0:1], data=tmin, op0=nl.subtract, operand0=rem, op1=nl.multiply,
+                       operand1=1.0 / P_MAX)
+    up = nl.ndarray((n, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=up, data=tmax, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(P_MAX - 1))
+    nisa.tensor_scalar(dst=rem, data=up, op0=nl.mod, operand0=float(P_MAX))
+    nisa.tensor_scalar(dst=kf[:, 2:3], data=up, op0=nl.subtract, operand0=rem, op1=nl.multiply,
+                       operand1=1.0 / P_MAX)
+    # an all-padding tile (klo from NO_KEY, khi = 0): klo = khi, so both key loops are empty
+    nisa.tensor_tensor(dst=kf[:, 0:1], data1=kf[:, 0:1], data2=kf[:, 2:3], op=nl.minimum)
+    span = nl.ndarray((n, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=span, data1=kf[:, 2:3], data2=kf[:, 0:1], op=nl.subtract)
+    nisa.tensor_scalar(dst=rem, data=span, op0=nl.mod, operand0=float(STEP_WIDE))
+    nisa.tensor_tensor(dst=span, data1=span, data2=rem, op=nl.subtract)
+    nisa.tensor_tensor(dst=kf[:, 1:2], data1=kf[:, 0:1], data2=span, op=nl.add)
+    kreg = nl.ndarray((n, 3), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=kreg, src=kf)
+    # klo * 128 on every partition, [128, n]: ones[n, 128]^T @ diag(klo * 128) (fp32 matmul: exact)
+    ident = nl.ndarray((n, n), dtype=f32, buffer=nl.sbuf)
+    ones = nl.ndarray((n, P_MAX), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    nisa.affine_select(dst=ident, pattern=[[-1, n]], channel_multiplier=1, on_true_tile=ones[:, :n],
+                       on_false_value=0.0, cmp_op=nl.equal, offset=0)
+    diag = nl.ndarray((n, n), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=diag, data=ident, op0=nl.multiply, operand0=kf[:, 0:1], op1=nl.multiply,
+                       operand1=float(P_MAX))
+    base = nl.ndarray((P_MAX, n), dtype=f32, buffer=nl.psum)
+    nisa.nc_matmul(dst=base, stationary=ones, moving=diag, accumulate=False)
+    # [row, tile] layout of the bounds, relative to the tile's first key
+    rb0 = nl.ndarray((P_MAX, n, 2), dtype=f32, buffer=nl.sbuf)
+    for i, src in enumerate((bound_min, bound_max)):
+        ci = nl.ndarray((P_MAX, n), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ci, src=src.ap([[1, P_MAX], [P_MAX, n]], offset=0))
+        cf = nl.ndarray((P_MAX, n), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=cf, src=ci)
+        nisa.tensor_tensor(dst=rb0[:, :, i], data1=cf, data2=base, op=nl.subtract)
+    return rb0, kreg
+
+
+# ---- QKV projection and rotary embedding ----------------------------------------------------------------------
+
+def _evict(i, dst, src):
+    """PSUM -> SBUF copies alternate between VectorE and ScalarE (both read PSUM)."""
+    if i % 2 == 0:
+        nisa.tensor_copy(dst=dst, src=src)
+    else:
+        nisa.activation(dst=dst, op=nl.copy, data=src)
+
+
+def _qkv_rope(cfg, x, wq, bias, cos, sin):
+    """For this core's token tiles: qkv = x @ W_qkv + b (bf16), RoPE on q and k, then
+    qkT [128 (d used), 2nh, n_pad, 128] bf16 (Q^T of head h at [:d, h], K^T at [:d, nh + h]; key tile t at
+    [..., t, :]) and v [128 tokens, n_pad, nh*d] bf16; the PAD_TILES tiles after the block are zero."""
+    d, nh, hd, C = cfg.d, cfg.nh, cfg.hd, cfg.C
+    h2 = d // 2
+    qkT = nl.ndarray((P_MAX, 2 * nh, cfg.n_pad, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+    v = nl.ndarray((P_MAX, cfg.n_pad, hd), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=qkT[:d, nh:, cfg.n_kt:, :], value=0.0, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=v[:, cfg.n_kt:, :], value=0.0, engine=nisa.engine.gpsimd)
+    for i, t in enumerate(cfg.mine):
+        xt = nl.ndarray((P_MAX, cfg.H), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=xt, src=x[t * P_MAX:(t + 1) * P_MAX, :])
+        cs = nl.ndarray((P_MAX, 2, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=cs[:, 0, :], src=cos[t * P_MAX:(t + 1) * P_MAX, :])
+        nisa.dma_copy(dst=cs[:, 1, :], src=sin[t * P_MAX:(t + 1) * P_MAX, :])
+        # x^T by TensorE transposes, TRANSPOSE_GROUP per PSUM bank
+        xT = nl.ndarray((P_MAX, cfg.KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+        for k0 in range(0, cfg.KT, TRANSPOSE_GROUP):
+            kn = min(TRANSPOSE_GROUP, cfg.KT - k0)
+            pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x.dtype, buffer=nl.psum)
+            for k in range(kn):
+                nisa.nc_transpose(dst=pt[:, k, :], data=xt[:, (k0 + k) * P_MAX:(k0 + k + 1) * P_MAX])
+            _evict(i + k0, xT[:, k0:k0 + kn, :], pt[:, :kn, :])
+        # qkv [tokens, (q|k|v, head, dim)] = x @ W_qkv + b, one PSUM bank of columns at a time
+        qkv = nl.ndarray((P_MAX, 3, nh, d), dtype=x.dtype, buffer=nl.sbuf)
+        flat = qkv.reshape((P_MAX, C))
+        for c0 in range(0, C, PSUM_F):
+            n = min(PSUM_F, C - c0)
+            ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
+            for kt in range(cfg.KT):
+                nisa.nc_matmul(dst=ps[:, :n], stationary=xT[:, kt, :], moving=wq[:, kt, c0:c0 + n],
+                               accumulate=(kt > 0))
+            nisa.tensor_tensor(dst=flat[:, c0:c0 + n], data1=ps[:, :n], data2=bias[:, c0:c0 + n], op=nl.add)
+        nisa.tensor_copy(dst=v[:, t, :], src=qkv[:, 2].reshape((P_MAX, hd)), engine=nisa.engine.gpsimd)
+        # RoPE on q and k: r = u * cos + rotate_half(u) * sin, rotate_half(u) = [-u2, u1]
+        qk = qkv[:, 0:2].reshape((P_MAX, 2 * nh, d))
+        cb = cs[:, 0, :].expand_dim(1).broadcast(1, 2 * nh)
+        sb = cs[:, 1, :].expand_dim(1).broadcast(1, 2 * nh)
+        uc = nl.ndarray((P_MAX, 2 * nh, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=uc, data1=qk, data2=cb, op=nl.multiply)
+        us = nl.ndarray((P_MAX, 2 * nh, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=us[:, :, :h2], data1=qk[:, :, h2:], data2=sb[:, :, :h2], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=us[:, :, h2:], data1=qk[:, :, :h2], data2=sb[:, :, h2:], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        rot = nl.ndarray((P_MAX, 2 * nh, d), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=rot[:, :, :h2], data1=uc[:, :, :h2], data2=us[:, :, :h2], op=nl.subtract)
+        nisa.tensor_tensor(dst=rot[:, :, h2:], data1=uc[:, :, h2:], data2=us[:, :, h2:], op=nl.add)
+        # Q^T, K^T per head by TensorE transposes ([128 tokens, d] -> [d, 128 tokens])
+        for j0 in range(0, 2 * nh, TRANSPOSE_GROUP):
+            jn = min(TRANSPOSE_GROUP, 2 * nh - j0)
+            pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x.dtype, buffer=nl.psum)
+            for j in range(jn):
+                nisa.nc_transpose(dst=pt[:d, j, :], data=rot[:, j0 + j, :])
+            _evict(i + j0 + 1, qkT[:d, j0:j0 + jn, t, :], pt[:d, :jn, :])
+    return qkT, v
+
+
+def _exchange_kv(cfg, qkT, v):
+    """LNC=2: send this core's K^T and V tiles to the other core, receive its tiles (the attention of every query
+    tile reads the keys of the whole block)."""
+    d, nh = cfg.d, cfg.nh
+    core, other = cfg.core, 1 - cfg.core
+    n = cfg.n_kt
+    nisa.sendrecv(src=qkT[:d, nh:, core:n:2, :], dst=qkT[:d, nh:, other:n:2, :], send_to_rank=other,
+                  recv_from_rank=other, pipe_id=100)
+    nisa.sendrecv(src=v[:, core:n:2, :], dst=v[:, other:n:2, :], send_to_rank=other, recv_from_rank=other,
+                  pipe_id=101)
+
+
+# ---- attention ------------------------------------------------------------------------------------------------
+
+def _attend(cfg, qkT, v, rb0, regs, qt, h, o_tok):
+    """o_tok[:, h*d:(h+1)*d] = softmax-attention of query tile qt, head h, over its key range (online softmax in
+    runtime loops: 1024-key steps over [klo, mid), then 512-key steps over [mid, khi))."""
+    d = cfg.d
+    f32 = nl.float32
+    nb = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)       # -scale * running max
+    nisa.memset(dst=nb, value=-cfg.scale * M_INIT, engine=nisa.engine.gpsimd)
+    l_sum = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)
+    acc = nl.ndarray((P_MAX, d), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(dst=acc, value=0.0, engine=nisa.engine.gpsimd)
+    rb = nl.ndarray((P_MAX, 2), dtype=f32, buffer=nl.sbuf)       # the rows' bounds relative to this step's keys
+    nisa.tensor_copy(dst=rb, src=rb0[:, qt, :], engine=nisa.engine.gpsimd)
+    stat = qkT[:d, h, qt, :]
+    # the bounds' decrement per step, a tensor (GpSimd has no tensor_scalar): [128, step kind, 2]
+    dec = nl.ndarray((P_MAX, STEP_WIDE // STEP_SHORT, 2), dtype=f32, buffer=nl.sbuf)
+    for i in range(STEP_WIDE // STEP_SHORT):
+        nisa.memset(dst=dec[:, i, :], value=float((i + 1) * STEP_SHORT * P_MAX), engine=nisa.engine.gpsimd)
+    st = (nb, l_sum, acc, rb, dec)
+
+    def step(width):
+        def body(c):
+            _key_step(cfg, st, stat, qkT, v, c, h, width)
+        return body
+    nl.fori_loop(regs[0], regs[1], step(STEP_WIDE), step=STEP_WIDE)
+    nl.fori_loop(regs[1], regs[2], step(STEP_SHORT), step=STEP_SHORT)
+    lg = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=lg, data=l_sum, op0=nl.maximum, operand0=L_MIN)
+    rl = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=rl, data=lg)
+    nisa.activation(dst=o_tok[:, h * d:(h + 1) * d], op=nl.copy, data=acc, scale=rl)
+
+
+def _key_step(cfg, st, stat, qkT, v, c, h, width):
+    """One online-softmax step over key tiles [c, c + width) (c: a runtime register)."""
+    nb, l_sum, acc, rb, dec = st
+    d, hd = cfg.d, cfg.hd
+    f32 = nl.float32
+    gp = nisa.engine.gpsimd
+    n = width * P_MAX
+    ps = nl.ndarray((P_MAX, n), dtype=f32, buffer=nl.psum)
+    for b in range(n // PSUM_F):
+        # K^T of head h, keys c*128 + b*512 .. + 512: the register c scales by the tile size (indirect_dim=2)
+        mv = qkT.ap([[2 * cfg.nh * cfg.n_pad * P_MAX, d], [1, PSUM_F]],
+                    offset=(cfg.nh + h) * cfg.n_pad * P_MAX + b * PSUM_F, scalar_offset=c, indirect_dim=2)
+        nisa.nc_matmul(dst=ps[:, b * PSUM_F:(b + 1) * PSUM_F], stationary=stat, moving=mv, accumulate=False)
+    mt = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.range_select(dst=ps, on_true_tile=ps, comp_op0=nl.greater_equal, comp_op1=nl.less, bound0=rb[:, 0:1],
+                      bound1=rb[:, 1:2], reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=mt,
+                      reduce_op=nl.maximum, range_start=0, on_false_value=FP32_MIN)
+    nbn = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)      # -scale * max(m, mt)
+    nisa.tensor_scalar(dst=nbn, data=mt, op0=nl.multiply, operand0=-cfg.scale, op1=nl.minimum, operand1=nb)
+    alpha = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)    # exp(scale * (m - m'))
+    nisa.activation(dst=alpha, op=nl.exp, data=nb, bias=nbn, scale=-1.0)
+    p = nl.ndarray((P_MAX, n), dtype=v.dtype, buffer=nl.sbuf)
+    rs = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.activation(dst=p, op=nl.exp, data=ps, bias=nbn, scale=cfg.scale, reduce_op=nl.add, reduce_res=rs,
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    # loop-carried state on GpSimd (idle otherwise): l = l * alpha + rs ; m = m' ; bounds move to the next step
+    nisa.tensor_tensor(dst=l_sum, data1=l_sum, data2=alpha, op=nl.multiply, engine=gp)
+    nisa.tensor_tensor(dst=l_sum, data1=l_sum, data2=rs, op=nl.add, engine=gp)
+    nisa.tensor_copy(dst=nb, src=nbn, engine=gp)
+    nisa.tensor_tensor(dst=rb, data1=rb, data2=dec[:, width // STEP_SHORT - 1, :], op=nl.subtract, engine=gp)
+    # P^T by a DMA transpose (the DMA queues are idle during the attention; TensorE and VectorE are not)
+    pT = nl.ndarray((P_MAX, width, P_MAX), dtype=v.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=pT, src=p.reshape((P_MAX, width, P_MAX)))
+    po = nl.ndarray((P_MAX, d), dtype=f32, buffer=nl.psum)
+    for j in range(width):
+        vj = v.ap([[cfg.n_pad * hd, P_MAX], [1, d]], offset=j * hd + h * d, scalar_offset=c, indirect_dim=1)
+        nisa.nc_matmul(dst=po, stationary=pT[:, j, :], moving=vj, accumulate=(j > 0))
+    nisa.scalar_tensor_tensor(dst=acc, data=acc, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=po)
+
+
+# ---- O-projection ---------------------------------------------------------------------------------------------
+
+def _project(cfg, o_tok, wo, out, qt):
+    """out[qt tile] = o_tok @ W_o: o^T chunks by TensorE transposes (stationary [k chunk, 128 queries]), W_o moving
+    512 columns at a time."""
+    H, hd = cfg.H, cfg.hd
+    oT = nl.ndarray((P_MAX, cfg.n_k, P_MAX), dtype=o_tok.dtype, buffer=nl.sbuf)
+    for k0 in range(0, cfg.n_k, TRANSPOSE_GROUP):
+        kg = min(TRANSPOSE_GROUP, cfg.n_k - k0)
+        pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=o_tok.dtype, buffer=nl.psum)
+        for k in range(k0, k0 + kg):
+            kn = min(P_MAX, hd - k * P_MAX)
+            nisa.nc_transpose(dst=pt[:kn, k - k0, :], data=o_tok[:, k * P_MAX:k * P_MAX + kn])
+        for k in range(k0, k0 + kg):     # per chunk: the last one may have fewer rows
+            kn = min(P_MAX, hd - k * P_MAX)
+            nisa.tensor_copy(dst=oT[:kn, k, :], src=pt[:kn, k - k0, :])
+    res = nl.ndarray((P_MAX, H), dtype=out.dtype, buffer=nl.sbuf)
+    for i, c0 in enumerate(range(0, H, PSUM_F)):
+        n = min(PSUM_F, H - c0)
+        ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
+        for k in range(cfg.n_k):
+            kn = min(P_MAX, hd - k * P_MAX)
+            nisa.nc_matmul(dst=ps[:, :n], stationary=oT[:kn, k, :], moving=wo[:kn, k, c0:c0 + n],
+                           accumulate=(k > 0))
+        _evict(i + 1, res[:, c0:c0 + n], ps[:, :n])
+    nisa.dma_copy(dst=out[qt * P_MAX:(qt + 1) * P_MAX, :], src=res)
+
+
+vision_block_attention_nki = nki.jit(vision_block_attention_kernel)
