@@ -49,6 +49,14 @@ class Qwen3VLVisionEncoder(nn.Module):
         self.deepstack_merger_list = nn.ModuleList(
             [PatchMerger(cfg, tp_group, postshuffle_norm=True, dtype=dtype) for _ in cfg.deepstack_visual_indexes])
 
+    @classmethod
+    def from_parallel_state(cls, cfg: VisionEncoderConfig, state, **kwargs) -> Qwen3VLVisionEncoder:
+        """On the vision groups of ``modules.parallel.state.initialize_parallel_state(config, vision)``."""
+        if state.vision_tp is None:
+            raise ValueError("Qwen3VLVisionEncoder.from_parallel_state: the parallel state has no vision groups; "
+                             "pass a VisionNeuronConfig to initialize_parallel_state")
+        return cls(cfg, state.vision_tp, state.vision_dp, **kwargs)
+
     @property
     def dp_size(self) -> int:
         return 1 if self.dp_group is None else self.dp_group.world_size

@@ -102,7 +102,7 @@ def _run_modes(rank, world_size, ckpt, text_tp, modes):
     for kwargs in modes:
         vision = VisionNeuronConfig(**kwargs, buckets=((BLOCK, 3),))
         st = initialize_parallel_state(NeuronConfig(tp_size=text_tp, dp_size=world_size // text_tp), vision)
-        enc = Qwen3VLVisionEncoder(TINY, st.vision_tp, st.vision_dp, backend="torch")
+        enc = Qwen3VLVisionEncoder.from_parallel_state(TINY, st, backend="torch")
         enc.load_checkpoint(ckpt)
         packed = pack_images(px, GRIDS, TINY, BLOCK, num_blocks=vision.buckets[0][1])
         with st.log.capture() as log:
