@@ -1,0 +1,129 @@
+"""MoE layer with tensor parallelism without EP (the tensor-parallelism seed's GPT-OSS case study).
+
+Every rank holds all E experts and a 1/tp slice of each expert's intermediate dimension: gate/up are
+column-parallel, down is row-parallel, so each rank's expert output is a partial sum over its I-shard. The router
+and the optional fused RMSNorm are replicated. The layer takes its tp_group explicitly (Megatron style).
+
+Prefill (sequence parallel), input [T/tp, H] on each rank — collectives, in order, as the seed lists them:
+    router on the local [T/tp, H] tokens → affinities
+    all_gather(dim 0) hidden [T/tp, Hp] → [T, Hp]
+    all_gather(dim 0) affinities [T/tp, E] → [T, E]   (dense: routing needs the full sequence)
+    CTE on all T tokens → partial [T, Hp]
+    reduce_scatter(dim 0) → [T/tp, Hp]                 (sums the TP partials and returns to the SP layout)
+Decode, input [T, H] on every rank: TKG (fused RMSNorm + router + experts) → partial [T, Hp]; all_reduce.
+
+The dense affinities carry UNSELECTED (−1) for experts a token does not use. Selected affinities are
+probabilities (≥ 0, possibly 0 after underflow), so top-k of the gathered rows recovers exactly each token's
+experts and affinities, in descending order, even when an affinity is 0 or logits tie. The down-projection bias is
+added on TP rank 0 only (the partials are summed). Collectives run in the activations' dtype, as on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from modules.loading.loaders import set_weight_loader, with_rank_override
+from modules.moe import kernels
+from modules.moe.loaders import (
+    down_weight_loader,
+    gate_up_bias_loader,
+    gate_up_weight_loader,
+    hidden_vector_loader,
+)
+from modules.moe.router import MoERouter
+from modules.moe.shape import MoEShape
+from nki_kernels.moe.moe_torch import ACTIVATIONS, rmsnorm_torch
+
+UNSELECTED = -1.0
+
+
+class MoELayer(nn.Module):
+    """GPT-OSS-style MoE block sharded on the intermediate dimension over ``tp_group``.
+
+    Parameters (kernel layout, this rank's shard): router.weight [Hp, E], router.bias [E], w_gate_up [E, Hp, 2, Is],
+    b_gate_up [E, 2, Is], w_down [E, Is, Hp], b_down [E, Hp] (replicated, added on rank 0), and gamma [Hp] when
+    ``norm_eps`` is given (the fused pre-MoE RMSNorm). Each parameter carries its GPT-OSS checkpoint loader.
+    forward(x, sequence_parallel) returns the MoE output (no residual) with x's width (H or Hp) and dtype.
+    """
+
+    def __init__(self, shape: MoEShape, tp_group, *, router_mode: str = "gpt_oss", renormalize: bool = False,
+                 activation: str = "clamped_swiglu", bias: bool = True, norm_eps: float | None = None,
+                 dtype: torch.dtype = torch.bfloat16, backend: str = "torch", expert_mode: str = "auto",
+                 block_size: int | None = None) -> None:
+        super().__init__()
+        if tp_group.world_size != shape.tp_size:
+            raise ValueError(f"MoELayer: tp_group world_size={tp_group.world_size} != shape.tp_size={shape.tp_size}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"MoELayer: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.shape, self.tp_group, self.activation, self.backend = shape, tp_group, activation, backend
+        self.norm_eps, self.expert_mode, self.block_size = norm_eps, expert_mode, block_size
+        rank = tp_group.rank_in_group
+        self.add_down_bias = rank == 0
+        E, Hp, Is = shape.experts, shape.hidden_padded, shape.i_per_rank
+
+        def param(*size, loader):
+            p = nn.Parameter(torch.zeros(*size, dtype=dtype), requires_grad=False)
+            # The loader uses this group's rank, whatever rank the model loader passes.
+            set_weight_loader(p, with_rank_override(loader, rank))
+            return p
+
+        self.router = MoERouter(shape, router_mode, renormalize, bias=bias, dtype=dtype, backend=backend)
+        self.w_gate_up = param(E, Hp, 2, Is, loader=gate_up_weight_loader(shape))
+        self.w_down = param(E, Is, Hp, loader=down_weight_loader(shape))
+        self.b_gate_up = param(E, 2, Is, loader=gate_up_bias_loader(shape)) if bias else None
+        self.b_down = param(E, Hp, loader=hidden_vector_loader(shape, "down_proj_bias [E, H]")) if bias else None
+        self.gamma = None
+        if norm_eps is not None:
+            self.gamma = param(Hp, loader=hidden_vector_loader(shape, "norm weight [H]"))
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _padded(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        s = self.shape
+        if x.dim() != 2 or x.shape[1] not in (s.hidden, s.hidden_padded):
+            raise ValueError(f"MoELayer.{what}: x must be [T, {s.hidden}] or [T, {s.hidden_padded}] (padded), "
+                             f"got {tuple(x.shape)}")
+        if x.shape[0] == 0:
+            raise ValueError(f"MoELayer.{what}: x has no tokens")
+        if x.shape[1] == s.hidden_padded:
+            return x
+        return torch.cat([x, x.new_zeros(x.shape[0], s.hidden_padded - s.hidden)], dim=1)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gamma is None:
+            return x
+        return rmsnorm_torch(x, self.gamma, self.norm_eps, self.shape.hidden).to(x.dtype)
+
+    # -- flows -----------------------------------------------------------------------------------------------
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T/tp, H] (this rank's SP chunk) → [T/tp, H]."""
+        width = x.shape[-1] if x.dim() == 2 else None
+        h = self._norm(self._padded(x, "prefill"))
+        _, index, aff = self.router(h)
+        dense = torch.full((h.shape[0], self.shape.experts), UNSELECTED, dtype=torch.float32)
+        dense.scatter_(1, index.long(), aff.float())
+        g = self.tp_group
+        h_all = g.all_gather(h, dim=0)
+        dense_all = g.all_gather(dense, dim=0)
+        aff_all, index_all = torch.topk(dense_all, self.shape.top_k, dim=-1)
+        partial = kernels.moe_cte(h_all, index_all, aff_all, self.w_gate_up, self.w_down, b_gate_up=self.b_gate_up,
+                                  b_down=self.b_down, activation=self.activation, add_down_bias=self.add_down_bias,
+                                  block_size=self.block_size, backend=self.backend)
+        out = g.reduce_scatter(partial.to(x.dtype), dim=0)
+        return out[:, :width]
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (all tokens on every rank) → [T, H]."""
+        width = x.shape[-1] if x.dim() == 2 else None
+        h = self._padded(x, "decode")
+        r = self.router
+        partial, _, _ = kernels.moe_tkg(
+            h, r.weight, self.w_gate_up, self.w_down, top_k=self.shape.top_k, b_router=r.bias,
+            b_gate_up=self.b_gate_up, b_down=self.b_down, gamma=self.gamma, eps=self.norm_eps or 1e-5,
+            hidden_actual=self.shape.hidden, router_mode=r.mode, renormalize=r.renormalize,
+            activation=self.activation, add_down_bias=self.add_down_bias, expert_mode=self.expert_mode,
+            backend=self.backend)
+        return self.tp_group.all_reduce(partial.to(x.dtype))[:, :width]
+
+    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        return self.prefill(x) if sequence_parallel else self.decode(x)

@@ -1,0 +1,205 @@
+"""GPT-OSS MoE weight loaders: HF checkpoint layout → the kernels' layout, reading only this rank's I-shard.
+
+Checkpoint layout (verified against HF transformers ``models/gpt_oss/modeling_gpt_oss.py`` — ``GptOssTopKRouter``
+and ``GptOssExperts`` — and ``integrations/mxfp4.py`` — ``Mxfp4GptOssExperts``, ``convert_moe_packed_tensors`` —
+read through the search tool, huggingface/transformers; keys under ``model.layers.N.mlp.``):
+
+    router.weight               [E, H]            logits = x @ weight.T + bias
+    router.bias                 [E]
+    experts.gate_up_proj        [E, H, 2I]        gate = [..., ::2], up = [..., 1::2] (interleaved)
+    experts.gate_up_proj_bias   [E, 2I]           interleaved the same way
+    experts.down_proj           [E, I, H]
+    experts.down_proj_bias      [E, H]
+  MXFP4 form (the published checkpoints; biases and router stay bf16):
+    experts.gate_up_proj_blocks [E, 2I, H/32, 16] uint8, two E2M1 nibbles a byte, low nibble first
+    experts.gate_up_proj_scales [E, 2I, H/32]     uint8 E8M0
+    experts.down_proj_blocks    [E, H, I/32, 16]
+    experts.down_proj_scales    [E, H, I/32]
+  convert_moe_packed_tensors dequantises blocks [E, R, G, 16] to [E, R, G·32] and transposes the last two axes, so
+  the MXFP4 rows are the bf16 tensor's last axis: gate_up rows keep the gate/up interleave, down rows are H.
+
+Kernel layout (``nki_kernels/moe/moe_torch.py``): w_router [Hp, E], w_gate_up [E, Hp, 2, Is] (gate 0, up 1),
+b_gate_up [E, 2, Is], w_down [E, Is, Hp], b_down [E, Hp]; Hp = padded hidden, Is = this rank's padded I-shard.
+
+Rank r holds the real intermediate columns ``shape.i_range(r)``; an interleaved gate_up slice of those columns is the
+contiguous range [2·start, 2·stop) of the checkpoint's 2I axis, so one slice read serves both gate and up. MXFP4
+down_proj is blocked along I: the rank reads the blocks covering its columns (whole blocks: an unaligned shard reads
+at most one extra block at each end, none when I-shards are block-aligned, see ``mx_aligned_intermediate``) and
+dequantises them to the parameter dtype on load (bf16 on trn2, which has no MX matmul; E2M1 × 2^k is exact in bf16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from modules.loading.loaders import slice_shape
+from modules.moe.shape import MX_BLOCK, MoEShape
+from nki_kernels.moe.moe_torch import dequant_mxfp4
+
+MX_BYTES = MX_BLOCK // 2  # two E2M1 values a byte
+
+GPT_OSS_MLP_KEY = "model.layers.{layer}.mlp."
+GPT_OSS_NORM_KEY = "model.layers.{layer}.post_attention_layernorm.weight"
+
+
+def _check_shape(src: Any, expect: tuple[int, ...], what: str) -> None:
+    got = slice_shape(src)
+    if tuple(got) != tuple(expect):
+        raise ValueError(f"{what}: checkpoint shape {tuple(got)} != expected {tuple(expect)}")
+
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    if t.shape[dim] == size:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def _mx_sources(sources: Any, what: str) -> tuple[Any, Any] | None:
+    """(blocks, scales) for an MXFP4 source mapping, None for a plain tensor."""
+    if not isinstance(sources, Mapping):
+        return None
+    if set(sources) == {"blocks", "scales"}:
+        return sources["blocks"], sources["scales"]
+    if len(sources) == 1:
+        return None
+    raise ValueError(f"{what}: sources must be one tensor or the roles blocks/scales, got {sorted(sources)}")
+
+
+def _plain(sources: Any) -> Any:
+    return next(iter(sources.values())) if isinstance(sources, Mapping) else sources
+
+
+def _check_mx_pair(blocks: Any, scales: Any, experts: int, rows: int, cols: int, what: str) -> None:
+    """blocks [E, rows, cols/32, 16] and scales [E, rows, cols/32] for an MXFP4 weight whose blocked axis is cols."""
+    if cols % MX_BLOCK:
+        raise ValueError(f"{what}: the MXFP4-blocked dimension {cols} is not a multiple of {MX_BLOCK}")
+    _check_shape(blocks, (experts, rows, cols // MX_BLOCK, MX_BYTES), f"{what}_blocks")
+    _check_shape(scales, (experts, rows, cols // MX_BLOCK), f"{what}_scales")
+
+
+def router_weight_loader(shape: MoEShape):
+    """router.weight [E, H] → [Hp, E] (transposed, zero rows for the hidden padding); replicated."""
+
+    def load(sources: Any, rank: int) -> torch.Tensor:
+        src = _plain(sources)
+        _check_shape(src, (shape.experts, shape.hidden), "router.weight [E, H]")
+        return _pad(src[:, :].t(), 0, shape.hidden_padded)
+
+    return load
+
+
+def hidden_vector_loader(shape: MoEShape, what: str):
+    """A replicated tensor whose last axis is H (down_proj_bias [E, H], the norm weight [H]) → zero-padded to Hp."""
+
+    def load(sources: Any, rank: int) -> torch.Tensor:
+        src = _plain(sources)
+        got = slice_shape(src)
+        if not got or got[-1] != shape.hidden or (len(got) == 2 and got[0] != shape.experts):
+            want = (shape.experts, shape.hidden) if len(got) == 2 else (shape.hidden,)
+            raise ValueError(f"{what}: checkpoint shape {tuple(got)} != expected {want}")
+        return _pad(src[...] if isinstance(src, torch.Tensor) else src[:], -1, shape.hidden_padded)
+
+    return load
+
+
+def gate_up_weight_loader(shape: MoEShape):
+    """gate_up_proj [E, H, 2I] (or its MXFP4 blocks/scales) → this rank's w_gate_up [E, Hp, 2, Is]."""
+    E, H, inter = shape.experts, shape.hidden, shape.intermediate
+
+    def load(sources: Any, rank: int) -> torch.Tensor:
+        start, stop = shape.i_range(rank)
+        n = stop - start
+        mx = _mx_sources(sources, "gate_up_proj")
+        if mx is None:
+            src = _plain(sources)
+            _check_shape(src, (E, H, 2 * inter), "gate_up_proj [E, H, 2I]")
+            # Interleaved columns 2i (gate), 2i+1 (up) of this rank's i: one contiguous slice.
+            raw = src[:, :, 2 * start:2 * stop] if n else torch.zeros(E, H, 0)
+            w = raw.reshape(E, H, n, 2).permute(0, 1, 3, 2)                          # [E, H, 2, n]
+        else:
+            blocks, scales = mx
+            _check_mx_pair(blocks, scales, E, 2 * inter, H, "gate_up_proj")
+            if n:
+                rows = dequant_mxfp4(blocks[:, 2 * start:2 * stop], scales[:, 2 * start:2 * stop])  # [E, 2n, H]
+            else:
+                rows = torch.zeros(E, 0, H)
+            w = rows.reshape(E, n, 2, H).permute(0, 3, 2, 1)                          # [E, H, 2, n]
+        return _pad(_pad(w, 3, shape.i_per_rank), 1, shape.hidden_padded)
+
+    return load
+
+
+def gate_up_bias_loader(shape: MoEShape):
+    """gate_up_proj_bias [E, 2I] (interleaved) → this rank's b_gate_up [E, 2, Is]."""
+    E = shape.experts
+
+    def load(sources: Any, rank: int) -> torch.Tensor:
+        src = _plain(sources)
+        _check_shape(src, (E, 2 * shape.intermediate), "gate_up_proj_bias [E, 2I]")
+        start, stop = shape.i_range(rank)
+        n = stop - start
+        raw = src[:, 2 * start:2 * stop] if n else torch.zeros(E, 0)
+        return _pad(raw.reshape(E, n, 2).permute(0, 2, 1), 2, shape.i_per_rank)
+
+    return load
+
+
+def down_weight_loader(shape: MoEShape):
+    """down_proj [E, I, H] (or its MXFP4 blocks/scales [E, H, I/32, ...]) → this rank's w_down [E, Is, Hp]."""
+    E, H, inter = shape.experts, shape.hidden, shape.intermediate
+
+    def load(sources: Any, rank: int) -> torch.Tensor:
+        start, stop = shape.i_range(rank)
+        n = stop - start
+        mx = _mx_sources(sources, "down_proj")
+        if mx is None:
+            src = _plain(sources)
+            _check_shape(src, (E, inter, H), "down_proj [E, I, H]")
+            w = src[:, start:stop, :] if n else torch.zeros(E, 0, H)
+        else:
+            blocks, scales = mx
+            _check_mx_pair(blocks, scales, E, H, inter, "down_proj")
+            if n:
+                # Whole blocks covering [start, stop): scales are per block, so a block is the unit of reading.
+                g0, g1 = start // MX_BLOCK, -(-stop // MX_BLOCK)
+                cols = dequant_mxfp4(blocks[:, :, g0:g1], scales[:, :, g0:g1])        # [E, H, (g1-g0)·32]
+                off = start - g0 * MX_BLOCK
+                w = cols[:, :, off:off + n].transpose(1, 2)                             # [E, n, H]
+            else:
+                w = torch.zeros(E, 0, H)
+        return _pad(_pad(w, 1, shape.i_per_rank), 2, shape.hidden_padded)
+
+    return load
+
+
+def gpt_oss_moe_mappings(layer: int, mxfp4: bool, norm: bool = False, prefix: str = "") -> dict[str, Any]:
+    """Parameter name (of an ``MoELayer`` under ``prefix``) → GPT-OSS checkpoint key, or role → key for MXFP4."""
+    mlp = GPT_OSS_MLP_KEY.format(layer=layer)
+    ex = mlp + "experts."
+
+    def mx_or_plain(name: str) -> str | dict[str, str]:
+        return {"blocks": f"{ex}{name}_blocks", "scales": f"{ex}{name}_scales"} if mxfp4 else ex + name
+
+    out: dict[str, Any] = {
+        "router.weight": mlp + "router.weight", "router.bias": mlp + "router.bias",
+        "w_gate_up": mx_or_plain("gate_up_proj"), "b_gate_up": ex + "gate_up_proj_bias",
+        "w_down": mx_or_plain("down_proj"), "b_down": ex + "down_proj_bias",
+    }
+    if norm:
+        out["gamma"] = GPT_OSS_NORM_KEY.format(layer=layer)
+    return {prefix + k: v for k, v in out.items()}
+
+
+def gpt_oss_checkpoint_is_mxfp4(checkpoint, layer: int) -> bool:
+    """True when the checkpoint ships layer's experts as MXFP4 blocks/scales, False for plain tensors."""
+    ex = GPT_OSS_MLP_KEY.format(layer=layer) + "experts."
+    if f"{ex}gate_up_proj_blocks" in checkpoint:
+        return True
+    if f"{ex}gate_up_proj" in checkpoint:
+        return False
+    raise KeyError(f"checkpoint has neither {ex}gate_up_proj nor {ex}gate_up_proj_blocks (layer {layer})")
