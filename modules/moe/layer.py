@@ -20,15 +20,20 @@ added on TP rank 0 only (the partials are summed). Collectives run in the activa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from modules.loading.checkpoint import SafetensorsCheckpoint
 from modules.loading.loaders import set_weight_loader, with_rank_override
 from modules.moe import kernels
 from modules.moe.loaders import (
     down_weight_loader,
     gate_up_bias_loader,
     gate_up_weight_loader,
+    gpt_oss_checkpoint_is_mxfp4,
+    gpt_oss_moe_mappings,
     hidden_vector_loader,
 )
 from modules.moe.router import MoERouter
@@ -76,6 +81,13 @@ class MoELayer(nn.Module):
         self.gamma = None
         if norm_eps is not None:
             self.gamma = param(Hp, loader=hidden_vector_loader(shape, "norm weight [H]"))
+
+    def load_gpt_oss(self, path: str | Path | SafetensorsCheckpoint, layer: int) -> dict[str, torch.Tensor]:
+        """Load this rank's shard of GPT-OSS decoder layer ``layer``'s MoE (bf16 or MXFP4 experts, detected) and,
+        with the fused norm, its post-attention RMSNorm weight, from an HF-layout safetensors file or directory."""
+        ckpt = path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
+        mappings = gpt_oss_moe_mappings(layer, gpt_oss_checkpoint_is_mxfp4(ckpt, layer), norm=self.gamma is not None)
+        return ckpt.load_sharded(self.tp_group.rank_in_group, self.tp_group.world_size, self, mappings)
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _padded(self, x: torch.Tensor, what: str) -> torch.Tensor:

@@ -70,8 +70,7 @@ def _check_moe(rank, world_size, paths):
             if form == "bf16":
                 # bf16 activations and weights: bf16 collectives, bf16 rounding of partials before the sum.
                 layer16 = MoELayer(shape, group, dtype=torch.bfloat16, norm_eps=EPS)
-                SafetensorsCheckpoint(path).load_sharded(group.rank_in_group, n, layer16,
-                                                         gpt_oss_moe_mappings(0, False, norm=True))
+                layer16.load_gpt_oss(path, 0)
                 assert_close_global(layer16(x_decode.bfloat16()), want, rtol=2e-2, msg="bf16 decode")
                 got16 = layer16(x_prefill[rank * chunk:(rank + 1) * chunk].bfloat16(), sequence_parallel=True)
                 assert_close_global(got16, _reference(ref, x_prefill, norm)[rank * chunk:(rank + 1) * chunk],

@@ -36,6 +36,17 @@ def test_gpt_oss_rank_shapes_follow_the_seed():
     assert (s.experts, s.top_k, s.i_per_rank) == (128, 4, 180)
 
 
+def test_gpt_oss_20b_tp8_rank_parameters_are_the_seeds():
+    """The seed's per-rank shards (gate_up [32, 3072, 768], down [32, 384, 3072]) in the kernel layout."""
+    shape = MoEShape.from_spec(GPT_OSS_20B, 8, intermediate_padded=mx_aligned_intermediate(GPT_OSS_20B.intermediate, 8))
+    with torch.device("meta"):
+        layer = MoELayer(shape, StaticGroup(8, 3), norm_eps=1e-5)
+    got = {n: tuple(p.shape) for n, p in layer.named_parameters()}
+    assert got == {"router.weight": (3072, 32), "router.bias": (32,), "w_gate_up": (32, 3072, 2, 384),
+                   "w_down": (32, 384, 3072), "b_gate_up": (32, 2, 384), "b_down": (32, 3072), "gamma": (3072,)}
+    assert all(p.dtype == torch.bfloat16 for p in layer.parameters())
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tp_size=7), "tp_size=7 does not divide intermediate size 160; pass intermediate_padded"),
     (dict(tp_size=3, intermediate_padded=200), "tp_size=3 does not divide intermediate padded size 200"),
