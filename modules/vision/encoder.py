@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from modules.config import VISION_BLOCK_ALIGN
 from modules.loading.checkpoint import SafetensorsCheckpoint
 from modules.parallel.transition import dp_gather_blocks, dp_scatter_blocks
 from modules.vision.config import VisionEncoderConfig
@@ -32,19 +33,25 @@ HF_PREFIX = "model.visual."
 
 
 class Qwen3VLVisionEncoder(nn.Module):
+    """backend selects the attention kernel's implementation ("torch": its reference; "nkisim": the NKI kernel on
+    the interpreter; "nki": on a NeuronCore; "auto": nki when importable, else nkisim); lnc=2 runs each block's kernel
+    on a two-core logical NeuronCore. dtype is the activations' and weights' (the kernel's inputs are bf16)."""
+
     def __init__(self, cfg: VisionEncoderConfig, tp_group, dp_group=None, backend: str = "auto",
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, lnc: int = 1) -> None:
         super().__init__()
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"Qwen3VLVisionEncoder: backend={backend!r}; choose from {ATTENTION_BACKENDS}")
+        if lnc not in (1, 2):
+            raise ValueError(f"Qwen3VLVisionEncoder: lnc={lnc!r} must be 1 or 2 (cores per logical NeuronCore)")
         if dp_group is not None and dp_group.world_size == 1:
             dp_group = None                     # the seed creates vision DP groups only for dp > 1
         cfg.check_tp(tp_group.world_size)
-        self.cfg, self.tp_group, self.dp_group, self.dtype = cfg, tp_group, dp_group, dtype
+        self.cfg, self.tp_group, self.dp_group, self.dtype, self.lnc = cfg, tp_group, dp_group, dtype, lnc
         self.patch_embed = PatchEmbed(cfg, dtype)
         self.pos_embed = nn.Module()
         self.pos_embed.weight = _replicated((cfg.num_position_embeddings, cfg.hidden_size), dtype)
-        self.blocks = nn.ModuleList([VisionBlock(cfg, tp_group, backend, dtype) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([VisionBlock(cfg, tp_group, backend, dtype, lnc) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, tp_group, postshuffle_norm=False, dtype=dtype)
         self.deepstack_merger_list = nn.ModuleList(
             [PatchMerger(cfg, tp_group, postshuffle_norm=True, dtype=dtype) for _ in cfg.deepstack_visual_indexes])
@@ -72,6 +79,10 @@ class Qwen3VLVisionEncoder(nn.Module):
         cfg = self.cfg
         cfg.check_block_size(p.block_size)
         nb, bs = p.num_blocks, p.block_size
+        if bs % (VISION_BLOCK_ALIGN * self.lnc):
+            # LNC=2 splits each block's 128-row query tiles evenly between the two cores.
+            raise ValueError(f"Qwen3VLVisionEncoder: block_size={bs} must be a multiple of "
+                             f"{VISION_BLOCK_ALIGN * self.lnc} at lnc={self.lnc}")
         expect = {"pixel_values": (nb, bs, cfg.patch_dim), "pos_emb_idx": (nb, bs, 4), "pos_emb_weight": (nb, bs, 4),
                   "cos": (nb, bs, cfg.head_dim), "sin": (nb, bs, cfg.head_dim), "bound_min": (nb, bs),
                   "bound_max": (nb, bs)}

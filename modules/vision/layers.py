@@ -50,9 +50,9 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionEncoderConfig, tp_group, backend: str, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: VisionEncoderConfig, tp_group, backend: str, dtype: torch.dtype, lnc: int = 1) -> None:
         super().__init__()
-        self.tp_group, self.backend = tp_group, backend
+        self.tp_group, self.backend, self.lnc = tp_group, backend, lnc
         self.num_heads = cfg.num_heads // tp_group.world_size     # this rank's heads
         self.head_dim = cfg.head_dim
         self.qkv = QKVParallelLinear(cfg.hidden_size, cfg.num_heads, cfg.num_heads, cfg.head_dim, tp_group,
@@ -68,7 +68,7 @@ class VisionAttention(nn.Module):
         partial = torch.stack([
             _as_torch(vision_block_attention(
                 xb[b], w_qkv, self.qkv.bias, cos[b], sin[b], bound_min[b], bound_max[b], w_o,
-                num_heads=self.num_heads, head_dim=self.head_dim, backend=self.backend)).to(x.dtype)
+                num_heads=self.num_heads, head_dim=self.head_dim, backend=self.backend, lnc=self.lnc)).to(x.dtype)
             for b in range(x.shape[0])])
         # One all-reduce per layer for all of this rank's blocks; the O bias once, after the sum.
         return self.tp_group.all_reduce(partial) + self.proj.bias
@@ -97,11 +97,11 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionEncoderConfig, tp_group, backend: str, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: VisionEncoderConfig, tp_group, backend: str, dtype: torch.dtype, lnc: int = 1) -> None:
         super().__init__()
         self.norm1 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
         self.norm2 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
-        self.attn = VisionAttention(cfg, tp_group, backend, dtype)
+        self.attn = VisionAttention(cfg, tp_group, backend, dtype, lnc)
         self.mlp = VisionMLP(cfg, tp_group, dtype)
 
     def forward(self, x, cos, sin, bound_min, bound_max):

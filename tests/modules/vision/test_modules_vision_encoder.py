@@ -50,6 +50,20 @@ def test_matches_reference_single_rank(ckpt, reference):
     assert_bf16_close(fat, reference, "tp1 dp1 vs reference")
 
 
+@pytest.mark.parametrize("lnc,block", [(1, BLOCK), (2, 2 * BLOCK)])
+def test_nkisim_kernel_matches_reference(ckpt, reference, lnc, block):
+    # The NKI kernel itself (on the interpreter) in every layer; at LNC 2 a block holds two query tiles per core pair.
+    packed = pack_images(random_pixels(TINY, GRIDS), GRIDS, TINY, block, dp_size=2)
+    enc = Qwen3VLVisionEncoder(TINY, StaticGroup(), backend="nkisim", lnc=lnc)
+    enc.load_checkpoint(ckpt)
+    if lnc == 2:
+        with pytest.raises(ValueError, match=r"block_size=128 must be a multiple of 256 at lnc=2"):
+            enc(pack_images(random_pixels(TINY, GRIDS), GRIDS, TINY, BLOCK))
+    fat = enc(packed)
+    assert_bf16_close(fat, reference, f"nkisim lnc {lnc} vs reference")
+    assert_bf16_close(fat, _encoder(ckpt)(packed), f"nkisim lnc {lnc} vs torch backend")
+
+
 def test_padding_blocks_are_zero_and_never_reach_the_output(ckpt, reference):
     enc = _encoder(ckpt)
     px = random_pixels(TINY, GRIDS)
@@ -96,13 +110,17 @@ def test_sharded_load_reads_only_the_rank_slices(ckpt):
 
 
 # ---- gloo worlds -----------------------------------------------------------------------------------------------
-def _run_modes(rank, world_size, ckpt, text_tp, modes):
+def _run_modes(rank, world_size, ckpt, text_tp, modes, backend="torch"):
+    if backend == "nkisim":
+        import nkisim
+
+        nkisim.install()          # a fresh rank process: serve `import nki` from the interpreter
     px = random_pixels(TINY, GRIDS)
     out = []
     for kwargs in modes:
         vision = VisionNeuronConfig(**kwargs, buckets=((BLOCK, 3),))
         st = initialize_parallel_state(NeuronConfig(tp_size=text_tp, dp_size=world_size // text_tp), vision)
-        enc = Qwen3VLVisionEncoder.from_parallel_state(TINY, st, backend="torch")
+        enc = Qwen3VLVisionEncoder.from_parallel_state(TINY, st, backend=backend)
         enc.load_checkpoint(ckpt)
         packed = pack_images(px, GRIDS, TINY, BLOCK, num_blocks=vision.buckets[0][1])
         with st.log.capture() as log:
@@ -154,3 +172,11 @@ def test_combined_mode_world16(ckpt, reference):
     # The seed's golden: DP columns [0,4,8,12], [1,5,9,13], ...
     assert [results[r][0]["dp_ranks"] for r in range(4)] == [[c, c + 4, c + 8, c + 12] for c in range(4)]
     _check_world(results, reference, 16)
+
+
+@pytest.mark.timeout(120)
+def test_nkisim_kernel_tp2_dp2_world4(ckpt, reference):
+    # The NKI kernel on the interpreter inside the combined mode: each rank runs its 2 heads on its 2 blocks.
+    results = run_distributed(_run_modes, 4, str(ckpt), 2, [{"tp_size": 2}], "nkisim", timeout=110)
+    assert results[0][0]["tp_dp"] == (2, 2)
+    _check_world(results, reference, 4)
