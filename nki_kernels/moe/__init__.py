@@ -1,5 +1,8 @@
 """MoE kernels (router, TKG for decode, blockwise CTE for prefill) and their torch references."""
 
+from .blockwise import BlockwiseMapping, blockwise_mapping
+from .cte import moe_cte
+from .moe_cte_torch import moe_cte_torch
 from .moe_torch import (
     ACTIVATIONS,
     ROUTER_MODES,
@@ -13,5 +16,6 @@ from .moe_torch import (
     router_torch,
 )
 
-__all__ = ["ACTIVATIONS", "ROUTER_MODES", "activation_torch", "dense_affinities", "dequant_mxfp4",
+__all__ = ["BlockwiseMapping", "blockwise_mapping", "moe_cte", "moe_cte_torch",
+           "ACTIVATIONS", "ROUTER_MODES", "activation_torch", "dense_affinities", "dequant_mxfp4",
            "expert_mlp_torch", "moe_experts_torch", "moe_torch", "rmsnorm_torch", "router_torch"]
