@@ -35,8 +35,11 @@ def router_torch(x, w_router, b_router=None, *, top_k, mode="gpt_oss", renormali
 
     mode "gpt_oss": top-k on the logits, softmax over the k selected logits (GPT-OSS).
     mode "softmax_topk": softmax over all E logits, then top-k; `renormalize` divides the k probabilities by their sum.
-    Ties are broken as torch.topk breaks them. Returns (logits [T, E] fp32, expert_index [T, k] int64,
-    affinities [T, k] fp32), each token's experts in descending logit order.
+    Ties are broken by the lower expert index first (a stable descending sort). torch.topk equals this whenever
+    the selected values are distinct, but its tie order is implementation-defined (CPU: topk(zeros(6), 2) gives
+    [3, 5]), so no kernel could match it; the hardware's max8 / nc_find_index8 give lowest-index-first, as here.
+    Returns (logits [T, E] fp32, expert_index [T, k] int64, affinities [T, k] fp32), each token's experts in
+    descending logit order.
     """
     if mode not in ROUTER_MODES:
         raise ValueError(f"router mode must be one of {ROUTER_MODES}, got {mode!r}")
@@ -47,12 +50,18 @@ def router_torch(x, w_router, b_router=None, *, top_k, mode="gpt_oss", renormali
     if b_router is not None:
         logits = logits + b_router.float()
     if mode == "gpt_oss":
-        top, index = torch.topk(logits, top_k, dim=-1)
+        top, index = _topk_stable(logits, top_k)
         return logits, index, torch.softmax(top, dim=-1)
-    top, index = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    top, index = _topk_stable(torch.softmax(logits, dim=-1), top_k)
     if renormalize:
         top = top / top.sum(dim=-1, keepdim=True)
     return logits, index, top
+
+
+def _topk_stable(values, k):
+    """The k largest along the last axis, descending, equal values in ascending index order."""
+    top, index = torch.sort(values, dim=-1, descending=True, stable=True)
+    return top[..., :k], index[..., :k]
 
 
 def dense_affinities(expert_index, affinities, num_experts):

@@ -51,12 +51,15 @@ def test_router_modes_match_a_per_token_computation():
     assert (raw.sum(-1) < 1).all()
 
 
-def test_router_ties_follow_torch_topk_and_bad_k_is_named():
+def test_router_ties_lowest_index_first_and_bad_k_is_named():
     x = torch.ones(2, 4)
     w = torch.zeros(4, 6)                              # every logit equal
     _, idx, aff = router_torch(x, w, top_k=2)
-    assert torch.equal(idx, torch.topk(torch.zeros(2, 6), 2).indices)
+    assert idx.tolist() == [[0, 1], [0, 1]]            # torch.topk's CPU order here is [3, 5]: implementation-defined
     assert torch.allclose(aff, torch.full((2, 2), 0.5))
+    b = torch.tensor([0.0, 2.0, 2.0, 1.0, 2.0, 0.5])   # a three-way tie above the rest
+    _, idx, _ = router_torch(torch.zeros(1, 4), w, b, top_k=4, mode="softmax_topk")
+    assert idx.tolist() == [[1, 2, 4, 3]]
     with pytest.raises(ValueError, match="top_k"):
         router_torch(x, w, top_k=7)
     with pytest.raises(ValueError, match="router mode"):

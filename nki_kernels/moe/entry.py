@@ -1,0 +1,43 @@
+"""Backend plumbing shared by the MoE functional entries (`router`, `moe_tkg`): backend names and resolution,
+host-side tensor conversion. The argument checks live beside each kernel (one source for each kernel's limits)."""
+
+import numpy as np
+
+import nkisim
+
+BACKENDS = ("auto", "nki", "nkisim", "torch")
+
+
+def resolve_backend(op, backend):
+    """'auto' → 'nki' when AWS's real package serves `import nki`, else 'nkisim'; a kernel backend that cannot run
+    here is refused by name before any work."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend={backend!r} must be one of {BACKENDS}")
+    if backend == "auto":
+        return "nkisim" if nkisim.active() else "nki"
+    if backend == "nkisim" and not nkisim.active():
+        raise RuntimeError(f"{op}: backend='nkisim' needs nkisim to serve `import nki` (set NKISIM=1 before importing)")
+    if backend == "nki" and nkisim.active():
+        raise RuntimeError(f"{op}: backend='nki' needs AWS's real nki package; `import nki` is served by nkisim here")
+    return backend
+
+
+def to_torch(x):
+    """torch tensors pass through; NumPy arrays (bfloat16 included) become torch tensors; None stays None."""
+    if x is None:
+        return None
+    import torch
+    if isinstance(x, torch.Tensor):
+        return x
+    a = np.asarray(x)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def shape_of(x):
+    return None if x is None else tuple(int(d) for d in x.shape)
+
+
+def dtype_name(x):
+    return str(x.dtype).replace("torch.", "")

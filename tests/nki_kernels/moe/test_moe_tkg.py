@@ -1,0 +1,61 @@
+"""moe_tkg: the functional entry's checks and backends; the NKI kernel on nkisim vs the torch reference.
+
+Tolerances follow nki-library's moe_tkg tests: |a - b| <= atol + rtol * max|ref| with rtol 2e-2, atol 1e-5;
+expert indices exact; no NaN.
+"""
+
+import pytest
+import torch
+
+import nki_kernels  # noqa: F401 - registers the nki layer
+from modules.model_specs import GPT_OSS_20B, GPT_OSS_120B
+from nki_kernels.moe import moe_tkg, moe_torch
+from nki_kernels.moe.tkg_inputs import make_tkg_inputs, tkg_shard
+
+RTOL, ATOL = 2e-2, 1e-5
+OSS20_TP8 = tkg_shard(GPT_OSS_20B, 8)
+OSS120_TP16 = tkg_shard(GPT_OSS_120B, 16)
+
+
+def test_rank_shards_come_from_the_model_table():
+    assert OSS20_TP8 == dict(H=3072, E=32, top_k=4, inter=360, hidden_actual=2880)
+    assert OSS120_TP16 == dict(H=3072, E=128, top_k=4, inter=180, hidden_actual=2880)
+
+
+def test_torch_backend_is_the_reference_in_the_input_dtype():
+    args, kw = make_tkg_inputs(T=4, H=256, E=8, top_k=2, inter=64, hidden_actual=200)
+    out, idx, aff = moe_tkg(*args, **kw, backend="torch")
+    ref, ridx, raff = moe_torch(*args, **{**kw, "b_router": kw["b_router"]})
+    assert out.dtype == torch.bfloat16 and out.shape == (4, 256)
+    assert torch.equal(out, ref.to(torch.bfloat16)) and torch.equal(idx, ridx) and torch.equal(aff, raff)
+    out3, _, _ = moe_tkg(args[0].reshape(2, 2, 256), *args[1:], **kw, backend="torch")
+    assert torch.equal(out3, out)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(top_k=9), "top_k"),
+    (dict(x=torch.zeros(129, 256)), "tokens T=129"),
+    (dict(x=torch.zeros(4, 200), w_router=torch.zeros(200, 8)), "multiple of 128"),
+    (dict(w_down=torch.zeros(8, 32, 256)), "w_down must be"),
+    (dict(w_gate_up=torch.zeros(8, 256, 2, 32)), "w_down must be"),
+    (dict(w_gate_up=torch.zeros(7, 256, 2, 64)), "w_gate_up must be"),
+    (dict(b_gate_up=torch.zeros(8, 64)), "b_gate_up"),
+    (dict(b_down=torch.zeros(8, 128)), "b_down"),
+    (dict(gamma=torch.zeros(128)), "gamma"),
+    (dict(hidden_actual=300), "hidden_actual"),
+    (dict(activation="gelu"), "activation"),
+    (dict(expert_mode="dense"), "expert_mode"),
+    (dict(router_mode="sigmoid"), "router mode"),
+    (dict(w_router=torch.zeros(256, 129)), "experts E=129"),
+    (dict(backend="cuda"), "backend"),
+])
+def test_bad_input_is_named_before_any_work(change, match):
+    args, kw = make_tkg_inputs(T=4, H=256, E=8, top_k=2, inter=64)
+    names = ("x", "w_router", "w_gate_up", "w_down")
+    a = dict(zip(names, args))
+    for k in list(change):
+        if k in a:
+            a[k] = change.pop(k)
+    kw.update(change)
+    with pytest.raises(ValueError, match=match):
+        moe_tkg(*(a[n] for n in names), **kw)
