@@ -4,11 +4,15 @@ from modules.loading.checkpoint import SafetensorsCheckpoint
 from modules.loading.loaders import (
     ShardSpec,
     fused_qkv_weight_loader,
+    gate_up_weight_loader,
     get_weight_loader,
+    head_range_weight_loader,
     load_from_tensors,
     replicated_weight_loader,
+    reshaped_weight_loader,
     set_weight_loader,
     sharding_weight_loader,
+    transposed_weight_loader,
     with_rank_override,
 )
 
@@ -16,10 +20,14 @@ __all__ = [
     "SafetensorsCheckpoint",
     "ShardSpec",
     "fused_qkv_weight_loader",
+    "gate_up_weight_loader",
     "get_weight_loader",
+    "head_range_weight_loader",
     "load_from_tensors",
     "replicated_weight_loader",
+    "reshaped_weight_loader",
     "set_weight_loader",
     "sharding_weight_loader",
+    "transposed_weight_loader",
     "with_rank_override",
 ]

@@ -213,3 +213,92 @@ def load_from_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor
                              f"{tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(out)
+
+
+def transposed_weight_loader(loader: WeightLoader) -> WeightLoader:
+    """The 2-D result of ``loader`` transposed: a checkpoint's [out, in] shard placed into a kernel's [in, out]
+    parameter (e.g. the decode kernel's W_qkv [H, cols] and W_o [q heads * d, H])."""
+
+    @functools.wraps(loader)
+    def load(sources: Sources, rank: int) -> torch.Tensor:
+        out = loader(sources, rank)
+        if out.dim() != 2:
+            raise ValueError(f"transposed_weight_loader needs a 2-D shard, got shape {tuple(out.shape)}")
+        return out.t().contiguous()
+
+    return load
+
+
+def reshaped_weight_loader(loader: WeightLoader, shape: tuple[int, ...]) -> WeightLoader:
+    """The result of ``loader`` viewed as ``shape`` (e.g. a [H] norm weight placed into a kernel's [1, H])."""
+
+    @functools.wraps(loader)
+    def load(sources: Sources, rank: int) -> torch.Tensor:
+        return loader(sources, rank).reshape(shape).contiguous()
+
+    return load
+
+
+def gate_up_weight_loader(intermediate_size: int, num_shards: int, dim: int = 0) -> WeightLoader:
+    """Loader for a fused [gate | up] column-parallel projection sharded over the intermediate dim.
+
+    Rank r gets ``cat(gate[r-th I/n rows], up[r-th I/n rows])`` along ``dim`` (0 for an [out, in] weight or a
+    bias), so its local SwiGLU is ``silu(y[:I/n]) * y[I/n:]``. Sources: roles "gate" and "up" (HF Llama's
+    separate gate_proj / up_proj) or one "gate_up" tensor laid out [all gate rows | all up rows].
+    Only the rank's rows are read.
+    """
+    if intermediate_size % num_shards:
+        raise ValueError(f"gate_up_weight_loader: intermediate_size={intermediate_size} is not divisible by "
+                         f"num_shards={num_shards}")
+    per = intermediate_size // num_shards
+
+    def rows(src: Any, offset: int, rank: int) -> torch.Tensor:
+        shape = slice_shape(src)
+        d = dim % len(shape)
+        index = _full_index(len(shape))
+        start = offset + (rank % num_shards) * per
+        index[d] = slice(start, start + per)
+        return _read(src, tuple(index))
+
+    def load(sources: Sources, rank: int) -> torch.Tensor:
+        if not isinstance(sources, Mapping):
+            sources = {"gate_up": sources}
+        if set(sources) == {"gate_up"}:
+            src = sources["gate_up"]
+            got = slice_shape(src)[dim]
+            if got != 2 * intermediate_size:
+                raise ValueError(f"fused gate_up dim {dim} has {got} rows, expected 2 × {intermediate_size}")
+            gate, up = rows(src, 0, rank), rows(src, intermediate_size, rank)
+        elif set(sources) == {"gate", "up"}:
+            for role in ("gate", "up"):
+                got = slice_shape(sources[role])[dim]
+                if got != intermediate_size:
+                    raise ValueError(f"{role} dim {dim} has {got} rows, expected intermediate_size="
+                                     f"{intermediate_size}")
+            gate, up = rows(sources["gate"], 0, rank), rows(sources["up"], 0, rank)
+        else:
+            raise ValueError(f"gate_up_weight_loader needs roles gate,up or gate_up, got {sorted(sources)}")
+        return torch.cat([gate, up], dim=dim).contiguous()
+
+    return load
+
+
+def head_range_weight_loader(head_start: int, num_heads: int, head_dim: int, total_heads: int,
+                             dim: int = 0) -> WeightLoader:
+    """Rows [head_start * head_dim, (head_start + num_heads) * head_dim) of ``dim`` of a per-head tensor
+    (total_heads * head_dim rows): a fixed head range, e.g. the K/V heads of one TP position that every
+    attention-DP rank of its column holds."""
+    if head_start < 0 or num_heads < 1 or head_start + num_heads > total_heads:
+        raise ValueError(f"head range [{head_start}, {head_start + num_heads}) is outside 0..{total_heads}")
+
+    def load(sources: Sources, rank: int) -> torch.Tensor:
+        src = _single(sources, "head_range_weight_loader")
+        shape = slice_shape(src)
+        d = dim % len(shape)
+        if shape[d] != total_heads * head_dim:
+            raise ValueError(f"dim {d} has {shape[d]} rows, expected {total_heads} heads × {head_dim}")
+        index = _full_index(len(shape))
+        index[d] = slice(head_start * head_dim, (head_start + num_heads) * head_dim)
+        return _read(src, tuple(index)).contiguous()
+
+    return load

@@ -1,0 +1,8 @@
+"""Decoder models as library code: prefill (TP + SP) and decode (component DP, attention DP) graphs, a runner
+with bucket warmup, HF-layout checkpoint names."""
+
+from modules.models.decoder import DecodeModel, KVCache, PrefillModel
+from modules.models.llama import llama_mlp, llama_mlp_mappings
+from modules.models.runner import ModelRunner
+
+__all__ = ["DecodeModel", "KVCache", "ModelRunner", "PrefillModel", "llama_mlp", "llama_mlp_mappings"]

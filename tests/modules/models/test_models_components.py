@@ -1,0 +1,80 @@
+"""Model components on gloo ranks: the LM head's padded-vocab mask, the prefill SP length rule, and the decode
+kernel path against the torch path within bf16."""
+
+import pytest
+import torch
+from models_case import serve
+
+from modules.model_specs import TextModelSpec
+from modules.models.hf_layout import random_dense_state, write_checkpoint
+from modules.testing import RankFailedError, run_distributed
+
+V, H = 13, 8  # 13 over 4 ranks: 4 rows each, the last shard holds 1 real row and 3 zero padding rows
+
+
+def _lm_head_rank(rank, world_size, x, w):
+    from modules.loading import load_from_tensors
+    from modules.models.lm_head import ShardedLMHead
+    from modules.parallel.coordinator import GroupCoordinator
+    head = ShardedLMHead(H, V, GroupCoordinator([list(range(world_size))], "lm_head_tp"), dtype=torch.float32)
+    load_from_tensors(head, {"w": w}, rank, mappings={"proj.weight": "w"})
+    return head.sample(x), head.sample(x, mask_padding=False), head.gathered_logits(x)
+
+
+def test_padded_vocab_is_masked_where_padding_would_win():
+    """Every real logit is negative (positive hidden states, negative weights), so a padded column's 0 is the
+    largest value: unmasked sampling picks a padding id >= V, the masked one the true argmax."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(5, H, generator=g) + 0.1
+    w = -(torch.rand(V, H, generator=g) + 0.1)
+    ref = x @ w.t()
+    assert (ref < 0).all()
+    for masked, unmasked, logits in run_distributed(_lm_head_rank, 4, x, w):
+        assert torch.equal(masked, ref.argmax(-1))
+        assert (unmasked >= V).all(), unmasked  # what the mask prevents
+        torch.testing.assert_close(logits, ref)
+
+
+def test_prefill_rejects_padded_length_not_above_tp():
+    """Sequence parallel needs T > tp world_size: a bucket equal to tp is refused with the rule in the message."""
+    spec = TextModelSpec("tiny", layers=1, hidden=16, intermediate=16, heads=2, kv_heads=2, head_dim=8, vocab=11)
+    with pytest.raises(RankFailedError, match=r"T=2 must satisfy T > tp world_size=2"):
+        run_distributed(_prefill_bucket_rank, 2, spec)
+
+
+def _prefill_bucket_rank(rank, world_size, spec):
+    from modules.config import NeuronConfig
+    from modules.models import ModelRunner, llama_mlp, llama_mlp_mappings
+    from modules.parallel.state import initialize_parallel_state
+    state = initialize_parallel_state(NeuronConfig(tp_size=2, prefill_buckets=(2, 4), decode_buckets=(1,)))
+    runner = ModelRunner(spec, state, llama_mlp, llama_mlp_mappings, s_max=8, dtype=torch.float32)
+    runner.prefill(0, torch.tensor([1, 2]))
+
+
+KERNEL_SPEC = TextModelSpec("tiny-kernel", layers=1, hidden=128, intermediate=128, heads=4, kv_heads=2, head_dim=32,
+                            vocab=64)
+
+
+@pytest.mark.timeout(120)
+def test_decode_kernel_path_matches_torch_path(tmp_path):
+    """backend="nkisim" runs the fused decode-attention kernel on the interpreter (tp 2, bf16); its logits and
+    greedy tokens equal the torch path's within bf16 (|diff| <= 2e-2 max|logit|)."""
+    path = str(write_checkpoint(random_dense_state(KERNEL_SPEC, seed=3, dtype=torch.bfloat16), tmp_path))
+    runs = {be: run_distributed(serve, 2, KERNEL_SPEC, dict(tp_size=2), path, steps=2, attn_backend=be,
+                                dtype=torch.bfloat16, timeout=100)[0] for be in ("torch", "nkisim")}
+    t, k = runs["torch"], runs["nkisim"]
+    assert torch.equal(t["tokens"], k["tokens"])
+    assert (t["logits"] - k["logits"]).abs().max() <= 2e-2 * t["logits"].abs().max()
+
+
+def _kernel_backend_with_attention_dp(rank, world_size):
+    from modules.config import NeuronConfig
+    from modules.models.attention_blocks import DecodeAttentionDP
+    from modules.parallel.state import initialize_parallel_state
+    state = initialize_parallel_state(NeuronConfig(dp_size=2, attention_dp_size=2))
+    DecodeAttentionDP(KERNEL_SPEC, 0, state.attention, 1e-5, 1e4, torch.bfloat16, backend="nkisim")
+
+
+def test_kernel_backend_refuses_attention_dp():
+    with pytest.raises(RankFailedError, match="no in-kernel all-to-all for attention_dp_size=2"):
+        run_distributed(_kernel_backend_with_attention_dp, 2)
