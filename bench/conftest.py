@@ -3,7 +3,9 @@
 At the end of ``pytest bench/ --benchmark-only`` this writes, under ``reports/`` (or ``--bench-report-dir``):
 ``bench-<timestamp>.json`` (pytest-benchmark JSON + our ``bench_report`` block), ``report-<timestamp>.html``,
 ``latest.html``, ``latest.json`` (a link to that JSON, not a second copy) and ``latest-summary.json`` (small summary,
-bench/report/console.py). ``--no-bench-report`` turns it off. ``--benchmark-json PATH`` output also carries the
+bench/report/console.py). ``--no-bench-report`` turns it off. The ratchet (bench/ratchet.py) then checks the modelled
+kernel latencies against ``bench/ratchet_baseline.json`` and fails the session on a regression (``--ratchet-update``
+rewrites the baseline, ``--no-ratchet`` skips the check). ``--benchmark-json PATH`` output also carries the
 ``bench_report`` block, so ``python -m bench.cli report PATH`` re-renders the same report; with it the JSON is
 generated and written once, at PATH, and ``latest.json`` links there.
 
@@ -35,6 +37,11 @@ def pytest_addoption(parser):
     group.addoption("--bench-report-dir", default=None, help="directory for reports (default: <rootdir>/reports)")
     group.addoption("--bench-mem-limit-gib", type=float, default=None,
                     help="memory limit per rank for the report's best-configuration table (default: HBM per rank)")
+    group.addoption("--ratchet-update", action="store_true", default=False,
+                    help="rewrite bench/ratchet_baseline.json from this run's modelled kernel latencies (commit it)")
+    group.addoption("--no-ratchet", action="store_true", default=False,
+                    help="do not check modelled kernel latencies against the ratchet baseline")
+    group.addoption("--ratchet-baseline", default=None, help="baseline file (default: bench/ratchet_baseline.json)")
 
 
 def pytest_runtest_logreport(report):
@@ -75,6 +82,12 @@ def pytest_terminal_summary(terminalreporter, config):
     data = getattr(config, "_bench_data", None)
     if data is not None:
         _write_console(terminalreporter, data, bs)
+    lines = getattr(config, "_ratchet_lines", None)
+    if lines:
+        terminalreporter.write_sep("=", "ratchet (modelled kernel latencies vs bench/ratchet_baseline.json)",
+                                   red=getattr(config, "_ratchet_failed", False))
+        for line in lines:
+            terminalreporter.write_line(line)
     if bs is not None and not bs.groups and bs.benchmarks:
         # every row was withheld, so pytest-benchmark's display() returned before its --benchmark-compare-fail check
         bs.check_regressions()
@@ -119,10 +132,13 @@ def _session_json(config) -> dict | None:
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
-    if config.getoption("--no-bench-report") or getattr(config.option, "collectonly", False):
+    if getattr(config.option, "collectonly", False):
         return
     data = _session_json(config)
     if data is None:
+        return
+    _ratchet(session, data)
+    if config.getoption("--no-bench-report"):
         return
     from bench.report import write_report
     from bench.report.console import summary
@@ -144,6 +160,32 @@ def pytest_sessionfinish(session, exitstatus):
     config._bench_data = data
     config._bench_paths = (f"bench report: {html_path} (+ latest.html) rendered in {time.perf_counter() - t0:.1f}s",
                            f"benchmark JSON: {json_path} (latest.json); summary: {summary_path}")
+
+
+def _ratchet(session, data: dict) -> None:
+    """Modelled kernel latencies against the committed baseline (bench/ratchet.py): a regression > 2% or a target
+    ratio lost fails the session; --ratchet-update rewrites the baseline instead."""
+    from bench import ratchet
+
+    config = session.config
+    if config.getoption("--no-ratchet"):
+        return
+    path = config.getoption("--ratchet-baseline") or ratchet.BASELINE
+    if config.getoption("--ratchet-update"):
+        try:
+            n = len(ratchet.update(data, path))
+            config._ratchet_lines = [f"ratchet: baseline {path} rewritten from this run ({n} rows); commit it"]
+        except ValueError as e:
+            config._ratchet_lines = [f"ratchet: {e}"]
+        return
+    res = ratchet.check(data, ratchet.load_baseline(path), baseline_path=str(path))
+    if not res.regressions and not res.target_failures and not res.improvements and not res.new \
+            and not res.unchanged and not res.newly_met:
+        return                                              # no modelled kernel rows in this run
+    config._ratchet_lines = res.lines()
+    config._ratchet_failed = res.failed
+    if res.failed:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _link(link: Path, target: Path) -> None:

@@ -1,0 +1,94 @@
+"""bench/ratchet.py: a modelled-latency regression fails, an improvement or an update passes, new rows are reported."""
+
+import json
+
+import pytest
+
+from bench import ratchet
+
+
+def _bench(key, latency, bound=None, target=None, **extra):
+    x = {"modelled_latency_s": latency, **extra}
+    if bound is not None:
+        x.update(modelled_bound_s=bound, modelled_latency_over_bound=latency / bound)
+    if target is not None:
+        x["modelled_target_ratio"] = target
+    return {"fullname": key, "name": key.split("::")[-1], "extra_info": x}
+
+
+def _run(*benches):
+    return {"benchmarks": [*benches, {"fullname": "bench/test_model_sweep.py::test_model[x]", "extra_info":
+                                      {"kind": "model-table", "rows": []}},            # not a kernel row
+                           {"fullname": "d::device", "extra_info": {"measured": "device", "device_latency_s": 1.0}}]}
+
+
+BASE = _run(_bench("k::a", 100e-6, bound=90e-6, target=1.3), _bench("k::b", 50e-6), _bench("k::c", 10e-6))
+
+
+@pytest.fixture
+def baseline(tmp_path):
+    path = tmp_path / "baseline.json"
+    ratchet.update(BASE, path)
+    return path
+
+
+def test_only_modelled_kernel_rows_are_ratcheted(baseline):
+    rows = ratchet.load_baseline(baseline)
+    assert set(rows) == {"k::a", "k::b", "k::c"}
+    assert rows["k::a"] == {"latency_s": 1e-4, "target_ratio": 1.3, "over_bound": pytest.approx(1.11111),
+                            "meets_target": True}
+    assert ratchet.check(BASE, rows).failed is False
+
+
+def test_regression_over_two_percent_fails(baseline):
+    run = _run(_bench("k::a", 100e-6, bound=90e-6, target=1.3), _bench("k::b", 51.5e-6), _bench("k::c", 10.1e-6))
+    res = ratchet.check(run, ratchet.load_baseline(baseline))
+    assert res.failed and [r[0] for r in res.regressions] == ["k::b"]        # +3% fails, +1% (k::c) does not
+    assert res.unchanged == 2
+    assert any("REGRESSED" in line for line in res.lines())
+
+
+def test_improvement_and_new_rows_pass(baseline):
+    run = _run(_bench("k::a", 80e-6, bound=79e-6, target=1.3), _bench("k::b", 50e-6),
+               _bench("k::new", 5e-6))                       # k::c not run
+    res = ratchet.check(run, ratchet.load_baseline(baseline))
+    assert not res.failed
+    assert [r[0] for r in res.improvements] == ["k::a"] and res.new == ["k::new"] and res.not_run == ["k::c"]
+
+
+def test_target_met_in_baseline_is_asserted(baseline):
+    # latency within 2% but the bound dropped: latency / bound 1.44 > 1.3, which the baseline met
+    run = _run(_bench("k::a", 101e-6, bound=70e-6, target=1.3), _bench("k::b", 50e-6), _bench("k::c", 10e-6))
+    res = ratchet.check(run, ratchet.load_baseline(baseline))
+    assert res.failed and not res.regressions and [r[0] for r in res.target_failures] == ["k::a"]
+
+
+def test_update_in_the_same_commit_passes(baseline):
+    slower = _run(_bench("k::a", 100e-6, bound=90e-6, target=1.3), _bench("k::b", 60e-6), _bench("k::c", 10e-6))
+    assert ratchet.check(slower, ratchet.load_baseline(baseline)).failed
+    ratchet.update(slower, baseline)
+    assert not ratchet.check(slower, ratchet.load_baseline(baseline)).failed
+    assert ratchet.load_baseline(baseline)["k::b"]["latency_s"] == 60e-6
+
+
+def test_partial_update_keeps_other_rows_unless_pruned(baseline):
+    part = _run(_bench("k::b", 40e-6))
+    assert set(ratchet.update(part, baseline)) == {"k::a", "k::b", "k::c"}
+    assert set(ratchet.update(part, baseline, prune=True)) == {"k::b"}
+    with pytest.raises(ValueError, match="no modelled kernel rows"):
+        ratchet.update({"benchmarks": []}, baseline)
+
+
+def test_cli_check_exit_status(baseline, tmp_path, capsys):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(_run(_bench("k::a", 100e-6, bound=90e-6, target=1.3), _bench("k::b", 70e-6))))
+    assert ratchet.main(["check", str(run), "--baseline", str(baseline)]) == 1
+    assert "k::b" in capsys.readouterr().out
+    assert ratchet.main(["update", str(run), "--baseline", str(baseline)]) == 0
+    assert ratchet.main(["check", str(run), "--baseline", str(baseline)]) == 0
+
+
+def test_committed_baseline_is_small_and_well_formed():
+    rows = ratchet.load_baseline()
+    assert rows and ratchet.BASELINE.stat().st_size < 64_000
+    assert all(k.startswith("bench/") and "::" in k and r["latency_s"] > 0 for k, r in rows.items())
