@@ -27,7 +27,6 @@ from torch import nn
 
 from modules.loading.checkpoint import SafetensorsCheckpoint
 from modules.loading.loaders import set_weight_loader, with_rank_override
-from modules.moe import kernels
 from modules.moe.loaders import (
     down_weight_loader,
     gate_up_bias_loader,
@@ -38,7 +37,8 @@ from modules.moe.loaders import (
 )
 from modules.moe.router import MoERouter
 from modules.moe.shape import MoEShape
-from nki_kernels.moe.moe_torch import ACTIVATIONS, rmsnorm_torch
+from nki_kernels.moe import ACTIVATIONS, moe_cte, moe_tkg, rmsnorm_torch
+from nki_kernels.moe.entry import to_torch as as_torch
 
 UNSELECTED = -1.0
 
@@ -50,19 +50,21 @@ class MoELayer(nn.Module):
     b_gate_up [E, 2, Is], w_down [E, Is, Hp], b_down [E, Hp] (replicated, added on rank 0), and gamma [Hp] when
     ``norm_eps`` is given (the fused pre-MoE RMSNorm). Each parameter carries its GPT-OSS checkpoint loader.
     forward(x, sequence_parallel) returns the MoE output (no residual) with x's width (H or Hp) and dtype.
+    backend / lnc / expert_mode / block_size go to the kernel entries ``nki_kernels.moe.router / moe_tkg / moe_cte``
+    (backend "auto" | "nki" | "nkisim" | "torch"; "torch" runs their references).
     """
 
     def __init__(self, shape: MoEShape, tp_group, *, router_mode: str = "gpt_oss", renormalize: bool = False,
                  activation: str = "clamped_swiglu", bias: bool = True, norm_eps: float | None = None,
-                 dtype: torch.dtype = torch.bfloat16, backend: str = "torch", expert_mode: str = "auto",
-                 block_size: int | None = None) -> None:
+                 dtype: torch.dtype = torch.bfloat16, backend: str = "auto", expert_mode: str = "auto",
+                 block_size: int | None = None, lnc: int = 1) -> None:
         super().__init__()
         if tp_group.world_size != shape.tp_size:
             raise ValueError(f"MoELayer: tp_group world_size={tp_group.world_size} != shape.tp_size={shape.tp_size}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"MoELayer: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.shape, self.tp_group, self.activation, self.backend = shape, tp_group, activation, backend
-        self.norm_eps, self.expert_mode, self.block_size = norm_eps, expert_mode, block_size
+        self.norm_eps, self.expert_mode, self.block_size, self.lnc = norm_eps, expert_mode, block_size, lnc
         rank = tp_group.rank_in_group
         self.add_down_bias = rank == 0
         E, Hp, Is = shape.experts, shape.hidden_padded, shape.i_per_rank
@@ -118,9 +120,9 @@ class MoELayer(nn.Module):
         h_all = g.all_gather(h, dim=0)
         dense_all = g.all_gather(dense, dim=0)
         aff_all, index_all = torch.topk(dense_all, self.shape.top_k, dim=-1)
-        partial = kernels.moe_cte(h_all, index_all, aff_all, self.w_gate_up, self.w_down, b_gate_up=self.b_gate_up,
-                                  b_down=self.b_down, activation=self.activation, add_down_bias=self.add_down_bias,
-                                  block_size=self.block_size, backend=self.backend)
+        partial = as_torch(moe_cte(h_all, index_all, aff_all, self.w_gate_up, self.w_down, b_gate_up=self.b_gate_up,
+                                   b_down=self.b_down, activation=self.activation, add_down_bias=self.add_down_bias,
+                                   block_size=self.block_size, backend=self.backend, lnc=self.lnc))
         out = g.reduce_scatter(partial.to(x.dtype), dim=0)
         return out[:, :width]
 
@@ -129,13 +131,13 @@ class MoELayer(nn.Module):
         width = x.shape[-1] if x.dim() == 2 else None
         h = self._padded(x, "decode")
         r = self.router
-        partial, _, _ = kernels.moe_tkg(
+        partial, _, _ = moe_tkg(
             h, r.weight, self.w_gate_up, self.w_down, top_k=self.shape.top_k, b_router=r.bias,
             b_gate_up=self.b_gate_up, b_down=self.b_down, gamma=self.gamma, eps=self.norm_eps or 1e-5,
             hidden_actual=self.shape.hidden, router_mode=r.mode, renormalize=r.renormalize,
             activation=self.activation, add_down_bias=self.add_down_bias, expert_mode=self.expert_mode,
-            backend=self.backend)
-        return self.tp_group.all_reduce(partial.to(x.dtype))[:, :width]
+            backend=self.backend, lnc=self.lnc)
+        return self.tp_group.all_reduce(as_torch(partial).to(x.dtype))[:, :width]
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         return self.prefill(x) if sequence_parallel else self.decode(x)

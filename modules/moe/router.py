@@ -6,19 +6,21 @@ import torch
 from torch import nn
 
 from modules.loading.loaders import replicated_weight_loader, set_weight_loader
-from modules.moe import kernels
 from modules.moe.loaders import router_weight_loader
 from modules.moe.shape import MoEShape
-from nki_kernels.moe.moe_torch import ROUTER_MODES
+from nki_kernels.moe import ROUTER_MODES
+from nki_kernels.moe import router as router_entry
+from nki_kernels.moe.entry import to_torch as as_torch
 
 
 class MoERouter(nn.Module):
     """weight [Hp, E] (the kernels' layout; loaded from the checkpoint's [E, H] with zero rows for the hidden pad),
     bias [E]. mode "gpt_oss": top-k on logits then softmax over the k; "softmax_topk": softmax then top-k (optionally
-    renormalised). forward(x [T, Hp]) → (logits [T, E] fp32, expert_index [T, k], affinities [T, k] fp32)."""
+    renormalised). forward(x [T, Hp]) → (logits [T, E] fp32, expert_index [T, k], affinities [T, k] fp32).
+    backend: the kernel entry's ("auto" | "nki" | "nkisim" | "torch")."""
 
     def __init__(self, shape: MoEShape, mode: str = "gpt_oss", renormalize: bool = False, bias: bool = True,
-                 dtype: torch.dtype = torch.bfloat16, backend: str = "torch") -> None:
+                 dtype: torch.dtype = torch.bfloat16, backend: str = "auto") -> None:
         super().__init__()
         if mode not in ROUTER_MODES:
             raise ValueError(f"MoERouter: mode must be one of {ROUTER_MODES}, got {mode!r}")
@@ -35,5 +37,6 @@ class MoERouter(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.shape.hidden_padded:
             raise ValueError(f"MoERouter: x must be [T, hidden_padded={self.shape.hidden_padded}], got "
                              f"{tuple(x.shape)}")
-        return kernels.router(x, self.weight, self.bias, top_k=self.top_k, mode=self.mode,
-                              renormalize=self.renormalize, backend=self.backend)
+        out = router_entry(x, self.weight, self.bias, top_k=self.top_k, mode=self.mode,
+                           renormalize=self.renormalize, backend=self.backend)
+        return tuple(as_torch(t) for t in out)

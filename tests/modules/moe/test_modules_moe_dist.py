@@ -46,7 +46,7 @@ def _check_moe(rank, world_size, paths):
         shape = _shape(form, n)
         ckpt = SafetensorsCheckpoint(path)
         assert gpt_oss_checkpoint_is_mxfp4(ckpt, 0) == (form == "mxfp4")
-        layer = MoELayer(shape, group, dtype=torch.float32, norm_eps=EPS if norm else None)
+        layer = MoELayer(shape, group, dtype=torch.float32, norm_eps=EPS if norm else None, backend="torch")
         ckpt.load_sharded(group.rank_in_group, n, layer, gpt_oss_moe_mappings(0, form == "mxfp4", norm=norm))
         reads[form] = dict(ckpt.bytes_read)
         Hp = shape.hidden_padded
@@ -69,7 +69,7 @@ def _check_moe(rank, world_size, paths):
             assert torch.equal(got[:, H:], torch.zeros(T_DECODE, Hp - H))
             if form == "bf16":
                 # bf16 activations and weights: bf16 collectives, bf16 rounding of partials before the sum.
-                layer16 = MoELayer(shape, group, dtype=torch.bfloat16, norm_eps=EPS)
+                layer16 = MoELayer(shape, group, dtype=torch.bfloat16, norm_eps=EPS, backend="torch")
                 layer16.load_gpt_oss(path, 0)
                 assert_close_global(layer16(x_decode.bfloat16()), want, rtol=2e-2, msg="bf16 decode")
                 got16 = layer16(x_prefill[rank * chunk:(rank + 1) * chunk].bfloat16(), sequence_parallel=True)

@@ -4,7 +4,8 @@ and MXFP4), the router module, the size-1 layer against moe_torch, the routing g
 import pytest
 import torch
 
-import modules.moe.kernels as moe_kernels
+import modules.moe.layer as moe_layer
+import modules.moe.router as moe_router
 from modules.loading import SafetensorsCheckpoint, load_from_tensors
 from modules.model_specs import GPT_OSS_20B, GPT_OSS_120B, LLAMA_31_8B
 from modules.moe import (
@@ -78,7 +79,8 @@ def ckpts(tmp_path_factory):
 
 def _load(path, shape, rank, norm=True, dtype=torch.float32):
     ckpt = SafetensorsCheckpoint(path)
-    layer = MoELayer(shape, StaticGroup(shape.tp_size, rank), dtype=dtype, norm_eps=1e-5 if norm else None)
+    layer = MoELayer(shape, StaticGroup(shape.tp_size, rank), dtype=dtype, norm_eps=1e-5 if norm else None,
+                     backend="torch")
     ckpt.load_sharded(rank, shape.tp_size, layer, gpt_oss_moe_mappings(0, gpt_oss_checkpoint_is_mxfp4(ckpt, 0),
                                                                        norm=norm))
     return layer, ckpt.bytes_read
@@ -171,18 +173,18 @@ def test_size_one_layer_equals_moe_torch_and_logs_bypassed_collectives(ckpts):
 
 def test_prefill_routing_gather_recovers_indices_even_with_ties_and_zero_affinities(monkeypatch):
     shape = MoEShape(H, INTER, E, K, 1, hidden_padded=128)
-    layer = MoELayer(shape, StaticGroup(), dtype=torch.float32)
+    layer = MoELayer(shape, StaticGroup(), dtype=torch.float32, backend="torch")
     with torch.no_grad():
         layer.router.weight.zero_()
         layer.router.weight[0, 0] = 1000.0       # token 0: expert 0 dominates, the other 3 selected get 0
     seen = {}
-    real = moe_kernels.moe_cte
+    real = moe_layer.moe_cte
 
     def spy(x, index, aff, *a, **kw):
         seen["index"], seen["aff"] = index, aff
         return real(x, index, aff, *a, **kw)
 
-    monkeypatch.setattr(moe_kernels, "moe_cte", spy)
+    monkeypatch.setattr(moe_layer, "moe_cte", spy)
     x = torch.zeros(3, H)
     x[0, 0] = 1.0                                  # rows 1, 2: every logit equal (ties)
     layer(x, sequence_parallel=True)
@@ -198,7 +200,7 @@ def test_prefill_routing_gather_recovers_indices_even_with_ties_and_zero_affinit
 def test_router_module_matches_reference_and_checks_input():
     shape = MoEShape(H, INTER, E, K, 1)
     assert shape.hidden_padded == 512
-    r = MoERouter(shape, mode="softmax_topk", renormalize=True, dtype=torch.float32)
+    r = MoERouter(shape, mode="softmax_topk", renormalize=True, dtype=torch.float32, backend="torch")
     with torch.no_grad():
         r.weight[:H].copy_(torch.randn(H, E))
         r.bias.copy_(torch.randn(E))
@@ -218,7 +220,7 @@ def test_layer_input_errors():
         MoELayer(shape, StaticGroup())
     with pytest.raises(ValueError, match="activation must be one of"):
         MoELayer(MoEShape(H, INTER, E, K, 1), StaticGroup(), activation="gelu")
-    layer = MoELayer(MoEShape(H, INTER, E, K, 1), StaticGroup())
+    layer = MoELayer(MoEShape(H, INTER, E, K, 1), StaticGroup(), backend="torch")
     with pytest.raises(ValueError, match=r"MoELayer.decode: x must be \[T, 96\] or \[T, 512\] \(padded\), got "
                                          r"\(4, 100\)"):
         layer(torch.zeros(4, 100))
@@ -226,14 +228,20 @@ def test_layer_input_errors():
         layer(torch.zeros(0, H, dtype=torch.bfloat16), sequence_parallel=True)
 
 
-def test_backend_switch(monkeypatch):
-    import nki_kernels.moe as pkg
+def test_backend_and_lnc_reach_the_kernel_entries(monkeypatch):
+    seen = []
 
-    for name in ("router", "moe_tkg", "moe_cte"):
-        monkeypatch.delattr(pkg, name, raising=False)
-    with pytest.raises(ValueError, match=r"MoE moe_tkg: backend='nkisim' needs nki_kernels.moe.moe_tkg"):
-        moe_kernels.moe_tkg(torch.zeros(1, 128), torch.zeros(128, 2), torch.zeros(2, 128, 2, 4),
-                            torch.zeros(2, 4, 128), top_k=1, backend="nkisim")
-    calls = []
-    monkeypatch.setattr(pkg, "moe_cte", lambda *a, **kw: calls.append(kw["backend"]) or "out", raising=False)
-    assert moe_kernels.moe_cte(None, None, None, None, None, backend="nkisim") == "out" and calls == ["nkisim"]
+    def spy(name, real):
+        def call(*a, **kw):
+            seen.append((name, kw["backend"], kw.get("lnc")))
+            return real(*a, **{**kw, "backend": "torch"})
+        return call
+
+    monkeypatch.setattr(moe_layer, "moe_cte", spy("moe_cte", moe_layer.moe_cte))
+    monkeypatch.setattr(moe_layer, "moe_tkg", spy("moe_tkg", moe_layer.moe_tkg))
+    monkeypatch.setattr(moe_router, "router_entry", spy("router", moe_router.router_entry))
+    layer = MoELayer(MoEShape(H, INTER, E, K, 1), StaticGroup(), backend="nkisim", lnc=2)
+    x = torch.randn(4, H, dtype=torch.bfloat16)
+    layer(x, sequence_parallel=True)
+    layer(x)
+    assert seen == [("router", "nkisim", None), ("moe_cte", "nkisim", 2), ("moe_tkg", "nkisim", 2)]
