@@ -15,6 +15,9 @@ read through the search tool, huggingface/transformers; keys under ``model.layer
     experts.gate_up_proj_scales [E, 2I, H/32]     uint8 E8M0
     experts.down_proj_blocks    [E, H, I/32, 16]
     experts.down_proj_scales    [E, H, I/32]
+  The published HF checkpoints (openai/gpt-oss-20b and -120b, ``model.safetensors.index.json``) carry exactly these
+  keys, e.g. ``model.layers.0.mlp.experts.gate_up_proj_blocks`` (several public loaders found by the search tool read
+  them by these names; OpenAI's ``original/`` variant uses other names and is not handled here).
   convert_moe_packed_tensors dequantises blocks [E, R, G, 16] to [E, R, G·32] and transposes the last two axes, so
   the MXFP4 rows are the bf16 tensor's last axis: gate_up rows keep the gate/up interleave, down rows are H.
 

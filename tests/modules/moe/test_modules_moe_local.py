@@ -245,3 +245,25 @@ def test_backend_and_lnc_reach_the_kernel_entries(monkeypatch):
     layer(x, sequence_parallel=True)
     layer(x)
     assert seen == [("router", "nkisim", None), ("moe_cte", "nkisim", 2), ("moe_tkg", "nkisim", 2)]
+
+
+def test_load_gpt_oss_from_a_sharded_checkpoint_directory(tmp_path):
+    """Decoder layer 1's MoE, spread over two .safetensors files with an index (as the published checkpoints are)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    t = make_gpt_oss_moe(E, H, INTER, layer=1, mxfp4=True, seed=9)
+    keys = sorted(t)
+    halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, ks in halves.items():
+        save_file({k: t[k] for k in ks}, tmp_path / name)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: name for name, ks in halves.items() for k in ks}}))
+    ref = full_kernel_weights(t, layer=1)
+    shape = MoEShape(H, INTER, E, K, 2)
+    layer = MoELayer(shape, StaticGroup(2, 1), dtype=torch.float32, norm_eps=1e-5, backend="torch")
+    state = layer.load_gpt_oss(tmp_path, 1)
+    assert set(state) == {n for n, _ in layer.named_parameters()}
+    assert torch.equal(layer.w_down[:, :, :H], ref["w_down"][:, 80:])
+    assert torch.equal(layer.gamma[:H], ref["gamma"])
