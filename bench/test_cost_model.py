@@ -12,7 +12,8 @@ import nkisim
 
 nkisim.install()
 
-from tests.nkisim.cost.kernels import matmul_nki11, matmul_pipelined, stream_copy, vector_heavy  # noqa: E402
+from nki_kernels.micro import matmul_pipelined, stream_copy, vector_heavy  # noqa: E402
+from nki_kernels.micro import tiled_matmul as matmul_nki11  # noqa: E402
 
 
 def _mm_args():

@@ -26,7 +26,7 @@ import nki  # noqa: E402
 import nki.isa as nisa  # noqa: E402
 import nki.language as nl  # noqa: E402
 
-from tests.nkisim.examples.kernels import tiled_matmul  # noqa: E402
+from nki_kernels.micro import tiled_matmul  # noqa: E402
 
 INSTRUCTIONS_PER_ROUND = 200
 ROUNDS = 15

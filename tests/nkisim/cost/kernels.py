@@ -1,10 +1,11 @@
-"""Micro-kernels with analytically known modelled cost, shared by the cost-model tests and bench/test_cost_model.py."""
+"""Micro-kernels with analytically known modelled cost for the cost-model tests; the ones bench/test_cost_model.py
+also profiles live in library code (nki_kernels/micro.py) and are re-exported here."""
 
 import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from tests.nkisim.examples.kernels import tiled_matmul
+from nki_kernels.micro import matmul_pipelined, stream_copy, tiled_matmul, vector_heavy  # noqa: F401
 
 TK, TM, TN = 128, 128, 512
 
@@ -33,65 +34,6 @@ def matmul_serial(lhsT, rhs):
                 nisa.nc_matmul(dst=acc, stationary=a, moving=b, accumulate=(k > 0))
             nisa.tensor_copy(dst=res, src=acc)
             nisa.dma_copy(dst=out[m * TM:(m + 1) * TM, n * TN:(n + 1) * TN], src=res)
-    return out
-
-
-@nki.jit
-def matmul_pipelined(lhsT, rhs):
-    """Double-buffered: two SBUF buffers per operand; the next step's dma_copy is issued before this matmul."""
-    K, M = lhsT.shape
-    _, N = rhs.shape
-    out = nl.ndarray((M, N), dtype=lhsT.dtype, buffer=nl.shared_hbm)
-    a0 = nl.ndarray((TK, TM), dtype=lhsT.dtype, buffer=nl.sbuf)
-    a1 = nl.ndarray((TK, TM), dtype=lhsT.dtype, buffer=nl.sbuf)
-    b0 = nl.ndarray((TK, TN), dtype=rhs.dtype, buffer=nl.sbuf)
-    b1 = nl.ndarray((TK, TN), dtype=rhs.dtype, buffer=nl.sbuf)
-    nk, nn, nm = K // TK, N // TN, M // TM
-    total = nm * nn * nk
-    nisa.dma_copy(dst=a0, src=lhsT[0:TK, 0:TM])
-    nisa.dma_copy(dst=b0, src=rhs[0:TK, 0:TN])
-    acc = nl.ndarray((TM, TN), dtype=nl.float32, buffer=nl.psum)
-    for i in range(total):
-        m, n, k = i // (nn * nk), (i // nk) % nn, i % nk
-        if i + 1 < total:
-            m1, n1, k1 = (i + 1) // (nn * nk), ((i + 1) // nk) % nn, (i + 1) % nk
-            nisa.dma_copy(dst=a1 if i % 2 == 0 else a0, src=lhsT[k1 * TK:(k1 + 1) * TK, m1 * TM:(m1 + 1) * TM])
-            nisa.dma_copy(dst=b1 if i % 2 == 0 else b0, src=rhs[k1 * TK:(k1 + 1) * TK, n1 * TN:(n1 + 1) * TN])
-        if k == 0:
-            acc = nl.ndarray((TM, TN), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=acc, stationary=a0 if i % 2 == 0 else a1, moving=b0 if i % 2 == 0 else b1,
-                       accumulate=(k > 0))
-        if k == nk - 1:
-            res = nl.ndarray((TM, TN), dtype=out.dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=res, src=acc)
-            nisa.dma_copy(dst=out[m * TM:(m + 1) * TM, n * TN:(n + 1) * TN], src=res)
-    return out
-
-
-@nki.jit
-def stream_copy(x):
-    """HBM -> SBUF -> HBM, one [128, F] tile at a time."""
-    R, F = x.shape
-    out = nl.ndarray((R, F), dtype=x.dtype, buffer=nl.shared_hbm)
-    for i in range(R // 128):
-        t = nl.ndarray((128, F), dtype=x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=x[i * 128:(i + 1) * 128, :])
-        nisa.dma_copy(dst=out[i * 128:(i + 1) * 128, :], src=t)
-    return out
-
-
-@nki.jit
-def vector_heavy(x, reps):
-    """Load one [128, F] tile, apply `reps` tensor_tensor adds on VectorE, store."""
-    P, F = x.shape
-    out = nl.ndarray((P, F), dtype=x.dtype, buffer=nl.shared_hbm)
-    t = nl.ndarray((P, F), dtype=x.dtype, buffer=nl.sbuf)
-    u = nl.ndarray((P, F), dtype=x.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=x)
-    nisa.tensor_copy(dst=u, src=t)
-    for _ in range(reps):
-        nisa.tensor_tensor(dst=t, data1=t, data2=u, op=nl.add)
-    nisa.dma_copy(dst=out, src=t)
     return out
 
 
