@@ -59,9 +59,9 @@ def _cmd_sweep(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from bench.model._hw_source import hardware_rows
-    from bench.model.sweep import cases, iter_rows, published_cases
+    from bench.model.sweep import case_groups, cases, published_cases, run_table
 
-    all_cases = cases() + published_cases()
+    groups = case_groups(cases() + published_cases())
     lookup = None
     if args.kernels:
         from bench.model.kernel_table import KernelTable
@@ -71,25 +71,24 @@ def _cmd_sweep(args) -> int:
         if not len(lookup):  # asked for kernel latencies but none usable: say so rather than sweep without them
             raise ValueError(f"--kernels {args.kernels}: no LNC=1 decode-attention rows with modelled_latency_s in "
                              "extra_info (write one with pytest bench/test_decode_attention.py --benchmark-json=PATH)")
-    benchmarks, skipped = [], []
+    benchmarks, n_rows, n_skipped = [], 0, 0
     with Progress(TextColumn("[bold]model sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   transient=False) as bar:
-        task = bar.add_task("sweep", total=len(all_cases))
-        for case, row in iter_rows(all_cases, lookup):
-            if isinstance(row, dict):
-                row["case_id"] = case.id
-                benchmarks.append({"group": case.group, "name": case.id, "fullname": case.id,
-                                   "params": case.params(), "param": case.id, "extra_info": row, "stats": {}})
-            else:
-                skipped.append({"id": case.id, "reason": row})
-            bar.advance(task)
+        task = bar.add_task("sweep", total=sum(len(v) for v in groups.values()))
+        for group, members in groups.items():   # the same one-table-per-group records as bench/test_model_sweep.py
+            table = run_table(members, lookup)
+            n_rows += table["configurations"]
+            n_skipped += len(table["skipped"])
+            benchmarks.append({"group": group, "name": group, "fullname": group, "params": {}, "param": group,
+                               "extra_info": table, "stats": {}})
+            bar.advance(task, len(members))
     data = {"machine_info": {"node": platform.node(), "machine": platform.machine(),
                              "python_version": platform.python_version()},
             "commit_info": {}, "benchmarks": benchmarks, "datetime": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-            "version": "bench.cli sweep", "bench_report": {"skipped": skipped, "hardware": hardware_rows()}}
+            "version": "bench.cli sweep", "bench_report": {"skipped": [], "hardware": hardware_rows()}}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(data))
-    print(f"{len(benchmarks)} configurations, {len(skipped)} skipped with reasons -> {args.output}")
+    print(f"{n_rows} configurations, {n_skipped} skipped with reasons -> {args.output}")
     if lookup is not None:
         print(f"decode attention at its nkisim-modelled latency in {lookup.hits} of {lookup.lookups} lookups "
               "(the rest at roofline time: shard or bucket not benchmarked)")

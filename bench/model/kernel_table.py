@@ -14,11 +14,19 @@ import bisect
 import math
 from collections import defaultdict
 
-# Per-rank shards benchmarked by bench/test_decode_attention.py (names are its SHAPES keys).
-KNOWN_SHAPES = {
-    "gpt-oss-20b-tp8": {"q_heads": 8, "kv_heads": 1, "head_dim": 64, "hidden": 2880},
-    "llama-3.1-8b-tp8": {"q_heads": 4, "kv_heads": 1, "head_dim": 128, "hidden": 4096},
-}
+from bench.model.analytical import kv_heads_per_rank
+from modules.model_specs import GPT_OSS_20B, LLAMA_31_8B
+
+
+def _shard(spec, tp: int) -> dict:
+    """The analytical model's decode-attention shape of one TP rank (same rule as its ``shape`` argument)."""
+    return {"q_heads": spec.heads // tp, "kv_heads": kv_heads_per_rank(spec, tp), "head_dim": spec.head_dim,
+            "hidden": spec.hidden}
+
+
+# Per-rank shards benchmarked by bench/test_decode_attention.py (names are its SHAPES keys), derived from the one
+# model-shape table (modules/model_specs.py), never restated.
+KNOWN_SHAPES = {"gpt-oss-20b-tp8": _shard(GPT_OSS_20B, 8), "llama-3.1-8b-tp8": _shard(LLAMA_31_8B, 8)}
 
 
 def _shape_key(d: dict) -> tuple | None:
