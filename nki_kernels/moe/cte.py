@@ -11,9 +11,9 @@ Every check runs before any work, whatever the backend.
 import numpy as np
 
 from .blockwise import BLOCK_MAX, blockwise_mapping, check_block_size
+from .entry import BACKENDS, resolve_backend, to_torch
 from .moe_torch import ACTIVATIONS
 
-BACKENDS = ("auto", "nki", "nkisim", "torch")
 H_ALIGN = 128          # H lives on the 128 SBUF partitions in 128-row tiles (the gate/up contraction)
 AUTO_BLOCK_SIZE = BLOCK_MAX   # the kernel works in 128-row tiles and skips empty ones, so the block size only sets
                               # the mapping's layout: the largest block means the fewest blocks (and mapping entries)
@@ -73,7 +73,7 @@ def moe_cte(x, expert_index, affinities, w_gate_up, w_down, *, b_gate_up=None, b
     w_gate_up [E, H, 2, I]; w_down [E, I, H]; b_gate_up [E, 2, I]; b_down [E, H] (moe_torch.py's layout).
     block_size: rows per block (a multiple of 128 in 128..512), None = auto.
     """
-    if backend not in BACKENDS:
+    if backend not in BACKENDS:       # (resolve_backend says so too; this one comes before the other checks)
         raise ValueError(f"moe_cte: backend={backend!r} must be one of {BACKENDS}")
     if lnc not in (1, 2):
         raise ValueError(f"moe_cte: lnc={lnc} must be 1 or 2")
@@ -85,23 +85,12 @@ def moe_cte(x, expert_index, affinities, w_gate_up, w_down, *, b_gate_up=None, b
     B = AUTO_BLOCK_SIZE if block_size is None else int(block_size)
     if backend == "torch":
         from .moe_cte_torch import moe_cte_torch
-        tx = _to_torch
+        tx = to_torch
         mapping = blockwise_mapping(expert_index, w_gate_up.shape[0], B)
         out = moe_cte_torch(tx(x), tx(expert_index), tx(affinities), tx(w_gate_up), tx(w_down), tx(b_gate_up),
                             tx(b_down), activation, add_down_bias, B, mapping=mapping)
         return out.float().numpy().astype(x.dtype) if isinstance(x, np.ndarray) else out
+    backend = resolve_backend("moe_cte", backend)
     from .moe_cte import run_kernel
     return run_kernel(x, expert_index, affinities, w_gate_up, w_down, b_gate_up, b_down, activation,
-                      add_down_bias, B, backend, lnc)
-
-
-def _to_torch(x):
-    if x is None:
-        return None
-    import torch
-    if isinstance(x, torch.Tensor):
-        return x
-    a = np.asarray(x)
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a)
+                      add_down_bias, B, lnc)

@@ -9,27 +9,18 @@ import numpy as np
 import pytest
 import torch
 
+from modules.model_specs import GPT_OSS_20B, GPT_OSS_120B
 from nki_kernels.moe import moe_cte, moe_experts_torch
+from nki_kernels.moe.cte_inputs import make_cte_inputs
+from nki_kernels.moe.tkg_inputs import tkg_shard
 
 RTOL, ATOL = 2e-2, 1e-5
+GPT_OSS_20B_TP8 = tkg_shard(GPT_OSS_20B, 8)        # H 3072 (2880 padded), E 32, k 4, I 360
+GPT_OSS_120B_TP16 = tkg_shard(GPT_OSS_120B, 16)    # H 3072, E 128, k 4, I 180
 
 
-def make_inputs(T, H, E, inter, k, seed=0, bias=True, skew=None):
-    """bf16 inputs in moe_torch's layout; routing uniform over distinct experts, or `skew`: "one" (every token to
-    expert 0 first), "half" (only the first E/2 experts used)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    w_gu = (torch.randn(E, H, 2, inter, generator=g) / H ** 0.5).to(torch.bfloat16)
-    w_d = (torch.randn(E, inter, H, generator=g) / inter ** 0.5).to(torch.bfloat16)
-    b_gu = (0.5 * torch.randn(E, 2, inter, generator=g)).to(torch.bfloat16) if bias else None
-    b_d = (0.5 * torch.randn(E, H, generator=g)).to(torch.bfloat16) if bias else None
-    used = E // 2 if skew == "half" else E
-    idx = torch.stack([torch.randperm(used, generator=g)[:k] for _ in range(T)])
-    if skew == "one":
-        idx = torch.stack([torch.cat([torch.tensor([0]), 1 + torch.randperm(E - 1, generator=g)[:k - 1]])
-                           for _ in range(T)])
-    aff = torch.softmax(torch.randn(T, k, generator=g), dim=-1)
-    return x, idx, aff, w_gu, w_d, b_gu, b_d
+def make_inputs(T, H, E, inter, k, **kw):
+    return make_cte_inputs(T, H, E, k, inter, **kw)
 
 
 def assert_close(out, ref):
@@ -56,7 +47,7 @@ def test_torch_backend_matches_unblocked_reference(activation, skew):
 
 def test_torch_backend_rounds_each_block_to_bf16():
     """Two experts whose outputs cancel: the per-block bf16 rounding leaves what fp32 accumulation would not."""
-    x, idx, aff, w_gu, w_d, _, _ = make_inputs(4, 128, 2, 32, 2, bias=False)
+    x, idx, aff, w_gu, w_d, _, _ = make_inputs(4, 128, 2, 32, 2, biases=False)
     w_gu[1], w_d[1] = w_gu[0], -w_d[0]
     aff = torch.full((4, 2), 0.3)
     out = moe_cte(x, idx, aff, w_gu, w_d, backend="torch")
@@ -66,7 +57,7 @@ def test_torch_backend_rounds_each_block_to_bf16():
 
 
 def test_numpy_inputs_give_numpy_output():
-    x, idx, aff, w_gu, w_d, b_gu, b_d = make_inputs(16, 128, 4, 32, 2, bias=False)
+    x, idx, aff, w_gu, w_d, b_gu, b_d = make_inputs(16, 128, 4, 32, 2, biases=False)
     out = moe_cte(x.float().numpy(), idx.numpy(), aff.numpy(), w_gu.float().numpy(), w_d.float().numpy(),
                   backend="torch")
     assert isinstance(out, np.ndarray) and out.shape == (16, 128)
@@ -89,10 +80,63 @@ def test_numpy_inputs_give_numpy_output():
     (dict(backend="cuda"), "backend='cuda'"),
 ])
 def test_bad_arguments_raise_before_work(change, match):
-    x, idx, aff, w_gu, w_d, _, _ = make_inputs(4, 128, 4, 32, 2, bias=False)
+    x, idx, aff, w_gu, w_d, _, _ = make_inputs(4, 128, 4, 32, 2, biases=False)
     kw = dict(x=x, expert_index=idx, affinities=aff, w_gate_up=w_gu, w_down=w_d, b_gate_up=None, b_down=None,
               activation="clamped_swiglu", block_size=None, backend="nkisim")
     kw.update(change)
     args = [kw.pop(n) for n in ("x", "expert_index", "affinities", "w_gate_up", "w_down")]
     with pytest.raises(ValueError, match=match):
         moe_cte(*args, **kw)
+
+
+# ---- the NKI kernel on nkisim ------------------------------------------------------------------------------------
+
+def run_and_check(T, H, E, inter, k, lnc=1, block_size=None, activation="clamped_swiglu", add_down_bias=True,
+                  **kw):
+    x, idx, aff, w_gu, w_d, b_gu, b_d = make_inputs(T, H, E, inter, k, **kw)
+    args = (x, idx, aff, w_gu, w_d)
+    opts = dict(b_gate_up=b_gu, b_down=b_d, activation=activation, add_down_bias=add_down_bias,
+                block_size=block_size)
+    out = moe_cte(*args, **opts, backend="nkisim", lnc=lnc)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert_close(out, moe_cte(*args, **opts, backend="torch"))
+    return out
+
+
+@pytest.mark.parametrize("activation", ["clamped_swiglu", "swiglu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernel_small(activation, bias):
+    run_and_check(200, 256, 8, 96, 2, activation=activation, biases=bias)
+
+
+@pytest.mark.parametrize("skew", ["one", "half"])
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_kernel_skewed_routing(skew, lnc):
+    """All tokens on one expert (its rows span several blocks and tiles) / half the experts without a token."""
+    run_and_check(300, 256, 8, 96, 3, lnc=lnc, skew=skew, block_size=128)
+
+
+@pytest.mark.parametrize("T,inter,lnc", [(1, 96, 1), (1, 96, 2), (130, 128, 1), (129, 600, 2)])
+def test_kernel_edge_shapes(T, inter, lnc):
+    """One token; I a multiple of 128 (the down-bias row opens a contraction tile of its own); I > 512 (gate/up in
+    two PSUM chunks); T not a multiple of 128."""
+    run_and_check(T, 256, 4, inter, 2, lnc=lnc, block_size=256)
+
+
+def test_kernel_without_down_bias_rank():
+    run_and_check(64, 128, 4, 96, 2, add_down_bias=False)
+
+
+@pytest.mark.parametrize("T,lnc,block_size", [(128, 1, None), (512, 2, 256), (2048, 1, None)])
+def test_kernel_gpt_oss_20b_tp8(T, lnc, block_size):
+    run_and_check(T, lnc=lnc, block_size=block_size, **_rank(GPT_OSS_20B_TP8))
+
+
+@pytest.mark.parametrize("T,lnc,skew", [(128, 1, None), (512, 2, "one")])
+def test_kernel_gpt_oss_120b_tp16(T, lnc, skew):
+    run_and_check(T, lnc=lnc, skew=skew, **_rank(GPT_OSS_120B_TP16))
+
+
+def _rank(shard):
+    return dict(H=shard["H"], E=shard["E"], inter=shard["inter"], k=shard["top_k"],
+                hidden_actual=shard["hidden_actual"])

@@ -1,0 +1,442 @@
+"""Blockwise CTE (prefill) MoE experts for one tensor-parallel rank: the NKI kernel and its host-side launcher.
+
+Every routed (token, expert) row of the blockwise mapping (blockwise.py) goes through its expert's MLP; experts are
+served one after the other, each expert's weights loaded once, its rows in 128-row tiles (padding tiles skipped by
+a data-dependent loop bound). See DESIGN.md beside this file ("CTE").
+"""
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+import numpy as np
+
+from .blockwise import blockwise_mapping
+from .moe_torch import GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT
+
+# ---- tile sizes -----------------------------------------------------------------------------------------------
+P_MAX = nl.tile_size.pmax              # partitions = rows per token tile = matmul contraction / stationary tile
+PSUM_F = nl.tile_size.psum_bank_fmax   # fp32 elements per PSUM bank: the widest matmul output (moving free size)
+# bf16 TensorE transposes of [128, 128] gathered into one PSUM bank before one eviction
+TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
+DOWN_BANKS = 4         # PSUM banks the down projection rotates through (evictions overlap the next chunk's matmuls)
+W_GU_DMAS = 4          # the gate/up weights of one expert arrive in this many DMAs (matmuls start on the first)
+SCHED_FIELDS = 4       # per scheduled expert: expert id, first row, 128-row tiles, weights-needed flag (0/1)
+SBUF_RESERVE = 8 * 1024    # bytes per partition left for the small tiles (ids, affinities, schedule, constants)
+DGE = nisa.dge_mode.swdge   # indirect (vector_offset) DMAs are software-DGE transfers
+
+
+class _Config(nl.NKIObject):
+    """Static shapes and options of one launch."""
+
+    def __init__(self, T, H, E, inter, rows, sched_len, dtype, activation, bias_gu, bias_d, n_cores):
+        self.T, self.H, self.E, self.I, self.rows, self.sched_len = T, H, E, inter, rows, sched_len
+        self.dtype, self.activation, self.bias_gu, self.bias_d, self.n_cores = (dtype, activation, bias_gu, bias_d,
+                                                                                n_cores)
+        self.KT = H // P_MAX                   # gate/up contraction tiles (H index p * KT + kt on partition p)
+        # down contraction: I rows, plus one row of ones (activations) / b_down (weights) when the bias is added,
+        # so the bias is a free extra contraction row instead of a separate matmul
+        self.I_aug = inter + (1 if bias_d else 0)
+        self.KD = (self.I_aug + P_MAX - 1) // P_MAX
+        self.I_CH = PSUM_F                     # gate (and up) columns per PSUM bank
+        self.n_ich = (inter + self.I_CH - 1) // self.I_CH
+        self.H_CH = PSUM_F                     # output columns per down-projection PSUM bank
+        self.n_hch = (H + self.H_CH - 1) // self.H_CH
+
+    def weight_bytes(self):
+        """SBUF bytes per partition of one expert's resident weights (gate/up, down, gate/up bias)."""
+        return 2 * (self.KT * 2 * self.I + self.KD * self.H + (2 * self.I if self.bias_gu else 0))
+
+    def tile_bytes(self):
+        """SBUF bytes per partition of one token tile's working set."""
+        return (2 * self.H * 3 + 2 * self.KD * P_MAX + 2 * self.I_aug + 4 * 4 * min(self.I, self.I_CH)
+                + 4 * 3)
+
+
+def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up=None,
+                   b_down=None, activation="clamped_swiglu"):
+    """Blockwise MoE experts (prefill): out[t] = Σ_rows of t  affinity · down(act(gate_up(x[t]))) for one TP rank.
+
+    Dimensions:
+        T: tokens, H: hidden size (multiple of 128, padded), E: local experts, I: this rank's intermediate shard,
+        R: mapping rows (N blocks x block size; 128-row tiles of one expert each).
+
+    Args:
+        x ([T, H] @ HBM): hidden states (bf16).
+        w_gate_up ([E, H, 2, I] @ HBM): gate (index 0) and up (index 1) projections.
+        w_down ([E, I, H] @ HBM): down projection.
+        gather_ids ([R, 1] int32 @ HBM): token of each mapping row; padding rows name any valid token.
+        scatter_ids ([R, 1] int32 @ HBM): token of each mapping row, -1 for padding (its output is dropped).
+        row_affinity ([R, 1] fp32 @ HBM): affinity of each mapping row, 0 for padding.
+        schedule ([n_cores, 1 + 4 S] int32 @ HBM): per core: the number of expert pairs it serves, then S (even)
+            entries (expert id, first row, 128-row tiles, load flag); the entries past a core's experts have
+            0 tiles and flag 0.
+        b_gate_up ([E, 2, I] @ HBM): optional gate/up bias.
+        b_down ([E, H] @ HBM): optional down bias (pass None on the TP ranks that must not add it).
+        activation (str): "clamped_swiglu" (GPT-OSS) or "swiglu".
+
+    Returns:
+        out ([T, H] @ HBM, shared_hbm): the rank's partial output in x's dtype; each row's expert outputs are
+            affinity-scaled, rounded to x's dtype and added to it in mapping order (DMA read-modify-write).
+
+    Notes:
+        - Experts are served in pairs (two weight slots): the second expert's weights load while the first
+          computes. An expert with no rows is never scheduled; a tile past an expert's rows is never run (the tile
+          loop's bound is data), so padding costs at most the rest of an expert's last 128-row tile.
+        - Each expert's weights are read from HBM once per launch. LNC=2 splits the experts between the two cores
+          (balanced on tiles on the host); each core accumulates into its own HBM partial, and after a barrier the
+          cores add the two partials (half the rows each) into out.
+        - Orientation: gate/up with the gathered tokens' x^T [128 (H), 128 (tokens)] stationary and the weights
+          moving (the I columns stream, no I padding); the down projection with act^T stationary.
+
+    Pseudocode:
+        out = 0
+        for each scheduled expert e (weights -> SBUF once):
+            for each 128-row tile of e's rows (ids, affinities):
+                xt = x[ids]  ;  xT = transpose(xt)
+                g, u = xT^T @ Wg[e] (+ bg), xT^T @ Wu[e] (+ bu)  ;  a = act(g, u)  ;  aT = transpose([a | 1])
+                y = aT^T @ [Wd[e] ; bd[e]]  ;  out[ids] += bf16(affinity * y)
+    """
+    cfg = _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up,
+                           b_down, activation)
+    out = nl.ndarray((cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
+    core = nl.program_id(0) if cfg.n_cores > 1 else 0
+    acc, acc_off = out, 0
+    if cfg.n_cores > 1:
+        # one partial per core: two cores' read-modify-writes of one token row would race
+        part = nl.ndarray((cfg.n_cores, cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
+        acc, acc_off = part.reshape((cfg.n_cores * cfg.T, cfg.H)), core * cfg.T * cfg.H
+    _zero_rows(cfg, acc if cfg.n_cores == 1 else part[core], 0, cfg.T)
+    sched = _load_schedule(cfg, schedule, core)
+    slots = [_Slot(cfg) for _ in range(2)]
+    psum = _Psum(cfg)
+
+    def pair(p):
+        for s in range(2):
+            _serve_expert(cfg, slots[s], psum, sched, p * (2 * SCHED_FIELDS) + s * SCHED_FIELDS + 1, x, w_gate_up,
+                          w_down, b_gate_up, b_down, gather_ids, scatter_ids, row_affinity, acc, acc_off)
+
+    n_pairs = nisa.scalar_load(sched[0:1, 0:1])
+    nl.fori_loop(0, n_pairs, pair)
+    if cfg.n_cores > 1:
+        nisa.core_barrier(part, cores=(0, 1))
+        _combine_partials(cfg, part, out, core)
+    return out
+
+
+def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up, b_down,
+                     activation):
+    """Every static limit, before any work; messages name the argument and the limit."""
+    assert activation in ("clamped_swiglu", "swiglu"), \
+        f"activation={activation!r} must be 'clamped_swiglu' or 'swiglu'"
+    assert len(x.shape) == 2, f"x must be [T, H], got shape {tuple(x.shape)}"
+    T, H = x.shape
+    assert H % P_MAX == 0, f"x: H={H} must be a multiple of {P_MAX}"
+    assert len(w_gate_up.shape) == 4 and tuple(w_gate_up.shape[1:3]) == (H, 2), \
+        f"w_gate_up must be [E, H={H}, 2, I], got shape {tuple(w_gate_up.shape)}"
+    E, inter = w_gate_up.shape[0], w_gate_up.shape[3]
+    assert tuple(w_down.shape) == (E, inter, H), \
+        f"w_down must be [E={E}, I={inter}, H={H}], got shape {tuple(w_down.shape)}"
+    assert b_gate_up is None or tuple(b_gate_up.shape) == (E, 2, inter), \
+        f"b_gate_up must be [E={E}, 2, I={inter}], got shape {tuple(b_gate_up.shape)}"
+    assert b_down is None or tuple(b_down.shape) == (E, H), \
+        f"b_down must be [E={E}, H={H}], got shape {tuple(b_down.shape)}"
+    R = gather_ids.shape[0]
+    assert R % P_MAX == 0 and tuple(gather_ids.shape) == (R, 1), \
+        f"gather_ids must be [R, 1] with R a multiple of {P_MAX}, got shape {tuple(gather_ids.shape)}"
+    assert tuple(scatter_ids.shape) == (R, 1) and tuple(row_affinity.shape) == (R, 1), \
+        f"scatter_ids and row_affinity must be [R={R}, 1], got {tuple(scatter_ids.shape)}, {tuple(row_affinity.shape)}"
+    n_cores = nl.num_programs()
+    assert len(schedule.shape) == 2 and schedule.shape[0] == n_cores and (schedule.shape[1] - 1) % (
+        2 * SCHED_FIELDS) == 0, \
+        f"schedule must be [n_cores={n_cores}, 1 + 8 p], got shape {tuple(schedule.shape)}"
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down), ("b_gate_up", b_gate_up), ("b_down", b_down)):
+        assert w is None or w.dtype == x.dtype, f"{name} dtype {w.dtype} must equal x's ({x.dtype})"
+    cfg = _Config(T, H, E, inter, R, schedule.shape[1], x.dtype, activation, b_gate_up is not None,
+                  b_down is not None, n_cores)
+    assert cfg.KD * P_MAX * 2 <= nl.tile_size.psum_bank_fmax_bytes, \
+        f"w_down: I={inter} too large: the transposed activations must fit one PSUM bank (I <= 1023)"
+    need = 2 * (cfg.weight_bytes() + cfg.tile_bytes()) + SBUF_RESERVE
+    have = nl.tile_size.sbuf_fmax_bytes
+    assert need <= have, (f"w_gate_up: H={H}, I={inter}: two experts' weights and tiles need {need} B per partition, "
+                          f"SBUF has {have}; shard I further (more TP ranks)")
+    return cfg
+
+
+class _Slot(nl.NKIObject):
+    """One expert's resident weights and one token tile's working buffers (two slots: two experts in flight)."""
+
+    def __init__(self, cfg):
+        dt, KT, KD, H, inter = cfg.dtype, cfg.KT, cfg.KD, cfg.H, cfg.I
+        self.wgu = nl.ndarray((P_MAX, KT, 2 * inter), dtype=dt, buffer=nl.sbuf)
+        self.wd = nl.ndarray((P_MAX, KD, H), dtype=dt, buffer=nl.sbuf)
+        self.bgu = nl.ndarray((P_MAX, 2 * inter), dtype=dt, buffer=nl.sbuf) if cfg.bias_gu else None
+        self.gid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+        self.sid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+        self.aff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        self.xt = nl.ndarray((P_MAX, H), dtype=dt, buffer=nl.sbuf)
+        self.xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=dt, buffer=nl.sbuf)
+        cw = min(inter, cfg.I_CH)
+        self.g = nl.ndarray((P_MAX, cw), dtype=nl.float32, buffer=nl.sbuf)
+        self.u = nl.ndarray((P_MAX, cw), dtype=nl.float32, buffer=nl.sbuf)
+        self.s = nl.ndarray((P_MAX, cw), dtype=nl.float32, buffer=nl.sbuf)
+        self.a = nl.ndarray((P_MAX, cfg.I_aug), dtype=dt, buffer=nl.sbuf)
+        self.aT = nl.ndarray((P_MAX, KD, P_MAX), dtype=dt, buffer=nl.sbuf)
+        self.y = nl.ndarray((P_MAX, H), dtype=dt, buffer=nl.sbuf)
+        if cfg.bias_d:   # column I of the activations is the constant input of the down-bias row, set once
+            nisa.memset(dst=self.a[:, inter:inter + 1], value=1.0)
+
+
+class _Psum(nl.NKIObject):
+    """PSUM: two transpose banks, gate and up accumulators, DOWN_BANKS down-projection banks (8 banks)."""
+
+    def __init__(self, cfg):
+        self.t = [nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=cfg.dtype, buffer=nl.psum) for _ in range(2)]
+        self.g = nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum)
+        self.u = nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum)
+        self.d = [nl.ndarray((P_MAX, cfg.H_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(DOWN_BANKS)]
+
+
+def _zero_rows(cfg, dst, r0, r1):
+    """dst[r0:r1, :] = 0 from one zeroed SBUF tile, 128 rows per DMA."""
+    z = nl.ndarray((P_MAX, cfg.H), dtype=cfg.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=z, value=0.0)
+    for t0 in range(r0, r1, P_MAX):
+        n = min(P_MAX, r1 - t0)
+        nisa.dma_copy(dst=dst[t0:t0 + n, :], src=z[:n, :])
+
+
+def _load_schedule(cfg, schedule, core):
+    """This core's schedule row → SBUF [1, 1 + 4 S] (scalar loads then cost an SBUF access, not a DMA each)."""
+    sched = nl.ndarray((1, cfg.sched_len), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sched, src=schedule[core:core + 1, :])
+    return sched
+
+
+def _field(cfg, sched, base, k):
+    """Schedule entry field k at dynamic position `base` (an NkiScalar) → NkiScalar."""
+    return nisa.scalar_load(sched.ap([[cfg.sched_len, 1], [1, 1]], offset=k, scalar_offset=base, indirect_dim=1))
+
+
+def _serve_expert(cfg, slot, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids,
+                  row_affinity, acc, acc_off):
+    """One scheduled expert: its weights into the slot (if it has rows), then each of its 128-row tiles."""
+    e = _field(cfg, sched, base, 0)
+    row0 = _field(cfg, sched, base, 1)
+    n_tiles = _field(cfg, sched, base, 2)
+    load = _field(cfg, sched, base, 3)
+    nl.fori_loop(0, load, lambda _: _load_weights(cfg, slot, e, w_gate_up, w_down, b_gate_up, b_down))
+
+    def tile(t):
+        _token_tile(cfg, slot, psum, row0 + t * P_MAX, x, gather_ids, scatter_ids, row_affinity, acc, acc_off)
+
+    nl.fori_loop(0, n_tiles, tile)
+
+
+def _load_weights(cfg, slot, e, w_gate_up, w_down, b_gate_up, b_down):
+    """Expert e's weights → the slot. Gate/up: partition p holds H rows p*KT .. p*KT + KT - 1 (one contiguous run per
+    partition); down: partition p of tile k holds I row k*128 + p; b_down is row I of the down weights."""
+    KT, inter, H = cfg.KT, cfg.I, cfg.H
+    row = 2 * inter
+    step = (KT + W_GU_DMAS - 1) // W_GU_DMAS
+    for k0 in range(0, KT, step):
+        k1 = min(KT, k0 + step)
+        nisa.dma_copy(dst=slot.wgu[:, k0:k1, :],
+                      src=w_gate_up.ap([[KT * row, P_MAX], [1, (k1 - k0) * row]], offset=k0 * row, scalar_offset=e,
+                                       indirect_dim=0))
+    full = inter // P_MAX
+    if full:
+        nisa.dma_copy(dst=slot.wd[:, 0:full, :],
+                      src=w_down.ap([[H, P_MAX], [P_MAX * H, full], [1, H]], offset=0, scalar_offset=e,
+                                    indirect_dim=0))
+    rem = inter - full * P_MAX
+    if rem:
+        nisa.dma_copy(dst=slot.wd[0:rem, full, :],
+                      src=w_down.ap([[H, rem], [1, H]], offset=full * P_MAX * H, scalar_offset=e, indirect_dim=0))
+    if cfg.bias_d:
+        nisa.dma_copy(dst=slot.wd[rem:rem + 1, full, :], src=b_down.ap([[H, 1], [1, H]], offset=0, scalar_offset=e,
+                                                                      indirect_dim=0))
+    if cfg.bias_gu:
+        # broadcast over the 128 token partitions (partition stride 0): added to each token's gate/up row
+        nisa.dma_copy(dst=slot.bgu, src=b_gate_up.ap([[0, P_MAX], [1, 2 * inter]], offset=0, scalar_offset=e,
+                                                     indirect_dim=0))
+
+
+def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc, acc_off):
+    """One 128-row tile of an expert's rows: gather, gate/up, activation, down, scale, scatter-add."""
+    _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity)
+    _transpose_x(cfg, slot, psum)
+    for c in range(cfg.n_ich):
+        _gate_up_step(cfg, slot, psum, c)
+        _activation_step(cfg, slot, psum, c)
+    _transpose_act(cfg, slot, psum)
+    _down_step(cfg, slot, psum)
+    # scatter-add: out[ids] = out[ids] + y in the DMA engine (fp32 add, x's dtype stored); padding rows (-1) skipped.
+    # acc is out, or under LNC=2 the [cores, T, H] partials (.ap addresses the storage: acc_off selects the core's)
+    view = acc.ap([[cfg.H, P_MAX], [1, cfg.H]], offset=acc_off, vector_offset=slot.sid)
+    nisa.dma_compute(dst=view, srcs=[view, slot.y], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+
+
+def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity):
+    nisa.dma_copy(dst=slot.gid, src=gather_ids[nl.ds(row, P_MAX), :])
+    nisa.dma_copy(dst=slot.sid, src=scatter_ids[nl.ds(row, P_MAX), :])
+    nisa.dma_copy(dst=slot.aff, src=row_affinity[nl.ds(row, P_MAX), :])
+    nisa.dma_copy(dst=slot.xt, src=x.ap([[cfg.H, P_MAX], [1, cfg.H]], offset=0, vector_offset=slot.gid),
+                  dge_mode=DGE)
+
+
+def _evict(i, dst, src):
+    """PSUM -> SBUF copy, alternating VectorE and ScalarE so that evictions of independent banks overlap."""
+    if i % 2 == 0:
+        nisa.tensor_copy(dst=dst, src=src)
+    else:
+        nisa.activation(dst=dst, op=nl.copy, data=src)
+
+
+def _transpose_x(cfg, slot, psum):
+    """xT[:, kt, :] = x tile columns {p * KT + kt} transposed (TensorE), TRANSPOSE_GROUP per PSUM bank."""
+    KT = cfg.KT
+    for gi, c0 in enumerate(range(0, KT, TRANSPOSE_GROUP)):
+        nc = min(TRANSPOSE_GROUP, KT - c0)
+        ps = psum.t[gi % 2]
+        for c in range(nc):
+            kt = c0 + c
+            nisa.nc_transpose(dst=ps[:, c, :], data=slot.xt[:, kt:kt + (P_MAX - 1) * KT + 1:KT])
+        _evict(gi, slot.xT[:, c0:c0 + nc, :], ps[:, :nc, :])
+
+
+def _gate_up_step(cfg, slot, psum, c):
+    """Gate and up columns of chunk c: [128 tokens, cw] fp32 in PSUM, accumulated over the KT H tiles."""
+    c0 = c * cfg.I_CH
+    cw = min(cfg.I_CH, cfg.I - c0)
+    for kt in range(cfg.KT):
+        nisa.nc_matmul(dst=psum.g[:, :cw], stationary=slot.xT[:, kt, :], moving=slot.wgu[:, kt, c0:c0 + cw],
+                       accumulate=kt > 0)
+        nisa.nc_matmul(dst=psum.u[:, :cw], stationary=slot.xT[:, kt, :],
+                       moving=slot.wgu[:, kt, cfg.I + c0:cfg.I + c0 + cw], accumulate=kt > 0)
+
+
+def _activation_step(cfg, slot, psum, c):
+    """a[:, chunk] = act(gate + bg, up + bu) in x's dtype (fp32 math)."""
+    c0 = c * cfg.I_CH
+    cw = min(cfg.I_CH, cfg.I - c0)
+    g, u = psum.g[:, :cw], psum.u[:, :cw]
+    if cfg.bias_gu:
+        nisa.tensor_tensor(dst=slot.g[:, :cw], data1=g, data2=slot.bgu[:, c0:c0 + cw], op=nl.add)
+        nisa.tensor_tensor(dst=slot.u[:, :cw], data1=u, data2=slot.bgu[:, cfg.I + c0:cfg.I + c0 + cw], op=nl.add)
+        g, u = slot.g[:, :cw], slot.u[:, :cw]
+    a = slot.a[:, c0:c0 + cw]
+    if cfg.activation == "swiglu":
+        nisa.activation(dst=slot.s[:, :cw], op=nl.silu, data=g)
+        nisa.tensor_tensor(dst=a, data1=slot.s[:, :cw], data2=u, op=nl.multiply)
+        return
+    # GPT-OSS: gate <= L, -L <= up <= L, out = (up + 1) * gate * sigmoid(alpha * gate)
+    lim = GPT_OSS_SWIGLU_LIMIT
+    nisa.tensor_scalar(dst=slot.g[:, :cw], data=g, op0=nl.minimum, operand0=lim)
+    nisa.tensor_scalar(dst=slot.u[:, :cw], data=u, op0=nl.maximum, operand0=-lim, op1=nl.minimum, operand1=lim)
+    nisa.activation(dst=slot.s[:, :cw], op=nl.sigmoid, data=slot.g[:, :cw], scale=GPT_OSS_SWIGLU_ALPHA)
+    nisa.tensor_tensor(dst=slot.s[:, :cw], data1=slot.s[:, :cw], data2=slot.g[:, :cw], op=nl.multiply)
+    nisa.scalar_tensor_tensor(dst=a, data=slot.u[:, :cw], op0=nl.add, operand0=1.0, op1=nl.multiply,
+                              operand1=slot.s[:, :cw])
+
+
+def _transpose_act(cfg, slot, psum):
+    """aT[:, k, :] = a[:, k*128 : k*128 + 128]^T (with the down bias, column I of a is 1: the bias row's input)."""
+    ps = psum.t[0]
+    for k in range(cfg.KD):
+        w = min(P_MAX, cfg.I_aug - k * P_MAX)
+        nisa.nc_transpose(dst=ps[:w, k, :], data=slot.a[:, k * P_MAX:k * P_MAX + w])
+    full = cfg.I_aug // P_MAX
+    if full:
+        _evict(0, slot.aT[:, :full, :], ps[:, :full, :])
+    rem = cfg.I_aug - full * P_MAX
+    if rem:
+        _evict(1, slot.aT[:rem, full, :], ps[:rem, full, :])
+
+
+def _down_step(cfg, slot, psum):
+    """y[:, chunk] = affinity * (a @ Wd (+ bd)) rounded to x's dtype, chunk by chunk over DOWN_BANKS PSUM banks."""
+    for h in range(cfg.n_hch):
+        h0 = h * cfg.H_CH
+        hw = min(cfg.H_CH, cfg.H - h0)
+        ps = psum.d[h % DOWN_BANKS]
+        for k in range(cfg.KD):
+            w = min(P_MAX, cfg.I_aug - k * P_MAX)
+            nisa.nc_matmul(dst=ps[:, :hw], stationary=slot.aT[:w, k, :], moving=slot.wd[:w, k, h0:h0 + hw],
+                           accumulate=k > 0)
+        if h % 2 == 0:
+            nisa.activation(dst=slot.y[:, h0:h0 + hw], op=nl.copy, data=ps[:, :hw], scale=slot.aff)
+        else:
+            nisa.tensor_scalar(dst=slot.y[:, h0:h0 + hw], data=ps[:, :hw], op0=nl.multiply, operand0=slot.aff)
+
+
+def _combine_partials(cfg, part, out, core):
+    """LNC=2: out = part[0] + part[1], the cores taking alternate 128-row tiles."""
+    a = nl.ndarray((P_MAX, cfg.H), dtype=cfg.dtype, buffer=nl.sbuf)
+    b = nl.ndarray((P_MAX, cfg.H), dtype=cfg.dtype, buffer=nl.sbuf)
+    n_t = (cfg.T + P_MAX - 1) // P_MAX
+    for t in range(n_t):
+        if t % cfg.n_cores != core:
+            continue
+        t0 = t * P_MAX
+        n = min(P_MAX, cfg.T - t0)
+        nisa.dma_copy(dst=a[:n, :], src=part[0, t0:t0 + n, :])
+        nisa.dma_copy(dst=b[:n, :], src=part[1, t0:t0 + n, :])
+        nisa.tensor_tensor(dst=a[:n, :], data1=a[:n, :], data2=b[:n, :], op=nl.add)
+        nisa.dma_copy(dst=out[t0:t0 + n, :], src=a[:n, :])
+
+
+moe_cte_nki = nki.jit(moe_cte_kernel)
+
+
+# ---- host side ----------------------------------------------------------------------------------------------------
+
+def kernel_inputs(expert_index, affinities, num_experts, block_size, n_cores=1):
+    """Mapping → the kernel's index arrays (NumPy): gather_ids, scatter_ids, row_affinity [R, 1] and schedule."""
+    m = blockwise_mapping(expert_index, num_experts, block_size)
+    ids = m.token_position_to_id
+    aff = np.asarray(affinities.float().cpu() if hasattr(affinities, "cpu") else affinities, np.float32).reshape(-1)
+    slot = m.token_position_to_slot
+    row_aff = np.where(slot >= 0, aff[np.maximum(slot, 0)], 0.0).astype(np.float32)
+    gather = np.where(ids >= 0, ids, 0).astype(np.int32)
+    sched = expert_schedule(m, n_cores)
+    return m, gather[:, None], ids[:, None].astype(np.int32), row_aff[:, None], sched
+
+
+def expert_schedule(m, n_cores=1):
+    """[n_cores, 1 + 4 S] int32: each core's expert pairs and its (expert, first row, tiles, load) entries. Experts
+    go to the core with fewer tiles so far, largest first (LPT), then each core serves its experts in id order."""
+    n = m.num_active
+    tiles = -(-m.tokens_per_expert[m.active_experts[:n]] // P_MAX_HOST)
+    firsts = m.expert_first_block[:n] * m.block_size
+    cores = [[] for _ in range(n_cores)]
+    load = [0] * n_cores
+    for j in sorted(range(n), key=lambda j: -tiles[j]):
+        c = min(range(n_cores), key=lambda c: load[c])
+        cores[c].append(j)
+        load[c] += int(tiles[j])
+    S = max(2, max(len(c) + len(c) % 2 for c in cores))
+    out = np.zeros((n_cores, 1 + SCHED_FIELDS * S), np.int32)
+    for c, js in enumerate(cores):
+        js = sorted(js)
+        out[c, 0] = (len(js) + 1) // 2
+        for i, j in enumerate(js):
+            out[c, 1 + SCHED_FIELDS * i:1 + SCHED_FIELDS * (i + 1)] = (m.active_experts[j], firsts[j], tiles[j], 1)
+    return out
+
+
+P_MAX_HOST = 128       # the kernel's token tile (nl.tile_size.pmax on every target), for the host-side schedule
+
+
+def run_kernel(x, expert_index, affinities, w_gate_up, w_down, b_gate_up, b_down, activation, add_down_bias,
+               block_size, lnc):
+    """Build the kernel's inputs from the routing and launch it (cte.moe_cte checked the arguments and the
+    backend)."""
+    _, gather, scatter, row_aff, sched = kernel_inputs(expert_index, affinities, w_gate_up.shape[0], block_size,
+                                                       lnc)
+    arrays = [gather, scatter, row_aff, sched]
+    if not isinstance(x, np.ndarray):
+        import torch
+        arrays = [torch.from_numpy(a) for a in arrays]
+    kernel = moe_cte_nki if lnc == 1 else moe_cte_nki[lnc]
+    return kernel(x, w_gate_up, w_down, *arrays, b_gate_up=b_gate_up, b_down=b_down if add_down_bias else None,
+                  activation=activation)
