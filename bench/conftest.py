@@ -44,6 +44,22 @@ def pytest_addoption(parser):
     group.addoption("--ratchet-baseline", default=None, help="baseline file (default: bench/ratchet_baseline.json)")
 
 
+def pytest_sessionstart(session):
+    """``--benchmark-json PATH`` without pytest-benchmark's ``indent=4``: same JSON, no whitespace. Indented, the
+    whole-model tables (thousands of rows x ~55 columns, one value per line) grow from ~2 MB to ~7 MB."""
+    bs = getattr(session.config, "_benchmarksession", None)
+    if bs is None or not getattr(bs, "json", None) or not callable(getattr(bs, "save_json", None)):
+        return
+    from pytest_benchmark.utils import safe_dumps
+
+    def save_json(output_json, _bs=bs):
+        with open(_bs.json, mode="wb") as fh:
+            fh.write(safe_dumps(output_json, ensure_ascii=True, separators=(",", ":")).encode())
+        _bs.logger.info(f"Wrote benchmark data in: {_bs.json}", purple=True)
+
+    bs.save_json = save_json
+
+
 def pytest_runtest_logreport(report):
     if report.skipped and report.when in ("setup", "call"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
