@@ -10,16 +10,21 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from .limits import argument_error
+from .limits import HEAD_GROUPS, KEY_PAD_TILES, argument_error
 
 # ---- tile sizes and constants ---------------------------------------------------------------------------------
 P_MAX = nl.tile_size.pmax                # partitions: query / key / token tile, contraction tile
 PSUM_F = nl.tile_size.psum_bank_fmax     # fp32 elements per PSUM bank: one matmul's output row
 # TensorE transposes of [128, 128] bf16 batched into one PSUM bank before one eviction
 TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
-STEP_WIDE = 2 * PSUM_F // P_MAX          # key tiles per step of the main key loop (1024 keys: 2 PSUM banks)
-STEP_SHORT = PSUM_F // P_MAX             # key tiles per step of the tail loop (512 keys: 1 bank)
-PAD_TILES = STEP_SHORT - 1               # zero key tiles after the block: a tail step may run past the range end
+# Key tiles per step of the runtime key loops, widest first: a query tile's range [klo, khi) is walked in 2048-key
+# steps (4 PSUM banks of fp32 scores), then at most one 1024-key step, then 512-key steps (one bank) to the end. Wide
+# steps pay the per-step work (running max, rescale of the accumulator) once per more keys; the narrow tail keeps
+# the work following the image sizes (at most 3 key tiles past the range end).
+STEPS = (4 * PSUM_F // P_MAX, 2 * PSUM_F // P_MAX, PSUM_F // P_MAX)
+PAD_TILES = STEPS[-1] - 1                # zero key tiles after the block: a tail step may run past the range end
+assert PAD_TILES == KEY_PAD_TILES, "limits.KEY_PAD_TILES (the SBUF budget) must match the narrowest key step"
+EVICT_VECTOR_EVERY = 8    # PSUM evictions outside the attention: every 8th on VectorE, the rest on ScalarE
 M_INIT = -1.0e30          # running max before any key: above the range_select fill, so exp(fill - max) = 0
 FP32_MIN = -3.4028235e38  # range_select's fill for keys outside the range (a hardware constant, C11)
 NO_KEY = float(1 << 20)   # lower bound of a padding row (empty range) when taking a tile's min: beyond any block
@@ -42,6 +47,7 @@ class _Config(nl.NKIObject):
         # LNC=2: core c owns token / query tiles t with t % 2 == c (interleaved: images of different sizes load both
         # cores alike); it computes Q, K, V of its tiles and receives the other core's K and V.
         self.mine = tuple(range(core, self.n_kt, n_prog))
+        self.gsz = (nh + HEAD_GROUPS - 1) // HEAD_GROUPS     # heads per group (see the kernel body)
 
 
 def vision_block_attention_kernel(x, w_qkv, b_qkv, cos, sin, bound_min, bound_max, w_o, num_heads, head_dim):
@@ -86,22 +92,29 @@ def vision_block_attention_kernel(x, w_qkv, b_qkv, cos, sin, bound_min, bound_ma
     out = nl.ndarray((S, H), dtype=x.dtype, buffer=nl.shared_hbm)
 
     wq, wo = _load_weights(cfg, w_qkv, w_o)
-    bias = nl.ndarray((P_MAX, cfg.C), dtype=nl.float32, buffer=nl.sbuf)       # b_qkv on every partition
-    nisa.dma_copy(dst=bias, src=b_qkv.ap([[0, P_MAX], [1, cfg.C]], offset=0))
+    bias = nl.ndarray((1, cfg.C), dtype=b_qkv.dtype, buffer=nl.sbuf)   # added by a K=1 matmul (its own dtype)
+    nisa.dma_copy(dst=bias, src=b_qkv.reshape((1, cfg.C)))
     rb0, kreg = _key_ranges(cfg, bound_min, bound_max)
-    qkT, v = _qkv_rope(cfg, x, wq, bias, cos, sin)
-    if n_prog > 1:
-        _exchange_kv(cfg, qkT, v)
-    for qt in cfg.mine:
-        regs = []
-        for j in range(3):
-            r = nisa.register_alloc()
-            nisa.register_load(dst=r, src=kreg[qt:qt + 1, j:j + 1])
-            regs.append(r)
-        o_tok = nl.ndarray((P_MAX, cfg.hd), dtype=x.dtype, buffer=nl.sbuf)
-        for h in range(cfg.nh):
-            _attend(cfg, qkT, v, rb0, regs, qt, h, o_tok)
-        _project(cfg, o_tok, wo, out, qt)
+    # Heads in groups: the QKV projection of group g+1 (TensorE) runs while the attention of group g (VectorE,
+    # ScalarE) does -- the attention of any head needs the K and V of the whole block first.
+    o_all = nl.ndarray((P_MAX, len(cfg.mine), cfg.hd), dtype=x.dtype, buffer=nl.sbuf)
+    xT = _x_transposed(cfg, x)
+    dec = _step_constants(cfg)
+    for g0 in range(0, cfg.nh, cfg.gsz):
+        g1 = min(cfg.nh, g0 + cfg.gsz)
+        qkT, v = _qkv_rope(cfg, x, xT, wq, bias, cos, sin, g0, g1)
+        if n_prog > 1:
+            _exchange_kv(cfg, qkT, v, g1 - g0, g0)
+        for i, qt in enumerate(cfg.mine):
+            regs = []
+            for j in range(len(STEPS) + 1):
+                r = nisa.register_alloc()
+                nisa.register_load(dst=r, src=kreg[qt:qt + 1, j:j + 1])
+                regs.append(r)
+            for h in range(g0, g1):
+                _attend(cfg, qkT, v, rb0, dec, regs, qt, h - g0, g1 - g0, o_all[:, i, h * cfg.d:(h + 1) * cfg.d])
+            if g1 == cfg.nh:
+                _project(cfg, o_all[:, i, :], wo, out, qt)
     return out
 
 
@@ -133,9 +146,10 @@ def _load_weights(cfg, w_qkv, w_o):
 
 
 def _key_ranges(cfg, bound_min, bound_max):
-    """Per query tile the key tiles [klo, khi) covering its rows' ranges (padding rows excluded), and mid = klo +
-    8 * floor((khi - klo) / 8), where the wide key steps end: kreg [n_kt, 3] int32 = (klo, mid, khi), loaded into
-    registers per query tile (an all-padding tile gets klo > khi: no key step). rb0 [128, n_kt, 2] fp32: each row's
+    """Per query tile the key tiles [klo, khi) covering its rows' ranges (padding rows excluded), and where each
+    key loop of STEPS ends: b0 = klo, b[i+1] = b[i] + w_i * floor((khi - b[i]) / w_i), the last loop to khi:
+    kreg [n_kt, len(STEPS) + 1] int32 = (klo, b1, ..., khi), loaded into registers per query tile (an all-padding
+    tile gets klo = khi: no key step). rb0 [128, n_kt, 2] fp32: each row's
     bounds relative to key klo * 128, the range_select bounds of the first step."""
     n = cfg.n_kt
     f32 = nl.float32
@@ -159,7 +173,8 @@ def _key_ranges(cfg, bound_min, bound_max):
     tmax = nl.ndarray((n, 1), dtype=f32, buffer=nl.sbuf)                 # = -max(hi_eff): hi_eff holds -(1-e)*hi
     nisa.tensor_reduce(dst=tmax, op=nl.minimum, data=hi_eff, axis=1)
     # klo = floor(tmin / 128); khi = ceil(-tmax / 128) = floor((127 - tmax) / 128); mid = klo + 8 floor((khi-klo)/8)
-    kf = nl.ndarray((n, 3), dtype=f32, buffer=nl.sbuf)
+    ns = len(STEPS)
+    kf = nl.ndarray((n, ns + 1), dtype=f32, buffer=nl.sbuf)     # (klo, loop boundaries..., khi)
     rem = nl.ndarray((n, 1), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=rem, data=tmin, op0=nl.mod, operand0=float(P_MAX))
     nisa.tensor_scalar(dst=kf[:, 0:1], data=tmin, op0=nl.subtract, operand0=rem, op1=nl.multiply,
@@ -167,16 +182,17 @@ def _key_ranges(cfg, bound_min, bound_max):
     up = nl.ndarray((n, 1), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=up, data=tmax, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=float(P_MAX - 1))
     nisa.tensor_scalar(dst=rem, data=up, op0=nl.mod, operand0=float(P_MAX))
-    nisa.tensor_scalar(dst=kf[:, 2:3], data=up, op0=nl.subtract, operand0=rem, op1=nl.multiply,
+    nisa.tensor_scalar(dst=kf[:, ns:ns + 1], data=up, op0=nl.subtract, operand0=rem, op1=nl.multiply,
                        operand1=1.0 / P_MAX)
     # an all-padding tile (klo from NO_KEY, khi = 0): klo = khi, so both key loops are empty
-    nisa.tensor_tensor(dst=kf[:, 0:1], data1=kf[:, 0:1], data2=kf[:, 2:3], op=nl.minimum)
+    nisa.tensor_tensor(dst=kf[:, 0:1], data1=kf[:, 0:1], data2=kf[:, ns:ns + 1], op=nl.minimum)
     span = nl.ndarray((n, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=span, data1=kf[:, 2:3], data2=kf[:, 0:1], op=nl.subtract)
-    nisa.tensor_scalar(dst=rem, data=span, op0=nl.mod, operand0=float(STEP_WIDE))
-    nisa.tensor_tensor(dst=span, data1=span, data2=rem, op=nl.subtract)
-    nisa.tensor_tensor(dst=kf[:, 1:2], data1=kf[:, 0:1], data2=span, op=nl.add)
-    kreg = nl.ndarray((n, 3), dtype=nl.int32, buffer=nl.sbuf)
+    for i, w in enumerate(STEPS[:-1]):    # b[i+1] = b[i] + w * floor((khi - b[i]) / w)
+        nisa.tensor_tensor(dst=span, data1=kf[:, ns:ns + 1], data2=kf[:, i:i + 1], op=nl.subtract)
+        nisa.tensor_scalar(dst=rem, data=span, op0=nl.mod, operand0=float(w))
+        nisa.tensor_tensor(dst=span, data1=span, data2=rem, op=nl.subtract)
+        nisa.tensor_tensor(dst=kf[:, i + 1:i + 2], data1=kf[:, i:i + 1], data2=span, op=nl.add)
+    kreg = nl.ndarray((n, ns + 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=kreg, src=kf)
     # klo * 128 on every partition, [128, n]: ones[n, 128]^T @ diag(klo * 128) (fp32 matmul: exact)
     ident = nl.ndarray((n, n), dtype=f32, buffer=nl.sbuf)
@@ -203,62 +219,93 @@ def _key_ranges(cfg, bound_min, bound_max):
 # ---- QKV projection and rotary embedding ----------------------------------------------------------------------
 
 def _evict(i, dst, src):
-    """PSUM -> SBUF copies alternate between VectorE and ScalarE (both read PSUM)."""
-    if i % 2 == 0:
+    """PSUM -> SBUF copies: one in EVICT_VECTOR_EVERY on VectorE, the others on ScalarE (both read PSUM; VectorE
+    carries the attention's range_select, the busiest stream)."""
+    if i % EVICT_VECTOR_EVERY == 0:
         nisa.tensor_copy(dst=dst, src=src)
     else:
         nisa.activation(dst=dst, op=nl.copy, data=src)
 
 
-def _qkv_rope(cfg, x, wq, bias, cos, sin):
-    """For this core's token tiles: qkv = x @ W_qkv + b (bf16), RoPE on q and k, then
-    qkT [128 (d used), 2nh, n_pad, 128] bf16 (Q^T of head h at [:d, h], K^T at [:d, nh + h]; key tile t at
-    [..., t, :]) and v [128 tokens, n_pad, nh*d] bf16; the PAD_TILES tiles after the block are zero."""
-    d, nh, hd, C = cfg.d, cfg.nh, cfg.hd, cfg.C
-    h2 = d // 2
-    qkT = nl.ndarray((P_MAX, 2 * nh, cfg.n_pad, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
-    v = nl.ndarray((P_MAX, cfg.n_pad, hd), dtype=x.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=qkT[:d, nh:, cfg.n_kt:, :], value=0.0, engine=nisa.engine.gpsimd)
-    nisa.memset(dst=v[:, cfg.n_kt:, :], value=0.0, engine=nisa.engine.gpsimd)
+def _x_transposed(cfg, x):
+    """x^T of this core's token tiles, [128 (H rows kt*128 + p), KT, tiles * 128] bf16 (the QKV projection's
+    stationaries), by TensorE transposes, TRANSPOSE_GROUP per PSUM bank, evicted by ScalarE (idle until the first
+    attention step; VectorE does the first head group's RoPE meanwhile). Resident for all head groups."""
+    xT = nl.ndarray((P_MAX, cfg.KT, len(cfg.mine) * P_MAX), dtype=x.dtype, buffer=nl.sbuf)
     for i, t in enumerate(cfg.mine):
         xt = nl.ndarray((P_MAX, cfg.H), dtype=x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=xt, src=x[t * P_MAX:(t + 1) * P_MAX, :])
-        cs = nl.ndarray((P_MAX, 2, d), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=cs[:, 0, :], src=cos[t * P_MAX:(t + 1) * P_MAX, :])
-        nisa.dma_copy(dst=cs[:, 1, :], src=sin[t * P_MAX:(t + 1) * P_MAX, :])
-        # x^T by TensorE transposes, TRANSPOSE_GROUP per PSUM bank
-        xT = nl.ndarray((P_MAX, cfg.KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
         for k0 in range(0, cfg.KT, TRANSPOSE_GROUP):
             kn = min(TRANSPOSE_GROUP, cfg.KT - k0)
             pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x.dtype, buffer=nl.psum)
             for k in range(kn):
                 nisa.nc_transpose(dst=pt[:, k, :], data=xt[:, (k0 + k) * P_MAX:(k0 + k + 1) * P_MAX])
-            _evict(i + k0, xT[:, k0:k0 + kn, :], pt[:, :kn, :])
-        # qkv [tokens, (q|k|v, head, dim)] = x @ W_qkv + b, one PSUM bank of columns at a time
+            nisa.activation(dst=xT[:, k0:k0 + kn, i * P_MAX:(i + 1) * P_MAX], op=nl.copy, data=pt[:, :kn, :])
+    return xT
+
+
+def _qkv_rope(cfg, x, xT, wq, bias, cos, sin, g0, g1):
+    """Heads [g0, g1) (nh of them here), this core's token tiles: qkv = x @ W_qkv + b (bf16), RoPE on q and k, then
+    qkT [128 (d used), 2nh, n_pad, 128] bf16 (Q^T of head h at [:d, h], K^T at [:d, nh + h]; key tile t at
+    [..., t, :]) and v [128 tokens, n_pad, nh*d] bf16; the PAD_TILES tiles after the block are zero."""
+    d, nh = cfg.d, g1 - g0
+    hd = nh * d
+    h2 = d // 2
+    qkT = nl.ndarray((P_MAX, 2 * nh, cfg.n_pad, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+    v = nl.ndarray((P_MAX, cfg.n_pad, hd), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=qkT[:d, nh:, cfg.n_kt:, :], value=0.0, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=v[:, cfg.n_kt:, :], value=0.0, engine=nisa.engine.gpsimd)
+    ones = nl.ndarray((1, P_MAX), dtype=bias.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0, engine=nisa.engine.gpsimd)
+    # RoPE engine: the first group's rotary is on the path to the first attention step, while VectorE has nothing
+    # else to do; later groups' run on GpSimd beside the attention (VectorE is then its busiest engine).
+    gp = nisa.engine.vector if g0 == 0 else nisa.engine.gpsimd
+    for i, t in enumerate(cfg.mine):
+        cs = nl.ndarray((P_MAX, 2, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=cs[:, 0, :], src=cos[t * P_MAX:(t + 1) * P_MAX, :])
+        nisa.dma_copy(dst=cs[:, 1, :], src=sin[t * P_MAX:(t + 1) * P_MAX, :])
+        # qkv [tokens, (q|k|v, head, dim)] = x @ W_qkv + b for the group's columns of each of q, k, v, one PSUM
+        # bank at a time (the bias joins the accumulation as a K=1 matmul ones^T @ b: TensorE has slack, VectorE
+        # has none)
+        # Column runs of q, k, v are packed into PSUM banks in order (one accumulation group after the other in a
+        # bank), and each bank is evicted once.
         qkv = nl.ndarray((P_MAX, 3, nh, d), dtype=x.dtype, buffer=nl.sbuf)
-        flat = qkv.reshape((P_MAX, C))
-        for c0 in range(0, C, PSUM_F):
-            n = min(PSUM_F, C - c0)
+        flat = qkv.reshape((P_MAX, 3 * hd))
+        runs = []                                   # (first column in the group's qkv, first column in W_qkv, n)
+        for part in range(3):
+            for c0 in range(0, hd, PSUM_F):
+                runs.append((part * hd + c0, part * cfg.hd + g0 * d + c0, min(PSUM_F, hd - c0)))
+        banks = [[]]
+        for r in runs:
+            if sum(n for _, _, n in banks[-1]) + r[2] > PSUM_F:
+                banks.append([])
+            banks[-1].append(r)
+        for bi, bank in enumerate(banks):
             ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
-            for kt in range(cfg.KT):
-                nisa.nc_matmul(dst=ps[:, :n], stationary=xT[:, kt, :], moving=wq[:, kt, c0:c0 + n],
-                               accumulate=(kt > 0))
-            nisa.tensor_tensor(dst=flat[:, c0:c0 + n], data1=ps[:, :n], data2=bias[:, c0:c0 + n], op=nl.add)
+            b0 = bank[0][0]
+            for f0, w0, n in bank:
+                o0 = f0 - b0
+                for kt in range(cfg.KT):
+                    nisa.nc_matmul(dst=ps[:, o0:o0 + n], stationary=xT[:, kt, i * P_MAX:(i + 1) * P_MAX],
+                                   moving=wq[:, kt, w0:w0 + n], accumulate=(kt > 0))
+                nisa.nc_matmul(dst=ps[:, o0:o0 + n], stationary=ones, moving=bias[:, w0:w0 + n], accumulate=True)
+            nb_cols = sum(n for _, _, n in bank)
+            _evict(i + bi, flat[:, b0:b0 + nb_cols], ps[:, :nb_cols])
         nisa.tensor_copy(dst=v[:, t, :], src=qkv[:, 2].reshape((P_MAX, hd)), engine=nisa.engine.gpsimd)
         # RoPE on q and k: r = u * cos + rotate_half(u) * sin, rotate_half(u) = [-u2, u1]
         qk = qkv[:, 0:2].reshape((P_MAX, 2 * nh, d))
         cb = cs[:, 0, :].expand_dim(1).broadcast(1, 2 * nh)
         sb = cs[:, 1, :].expand_dim(1).broadcast(1, 2 * nh)
         uc = nl.ndarray((P_MAX, 2 * nh, d), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=uc, data1=qk, data2=cb, op=nl.multiply)
+        nisa.tensor_tensor(dst=uc, data1=qk, data2=cb, op=nl.multiply, engine=gp)
         us = nl.ndarray((P_MAX, 2 * nh, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=us[:, :, :h2], data1=qk[:, :, h2:], data2=sb[:, :, :h2], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
+                           engine=gp)
         nisa.tensor_tensor(dst=us[:, :, h2:], data1=qk[:, :, :h2], data2=sb[:, :, h2:], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
+                           engine=gp)
         rot = nl.ndarray((P_MAX, 2 * nh, d), dtype=x.dtype, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=rot[:, :, :h2], data1=uc[:, :, :h2], data2=us[:, :, :h2], op=nl.subtract)
-        nisa.tensor_tensor(dst=rot[:, :, h2:], data1=uc[:, :, h2:], data2=us[:, :, h2:], op=nl.add)
+        nisa.tensor_tensor(dst=rot[:, :, :h2], data1=uc[:, :, :h2], data2=us[:, :, :h2], op=nl.subtract, engine=gp)
+        nisa.tensor_tensor(dst=rot[:, :, h2:], data1=uc[:, :, h2:], data2=us[:, :, h2:], op=nl.add, engine=gp)
         # Q^T, K^T per head by TensorE transposes ([128 tokens, d] -> [d, 128 tokens])
         for j0 in range(0, 2 * nh, TRANSPOSE_GROUP):
             jn = min(TRANSPOSE_GROUP, 2 * nh - j0)
@@ -269,23 +316,33 @@ def _qkv_rope(cfg, x, wq, bias, cos, sin):
     return qkT, v
 
 
-def _exchange_kv(cfg, qkT, v):
-    """LNC=2: send this core's K^T and V tiles to the other core, receive its tiles (the attention of every query
-    tile reads the keys of the whole block)."""
-    d, nh = cfg.d, cfg.nh
+def _exchange_kv(cfg, qkT, v, nh, g0):
+    """LNC=2: send this core's K^T and V tiles of the head group (nh heads from g0) to the other core, receive
+    its tiles (the attention of every query tile reads the keys of the whole block)."""
+    d = cfg.d
     core, other = cfg.core, 1 - cfg.core
     n = cfg.n_kt
     nisa.sendrecv(src=qkT[:d, nh:, core:n:2, :], dst=qkT[:d, nh:, other:n:2, :], send_to_rank=other,
-                  recv_from_rank=other, pipe_id=100)
+                  recv_from_rank=other, pipe_id=100 + 2 * g0)
     nisa.sendrecv(src=v[:, core:n:2, :], dst=v[:, other:n:2, :], send_to_rank=other, recv_from_rank=other,
-                  pipe_id=101)
+                  pipe_id=101 + 2 * g0)
 
 
 # ---- attention ------------------------------------------------------------------------------------------------
 
-def _attend(cfg, qkT, v, rb0, regs, qt, h, o_tok):
-    """o_tok[:, h*d:(h+1)*d] = softmax-attention of query tile qt, head h, over its key range (online softmax in
-    runtime loops: 1024-key steps over [klo, mid), then 512-key steps over [mid, khi))."""
+def _step_constants(cfg):
+    """Constants of the GpSimd state updates (GpSimd has no tensor_scalar): dec [128, i, :] = the key count of a
+    step of STEPS[i] tiles (the bounds' decrement), dec[128, len(STEPS), :] = -scale."""
+    dec = nl.ndarray((P_MAX, len(STEPS) + 1, 2), dtype=nl.float32, buffer=nl.sbuf)
+    for i, w in enumerate(STEPS):
+        nisa.memset(dst=dec[:, i, :], value=float(w * P_MAX), engine=nisa.engine.gpsimd)
+    nisa.memset(dst=dec[:, len(STEPS), :], value=-cfg.scale, engine=nisa.engine.gpsimd)
+    return dec
+
+
+def _attend(cfg, qkT, v, rb0, dec, regs, qt, h, nh, o_h):
+    """o_h [128, d] = softmax-attention of query tile qt, head h of a group of nh (qkT, v from _qkv_rope), over
+    the tile's key range (online softmax in runtime loops of STEPS key tiles per step)."""
     d = cfg.d
     f32 = nl.float32
     nb = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)       # -scale * running max
@@ -297,44 +354,42 @@ def _attend(cfg, qkT, v, rb0, regs, qt, h, o_tok):
     rb = nl.ndarray((P_MAX, 2), dtype=f32, buffer=nl.sbuf)       # the rows' bounds relative to this step's keys
     nisa.tensor_copy(dst=rb, src=rb0[:, qt, :], engine=nisa.engine.gpsimd)
     stat = qkT[:d, h, qt, :]
-    # the bounds' decrement per step, a tensor (GpSimd has no tensor_scalar): [128, step kind, 2]
-    dec = nl.ndarray((P_MAX, STEP_WIDE // STEP_SHORT, 2), dtype=f32, buffer=nl.sbuf)
-    for i in range(STEP_WIDE // STEP_SHORT):
-        nisa.memset(dst=dec[:, i, :], value=float((i + 1) * STEP_SHORT * P_MAX), engine=nisa.engine.gpsimd)
     st = (nb, l_sum, acc, rb, dec)
 
     def step(width):
         def body(c):
-            _key_step(cfg, st, stat, qkT, v, c, h, width)
+            _key_step(cfg, st, stat, qkT, v, c, h, nh, width)
         return body
-    nl.fori_loop(regs[0], regs[1], step(STEP_WIDE), step=STEP_WIDE)
-    nl.fori_loop(regs[1], regs[2], step(STEP_SHORT), step=STEP_SHORT)
+    for i, w in enumerate(STEPS):
+        nl.fori_loop(regs[i], regs[i + 1], step(w), step=w)
     lg = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=lg, data=l_sum, op0=nl.maximum, operand0=L_MIN)
     rl = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
     nisa.reciprocal(dst=rl, data=lg)
-    nisa.activation(dst=o_tok[:, h * d:(h + 1) * d], op=nl.copy, data=acc, scale=rl)
+    nisa.activation(dst=o_h, op=nl.copy, data=acc, scale=rl)
 
 
-def _key_step(cfg, st, stat, qkT, v, c, h, width):
-    """One online-softmax step over key tiles [c, c + width) (c: a runtime register)."""
+def _key_step(cfg, st, stat, qkT, v, c, h, nh, width):
+    """One online-softmax step over key tiles [c, c + width) (c: a runtime register), head h of a group of nh."""
     nb, l_sum, acc, rb, dec = st
-    d, hd = cfg.d, cfg.hd
+    d = cfg.d
+    hd = nh * d
     f32 = nl.float32
     gp = nisa.engine.gpsimd
     n = width * P_MAX
     ps = nl.ndarray((P_MAX, n), dtype=f32, buffer=nl.psum)
     for b in range(n // PSUM_F):
         # K^T of head h, keys c*128 + b*512 .. + 512: the register c scales by the tile size (indirect_dim=2)
-        mv = qkT.ap([[2 * cfg.nh * cfg.n_pad * P_MAX, d], [1, PSUM_F]],
-                    offset=(cfg.nh + h) * cfg.n_pad * P_MAX + b * PSUM_F, scalar_offset=c, indirect_dim=2)
+        mv = qkT.ap([[2 * nh * cfg.n_pad * P_MAX, d], [1, PSUM_F]],
+                    offset=(nh + h) * cfg.n_pad * P_MAX + b * PSUM_F, scalar_offset=c, indirect_dim=2)
         nisa.nc_matmul(dst=ps[:, b * PSUM_F:(b + 1) * PSUM_F], stationary=stat, moving=mv, accumulate=False)
     mt = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
     nisa.range_select(dst=ps, on_true_tile=ps, comp_op0=nl.greater_equal, comp_op1=nl.less, bound0=rb[:, 0:1],
                       bound1=rb[:, 1:2], reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=mt,
                       reduce_op=nl.maximum, range_start=0, on_false_value=FP32_MIN)
-    nbn = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)      # -scale * max(m, mt)
-    nisa.tensor_scalar(dst=nbn, data=mt, op0=nl.multiply, operand0=-cfg.scale, op1=nl.minimum, operand1=nb)
+    nbn = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)      # -scale * max(m, mt) = min(nb, -scale * mt)
+    nisa.tensor_tensor(dst=nbn, data1=mt, data2=dec[:, len(STEPS), 0:1], op=nl.multiply, engine=gp)
+    nisa.tensor_tensor(dst=nbn, data1=nbn, data2=nb, op=nl.minimum, engine=gp)
     alpha = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)    # exp(scale * (m - m'))
     nisa.activation(dst=alpha, op=nl.exp, data=nb, bias=nbn, scale=-1.0)
     p = nl.ndarray((P_MAX, n), dtype=v.dtype, buffer=nl.sbuf)
@@ -345,7 +400,7 @@ def _key_step(cfg, st, stat, qkT, v, c, h, width):
     nisa.tensor_tensor(dst=l_sum, data1=l_sum, data2=alpha, op=nl.multiply, engine=gp)
     nisa.tensor_tensor(dst=l_sum, data1=l_sum, data2=rs, op=nl.add, engine=gp)
     nisa.tensor_copy(dst=nb, src=nbn, engine=gp)
-    nisa.tensor_tensor(dst=rb, data1=rb, data2=dec[:, width // STEP_SHORT - 1, :], op=nl.subtract, engine=gp)
+    nisa.tensor_tensor(dst=rb, data1=rb, data2=dec[:, STEPS.index(width), :], op=nl.subtract, engine=gp)
     # P^T by a DMA transpose (the DMA queues are idle during the attention; TensorE and VectorE are not)
     pT = nl.ndarray((P_MAX, width, P_MAX), dtype=v.dtype, buffer=nl.sbuf)
     nisa.dma_transpose(dst=pT, src=p.reshape((P_MAX, width, P_MAX)))
@@ -371,7 +426,7 @@ def _project(cfg, o_tok, wo, out, qt):
             nisa.nc_transpose(dst=pt[:kn, k - k0, :], data=o_tok[:, k * P_MAX:k * P_MAX + kn])
         for k in range(k0, k0 + kg):     # per chunk: the last one may have fewer rows
             kn = min(P_MAX, hd - k * P_MAX)
-            nisa.tensor_copy(dst=oT[:kn, k, :], src=pt[:kn, k - k0, :])
+            nisa.activation(dst=oT[:kn, k, :], op=nl.copy, data=pt[:kn, k - k0, :])
     res = nl.ndarray((P_MAX, H), dtype=out.dtype, buffer=nl.sbuf)
     for i, c0 in enumerate(range(0, H, PSUM_F)):
         n = min(PSUM_F, H - c0)

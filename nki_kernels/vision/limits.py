@@ -11,10 +11,11 @@ MAX_BLOCK = 32 * P       # 4096: the largest block size the encoder uses (Qwen3-
 MAX_HEAD_DIM = P         # head_dim lives on the partitions of Q^T / K^T
 MAX_HEADS = 16           # heads on one rank (Qwen3-VL's 16 at vision TP 1)
 MAX_HIDDEN = 32 * P      # hidden size: x^T of one query tile, [128, H/128, 128] bf16, and W_qkv stay in SBUF
-# SBUF bytes per partition the block's resident tensors may use: Q^T and K^T ([d, heads, S] bf16), V
-# ([128, S/128, heads*d] bf16), W_qkv ([128, H/128, 3*heads*d] bf16) and W_o ([128, ceil(heads*d/128), H] bf16).
-# The rest of the target's usable SBUF (208 KiB per partition on trn2) holds the score / probability tiles.
-RESIDENT_MAX = 176 * 1024
+HEAD_GROUPS = 4          # the kernel projects QKV and attends in up to 4 head groups (two groups alive at a time)
+KEY_PAD_TILES = 3        # zero key tiles after the block (the kernel's narrowest key step may run past a range)
+# SBUF bytes per partition the block's resident tensors may use (see resident_bytes); the rest of the target's usable
+# SBUF (208 KiB per partition on trn2) holds the working tiles (score / probability tiles, x and qkv tiles).
+RESIDENT_MAX = 180 * 1024
 
 
 def dtype_name(dt):
@@ -23,13 +24,17 @@ def dtype_name(dt):
 
 
 def resident_bytes(S, H, num_heads, head_dim):
-    """SBUF bytes per partition of the tensors the kernel keeps resident for one block (see RESIDENT_MAX)."""
+    """SBUF bytes per partition of the tensors the kernel keeps resident for one block: x^T ([128, H/128, S] bf16),
+    two head groups' Q^T / K^T ([d, 2g, S + pad] bf16) and V ([128, S/128 + pad, g*d] bf16), W_qkv
+    ([128, H/128, 3*nh*d] bf16), W_o ([128, ceil(nh*d/128), H] bf16) and the attention output ([128, S/128, nh*d])."""
     hd = num_heads * head_dim
-    qk = 2 * num_heads * S * 2
-    v = (S // P) * hd * 2
-    w_qkv = (H // P) * 3 * hd * 2
-    w_o = -(-hd // P) * H * 2
-    return qk + v + w_qkv + w_o
+    g = -(-num_heads // HEAD_GROUPS)
+    keys = S + KEY_PAD_TILES * P
+    x_t = (H // P) * S * 2
+    groups = 2 * (2 * g * keys * 2 + (keys // P) * g * head_dim * 2)
+    weights = (H // P) * 3 * hd * 2 + -(-hd // P) * H * 2
+    o = (S // P) * hd * 2
+    return x_t + groups + weights + o
 
 
 def argument_error(x, w_qkv, b_qkv, cos, sin, bound_min, bound_max, w_o, num_heads, head_dim):

@@ -67,7 +67,7 @@ BAD = [
     (dict(bound_dtype=torch.float32), "bound_min must be int32 or int64, got float32"),
     (dict(bound_max_value=300), "bound_max values must be in [0, S=256]"),
     (dict(bound_min_value=-1), "bound_min values must be in [0, S=256]"),
-    (dict(S=4096, H=1152, nh=16, d=72), "needs 418816 resident SBUF bytes per partition, more than 180224"),
+    (dict(S=4096, H=1152, nh=16, d=72), "S=4096 x num_heads=16 x head_dim=72 (H=1152) needs"),
 ]
 
 
