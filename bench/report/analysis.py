@@ -65,7 +65,8 @@ def published_comparison(rows: list[dict]) -> list[dict]:
         p = r["published"]
         modelled = r["t_step_us"] / 1e3
         out.append({
-            "label": f"{p['model']} {p['instance'].split('.')[0]} TP{p['tp']} b{p['batch']} ctx{p['ctx']}",
+            "label": (f"{p['model']} {p['instance'].split('.')[0]} LNC{p['lnc']} TP{p['tp']} b{p['batch']} "
+                      f"ctx{p['ctx']}"),
             "key": p.get("key", ""), "model": p["model"], "instance": p["instance"], "lnc": p["lnc"], "tp": p["tp"],
             "batch": p["batch"],
             "ctx": p["ctx"], "what": p["what"], "setup": p["setup"], "source": p["source"],

@@ -136,12 +136,13 @@ def latency_breakdown(rows: list[dict], title: str, salt: str, max_rows: int = 1
         left = [a + b for a, b in zip(left, vals, strict=True)]
     for y, r in zip(ys, rows, strict=True):
         src = " · attn nkisim" if "attention" in r.get("kernel_sources", []) else ""
-        ax.text(left[y], y, f"  {r['t_step_us'] / 1e3:.2f} ms · {r['bound']}{src}", va="center", fontsize=7,
+        cal = f" · calibrated {r['t_step_cal_us'] / 1e3:.2f} ms" if r.get("t_step_cal_us") else ""
+        ax.text(left[y], y, f"  {r['t_step_us'] / 1e3:.2f} ms · {r['bound']}{src}{cal}", va="center", fontsize=7,
                 color="#333")
     ax.set_yticks(ys, labels, fontsize=7.5)
     ax.invert_yaxis()
-    ax.set_xlabel("modelled step latency (ms)")
-    ax.set_xlim(0, max(left) * 1.28)
+    ax.set_xlabel("modelled step latency, uncalibrated terms (ms)")
+    ax.set_xlim(0, max(left) * (1.55 if any(r.get("t_step_cal_us") for r in rows) else 1.28))
     ax.set_title(title)
     ax.grid(axis="y", visible=False)
     ax.legend(ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.5 / max(len(rows), 3) - 0.12), fontsize=7)
