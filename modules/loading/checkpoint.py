@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import queue
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -83,7 +85,8 @@ class SafetensorsCheckpoint:
 
     def load_sharded(self, rank: int, world_size: int, model: torch.nn.Module, mappings: Mappings | None = None,
                      device: str | torch.device = "cpu", strict: bool = True) -> dict[str, torch.Tensor]:
-        """Load every parameter of ``model`` through its weight loader as ``rank`` and copy it in.
+        """Load every parameter of ``model`` through its weight loader as ``rank`` and copy it in, one parameter
+        after the other (read its slices, then place them).
 
         rank/world_size are the model's TP rank and size (loaders of component layers override the rank).
         mappings: param name → checkpoint key (or role → key); unmapped params use their own name.
@@ -91,47 +94,110 @@ class SafetensorsCheckpoint:
         they keep their initial values and are absent from the returned dict).
         Returns the rank's sharded state {param name: tensor}.
         """
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} out of range for world_size={world_size}")
-        mappings = dict(mappings or {})
-        params = dict(model.named_parameters())
-        unknown = sorted(set(mappings) - set(params))
-        if unknown:
-            raise KeyError(f"mappings name parameters the model does not have: {unknown}")
+        params = self._check_load_args(rank, world_size, model, mappings)
         out: dict[str, torch.Tensor] = {}
         skipped: list[str] = []
         with self.open() as h:
-            for name, param in params.items():
-                target = mappings.get(name, name)
-                keys = {"": target} if isinstance(target, str) else dict(target)
-                missing = [k for k in keys.values() if k not in self]
-                if missing:
-                    if not strict:
-                        skipped.append(f"{name} (no {missing[0]!r})")
-                        continue
-                    raise KeyError(f"checkpoint {str(self.path)!r} has no tensor {missing[0]!r} "
-                                   f"(needed by parameter {name!r})")
-                sources = {role: h.get_slice(key, name) for role, key in keys.items()}
-                if isinstance(target, str):
-                    sources = sources[""]
-                try:
-                    tensor = get_weight_loader(param)(sources, rank)
-                except ValueError as e:
-                    raise ValueError(f"parameter {name!r} from {target!r}: {e}") from e
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"parameter {name!r}: loaded shape {tuple(tensor.shape)} from {target!r} "
-                                     f"!= parameter shape {tuple(param.shape)}")
-                tensor = tensor.to(device=device, dtype=param.dtype)
-                with torch.no_grad():
-                    param.copy_(tensor)
-                out[name] = tensor
-        if skipped:
-            warnings.warn(f"load_sharded(strict=False): {len(skipped)} parameter(s) not loaded, left at their "
-                          f"initial values: {', '.join(skipped)}", stacklevel=2)
+            for item in self._read_all(h, rank, params, dict(mappings or {}), strict, skipped):
+                out[item[0]] = self._place(*item, device)
+        self._warn_skipped(skipped)
         return out
 
-    # The seed's name. Reads are sequential here; a device backend can overlap reads with host→device copies.
-    load_sharded_pipelined = load_sharded
+    def load_sharded_pipelined(self, rank: int, world_size: int, model: torch.nn.Module,
+                               mappings: Mappings | None = None, device: str | torch.device = "cpu",
+                               strict: bool = True, depth: int = 4) -> dict[str, torch.Tensor]:
+        """``load_sharded`` as a two-stage pipeline: a reader thread reads the rank's slices of the next parameters
+        (safetensors slicing, up to ``depth`` parameters ahead) while this thread places the previous ones (dtype
+        conversion, host→device copy into the parameter). Same arguments, results and errors as load_sharded."""
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"load_sharded_pipelined: depth must be a positive integer, got {depth!r}")
+        params = self._check_load_args(rank, world_size, model, mappings)
+        out: dict[str, torch.Tensor] = {}
+        skipped: list[str] = []
+        ready: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+        done = object()
+
+        def put(item) -> bool:
+            while not stop.is_set():  # the placing side may have failed: never block forever on a full queue
+                try:
+                    ready.put(item, timeout=0.05)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def reader() -> None:
+            try:
+                with self.open() as h:
+                    for item in self._read_all(h, rank, params, dict(mappings or {}), strict, skipped):
+                        if not put(item):
+                            return
+                put(done)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                put(e)
+
+        thread = threading.Thread(target=reader, name="load_sharded_pipelined-reader", daemon=True)
+        thread.start()
+        try:
+            while (item := ready.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                out[item[0]] = self._place(*item, device)
+        finally:
+            stop.set()
+            thread.join()
+        self._warn_skipped(skipped)
+        return out
+
+    # -- the two stages ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_load_args(rank, world_size, model, mappings) -> dict[str, torch.nn.Parameter]:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} out of range for world_size={world_size}")
+        params = dict(model.named_parameters())
+        unknown = sorted(set(mappings or {}) - set(params))
+        if unknown:
+            raise KeyError(f"mappings name parameters the model does not have: {unknown}")
+        return params
+
+    def _read_all(self, h, rank, params, mappings, strict, skipped) -> Iterator[tuple]:
+        """Read stage: yield (name, param, target, tensor) with the rank's slices of each parameter's tensors."""
+        for name, param in params.items():
+            target = mappings.get(name, name)
+            keys = {"": target} if isinstance(target, str) else dict(target)
+            missing = [k for k in keys.values() if k not in self]
+            if missing:
+                if not strict:
+                    skipped.append(f"{name} (no {missing[0]!r})")
+                    continue
+                raise KeyError(f"checkpoint {str(self.path)!r} has no tensor {missing[0]!r} "
+                               f"(needed by parameter {name!r})")
+            sources = {role: h.get_slice(key, name) for role, key in keys.items()}
+            if isinstance(target, str):
+                sources = sources[""]
+            try:
+                tensor = get_weight_loader(param)(sources, rank)
+            except ValueError as e:
+                raise ValueError(f"parameter {name!r} from {target!r}: {e}") from e
+            yield name, param, target, tensor
+
+    @staticmethod
+    def _place(name, param, target, tensor, device) -> torch.Tensor:
+        """Place stage: check the shape, convert to the parameter's dtype and device, copy in."""
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"parameter {name!r}: loaded shape {tuple(tensor.shape)} from {target!r} "
+                             f"!= parameter shape {tuple(param.shape)}")
+        tensor = tensor.to(device=device, dtype=param.dtype)
+        with torch.no_grad():
+            param.copy_(tensor)
+        return tensor
+
+    @staticmethod
+    def _warn_skipped(skipped: list[str]) -> None:
+        if skipped:
+            warnings.warn(f"load_sharded(strict=False): {len(skipped)} parameter(s) not loaded, left at their "
+                          f"initial values: {', '.join(skipped)}", stacklevel=3)
 
 
 class _Opened:
