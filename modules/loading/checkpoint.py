@@ -20,6 +20,21 @@ from modules.loading.loaders import get_weight_loader
 Mappings = Mapping[str, str | Mapping[str, str]]
 
 
+PAGE_BYTES = 4096
+
+
+def _fault_in(t: torch.Tensor) -> torch.Tensor:
+    """Make the bytes of t resident and return t. safetensors slices are views of the memory-mapped file: nothing is
+    read from the disk until the bytes are touched. Reading one byte per page (a strided torch reduction, which
+    releases the GIL) pulls the pages into the page cache, so the read stage really reads and the place stage copies
+    from memory. Loader outputs that are already copies (padding, concatenation, non-contiguous slices made
+    contiguous) are resident: touching them costs one load per page."""
+    if t.numel() and t.is_contiguous() and t.device.type == "cpu":
+        flat = t.reshape(-1).view(torch.uint8)
+        flat[::PAGE_BYTES].sum()
+    return t
+
+
 class _CountingSlice:
     """A PySafeSlice that records how many bytes each read returned (to prove sharded reads are partial)."""
 
@@ -180,18 +195,23 @@ class SafetensorsCheckpoint:
                 tensor = get_weight_loader(param)(sources, rank)
             except ValueError as e:
                 raise ValueError(f"parameter {name!r} from {target!r}: {e}") from e
-            yield name, param, target, tensor
+            yield name, param, target, _fault_in(tensor)
 
     @staticmethod
     def _place(name, param, target, tensor, device) -> torch.Tensor:
-        """Place stage: check the shape, convert to the parameter's dtype and device, copy in."""
+        """Place stage: check the shape, then one copy into the parameter (converting dtype, moving device).
+        Returns the placed value."""
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"parameter {name!r}: loaded shape {tuple(tensor.shape)} from {target!r} "
                              f"!= parameter shape {tuple(param.shape)}")
-        tensor = tensor.to(device=device, dtype=param.dtype)
+        if param.device != torch.device(device):  # the caller asked for another device: convert, then copy in
+            tensor = tensor.to(device=device, dtype=param.dtype)
+            with torch.no_grad():
+                param.copy_(tensor)
+            return tensor
         with torch.no_grad():
             param.copy_(tensor)
-        return tensor
+        return param.detach()
 
     @staticmethod
     def _warn_skipped(skipped: list[str]) -> None:
