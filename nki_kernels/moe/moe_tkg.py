@@ -4,12 +4,35 @@ This file holds the argument checks (shared by every backend), the expert-mode c
 functional entry `moe_tkg`. Semantics are `moe_torch.moe_torch`'s; see DESIGN.md beside this file.
 """
 
-from .entry import resolve_backend, shape_of, to_torch
-from .moe_torch import ACTIVATIONS, moe_torch
-from .router import router_argument_error
+import nki
+import nki.isa as nisa
+import nki.language as nl
 
+from .entry import resolve_backend, shape_of, to_torch
+from .moe_torch import ACTIVATIONS, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT, moe_torch
+from .router import (
+    H_TILE,
+    P_MAX,
+    RouterConsts,
+    load_router_weights,
+    logits_step,
+    router_argument_error,
+    store_routing_step,
+    topk_step,
+    transpose_tokens_step,
+)
+from .tkg_cost import choose_expert_mode
+
+# ---- sizes ------------------------------------------------------------------------------------------------------
 MAX_TOKENS = 128       # T = B * S_tkg: tokens live on the partitions of one tile
 EXPERT_MODES = ("auto", "selective", "all")
+PSUM_F = nl.tile_size.psum_bank_fmax     # fp32 per PSUM bank: the down projection's output columns per matmul
+I_TILE = 128           # the expert intermediate dimension is tiled on partitions (gate/up output rows, down K)
+MAX_I_TILES = 6        # gate/up accumulators of one expert (2 * I tiles of <= 512 B) in <= 3 PSUM banks
+WGU_DMAS = 4           # one expert's gate/up rows are loaded in this many DMAs (the matmuls start on the first)
+W_BUFS = 3             # expert weight slots (ring): the next experts' DMAs run while one is computed ...
+W_BUFS_MIN = 2         # ... at least double-buffered, or the expert is refused as too large for SBUF
+SBUF_RESERVE = 48 * 1024   # bytes per partition kept for everything but the weight ring
 
 
 def tkg_argument_error(x_shape, w_router_shape, w_gate_up_shape, w_down_shape, *, top_k, b_router_shape=None,
@@ -77,5 +100,446 @@ def moe_tkg(x, w_router, w_gate_up, w_down, *, top_k, b_router=None, b_gate_up=N
             hidden_actual=hidden_actual, router_mode=router_mode, renormalize=renormalize, activation=activation,
             add_down_bias=add_down_bias)
         return out.to(x.dtype), index, aff
-    raise NotImplementedError(f"moe_tkg: backend={backend!r}: the NKI kernel is not in this checkout yet; "
-                              "use backend='torch'")
+    T, H = x2.shape
+    E, inter = t["w_gate_up"].shape[0], t["w_gate_up"].shape[3]
+    if expert_mode == "auto":
+        expert_mode = choose_expert_mode(T, E, top_k, H, inter)
+    kernel = moe_tkg_nki if lnc == 1 else moe_tkg_nki[lnc]
+    vec = {k: (None if t[k] is None else t[k].reshape(1, -1)) for k in ("b_router", "gamma")}
+    return kernel(x2, t["w_router"], t["w_gate_up"], t["w_down"], b_router=vec["b_router"], b_gate_up=t["b_gate_up"],
+                  b_down=t["b_down"], gamma=vec["gamma"], top_k=top_k, eps=float(eps),
+                  hidden_actual=int(hidden_actual or 0), router_mode=router_mode, renormalize=bool(renormalize),
+                  activation=activation, add_down_bias=bool(add_down_bias),
+                  expert_mode="all" if expert_mode == "all" else "selective")
+
+
+# ---- kernel -----------------------------------------------------------------------------------------------------
+
+def _pow2_at_least(n):
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+class _Cfg(nl.NKIObject):
+    """Trace-time sizes of one launch (every loop bound below is one of these Python ints)."""
+
+    def __init__(self, x, w_gate_up, w_router, top_k, hidden_actual, activation, expert_mode):
+        self.T, self.H = x.shape
+        self.E = w_router.shape[1]
+        self.inter = w_gate_up.shape[3]
+        self.k = top_k
+        self.KT = self.H // H_TILE
+        self.MT = (self.inter + I_TILE - 1) // I_TILE
+        self.rows = tuple(min(I_TILE, self.inter - m * I_TILE) for m in range(self.MT))
+        # accumulator stride: a power of two >= T, so no accumulator [rows, T] straddles a 2 KiB PSUM bank
+        self.GS = _pow2_at_least(self.T)
+        self.n_acc = 2 * self.MT                       # gate tiles 0..MT-1, up tiles MT..2MT-1
+        self.h_actual = hidden_actual or self.H
+        self.activation = activation
+        self.mode = expert_mode
+        self.dtype = w_gate_up.dtype
+        self.chunks = tuple((c0, min(PSUM_F, self.H - c0)) for c0 in range(0, self.H, PSUM_F))
+        self.core = nl.program_id(0)
+        self.ncores = nl.num_programs()
+        slot = (self.KT * 2 * self.inter + self.MT * self.H + 2 * self.inter) * self.dtype.itemsize
+        fit = (nl.tile_size.sbuf_fmax_bytes - SBUF_RESERVE - self.H * 4) // slot
+        self.nbuf = min(W_BUFS, fit)
+        self.slot_bytes = slot
+
+
+def tkg_kernel_error(cfg):
+    """Limits of the kernel beyond the entry's argument checks (None when in the envelope)."""
+    if cfg.MT > MAX_I_TILES:
+        return (f"moe_tkg: expert intermediate size I={cfg.inter} exceeds {MAX_I_TILES * I_TILE} (its gate/up "
+                "accumulators must fit 3 PSUM banks); shard I further across ranks")
+    if cfg.nbuf < W_BUFS_MIN:
+        return (f"moe_tkg: one expert's weights take {cfg.slot_bytes} B per partition; {W_BUFS_MIN} slots do not "
+                f"fit the {nl.tile_size.sbuf_fmax_bytes} B of SBUF per partition (H={cfg.H}, I={cfg.inter})")
+    if cfg.mode not in ("selective", "all"):
+        return f"moe_tkg: the kernel's expert_mode must be 'selective' or 'all', got {cfg.mode!r}"
+    return None
+
+
+class _Consts(RouterConsts):
+    """Routing constants plus bf16 ones (K=1 bias matmuls), the partition index and an fp32 identity."""
+
+    def __init__(self, E, T):
+        super().__init__(E)
+        self.ones_bf = nl.ndarray((1, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=self.ones_bf, value=1.0)
+        self.part_idx = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=self.part_idx, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+        cols = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=cols, pattern=[[1, P_MAX]], offset=0, channel_multiplier=0)
+        self.ident = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=self.ident, data=cols, op0=nl.equal, operand0=self.part_idx)
+
+
+def _rmsnorm_step(cfg, consts, xT, gamma):
+    """hT = rmsnorm(x)^T [128, KT, T] bf16 in the transposed layout (H index p * KT + kt): the sum of squares over
+    the first h_actual columns is a ones-matmul over the partitions (fp32, broadcast to all 128), so every
+    elementwise step runs on KT * T elements."""
+    T, KT = cfg.T, cfg.KT
+    g_sb = nl.ndarray((P_MAX, KT), dtype=gamma.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=g_sb, src=gamma.reshape((P_MAX, KT)))
+    sq = nl.ndarray((P_MAX, KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=sq[:, :, :T], op=nl.square, data=xT[:, :, :T])
+    ss = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.psum)
+    first = True
+    for kt in range(KT):
+        n_p = min(P_MAX, max(0, (cfg.h_actual - kt + KT - 1) // KT))   # partitions p with p * KT + kt < h_actual
+        if n_p > 0:
+            nisa.nc_matmul(dst=ss[:, :T], stationary=consts.ones_f32[:n_p, :], moving=sq[:n_p, kt, :T],
+                           accumulate=not first)
+            first = False
+    ms = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=ms[:, :T], data=ss[:, :T], op0=nl.multiply, operand0=1.0 / cfg.h_actual,
+                       op1=nl.add, operand1=cfg.eps)
+    rstd = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=rstd[:, :T], op=nl.rsqrt, data=ms[:, :T])
+    xr = nl.ndarray((P_MAX, KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=xr[:, :, :T], data1=xT[:, :, :T], data2=rstd[:, :T].expand_dim(1).broadcast(1, KT),
+                       op=nl.multiply)
+    hT = nl.ndarray((P_MAX, KT, P_MAX), dtype=xT.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=hT[:, :, :T], data1=xr[:, :, :T], data2=g_sb.expand_dim(2).broadcast(2, T),
+                       op=nl.multiply)
+    return hT
+
+
+def _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize):
+    """Logits [T, E] fp32 -> top-k (idx, aff tiles). LNC=2: each core contracts half of the H tiles (and loads
+    only those W_r rows); the fp32 partial logits are exchanged and added (a + b == b + a: the same bits, so the
+    same experts, on both cores); the bias is in core 0's part."""
+    T, E, KT = cfg.T, cfg.E, cfg.KT
+    split = cfg.ncores > 1 and KT >= 2
+    k0, k1 = (0, KT) if not split else ((0, KT // 2) if cfg.core == 0 else (KT // 2, KT))
+    wr, br = load_router_weights(w_router, b_router if cfg.core == 0 else None, KT, k0, k1)
+    ps = logits_step(consts, hT, wr, br, T, E, k0, k1)
+    logits = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=logits[:T, :], src=ps[:T, :])
+    if split:
+        other = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.sendrecv(src=logits[:T, :], dst=other[:T, :], send_to_rank=1 - cfg.core, recv_from_rank=1 - cfg.core,
+                      pipe_id=0)
+        total = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=total[:T, :], data1=logits[:T, :], data2=other[:T, :], op=nl.add)
+        logits = total
+    return topk_step(consts, logits, T, E, cfg.k, router_mode, renormalize)
+
+
+def _dense_step(cfg, consts, idx, aff):
+    """dense [T, E] fp32: token t's affinity for expert e (0 if not chosen), and its transpose denseT [E, T] (an
+    fp32 identity matmul: exact)."""
+    T, E = cfg.T, cfg.E
+    idx_f = nl.ndarray((P_MAX, cfg.k), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=idx_f[:T, :], src=idx[:T, :cfg.k])
+    dense = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
+    for j in range(cfg.k):
+        dst = dense
+        if j > 0:
+            dst = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=dst[:T, :], data=consts.col_idx[:T, :E], op0=nl.equal, operand0=idx_f[:T, j:j + 1],
+                           op1=nl.multiply, operand1=aff[:T, j:j + 1])
+        if j > 0:
+            nisa.tensor_tensor(dst=dense[:T, :], data1=dense[:T, :], data2=dst[:T, :], op=nl.add)
+    ps = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=ps[:E, :T], stationary=dense[:T, :], moving=consts.ident[:T, :T])
+    denseT = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=denseT[:E, :T], src=ps[:E, :T])
+    return dense, denseT
+
+
+def _schedule_step(cfg, consts, dense, denseT):
+    """Selective mode: the touched experts as a compact list and per-slot registers.
+
+    touched = column sums of dense (> 0 iff some token chose the expert with a nonzero affinity; a zero-affinity
+    choice contributes nothing and is skipped); nonzero_with_count compacts them into list[0..n) and n. Slot s
+    (static, s < min(E, T·k)) gets a register with list[s] and a gate register (1 iff s < n): the slot's loop runs
+    once or not at all. affc [T, S] = dense gathered by the list (a one-hot fp32 matmul: exact), so slot s scales
+    by a static column."""
+    T, E = cfg.T, cfg.E
+    S = min(E, T * cfg.k)
+    cnt = nl.ndarray((1, P_MAX), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=cnt[:, :E], stationary=consts.ones_f32[:T, 0:1], moving=dense[:T, :])
+    touched = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=touched, src=cnt[:, :E])
+    lst = nl.ndarray((1, E + 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.nonzero_with_count(dst=lst, src=touched, index_offset=0, padding_val=-1)
+    lst_f = nl.ndarray((1, E + 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=lst_f, src=lst)
+    gate = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=gate, data=consts.col_idx[0:1, :S], op0=nl.less, operand0=lst_f[0:1, E:E + 1])
+    bc = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=bc[:E, :S], stationary=consts.ones_f32[0:1, :E], moving=lst_f[0:1, :S])
+    onehot = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=onehot[:E, :S], data=bc[:E, :S], op0=nl.equal, operand0=consts.part_idx[:E, :])
+    ps = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=ps[:T, :S], stationary=denseT[:E, :T], moving=onehot[:E, :S])
+    affc = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=affc[:T, :S], src=ps[:T, :S])
+    experts, gates = [], []
+    for s in range(S):
+        if s % cfg.ncores != cfg.core:
+            experts.append(None)
+            gates.append(None)
+            continue
+        r = nisa.register_alloc()
+        nisa.register_load(dst=r, src=lst[0:1, s:s + 1])
+        g = nisa.register_alloc()
+        nisa.register_load(dst=g, src=gate[0:1, s:s + 1])
+        experts.append(r)
+        gates.append(g)
+    return affc, experts, gates
+
+
+def _init_acc_step(cfg, denseT, b_down, add_bias):
+    """acc [T, H] fp32 = Σ_e dense[t, e] · b_down[e] (the down biases, scaled by the affinities as the expert
+    outputs they belong to) on the core that adds them, else 0. fp32 matmuls over E on the partitions; they run
+    while the first expert's weights load."""
+    T, E, H = cfg.T, cfg.E, cfg.H
+    acc = nl.ndarray((P_MAX, H), dtype=nl.float32, buffer=nl.sbuf)
+    if b_down is None or not add_bias or cfg.core != 0:
+        nisa.memset(dst=acc[:T, :], value=0.0)
+        return acc
+    bd = nl.ndarray((P_MAX, H), dtype=b_down.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bd[:E, :], src=b_down)
+    bd32 = nl.ndarray((P_MAX, H), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=bd32[:E, :], src=bd[:E, :])
+    for c0, cw in cfg.chunks:
+        ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=ps[:T, :cw], stationary=denseT[:E, :T], moving=bd32[:E, c0:c0 + cw])
+        nisa.tensor_copy(dst=acc[:T, c0:c0 + cw], src=ps[:T, :cw])
+    return acc
+
+
+class _Ring(nl.NKIObject):
+    """Buffers of the expert loop, allocated once: nbuf weight slots (the DMA of slot j + nbuf waits for slot j's
+    matmuls: the modelled prefetch depth is what is allocated), two PSUM sets of gate/up accumulators, two down
+    PSUM banks, two activation tiles and the activation temporaries."""
+
+    def __init__(self, cfg):
+        KT, I2, MT, H, GS = cfg.KT, 2 * cfg.inter, cfg.MT, cfg.H, cfg.GS
+        self.wgu = tuple(nl.ndarray((P_MAX, KT, I2), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
+        self.wd = tuple(nl.ndarray((P_MAX, MT, H), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
+        self.bgu = tuple(nl.ndarray((1, I2), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
+        self.ps_gu = tuple(nl.ndarray((P_MAX, cfg.n_acc, GS), dtype=nl.float32, buffer=nl.psum) for _ in range(2))
+        self.ps_d = tuple(nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in range(2))
+        self.act = tuple(nl.ndarray((P_MAX, MT, GS), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(2))
+        self.tmp = tuple(tuple(nl.ndarray((P_MAX, GS), dtype=nl.float32, buffer=nl.sbuf) for _ in range(4))
+                         for _ in range(2))
+        self.n = 0      # experts issued so far (ring position)
+        self.nd = 0     # down chunks issued so far
+
+
+def _expert_src(w, e, pattern, offset, stride):
+    """Access pattern of expert e's rows of w: e is a Python int (all-expert mode) or a register (selective: the
+    expert id read from the routing scales dim 0's stride)."""
+    if isinstance(e, int):
+        return w.ap(pattern, offset=offset + e * stride)
+    return w.ap(pattern, offset=offset, scalar_offset=e, indirect_dim=0)
+
+
+def _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up):
+    """Expert e's weights into slot b: gate/up [128, KT, 2I] (H row p * KT + kt on partition p: KT * 2I contiguous
+    elements per partition, WGU_DMAS DMAs), down [rows, MT, H] (I row m * 128 + p: rows of H contiguous elements),
+    the gate/up bias row."""
+    KT, I2, H, inter = cfg.KT, 2 * cfg.inter, cfg.H, cfg.inter
+    n = min(WGU_DMAS, KT)
+    for i in range(n):
+        k0, k1 = i * KT // n, (i + 1) * KT // n
+        src = _expert_src(w_gate_up, e, [[KT * I2, P_MAX], [I2, k1 - k0], [1, I2]], k0 * I2, H * I2)
+        nisa.dma_copy(dst=ring.wgu[b][:, k0:k1, :], src=src)
+    for m in range(cfg.MT):
+        rows = cfg.rows[m]
+        src = _expert_src(w_down, e, [[H, rows], [1, H]], m * I_TILE * H, inter * H)
+        nisa.dma_copy(dst=ring.wd[b][:rows, m, :], src=src)
+    if b_gate_up is not None:
+        nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, e, [[I2, 1], [1, I2]], 0, I2))
+
+
+def _gate_up_step(cfg, consts, ring, b, hT, has_bias):
+    """gate^T / up^T [rows, T] per I tile, fp32 in PSUM: weights stationary (128 H x rows of I), the tokens moving
+    (T columns), contracted over the KT H tiles; the bias is a K=1 matmul (bias row x ones) opening each group."""
+    T, inter = cfg.T, cfg.inter
+    ps = ring.ps_gu[ring.n % 2]
+    groups = [(c, m) for c in range(2) for m in range(cfg.MT)]
+    if has_bias:
+        for g, (c, m) in enumerate(groups):
+            c0, rows = c * inter + m * I_TILE, cfg.rows[m]
+            nisa.nc_matmul(dst=ps[:rows, g, :T], stationary=ring.bgu[b][0:1, c0:c0 + rows],
+                           moving=consts.ones_bf[0:1, :T], accumulate=False)
+    for kt in range(cfg.KT):
+        for g, (c, m) in enumerate(groups):
+            c0, rows = c * inter + m * I_TILE, cfg.rows[m]
+            nisa.nc_matmul(dst=ps[:rows, g, :T], stationary=ring.wgu[b][:, kt, c0:c0 + rows],
+                           moving=hT[:, kt, :T], accumulate=(kt > 0 or has_bias))
+    return ps
+
+
+def _activation_step(cfg, ring, ps):
+    """act^T [rows, T] (I on partitions: the down projection's contraction) in the weights' dtype.
+
+    clamped_swiglu (GPT-OSS): g = min(gate, L); glu = g·sigmoid(α g); act = (clip(up, −L, L) + 1)·glu.
+    swiglu: act = silu(gate)·up. fp32 until the final rounding."""
+    T, MT = cfg.T, cfg.MT
+    act = ring.act[ring.n % 2]
+    g, sg, glu, u = ring.tmp[ring.n % 2]
+    for m in range(MT):
+        rows = cfg.rows[m]
+        gate, up = ps[:rows, m, :T], ps[:rows, MT + m, :T]
+        if cfg.activation == "clamped_swiglu":
+            nisa.tensor_scalar(dst=g[:rows, :T], data=gate, op0=nl.minimum, operand0=GPT_OSS_SWIGLU_LIMIT)
+            nisa.activation(dst=sg[:rows, :T], op=nl.sigmoid, data=g[:rows, :T], scale=GPT_OSS_SWIGLU_ALPHA)
+            nisa.tensor_tensor(dst=glu[:rows, :T], data1=g[:rows, :T], data2=sg[:rows, :T], op=nl.multiply)
+            nisa.tensor_scalar(dst=u[:rows, :T], data=up, op0=nl.maximum, operand0=-GPT_OSS_SWIGLU_LIMIT,
+                               op1=nl.minimum, operand1=GPT_OSS_SWIGLU_LIMIT)
+            nisa.scalar_tensor_tensor(dst=act[:rows, m, :T], data=u[:rows, :T], op0=nl.add, operand0=1.0,
+                                      op1=nl.multiply, operand1=glu[:rows, :T])
+        else:
+            nisa.activation(dst=sg[:rows, :T], op=nl.silu, data=gate)
+            nisa.tensor_tensor(dst=act[:rows, m, :T], data1=sg[:rows, :T], data2=up, op=nl.multiply)
+    return act
+
+
+def _down_step(cfg, ring, b, act, aff_col, acc):
+    """acc[:, chunk] += aff_col · (act @ W_down)[:, chunk]: the tokens' activations stationary (M = T), the down
+    rows moving (512 H columns per PSUM bank), contracted over the I tiles; the affinity scales the fp32 result
+    after the projection (per-partition scalar: tokens are on the partitions)."""
+    T = cfg.T
+    for c0, cw in cfg.chunks:
+        pd = ring.ps_d[ring.nd % 2]
+        ring.nd += 1
+        for m in range(cfg.MT):
+            rows = cfg.rows[m]
+            nisa.nc_matmul(dst=pd[:T, :cw], stationary=act[:rows, m, :T], moving=ring.wd[b][:rows, m, c0:c0 + cw],
+                           accumulate=m > 0)
+        nisa.scalar_tensor_tensor(dst=acc[:T, c0:c0 + cw], data=pd[:T, :cw], op0=nl.multiply, operand0=aff_col,
+                                  op1=nl.add, operand1=acc[:T, c0:c0 + cw])
+
+
+def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_gate_up):
+    """One expert on all T tokens: load (slot n % nbuf), gate/up, activation, down + affinity-scaled accumulate."""
+    b = ring.n % cfg.nbuf
+    _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up)
+    ps = _gate_up_step(cfg, consts, ring, b, hT, b_gate_up is not None)
+    act = _activation_step(cfg, ring, ps)
+    _down_step(cfg, ring, b, act, aff_col, acc)
+    ring.n += 1
+
+
+def _store_out_step(cfg, acc, out):
+    """out [T, H] (input dtype) = acc; LNC=2: each core sends the other core's H half of its partial sum, adds the
+    half it receives to its own and stores that half."""
+    T, H = cfg.T, cfg.H
+    lo, hi = 0, H
+    total = acc
+    if cfg.ncores > 1:
+        half = H // 2
+        lo, hi = cfg.core * half, (cfg.core + 1) * half
+        olo = (1 - cfg.core) * half
+        other = nl.ndarray((P_MAX, half), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.sendrecv(src=acc[:T, olo:olo + half], dst=other[:T, :], send_to_rank=1 - cfg.core,
+                      recv_from_rank=1 - cfg.core, pipe_id=1)
+        total = nl.ndarray((P_MAX, H), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=total[:T, lo:hi], data1=acc[:T, lo:hi], data2=other[:T, :], op=nl.add)
+    o = nl.ndarray((P_MAX, H), dtype=out.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=o[:T, lo:hi], src=total[:T, lo:hi])
+    nisa.dma_copy(dst=out[:, lo:hi], src=o[:T, lo:hi])
+
+
+def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None, b_down=None, gamma=None,
+                   top_k=1, eps=1e-5, hidden_actual=0, router_mode="gpt_oss", renormalize=False,
+                   activation="clamped_swiglu", add_down_bias=True, expert_mode="selective"):
+    """Decode MoE block for one TP rank: RMSNorm (optional) + router + top-k experts, partial output for the
+    all-reduce.
+
+    Dimensions:
+        T: tokens B·S_tkg (<= 128), H: hidden size (multiple of 128, padded), E: experts on this rank (<= 128),
+        k: top_k (<= 8), I: this rank's slice of the expert intermediate size (<= 768).
+
+    Args:
+        x ([T, H] @ HBM): hidden states (bf16); columns >= hidden_actual are padding (zero).
+        w_router ([H, E] @ HBM), b_router ([1, E] @ HBM, optional): router.
+        w_gate_up ([E, H, 2, I] @ HBM): gate (index 0) and up (1) projections; b_gate_up ([E, 2, I], optional).
+        w_down ([E, I, H] @ HBM), b_down ([E, H] @ HBM, optional): down projection.
+        gamma ([1, H] @ HBM, optional): RMSNorm weight (None: x goes to the router and experts as is).
+        top_k, router_mode ("gpt_oss" | "softmax_topk"), renormalize: see moe_torch.router_torch.
+        eps, hidden_actual (0 = H): RMSNorm epsilon and the number of real hidden columns.
+        activation ("clamped_swiglu" | "swiglu"), add_down_bias (bool: this rank adds the down biases).
+        expert_mode ("selective" | "all"): serve the touched experts only (data-dependent loop) or stream all E.
+
+    Returns:
+        out ([T, H] @ shared_hbm, x's dtype): Σ_k affinity · expert(x) (this rank's partial sum),
+        expert_index ([T, k] int32 @ shared_hbm), affinities ([T, k] fp32 @ shared_hbm).
+
+    Notes:
+        - Each expert's weights are loaded once and serve all T tokens in one pass (tokens that did not choose it
+          have affinity 0): weights are the stationary operand of gate/up (tokens moving, T columns) and the
+          moving operand of down (tokens stationary), so no per-token GEMV loop and no transposes between them.
+        - Selective mode: the touched experts are compacted on-chip (nonzero_with_count) and slot s loads expert
+          list[s] through register-addressed DMAs; a slot beyond the count is skipped by a runtime trip count.
+        - Weight slots form a ring of nbuf (<= 3) so the next experts' DMAs overlap the current expert's compute.
+        - Affinities scale the fp32 down-projection output (after it); the down biases are Σ_e a[t, e] b_down[e],
+          one fp32 matmul over E issued before the experts.
+        - LNC=2: the cores take alternate experts (slots), each expert's weights are read by one core only; the
+          router's H tiles are split (partial logits exchanged); the partial outputs are exchanged by H halves.
+          x and gamma are read by both cores.
+
+    Pseudocode:
+        hT = transpose(x) ; if gamma: hT = rmsnorm(hT)
+        logits = hT^T W_r + b_r ; idx, aff = topk(logits) ; dense[t, e] = aff of e for t (0 if not chosen)
+        acc = dense @ b_down
+        for e in (touched experts | all experts):
+            gu^T = W_gu[e]^T hT (+ b_gu[e]) ; act^T = act(gate^T, up^T)
+            acc += dense[:, e] * (act @ W_down[e])
+        out = acc
+    """
+    cfg = _Cfg(x, w_gate_up, w_router, top_k, hidden_actual, activation, expert_mode)
+    cfg.eps = float(eps)
+    err = tkg_argument_error(tuple(x.shape), tuple(w_router.shape), tuple(w_gate_up.shape), tuple(w_down.shape),
+                             top_k=top_k, b_router_shape=None if b_router is None else tuple(b_router.shape),
+                             b_gate_up_shape=None if b_gate_up is None else tuple(b_gate_up.shape),
+                             b_down_shape=None if b_down is None else tuple(b_down.shape),
+                             gamma_shape=None if gamma is None else tuple(gamma.shape),
+                             hidden_actual=hidden_actual or None, router_mode=router_mode, activation=activation)
+    err = err or tkg_kernel_error(cfg)
+    if err:
+        raise ValueError(err)
+    T, H = cfg.T, cfg.H
+    out = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
+    index_out = nl.ndarray((T, top_k), dtype=nl.int32, buffer=nl.shared_hbm)
+    aff_out = nl.ndarray((T, top_k), dtype=nl.float32, buffer=nl.shared_hbm)
+
+    consts = _Consts(cfg.E, T)
+    x_sb = nl.ndarray((P_MAX, H), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x_sb[:T, :], src=x)
+    ring = _Ring(cfg)
+    hT = transpose_tokens_step(x_sb, T, cfg.KT)
+    if gamma is not None:
+        hT = _rmsnorm_step(cfg, consts, hT, gamma)
+    idx, aff = _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize)
+    if cfg.core == 0:
+        store_routing_step(idx, aff, T, top_k, index_out, aff_out)
+    dense, denseT = _dense_step(cfg, consts, idx, aff)
+    acc = _init_acc_step(cfg, denseT, b_down, add_down_bias)
+    if cfg.mode == "all":
+        for e in range(cfg.core, cfg.E, cfg.ncores):
+            _expert_step(cfg, consts, ring, e, dense[:T, e:e + 1], hT, acc, w_gate_up, w_down, b_gate_up)
+    else:
+        affc, experts, gates = _schedule_step(cfg, consts, dense, denseT)
+        for s in range(len(experts)):
+            if experts[s] is None:
+                continue
+
+            def body(_i, s=s):
+                _expert_step(cfg, consts, ring, experts[s], affc[:T, s:s + 1], hT, acc, w_gate_up, w_down,
+                             b_gate_up)
+
+            nl.fori_loop(0, gates[s], body)
+    _store_out_step(cfg, acc, out)
+    return out, index_out, aff_out
+
+
+moe_tkg_nki = nki.jit(moe_tkg_kernel)

@@ -5,12 +5,23 @@ Semantics are `moe_torch.router_torch`'s: mode "gpt_oss" = top-k on the logits, 
 mode "softmax_topk" = softmax over all E, then top-k (optionally renormalised); ties lowest index first.
 """
 
-from .entry import dtype_name, resolve_backend, shape_of, to_torch
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from .entry import resolve_backend, shape_of, to_torch
 from .moe_torch import ROUTER_MODES, router_torch
 
-MAX_TOP_K = 8          # one nisa.max8 pass: the 8 largest per token
-MAX_EXPERTS = 128      # logits of one token fit one PSUM bank row and one max8 input (E <= 128 here)
-H_TILE = 128           # H is contracted in partition tiles of 128
+# ---- sizes ------------------------------------------------------------------------------------------------------
+P_MAX = nl.tile_size.pmax            # partitions: tokens per tile, contraction (H) tile
+H_TILE = 128                         # H is contracted in partition tiles of 128 (= P_MAX on every target)
+MAX_TOP_K = 8                        # one nisa.max8 / nc_find_index8 pass: the 8 largest per token
+MAX8_WIDTH = 8                       # max8 reads at least 8 values per partition: narrower logits are padded
+MAX_EXPERTS = 128                    # E <= 128: the dense affinities' transpose puts E on the partitions
+# TensorE transposes of [tokens, 128] bf16 column sets batched into one PSUM bank before one eviction
+TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
+RESET = nisa.reduce_cmd.reset_reduce   # accumulate-reduce into a fresh register (not onto its old value)
+NEG_PAD = -3.0e38                    # logits of padding columns (E < 8): below every real fp32 logit
 
 
 def router_argument_error(x_shape, w_shape, b_shape=None, *, top_k, mode="gpt_oss", op="router"):
@@ -50,5 +61,175 @@ def router(x, w_router, b_router=None, *, top_k, mode="gpt_oss", renormalize=Fal
     b1 = None if b_router is None else b_router.reshape(-1)
     if backend == "torch":
         return router_torch(x2, w_router, b1, top_k=top_k, mode=mode, renormalize=renormalize)
-    raise NotImplementedError(f"router: backend={backend!r}: the NKI kernel is not in this checkout yet; "
-                              f"use backend='torch' ({dtype_name(x)} inputs)")
+    b2 = None if b1 is None else b1.reshape(1, -1)
+    return router_nki(x2, w_router, b2, top_k=top_k, mode=mode, renormalize=renormalize)
+
+
+# ---- kernel -----------------------------------------------------------------------------------------------------
+
+class RouterConsts(nl.NKIObject):
+    """SBUF constants of the routing steps: fp32 ones (K=1 bias matmuls, partition sums), column index 0..E-1."""
+
+    def __init__(self, E):
+        self.ones_f32 = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=self.ones_f32, value=1.0)
+        self.col_idx = nl.ndarray((P_MAX, max(E, MAX8_WIDTH)), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=self.col_idx, pattern=[[1, max(E, MAX8_WIDTH)]], offset=0, channel_multiplier=0)
+
+
+def load_router_weights(w_router, b_router, KT, k0=0, k1=None):
+    """W_r as [128, KT, E] bf16 (H row p * KT + kt on partition p: KT * E contiguous elements per partition, the H
+    order of the transposed activations); rows of the kt range [k0, k1) only (LNC=2 splits them). b_r as fp32
+    [1, E] (None stays None)."""
+    E = w_router.shape[1]
+    k1 = KT if k1 is None else k1
+    wr = nl.ndarray((P_MAX, KT, E), dtype=w_router.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=wr[:, k0:k1, :], src=w_router.reshape((P_MAX, KT, E))[:, k0:k1, :])
+    br = None
+    if b_router is not None:
+        raw = nl.ndarray((1, E), dtype=b_router.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=raw, src=b_router.reshape((1, E)))
+        br = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=br, src=raw)
+    return wr, br
+
+
+def transpose_tokens_step(x_sb, nt, KT):
+    """x [nt, H] (tokens on partitions) -> xT [128, KT, nt] with H index p * KT + kt: TensorE transposes of the
+    strided column sets x[:, kt::KT], TRANSPOSE_GROUP per PSUM bank, one eviction per bank."""
+    xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=x_sb.dtype, buffer=nl.sbuf)
+    for c0 in range(0, KT, TRANSPOSE_GROUP):
+        nc = min(TRANSPOSE_GROUP, KT - c0)
+        ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x_sb.dtype, buffer=nl.psum)
+        for c in range(nc):
+            kt = c0 + c
+            nisa.nc_transpose(dst=ps[:, c, :nt], data=x_sb[:nt, kt:kt + (P_MAX - 1) * KT + 1:KT])
+        nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, :nt])
+    return xT
+
+
+def logits_step(consts, xT, wr, br, nt, E, k0, k1):
+    """Partial logits [nt, E] fp32 in PSUM = sum over kt in [k0, k1) of xT[:, kt]^T W_r[:, kt] (+ b_r via a K=1
+    ones matmul when br is given): fp32 accumulation of the bf16 products, as the reference's fp32 matmul."""
+    ps = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.psum)
+    first = True
+    if br is not None:
+        nisa.nc_matmul(dst=ps[:nt, :], stationary=consts.ones_f32[0:1, :nt], moving=br[0:1, :], accumulate=False)
+        first = False
+    for kt in range(k0, k1):
+        nisa.nc_matmul(dst=ps[:nt, :], stationary=xT[:, kt, :nt], moving=wr[:, kt, :], accumulate=not first)
+        first = False
+    return ps
+
+
+def topk_step(consts, logits, nt, E, top_k, mode, renormalize):
+    """logits [nt, E] fp32 (SBUF) -> (idx [P, 8] uint32, aff [P, 8] fp32): the first top_k columns are each token's
+    experts in descending order (ties: lowest index first, nc_find_index8's first-occurrence rule) and their
+    affinities. gpt_oss: softmax over the k selected logits; softmax_topk: softmax over all E, top-k of the
+    probabilities (optionally renormalised to sum 1)."""
+    W = max(E, MAX8_WIDTH)
+    src = logits
+    if W > E:      # max8 reads >= 8 values: pad with NEG_PAD, which no real logit (or probability) loses to
+        src = nl.ndarray((P_MAX, W), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=src[:nt, :], value=NEG_PAD)
+        nisa.tensor_copy(dst=src[:nt, :E], src=logits[:nt, :E])
+    top = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.max8(dst=top[:nt, :], src=src[:nt, :])
+    neg_max = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg_max[:nt, :], data=top[:nt, 0:1], op0=nl.multiply, operand0=-1.0)
+    total = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    rinv = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    aff = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.sbuf)
+    idx = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.uint32, buffer=nl.sbuf)
+    if mode == "gpt_oss":
+        nisa.nc_find_index8(dst=idx[:nt, :], data=src[:nt, :], vals=top[:nt, :])
+        ex = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=ex[:nt, :top_k], op=nl.exp, data=top[:nt, :top_k], bias=neg_max[:nt, :],
+                        reduce_op=nl.add, reduce_res=total[:nt, :], reduce_cmd=RESET)
+        nisa.reciprocal(dst=rinv[:nt, :], data=total[:nt, :])
+        nisa.tensor_scalar(dst=aff[:nt, :top_k], data=ex[:nt, :top_k], op0=nl.multiply, operand0=rinv[:nt, :])
+        return idx, aff
+    # softmax over all E (the padding columns stay NEG_PAD: exp underflows to 0), then top-k of the probabilities
+    ex = nl.ndarray((P_MAX, W), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=ex[:nt, :], op=nl.exp, data=src[:nt, :], bias=neg_max[:nt, :], reduce_op=nl.add,
+                    reduce_res=total[:nt, :], reduce_cmd=RESET)
+    nisa.reciprocal(dst=rinv[:nt, :], data=total[:nt, :])
+    prob = nl.ndarray((P_MAX, W), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=prob[:nt, :], data=ex[:nt, :], op0=nl.multiply, operand0=rinv[:nt, :])
+    if W > E:      # padding probabilities are 0; keep them below every real probability (which may also be 0)
+        nisa.memset(dst=prob[:nt, E:], value=-1.0)
+    ptop = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.max8(dst=ptop[:nt, :], src=prob[:nt, :])
+    nisa.nc_find_index8(dst=idx[:nt, :], data=prob[:nt, :], vals=ptop[:nt, :])
+    if not renormalize:
+        nisa.tensor_copy(dst=aff[:nt, :top_k], src=ptop[:nt, :top_k])
+        return idx, aff
+    psum_k = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=psum_k[:nt, :], op=nl.add, data=ptop[:nt, :top_k], axis=1)
+    rk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=rk[:nt, :], data=psum_k[:nt, :])
+    nisa.tensor_scalar(dst=aff[:nt, :top_k], data=ptop[:nt, :top_k], op0=nl.multiply, operand0=rk[:nt, :])
+    return idx, aff
+
+
+def store_routing_step(idx, aff, nt, top_k, index_out, aff_out, t0=0):
+    """expert_index [T, k] int32 and affinities [T, k] fp32 rows t0 .. t0 + nt from the top-k tiles."""
+    idx32 = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=idx32[:nt, :top_k], src=idx[:nt, :top_k])
+    nisa.dma_copy(dst=index_out[t0:t0 + nt, :], src=idx32[:nt, :top_k])
+    nisa.dma_copy(dst=aff_out[t0:t0 + nt, :], src=aff[:nt, :top_k])
+
+
+def router_kernel(x, w_router, b_router=None, top_k=1, mode="gpt_oss", renormalize=False):
+    """MoE router: logits, top-k experts and their affinities for every token.
+
+    Dimensions:
+        T: tokens (any; tiles of 128), H: hidden size (multiple of 128), E: experts (<= 128), k: top_k (<= 8).
+
+    Args:
+        x ([T, H] @ HBM): hidden states (bf16).
+        w_router ([H, E] @ HBM): router weight (bf16). b_router ([1, E] @ HBM): optional bias.
+        top_k (int), mode ("gpt_oss" | "softmax_topk"), renormalize (bool): see moe_torch.router_torch.
+
+    Returns:
+        logits ([T, E] fp32 @ shared_hbm), expert_index ([T, k] int32 @ shared_hbm), affinities ([T, k] fp32
+        @ shared_hbm); each token's experts in descending order, ties lowest index first.
+
+    Notes:
+        - W_r is loaded once, [128, H/128, E] with H row p * H/128 + kt on partition p (contiguous per partition);
+          x is transposed on TensorE with the same H order, so the logits contract over partitions.
+        - Logits accumulate in fp32 PSUM; the bias is one K=1 ones matmul into the same accumulator.
+        - Top-k is one max8 + nc_find_index8 per token tile (k <= 8).
+
+    Pseudocode:
+        for each tile of 128 tokens: xT = transpose(x_tile) ; logits = xT^T W_r + b_r
+            top8 = max8(logits) ; idx = find_index8(logits, top8)
+            gpt_oss: aff = softmax(top8[:k]) ; softmax_topk: p = softmax(logits) ; aff, idx = top-k of p
+    """
+    err = router_argument_error(tuple(x.shape), tuple(w_router.shape),
+                                None if b_router is None else tuple(b_router.shape), top_k=top_k, mode=mode)
+    if err:
+        raise ValueError(err)
+    T, H = x.shape
+    E = w_router.shape[1]
+    KT = H // H_TILE
+    logits_out = nl.ndarray((T, E), dtype=nl.float32, buffer=nl.shared_hbm)
+    index_out = nl.ndarray((T, top_k), dtype=nl.int32, buffer=nl.shared_hbm)
+    aff_out = nl.ndarray((T, top_k), dtype=nl.float32, buffer=nl.shared_hbm)
+    consts = RouterConsts(E)
+    wr, br = load_router_weights(w_router, b_router, KT)
+    for t0 in range(0, T, P_MAX):
+        nt = min(P_MAX, T - t0)
+        x_sb = nl.ndarray((P_MAX, H), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_sb[:nt, :], src=x[t0:t0 + nt, :])
+        xT = transpose_tokens_step(x_sb, nt, KT)
+        ps = logits_step(consts, xT, wr, br, nt, E, 0, KT)
+        logits = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=logits[:nt, :], src=ps[:nt, :])
+        nisa.dma_copy(dst=logits_out[t0:t0 + nt, :], src=logits[:nt, :])
+        idx, aff = topk_step(consts, logits, nt, E, top_k, mode, renormalize)
+        store_routing_step(idx, aff, nt, top_k, index_out, aff_out, t0)
+    return logits_out, index_out, aff_out
+
+
+router_nki = nki.jit(router_kernel)

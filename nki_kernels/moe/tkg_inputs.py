@@ -35,7 +35,7 @@ def make_tkg_inputs(T, H, E, top_k, inter, hidden_actual=None, seed=0, gamma=Tru
     w_router = r(H, E, sc=n ** -0.5)
     b_router = torch.randn(E, generator=g) * 0.1
     if skew == "one":
-        b_router[:top_k] += 30.0 - torch.arange(top_k, dtype=torch.float32)   # distinct: order 0, 1, .., k-1
+        b_router[:top_k] += 40.0 - 8.0 * torch.arange(top_k, dtype=torch.float32)   # order 0..k-1, gaps >> noise
     elif skew == "hot":
         b_router[E - 1] += 30.0
     elif skew is not None:

@@ -59,3 +59,57 @@ def test_bad_input_is_named_before_any_work(change, match):
     kw.update(change)
     with pytest.raises(ValueError, match=match):
         moe_tkg(*(a[n] for n in names), **kw)
+
+
+# ---- the NKI kernel on nkisim --------------------------------------------------------------------------------
+
+def run_and_check(T, shape, expert_mode="auto", lnc=1, skew=None, seed=0, **over):
+    args, kw = make_tkg_inputs(T=T, seed=seed, skew=skew, **shape)
+    kw.update(over)
+    out, idx, aff = moe_tkg(*args, **kw, expert_mode=expert_mode, backend="nkisim", lnc=lnc)
+    ref, ridx, raff = moe_torch(*args, **kw)
+    assert out.shape == (T, shape["H"]) and out.dtype == args[0].dtype
+    assert not torch.isnan(out).any() and not torch.isnan(aff).any()
+    assert torch.equal(idx.long(), ridx), "expert indices differ"
+    assert torch.allclose(aff, raff, rtol=RTOL, atol=ATOL)
+    err = (out.float() - ref).abs().max().item()
+    assert err <= ATOL + RTOL * ref.abs().max().item(), f"max err {err} vs range {ref.abs().max().item()}"
+    return idx
+
+
+@pytest.mark.parametrize("T,mode", [(1, "auto"), (8, "selective"), (32, "auto"), (128, "all")])
+def test_gpt_oss_20b_tp8(T, mode):
+    run_and_check(T, OSS20_TP8, mode)
+
+
+@pytest.mark.parametrize("T,mode,lnc", [(4, "selective", 1), (32, "selective", 2)])
+def test_gpt_oss_120b_tp16(T, mode, lnc):
+    run_and_check(T, OSS120_TP16, mode, lnc=lnc)
+
+
+@pytest.mark.parametrize("T,mode,lnc", [(1, "selective", 2), (8, "all", 2), (16, "selective", 2)])
+def test_gpt_oss_20b_tp8_lnc2(T, mode, lnc):
+    run_and_check(T, OSS20_TP8, mode, lnc=lnc)
+
+
+@pytest.mark.parametrize("skew,mode,lnc", [("one", "selective", 1), ("one", "all", 2), ("hot", "selective", 2)])
+def test_skewed_routing(skew, mode, lnc):
+    """Every token on the same k experts (the other experts get none; selective runs k slots) / one hot expert."""
+    idx = run_and_check(16, OSS20_TP8, mode, lnc=lnc, skew=skew)
+    if skew == "one":
+        assert idx.tolist() == [[0, 1, 2, 3]] * 16
+    else:
+        assert (idx[:, 0] == OSS20_TP8["E"] - 1).all()
+
+
+SMALL = dict(H=512, E=8, top_k=2, inter=200, hidden_actual=None)
+
+
+@pytest.mark.parametrize("over", [
+    dict(activation="swiglu", router_mode="softmax_topk", renormalize=True),
+    dict(router_mode="softmax_topk", add_down_bias=False),
+    dict(gamma=None, b_gate_up=None, b_down=None, b_router=None),
+])
+@pytest.mark.parametrize("mode", ["selective", "all"])
+def test_variants(over, mode):
+    run_and_check(6, SMALL, mode, **over)

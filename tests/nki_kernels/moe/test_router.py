@@ -34,3 +34,39 @@ def test_bad_input_is_named(kw, match):
     x, w, b = kw.pop("x", x), kw.pop("w", w), kw.pop("b", b)
     with pytest.raises(ValueError, match=match):
         router(x, w, b, **{"top_k": 4, **kw})
+
+
+# ---- the NKI kernel on nkisim --------------------------------------------------------------------------------
+
+def _check(got, want):
+    logits, idx, aff = got
+    assert idx.dtype == torch.int32 and logits.dtype == torch.float32 and aff.dtype == torch.float32
+    assert not torch.isnan(logits).any() and not torch.isnan(aff).any()
+    assert torch.equal(idx.long(), want[1])                       # indices exact
+    assert torch.allclose(logits, want[0], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(aff, want[2], rtol=2e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,H,E,k,mode,renorm", [
+    (1, 3072, 32, 4, "gpt_oss", False),            # GPT-OSS-20B rank shape
+    (128, 3072, 128, 4, "gpt_oss", False),         # GPT-OSS-120B, a full token tile
+    (130, 256, 16, 8, "softmax_topk", True),       # two token tiles, k = 8
+    (5, 256, 6, "3", "softmax_topk", False),       # E < 8: max8 input padded
+])
+def test_kernel_matches_the_reference(T, H, E, k, mode, renorm):
+    k = int(k)
+    x, w, b = _inputs(T, H, E, seed=T + E)
+    _check(router(x, w, b, top_k=k, mode=mode, renormalize=renorm, backend="nkisim"),
+           router_torch(x, w, b, top_k=k, mode=mode, renormalize=renorm))
+
+
+@pytest.mark.parametrize("mode", ["gpt_oss", "softmax_topk"])
+def test_kernel_ties_lowest_index_first_and_no_bias(mode):
+    x, w, _ = _inputs(4, 256, 16)
+    b = torch.zeros(16, dtype=torch.bfloat16)
+    b[[3, 7, 11]] = 2.0                                           # three experts tie above the rest
+    w0 = torch.zeros_like(w)
+    got = router(x, w0, b, top_k=4, mode=mode, backend="nkisim")
+    _check(got, router_torch(x, w0, b, top_k=4, mode=mode))
+    assert got[1][:, :3].tolist() == [[3, 7, 11]] * 4 and got[1][:, 3].tolist() == [0] * 4
+    _check(router(x, w, None, top_k=2, mode=mode, backend="nkisim"), router_torch(x, w, None, top_k=2, mode=mode))

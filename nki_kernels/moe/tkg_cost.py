@@ -1,0 +1,44 @@
+"""The TKG kernel's expert-mode rule: serve only the experts the tokens touch ("selective") or stream every local
+expert ("all"), whichever the modelled cost says is faster for the shape.
+
+Both modes load each expert's weights once and run it on all T tokens together (the tokens that did not pick it
+get affinity 0), so the expert phase of either is bound by the weight bytes it streams: selective streams the
+touched experts, all-expert streams E. What selective pays extra is the routing on its critical path: no expert's
+DMA can start before the router has chosen (its DMAs are addressed by registers read from the routing), while the
+all-expert stream starts at the first instruction and hides the router under the first expert's load. So
+
+    t_all       = E · t_w
+    t_selective = t_route + n̄ · t_w
+    n̄           = E · (1 − (1 − 1/E)^(T·k))   (expected touched experts, k·T independent uniform picks; ≤ min(E, T·k))
+    t_w         = expert bytes / the core's memory roof (hw.core.memory_bytes_per_s, nkisim.hardware)
+
+and "auto" picks selective iff t_selective < t_all. t_route is the kernel's modelled routing prologue (RMSNorm,
+router, top-k, schedule, first register-addressed DMA issue) as a fraction of nothing else: ROUTE_LATENCY_S below,
+read off the kernel's modelled timeline at T=1 (bench/test_moe_tkg.py prints it; re-measure when the prologue
+changes). Uniform routing is an assumption of the rule only; the kernel is correct for any routing.
+"""
+
+from nkisim.hardware import hardware
+
+ROUTE_LATENCY_S = 8e-6     # modelled routing prologue at GPT-OSS rank shapes (trn2: ~7 us, trn3: ~6 us; bench)
+
+
+def expected_touched(T, E, k):
+    """Expected number of distinct experts among T tokens' top-k picks under uniform routing."""
+    return min(float(E), float(T * k), E * (1.0 - (1.0 - 1.0 / E) ** (T * k)))
+
+
+def expert_bytes(H, inter, itemsize=2):
+    """Weight bytes of one expert: gate/up [H, 2I] + down [I, H] (+ its biases)."""
+    return (3 * H * inter + 2 * inter + H) * itemsize
+
+
+def mode_costs(T, E, k, H, inter, target="trn2"):
+    """(t_selective, t_all) modelled seconds of the expert phase under the rule above."""
+    t_w = expert_bytes(H, inter) / hardware(target).core.memory_bytes_per_s
+    return ROUTE_LATENCY_S + expected_touched(T, E, k) * t_w, E * t_w
+
+
+def choose_expert_mode(T, E, k, H, inter, target="trn2"):
+    t_sel, t_all = mode_costs(T, E, k, H, inter, target)
+    return "selective" if t_sel < t_all else "all"
