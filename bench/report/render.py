@@ -133,6 +133,7 @@ def build_context(data: dict, mem_limit_gib: float | None = None, title: str = "
     ctx["published"] = pub
     ctx["cal_params"] = calibration.params()
     ctx["cal_band"] = calibration.BAND
+    ctx["cal_sensitivity"] = calibration.host_sensitivity()
     ctx["published_svg"] = charts.published_bars(pub) if pub else ""
 
     # ---- cost-model calibration (bench/calibration) ----
