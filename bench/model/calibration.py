@@ -20,6 +20,8 @@ bandwidth and each collective its alpha-beta time. Against every published decod
   (kernel-anchors.md §1); issue 12 reports >= 17.5 us per decode all-reduce traced on trn2.
 * ``host_step`` (ASSUMPTION): issue 12's ~0.45 ms NxDI host-vs-device gap per token; not re-found at an AWS source
   in this session, so an assumption, applied to every stack.
+  The megakernel's fitted value is 0: its per-layer sync and in-kernel all-reduces (19.1 us sync + 27.8 us CC per
+  layer in the Qwen3 megakernel profile) are then carried by the two floored collectives per layer (2 x 17.5 us).
 * sampling: on-device greedy sampling is already in the step (the LM head writes and re-reads the logits and
   all-gathers the per-shard argmax); a host-side sampler sits inside ``host_step``. No separate term.
 
@@ -190,7 +192,10 @@ def decode_fields(res, stack: str = DEFAULT_STACK) -> dict:
     """Calibrated figures for a decode ``StepResult`` (flat keys for ``extra_info``; all modelled)."""
     terms = step_terms(res, params(), stack)
     t = terms["total_s"]
+    shares = {"kernels": terms["kernels_s"], "collectives": terms["collectives_s"],
+              "layer fixed": terms["layer_fixed_s"], "host": terms["host_s"]}
     return {"calibrated": True, "cal_stack": stack, "t_step_cal_us": t * 1e6,
+            "cal_dominant": max(shares, key=shares.get),
             "cal_kernels_us": terms["kernels_s"] * 1e6, "cal_collectives_us": terms["collectives_s"] * 1e6,
             "cal_layer_fixed_us": terms["layer_fixed_s"] * 1e6, "cal_host_us": terms["host_s"] * 1e6,
             "tokens_per_s_per_chip_cal": res.tokens_per_step / t / res.chips if t > 0 and res.chips else 0.0}
