@@ -110,3 +110,37 @@ def test_moe_layer_equals_unsharded(world_size, checkpoints):
     # Together the ranks read each plain expert tensor exactly once.
     full = E * H * 2 * INTER * 2
     assert sum(r["bf16"].get(EX + "gate_up_proj", 0) for r in reads) == full
+
+
+def _check_moe_kernels(rank, world_size, paths, lnc):
+    """The same flows with the NKI kernels (router, CTE, TKG) on nkisim, bf16 weights and activations."""
+    import nkisim
+
+    nkisim.install()  # a fresh rank process: serve `import nki` from the interpreter
+    from safetensors.torch import load_file
+
+    n = world_size
+    log = CollectiveLog()
+    group = GroupCoordinator([list(range(n))], "tp", log=log)
+    g = torch.Generator().manual_seed(12)
+    x_prefill, x_decode = torch.randn(T_PREFILL, H, generator=g), torch.randn(T_DECODE, H, generator=g)
+    chunk = T_PREFILL // n
+    for form, path in paths.items():
+        ref = full_kernel_weights(load_file(f"{path}/model.safetensors"))
+        layer = MoELayer(_shape(form, n), group, norm_eps=EPS, backend="nkisim", lnc=lnc)
+        layer.load_gpt_oss(path, 0)
+        with torch.no_grad(), log.capture() as cap:
+            got = layer(x_prefill[rank * chunk:(rank + 1) * chunk].bfloat16(), sequence_parallel=True)
+            assert_close_global(got, _reference(ref, x_prefill, True)[rank * chunk:(rank + 1) * chunk], rtol=2e-2,
+                                msg=f"{form} nkisim prefill")
+            got = layer(x_decode.bfloat16())
+            assert_close_global(got, _reference(ref, x_decode, True), rtol=2e-2, msg=f"{form} nkisim decode")
+            assert not got.isnan().any()
+        assert cap.ops() == [("all_gather", "tp"), ("all_gather", "tp"), ("reduce_scatter", "tp"), ("all_reduce", "tp")]
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size, lnc", [(2, 1), (4, 2)])
+def test_moe_layer_with_nkisim_kernels(world_size, lnc, checkpoints):
+    assert all(run_distributed(_check_moe_kernels, world_size, checkpoints, lnc, timeout=110))
