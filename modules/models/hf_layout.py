@@ -47,13 +47,10 @@ FINAL_NORM_KEY = "model.norm.weight"
 LM_HEAD_KEY = "lm_head.weight"
 
 
-def random_dense_state(spec: TextModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32,
-                       scale: float = 0.2) -> dict[str, torch.Tensor]:
-    """A random HF-layout state dict for a dense (Llama-style) spec; GPT-OSS attention extras (biases, sinks)
-    when spec.attention_bias / spec.sliding_window say so. Norm weights are near 1, projections ~N(0, scale²)."""
-    if spec.is_moe:
-        raise ValueError(f"random_dense_state: {spec.name} is a MoE spec; its expert tensors belong to modules.moe")
-    g = torch.Generator().manual_seed(seed)
+def _random_attention_state(spec: TextModelSpec, g: torch.Generator, dtype: torch.dtype,
+                            scale: float) -> dict[str, torch.Tensor]:
+    """Embedding, final norm, LM head and every layer's attention (+ input norm) in HF layout; GPT-OSS attention
+    extras (q/k/v/o biases, sinks) when spec.attention_bias / spec.sliding_window say so."""
 
     def rnd(*shape, s=scale):
         return (torch.randn(*shape, generator=g) * s).to(dtype)
@@ -72,11 +69,40 @@ def random_dense_state(spec: TextModelSpec, seed: int = 0, dtype: torch.dtype = 
                                                                    rnd(spec.kv_width), rnd(h))
         if spec.sliding_window:
             out[sinks_key(i)] = rnd(spec.heads, s=1.0).float()
-        n = norm_keys(i)
-        out[n["input"]], out[n["post_attention"]] = 1 + rnd(h, s=0.1), 1 + rnd(h, s=0.1)
+        out[norm_keys(i)["input"]] = 1 + rnd(h, s=0.1)
+    return out
+
+
+def random_dense_state(spec: TextModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32,
+                       scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """A random HF-layout state dict for a dense (Llama-style) spec (GPT-OSS attention extras if the spec has
+    them). Norm weights are near 1, projections ~N(0, scale²)."""
+    if spec.is_moe:
+        raise ValueError(f"random_dense_state: {spec.name} is a MoE spec; use random_gpt_oss_state")
+    g = torch.Generator().manual_seed(seed)
+    out = _random_attention_state(spec, g, dtype, scale)
+    for i in range(spec.layers):
         m = dense_mlp_keys(i)
-        out[m["gate"]], out[m["up"]] = rnd(spec.intermediate, h), rnd(spec.intermediate, h)
-        out[m["down"]] = rnd(h, spec.intermediate)
+        out[m["gate"]] = (torch.randn(spec.intermediate, spec.hidden, generator=g) * scale).to(dtype)
+        out[m["up"]] = (torch.randn(spec.intermediate, spec.hidden, generator=g) * scale).to(dtype)
+        out[m["down"]] = (torch.randn(spec.hidden, spec.intermediate, generator=g) * scale).to(dtype)
+        out[norm_keys(i)["post_attention"]] = (1 + torch.randn(spec.hidden, generator=g) * 0.1).to(dtype)
+    return out
+
+
+def random_gpt_oss_state(spec: TextModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32,
+                         scale: float = 0.2, mxfp4: bool = False) -> dict[str, torch.Tensor]:
+    """A random GPT-OSS HF-layout state dict: attention parts as random_dense_state, each layer's MoE (router,
+    interleaved gate_up, down, biases, post-attention norm; bf16 or MXFP4 experts) from
+    `modules.testing.gpt_oss_moe.make_gpt_oss_moe`."""
+    from modules.testing.gpt_oss_moe import make_gpt_oss_moe
+
+    if not spec.is_moe:
+        raise ValueError(f"random_gpt_oss_state: {spec.name} is dense; use random_dense_state")
+    out = _random_attention_state(spec, torch.Generator().manual_seed(seed), dtype, scale)
+    for i in range(spec.layers):
+        out.update(make_gpt_oss_moe(spec.experts, spec.hidden, spec.intermediate, layer=i, mxfp4=mxfp4,
+                                    seed=seed * 1000 + i))
     return out
 
 

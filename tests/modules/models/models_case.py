@@ -13,6 +13,9 @@ TINY_LLAMA = TextModelSpec("tiny-llama", layers=2, hidden=64, intermediate=128, 
 # GPT-OSS attention features on the same shapes: q/k/v/o biases, sinks, sliding window on even layers.
 TINY_GPT_OSS_ATTN = TextModelSpec("tiny-gpt-oss-attention", layers=2, hidden=64, intermediate=128, heads=16,
                                   kv_heads=2, head_dim=8, vocab=100, sliding_window=4, attention_bias=True)
+# Tiny GPT-OSS: the attention features above plus a 4-expert top-2 MoE (modules.moe) in the MLP slot.
+TINY_GPT_OSS = TextModelSpec("tiny-gpt-oss", layers=2, hidden=64, intermediate=64, heads=16, kv_heads=2, head_dim=8,
+                             vocab=100, experts=4, top_k=2, sliding_window=4, attention_bias=True)
 PROMPT_LENGTHS = (5, 11, 3, 17)  # 4 sequences; prefill buckets 16 / 32
 PREFILL_BUCKETS, DECODE_BUCKETS, S_MAX = (16, 32), (1, 2, 4), 48
 
@@ -32,12 +35,13 @@ def serve(rank, world_size, spec, config_kwargs, ckpt, steps=3, flow="optimised"
     """
     from modules.config import NeuronConfig
     from modules.loading import SafetensorsCheckpoint
-    from modules.models import ModelRunner, llama_mlp, llama_mlp_mappings
+    from modules.models import ModelRunner, gpt_oss_mlp, gpt_oss_mlp_mappings, llama_mlp, llama_mlp_mappings
     from modules.parallel.state import initialize_parallel_state
 
     cfg = NeuronConfig(prefill_buckets=PREFILL_BUCKETS, decode_buckets=DECODE_BUCKETS, **config_kwargs)
     state = initialize_parallel_state(cfg)
-    runner = ModelRunner(spec, state, llama_mlp, llama_mlp_mappings, s_max=s_max, dtype=dtype, backend=attn_backend)
+    mlp = (gpt_oss_mlp, gpt_oss_mlp_mappings) if spec.is_moe else (llama_mlp, llama_mlp_mappings)
+    runner = ModelRunner(spec, state, *mlp, s_max=s_max, dtype=dtype, backend=attn_backend)
     runner.load(SafetensorsCheckpoint(ckpt), pipelined=pipelined)
     out = {"graphs": runner.warmup() if warmup else None}
     seqs = prompts(spec.vocab)

@@ -57,14 +57,27 @@ KERNEL_SPEC = TextModelSpec("tiny-kernel", layers=1, hidden=128, intermediate=12
 
 @pytest.mark.timeout(120)
 def test_decode_kernel_path_matches_torch_path(tmp_path):
-    """backend="nkisim" runs the fused decode-attention kernel on the interpreter (tp 2, bf16); its logits and
-    greedy tokens equal the torch path's within bf16 (|diff| <= 2e-2 max|logit|)."""
+    """backend="nkisim" runs the fused decode-attention kernel on the interpreter (tp 2, bf16) against the torch path.
+
+    Per sequence, step by step while both paths have emitted the same tokens: logits agree within bf16
+    (|diff| <= 2e-2 max|logit|), and a token may differ only where the torch path's top-2 margin is within that
+    tolerance (a bf16 near-tie; the sequence is compared no further, its inputs now differ)."""
     path = str(write_checkpoint(random_dense_state(KERNEL_SPEC, seed=3, dtype=torch.bfloat16), tmp_path))
-    runs = {be: run_distributed(serve, 2, KERNEL_SPEC, dict(tp_size=2), path, steps=2, attn_backend=be,
+    runs = {be: run_distributed(serve, 2, KERNEL_SPEC, dict(tp_size=2), path, steps=3, attn_backend=be,
                                 dtype=torch.bfloat16, timeout=100)[0] for be in ("torch", "nkisim")}
     t, k = runs["torch"], runs["nkisim"]
-    assert torch.equal(t["tokens"], k["tokens"])
-    assert (t["logits"] - k["logits"]).abs().max() <= 2e-2 * t["logits"].abs().max()
+    tol = 2e-2 * t["logits"].abs().max()
+    top2 = t["logits"].topk(2, dim=-1).values
+    margin = top2[..., 0] - top2[..., 1]
+    compared = 0
+    for b in range(t["tokens"].shape[1]):
+        for step in range(t["tokens"].shape[0]):
+            assert (t["logits"][step, b] - k["logits"][step, b]).abs().max() <= tol, (step, b)
+            compared += 1
+            if t["tokens"][step, b] != k["tokens"][step, b]:
+                assert margin[step, b] <= 2 * tol, (step, b, margin[step, b])
+                break
+    assert compared >= t["tokens"].shape[1] * 2  # prefill and at least one decode step per sequence on average
 
 
 def _kernel_backend_with_attention_dp(rank, world_size):

@@ -1,13 +1,21 @@
-"""Llama-3 end to end on gloo ranks: prefill (TP + SP) and greedy decode (component DP, attention DP) give the
-single-rank model's logits and tokens for tp-only, equal and mixed component-DP layouts, and a world-16 layout with
-KV replication; each decode layer issues the component-DP seed's minimal collective sequence, and the unoptimised
-flow (same weights, same results) shows what that saves."""
+"""Llama-3 and GPT-OSS end to end on gloo ranks: prefill (TP + SP) and greedy decode (component DP, attention DP)
+give the single-rank model's logits and tokens for tp-only, equal and mixed component-DP layouts, and a world-16
+layout with KV replication; each decode layer issues the component-DP seed's minimal collective sequence, and the
+unoptimised flow (same weights, same results) shows what that saves."""
 
 import pytest
 import torch
-from models_case import DECODE_BUCKETS, PREFILL_BUCKETS, TINY_GPT_OSS_ATTN, TINY_LLAMA, by_replica, serve
+from models_case import (
+    DECODE_BUCKETS,
+    PREFILL_BUCKETS,
+    TINY_GPT_OSS,
+    TINY_GPT_OSS_ATTN,
+    TINY_LLAMA,
+    by_replica,
+    serve,
+)
 
-from modules.models.hf_layout import random_dense_state, write_checkpoint
+from modules.models.hf_layout import random_dense_state, random_gpt_oss_state, write_checkpoint
 from modules.testing import assert_close_global, run_distributed
 
 STEPS = 3
@@ -119,3 +127,28 @@ def test_gpt_oss_attention_features_match_single_rank(tmp_path):
     cfg = dict(tp_size=2, dp_size=2, attention_dp_size=2, mlp_dp_size=1, embedding_dp_size=2, lm_head_dp_size=1)
     results = run_distributed(serve, 4, TINY_GPT_OSS_ATTN, cfg, str(path), steps=STEPS, timeout=100)
     _check_against_reference(results, ref, 2)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    path = write_checkpoint(random_gpt_oss_state(TINY_GPT_OSS, seed=2), tmp_path_factory.mktemp("gpt_oss"))
+    return path, run_distributed(serve, 1, TINY_GPT_OSS, {}, str(path), steps=STEPS)[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world, cfg", [
+    (4, dict(tp_size=4)),
+    # MoE on an MLP component group of 4 (tp 2 x mlp_dp 2), attention DP 2, embedding local, LM head gathered
+    (4, dict(tp_size=2, dp_size=2, attention_dp_size=2, mlp_dp_size=2, embedding_dp_size=1, lm_head_dp_size=2)),
+], ids=["tp4", "tp2_dp2_a2_m2_e1_l2"])
+def test_gpt_oss_matches_single_rank(gpt_oss, world, cfg):
+    """GPT-OSS end to end: sinks, biases, alternating sliding window (4 tokens) and the TP-without-EP MoE (its
+    prefill all-gathers/reduce-scatter inside the layer; its decode partial summed by the layer's one MLP
+    all-reduce), prefill + decode, against the single-rank model."""
+    path, ref = gpt_oss
+    results = run_distributed(serve, world, TINY_GPT_OSS, cfg, str(path), steps=STEPS, log_layer_step=0,
+                              timeout=100)
+    _check_against_reference(results, ref, cfg["tp_size"])
+    layer = [(AR, "attention"), (AR, "mlp")] if world == cfg["tp_size"] else [
+        (A2A, "attention_dp"), (A2A, "attention_dp"), (AR, "attention"), (AR, "mlp")]
+    assert results[0]["layer_log"] == _named(layer, results[0]["groups"])

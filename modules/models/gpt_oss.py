@@ -1,0 +1,57 @@
+"""GPT-OSS: the decoder of `modules.models.decoder` (attention with q/k/v/o biases, learned sinks, sliding-window
+attention on even layers and full attention on odd ones) with `modules.moe`'s TP-without-EP MoE layer in the MLP
+slot, on the MLP (component) TP group. The post-attention RMSNorm is fused into the MoE (its ``gamma``).
+
+Not modelled: YaRN RoPE scaling (plain RoPE with the given theta; it only rescales frequencies).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from modules.model_specs import TextModelSpec
+from modules.moe import MoELayer, MoEShape, gpt_oss_moe_mappings
+
+
+class _DeferredAllReduce:
+    """A view of a group whose all_reduce returns its input: `MoELayer.decode` then returns this rank's partial,
+    and the decoder layer's one all-reduce over the same MLP component group sums it (`decoder_layer_decode`).
+    Every other attribute and collective is the wrapped group's."""
+
+    def __init__(self, group) -> None:
+        self._group = group
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class GptOssMoEMLP(nn.Module):
+    """The MLP slot of a GPT-OSS decoder layer: ``partial`` (decode) and ``forward_sp`` (prefill, SP)."""
+
+    def __init__(self, spec: TextModelSpec, layer: int, tp_group, eps: float, dtype: torch.dtype,
+                 backend: str = "torch") -> None:
+        super().__init__()
+        if not spec.is_moe:
+            raise ValueError(f"GptOssMoEMLP: {spec.name} is dense (experts=0); GPT-OSS needs a MoE spec")
+        shape = MoEShape.from_spec(spec, tp_group.world_size)
+        self.moe = MoELayer(shape, _DeferredAllReduce(tp_group), norm_eps=eps, dtype=dtype, backend=backend)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe.decode(x)
+
+    def forward_sp(self, x_sp: torch.Tensor) -> torch.Tensor:
+        return self.moe.prefill(x_sp)  # all-gather of hidden and affinities … reduce-scatter, inside the layer
+
+
+def gpt_oss_mlp(spec: TextModelSpec, layer: int, tp_group, eps: float, dtype: torch.dtype) -> GptOssMoEMLP:
+    return GptOssMoEMLP(spec, layer, tp_group, eps, dtype)
+
+
+def gpt_oss_mlp_mappings(spec: TextModelSpec, layer: int, mxfp4: bool = False) -> dict:
+    """MoE parameters → GPT-OSS checkpoint keys (bf16 experts; functools.partial(..., mxfp4=True) for MXFP4
+    blocks/scales), the post-attention norm included."""
+    return gpt_oss_moe_mappings(layer, mxfp4, norm=True, prefix="moe.")
