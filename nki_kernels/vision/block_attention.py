@@ -91,15 +91,17 @@ def vision_block_attention_kernel(x, w_qkv, b_qkv, cos, sin, bound_min, bound_ma
     cfg = _Config(S, H, num_heads, head_dim, n_prog, nl.program_id(0) if n_prog > 1 else 0)
     out = nl.ndarray((S, H), dtype=x.dtype, buffer=nl.shared_hbm)
 
-    wq, wo = _load_weights(cfg, w_qkv, w_o)
+    # DMAs issue in program order: W_qkv, then x (with them the first QKV can start), W_o last (used last)
+    wq = _load_weights(cfg, w_qkv, cfg.H, cfg.C, 0)
     bias = nl.ndarray((1, cfg.C), dtype=b_qkv.dtype, buffer=nl.sbuf)   # added by a K=1 matmul (its own dtype)
     nisa.dma_copy(dst=bias, src=b_qkv.reshape((1, cfg.C)))
-    rb0, kreg = _key_ranges(cfg, bound_min, bound_max)
     # Heads in groups: the QKV projection of group g+1 (TensorE) runs while the attention of group g (VectorE,
     # ScalarE) does -- the attention of any head needs the K and V of the whole block first.
     o_all = nl.ndarray((P_MAX, len(cfg.mine), cfg.hd), dtype=x.dtype, buffer=nl.sbuf)
     xT = _x_transposed(cfg, x)
+    rb0, kreg = _key_ranges(cfg, bound_min, bound_max)     # first used by the first attention step
     dec = _step_constants(cfg)
+    wo = _load_weights(cfg, w_o, cfg.hd, cfg.H, 64)
     for g0 in range(0, cfg.nh, cfg.gsz):
         g1 = min(cfg.nh, g0 + cfg.gsz)
         qkT, v = _qkv_rope(cfg, x, xT, wq, bias, cos, sin, g0, g1)
@@ -120,29 +122,25 @@ def vision_block_attention_kernel(x, w_qkv, b_qkv, cos, sin, bound_min, bound_ma
 
 # ---- weights and key ranges -----------------------------------------------------------------------------------
 
-def _load_weights(cfg, w_qkv, w_o):
-    """W_qkv as [128, KT, C] (H row kt*128 + p on partition p) and W_o as [128, n_k, H] (rows k*128 + p), both
-    resident. LNC=2: each core loads half of the columns and the cores swap halves (no weight read twice from
-    HBM)."""
-    wq = nl.ndarray((P_MAX, cfg.KT, cfg.C), dtype=w_qkv.dtype, buffer=nl.sbuf)
-    wo = nl.ndarray((P_MAX, cfg.n_k, cfg.H), dtype=w_o.dtype, buffer=nl.sbuf)
-    hc, ho = cfg.C // cfg.n_prog, cfg.H // cfg.n_prog
-    c0, o0 = cfg.core * hc, cfg.core * ho
-    for kt in range(cfg.KT):
-        nisa.dma_copy(dst=wq[:, kt, c0:c0 + hc], src=w_qkv[kt * P_MAX:(kt + 1) * P_MAX, c0:c0 + hc])
-    for k in range(cfg.n_k):
-        kn = min(P_MAX, cfg.hd - k * P_MAX)
-        nisa.dma_copy(dst=wo[:kn, k, o0:o0 + ho], src=w_o[k * P_MAX:k * P_MAX + kn, o0:o0 + ho])
+def _load_weights(cfg, w, rows, cols, pipe):
+    """A weight [rows, cols] resident as [128, ceil(rows/128), cols] (row k*128 + p on partition p), one DMA per
+    128-row chunk. LNC=2: each core loads half of the columns and the cores swap halves with sendrecv (no weight
+    read twice from HBM)."""
+    n_r = (rows + P_MAX - 1) // P_MAX
+    sb = nl.ndarray((P_MAX, n_r, cols), dtype=w.dtype, buffer=nl.sbuf)
+    half = cols // cfg.n_prog
+    c0 = cfg.core * half
+    for k in range(n_r):
+        kn = min(P_MAX, rows - k * P_MAX)
+        nisa.dma_copy(dst=sb[:kn, k, c0:c0 + half], src=w[k * P_MAX:k * P_MAX + kn, c0:c0 + half])
     if cfg.n_prog > 1:
         other = 1 - cfg.core
-        c1, o1 = other * hc, other * ho
-        nisa.sendrecv(src=wq[:, :, c0:c0 + hc], dst=wq[:, :, c1:c1 + hc], send_to_rank=other,
-                      recv_from_rank=other, pipe_id=0)
-        for k in range(cfg.n_k):
-            kn = min(P_MAX, cfg.hd - k * P_MAX)
-            nisa.sendrecv(src=wo[:kn, k, o0:o0 + ho], dst=wo[:kn, k, o1:o1 + ho], send_to_rank=other,
-                          recv_from_rank=other, pipe_id=1 + k)
-    return wq, wo
+        c1 = other * half
+        for k in range(n_r):
+            kn = min(P_MAX, rows - k * P_MAX)
+            nisa.sendrecv(src=sb[:kn, k, c0:c0 + half], dst=sb[:kn, k, c1:c1 + half], send_to_rank=other,
+                          recv_from_rank=other, pipe_id=pipe + k)
+    return sb
 
 
 def _key_ranges(cfg, bound_min, bound_max):
