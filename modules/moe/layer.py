@@ -39,6 +39,7 @@ from modules.moe.router import MoERouter
 from modules.moe.shape import MoEShape
 from nki_kernels.moe import ACTIVATIONS, moe_cte, moe_tkg, rmsnorm_torch
 from nki_kernels.moe.entry import to_torch as as_torch
+from nki_kernels.moe.moe_tkg import MAX_TOKENS as TKG_MAX_TOKENS
 
 UNSELECTED = -1.0
 
@@ -127,17 +128,21 @@ class MoELayer(nn.Module):
         return out[:, :width]
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] (all tokens on every rank) → [T, H]."""
+        """x [T, H] (all tokens on every rank) → [T, H]. A batch above the TKG kernel's token limit runs as several
+        kernel calls (tokens are independent) and still one all-reduce."""
         width = x.shape[-1] if x.dim() == 2 else None
         h = self._padded(x, "decode")
         r = self.router
-        partial, _, _ = moe_tkg(
-            h, r.weight, self.w_gate_up, self.w_down, top_k=self.shape.top_k, b_router=r.bias,
-            b_gate_up=self.b_gate_up, b_down=self.b_down, gamma=self.gamma, eps=self.norm_eps or 1e-5,
-            hidden_actual=self.shape.hidden, router_mode=r.mode, renormalize=r.renormalize,
-            activation=self.activation, add_down_bias=self.add_down_bias, expert_mode=self.expert_mode,
-            backend=self.backend, lnc=self.lnc)
-        return self.tp_group.all_reduce(as_torch(partial).to(x.dtype))[:, :width]
+        partials = []
+        for piece in h.split(TKG_MAX_TOKENS):
+            out, _, _ = moe_tkg(
+                piece, r.weight, self.w_gate_up, self.w_down, top_k=self.shape.top_k, b_router=r.bias,
+                b_gate_up=self.b_gate_up, b_down=self.b_down, gamma=self.gamma, eps=self.norm_eps or 1e-5,
+                hidden_actual=self.shape.hidden, router_mode=r.mode, renormalize=r.renormalize,
+                activation=self.activation, add_down_bias=self.add_down_bias, expert_mode=self.expert_mode,
+                backend=self.backend, lnc=self.lnc)
+            partials.append(as_torch(out).to(x.dtype))
+        return self.tp_group.all_reduce(torch.cat(partials))[:, :width]
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         return self.prefill(x) if sequence_parallel else self.decode(x)

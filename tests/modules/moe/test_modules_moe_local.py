@@ -169,6 +169,13 @@ def test_size_one_layer_equals_moe_torch_and_logs_bypassed_collectives(ckpts):
     assert cap.ops(include_bypassed=True) == [("all_gather", "static"), ("all_gather", "static"),
                                                ("reduce_scatter", "static"), ("all_reduce", "static")]
     assert cap.count() == 0  # all bypassed at size 1
+    # A decode batch above the TKG kernel's 128-token limit: several kernel calls, one all-reduce.
+    x = torch.randn(130, H)
+    want, _, _ = moe_torch(x, ref["w_router"], ref["w_gate_up"], ref["w_down"], top_k=K, b_router=ref["b_router"],
+                           b_gate_up=ref["b_gate_up"], b_down=ref["b_down"], gamma=ref["gamma"], hidden_actual=H)
+    with torch.no_grad(), log.capture() as cap:
+        assert_close_global(layer(x), want)
+    assert cap.ops(include_bypassed=True) == [("all_reduce", "static")]
 
 
 def test_prefill_routing_gather_recovers_indices_even_with_ties_and_zero_affinities(monkeypatch):
