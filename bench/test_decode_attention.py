@@ -57,10 +57,12 @@ def _target(B, ctx, target):
     return 1.3 if B >= 8 else None
 
 
-@pytest.mark.parametrize("target", ["trn2", "trn3"])
-@pytest.mark.parametrize("ctx", CONTEXTS)
-@pytest.mark.parametrize("B", BATCHES)
-@pytest.mark.parametrize("model", sorted(SHAPES))
+# trn2: the whole grid; trn3: the batches its target covers (B >= 8; B = 64 left out to keep the job short)
+GRID = [(m, B, ctx, t) for m in sorted(SHAPES) for B in BATCHES for ctx in CONTEXTS for t in ("trn2", "trn3")
+        if t == "trn2" or B in (8, 16)]
+
+
+@pytest.mark.parametrize("model,B,ctx,target", GRID)
 def test_decode_attention_modelled(benchmark, model, B, ctx, target):
     rep, bound = benchmark.pedantic(modelled, args=(SHAPES[model], B, ctx, target), rounds=1, iterations=1)
     info = rep.extra_info()
@@ -115,3 +117,42 @@ def test_decode_attention_lnc2_single_sequence_modelled(benchmark, model, ctx):
                                     rounds=1, iterations=1)
     _record(benchmark, rep, bound, model=model, batch=1, context=ctx, context_split=True)
     benchmark.extra_info["lnc"] = 2
+
+
+# ---- ragged batch: lengths spread 128 ... 16K, each sequence scanned to its own length ---------------------------
+
+def ragged_lengths(B, lo=128, hi=16384):
+    """B cache lengths spread geometrically over [lo, hi) (continuous batching mixes short and long sequences)."""
+    import numpy as np
+    return [int(x) for x in np.geomspace(lo, hi - 1, B).round()]
+
+
+def modelled_ragged(shape, B, target):
+    import torch
+    ctx = 16384
+    args, kw = make_inputs(B, 1, s_max=ctx, ctx=ctx, **shape)
+    args[4][:, 0] = torch.tensor(ragged_lengths(B), dtype=torch.int32)
+    X, pos, W_o = args[0], args[4], args[7]
+    dims = (X.shape[2], shape["d"], W_o.shape[0] // shape["d"], shape["nkv"])
+    h_act = shape.get("hidden_actual", 0)
+    _, rep = nkisim.profile(decode_attention_nki, *args, target=target,
+                            useful_flops=useful_flops(pos, *dims, hidden_actual=h_act), **kw)
+    rep.useful_bound_s = useful_bound_s(pos, *dims, target=target, hidden_actual=h_act)
+    return rep
+
+
+@pytest.mark.parametrize("B", (8, 16))
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_decode_attention_ragged_modelled(benchmark, model, B):
+    """Ragged batch on trn2 (issue 11 target: latency <= 1.2x the bound of the real lengths, recorded as
+    `modelled_meets_target`, not asserted: compute still follows each batch pack's longest sequence)."""
+    rep = benchmark.pedantic(modelled_ragged, args=(SHAPES[model], B, "trn2"), rounds=1, iterations=1)
+    info = rep.extra_info()
+    ratio = rep.latency_s / rep.useful_bound_s
+    info.update({"model": model, "batch": B, "context": "ragged 128-16K", "s_tkg": 1, "lnc": 1,
+                 "modelled_bound_s": rep.useful_bound_s, "modelled_roofline_s": rep.roofline_s,
+                 "modelled_latency_over_useful_bound": ratio, "modelled_meets_target": ratio <= 1.2,
+                 "modelled_lengths": ragged_lengths(B)})
+    benchmark.extra_info.update(info)
+    assert rep.latency_s >= rep.roofline_s * 0.999
+    assert rep.latency_s >= rep.useful_bound_s * 0.999

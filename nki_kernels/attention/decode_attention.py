@@ -186,6 +186,10 @@ class _Config(nl.NKIObject):
                 scan_w = (window - 1 + P_MAX - 1) // P_MAX * P_MAX
             if scan_w < self.scan and scan_w <= self.cap:
                 self.scan, self.dyn = scan_w, scan_w > 0
+        # Ragged contexts: each sequence's K/V loads stop at its own length, and a pack's steps past all of its
+        # sequences' lengths are skipped (runtime trip counts; see _step_gates). Not for the windowed scan, whose
+        # short range already follows each sequence.
+        self.ragged = not self.dyn
         # d <= 64: kpp = 128 // d batches share the partitions of one K^T / query stack (batch j on partitions
         # (j % kpp) * d ..), so one score matmul contracts over 128 partitions and covers kpp batches.
         self.kpp = P_MAX // d if (2 * d <= P_MAX and P_MAX % d == 0) else 1
@@ -625,6 +629,7 @@ class _AttnState(nl.NKIObject):
         self.iotas = {}
         self.valid, self.cur_valid = {}, None     # per pack: _ValidRange of its sequences
         self.ramps, self.k_ramp = {}, (None, None)  # scrub position tables (see _scrub_slot)
+        self.pos0, self.slot0 = None, None          # fp32 [1, steps / slots]: their starts (_step_gates)
 
     def scores(self):
         buf = self.ps_sc[self.n_scores % 2]
@@ -1028,28 +1033,37 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
             step.thr_lo = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=step.thr_lo[:rows], data=q_pos[:rows], op0=nl.add,
                                operand0=-float(cfg.window) - step.pos0)
+    gates = _step_gates(cfg, st, steps) if cfg.ragged else (None,) * len(steps)
+    st.load_gates = _load_gates(cfg, st, slots, nb) if cfg.ragged else None
     views = []
-    _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[0], views)
+    _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[0], views, gates[0])
     for k in range(len(steps)):
         if k + 1 < len(steps):
-            _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[k + 1], views)
+            _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[k + 1], views,
+                          gates[k + 1])
         step = steps[k]
-        _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks)
+        _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks, gates[k])
         step.sc = None
+        if k == 0 and cfg.ragged and sm.acc is None:
+            # no accumulator yet (second core of a context split): a zero one, so every later flush is the same
+            # in-place acc * alpha + PV whichever steps run
+            sm.acc = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(dst=sm.acc[:rows, :nb * cfg.d], value=0.0)
 
 
-def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step, views):
-    """Loads of the step's slot (when first needed), then its scores and masks into the next score buffer."""
+def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step, views, gate=None):
+    """Loads of the step's slot (when first needed), then its scores and masks into the next score buffer (inside
+    the step's runtime gate when ragged contexts skip it)."""
     d, rows = cfg.d, nb * cfg.R
     fresh = []
     while len(views) <= step.slot:
         j0, w = slots[len(views)]
-        n, rem = w // P_MAX, w % P_MAX
         kT = st.kT[st.n_slots % cfg.kv_bufs]
         v = st.v[st.n_slots % cfg.kv_bufs]
         st.n_slots += 1
         if cfg.paged:
-            _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w)
+            lg = st.load_gates[j0] if cfg.ragged else (None,) * nb
+            _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w, lg)
         else:
             for j in range(nb):
                 b = p0 + j
@@ -1058,20 +1072,29 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                     _load_slot_window(cfg, st.starts[b], K_cache, V_cache, kT[u0:u0 + d, j // cfg.kpp, :w],
                                       v[:, j], b, g, j0, w)
                     continue
-                nisa.dma_transpose(dst=kT[u0:u0 + d, j // cfg.kpp, :w], src=K_cache[b, g, j0:j0 + w, :])
-                if n > 0:
-                    nisa.dma_copy(dst=v[:, j, :n, :],
-                                  src=V_cache[b, g, j0:j0 + n * P_MAX, :].reshape((P_MAX, n * d)))
-                if rem:
-                    nisa.dma_copy(dst=v[:rem, j, n, :], src=V_cache[b, g, j0 + n * P_MAX:j0 + w, :])
+
+                if not cfg.ragged:
+                    _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, j0, w)
+                    continue
+                for a, size in _load_pieces(cfg, j0, w):    # a sequence's loads stop at its length
+                    _run(st.load_gates[a][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kT=kT, v=v:
+                         _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size))
         _scrub_slot(cfg, st, kT, j0, w, nb)
         views.append((kT, v))
         fresh.append((v, j0, w, st.gates[1]))
     kT = views[step.slot][0]
     j0, w = slots[step.slot]
-    n = w // P_MAX
     sc = st.scores()
     key = st.iota(step.key_id, step.key_pattern, step.cols)
+    _run(gate, lambda _i: _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
+    for v, j0, w, gates in fresh:      # V is needed by the PV, one step later
+        _scrub_v(cfg, st, v, j0, w, nb, gates)
+    step.sc = sc
+
+
+def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
+    """Scores of one step (every K^T stack of the pack) with its masks folded in, chunk by chunk."""
+    d, n = cfg.d, w // P_MAX
     masks = [_build_mask(cfg, rows, step.cols, key, step.thr_hi, nl.greater, 0.0)]
     if step.thr_lo is not None:
         masks.append(_build_mask(cfg, rows, step.cols, key, step.thr_lo, nl.less_equal, 0.0))
@@ -1094,9 +1117,22 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                            accumulate=(jj > 0))
         for m in masks:          # each chunk's masks right after its scores: its row max can start early
             _fold_chunk(consts, sc, rows, m, (c0, c1, inner))
-    for v, j0, w, gates in fresh:      # V is needed by the PV, one step later
-        _scrub_v(cfg, st, v, j0, w, nb, gates)
-    step.sc = sc
+
+
+def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size):
+    """Contiguous cache: K^T / V of positions [a, a + size) of the slot [j0, j0 + w) for batch j of the pack (the
+    whole slot, or a piece of it: whole V partitions of the slot layout, or its remainder block)."""
+    d, n = cfg.d, w // P_MAX
+    u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
+    off = a - j0
+    nisa.dma_transpose(dst=kT[u0:u0 + d, jj, off:off + size], src=K_cache[b, g, a:a + size, :])
+    body = max(0, min(size, n * P_MAX - off))        # positions of the piece in the n-per-partition layout
+    if body:
+        nisa.dma_copy(dst=v[off // n:(off + body) // n, j, :n, :],
+                      src=V_cache[b, g, a:a + body, :].reshape((body // n, n * d)))
+    rem = size - body
+    if rem:
+        nisa.dma_copy(dst=v[:rem, j, n, :], src=V_cache[b, g, a + body:a + size, :])
 
 
 def _load_slot_window(cfg, start, K_cache, V_cache, kT, v, b, g, j0, w):
@@ -1201,7 +1237,7 @@ def _load_block_ids(cfg, block_table, b_lo, b_hi, starts=None):
     return ids
 
 
-def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w):
+def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w, gates):
     """K^T / V of scan positions [j0, j0 + w) for every batch of the pack from a paged cache (indirect DMAs).
 
     K^T lands in the natural order of a DMA transpose (one contiguous range per partition), "i-major":
@@ -1213,38 +1249,44 @@ def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w):
       _slot_split): K^T by one 3-D transpose [R, K*n, d] -> [d, K*n, R]; V by K gathers of R partitions.
     (w >= bs always: see _slot_bounds.)
     """
-    d, bs, n = cfg.d, cfg.bs, w // P_MAX
-    row = cfg.nkv * bs * d                       # elements per block of the cache (the indexed rows)
-    swdge = nisa.dge_mode.swdge
+    n = w // P_MAX
+    row = cfg.nkv * cfg.bs * cfg.d               # elements per block of the cache (the indexed rows)
     idx = st.block_ids[(p0, j0)]
     K = _slot_split(cfg, w)
-    off = g * bs * d
-    for j in range(nb):
-        u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
-        if K == 1:
-            for i in range(n // bs):
-                vo = idx[:, j, i]
-                nisa.dma_transpose(dst=kT[u0:u0 + d, jj, i * bs * P_MAX:(i + 1) * bs * P_MAX].reshape((d, bs, P_MAX)),
-                                   src=K_cache.ap([[row, P_MAX], [d, bs], [1, d]], offset=off, vector_offset=vo),
-                                   dge_mode=swdge)
-                nisa.dma_copy(dst=v[:, j, i * bs:(i + 1) * bs, :],
-                              src=V_cache.ap([[row, P_MAX], [1, bs * d]], offset=off, vector_offset=vo),
-                              dge_mode=swdge)
-        else:
-            T, m = P_MAX // K, K * n                 # gathered rows of m positions (see _slot_split)
-            kc, vc, rm = K_cache, V_cache, row
-            if m < bs:      # sub-blocks: the indexed rows are m positions of one head (ids from _load_block_ids)
-                nsub = K_cache.shape[0] * cfg.nkv * (bs // m)
-                kc, vc, rm = K_cache.reshape((nsub, m * d)), V_cache.reshape((nsub, m * d)), m * d
-            vo = idx[:T, j, 0]
-            # (K, n) merged into one level (stride d): a 4-D indirect transpose needs src.shape[1] or [2] == 1
-            nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, K * n, T)),
-                               src=kc.ap([[rm, T], [d, K * n], [1, d]], offset=off, vector_offset=vo),
+    off = g * cfg.bs * cfg.d
+    for j in range(nb):     # a sequence's gathers stop at its length (ragged contexts)
+        _run(gates[j], lambda _i, j=j: _gather_batch(cfg, K_cache, V_cache, kT, v, idx, K, off, row, j, n, w))
+
+
+def _gather_batch(cfg, K_cache, V_cache, kT, v, idx, K, off, row, j, n, w):
+    """The paged gathers of batch j of the pack for one slot (see _load_slot_paged)."""
+    d, bs = cfg.d, cfg.bs
+    swdge = nisa.dge_mode.swdge
+    u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
+    if K == 1:
+        for i in range(n // bs):
+            vo = idx[:, j, i]
+            nisa.dma_transpose(dst=kT[u0:u0 + d, jj, i * bs * P_MAX:(i + 1) * bs * P_MAX].reshape((d, bs, P_MAX)),
+                               src=K_cache.ap([[row, P_MAX], [d, bs], [1, d]], offset=off, vector_offset=vo),
                                dge_mode=swdge)
-            for r in range(K):
-                nisa.dma_copy(dst=v[r * T:(r + 1) * T, j, :n, :],
-                              src=vc.ap([[rm, T], [1, n * d]], offset=off + r * n * d, vector_offset=vo),
-                              dge_mode=swdge)
+            nisa.dma_copy(dst=v[:, j, i * bs:(i + 1) * bs, :],
+                          src=V_cache.ap([[row, P_MAX], [1, bs * d]], offset=off, vector_offset=vo),
+                          dge_mode=swdge)
+    else:
+        T, m = P_MAX // K, K * n                 # gathered rows of m positions (see _slot_split)
+        kc, vc, rm = K_cache, V_cache, row
+        if m < bs:      # sub-blocks: the indexed rows are m positions of one head (ids from _load_block_ids)
+            nsub = K_cache.shape[0] * cfg.nkv * (bs // m)
+            kc, vc, rm = K_cache.reshape((nsub, m * d)), V_cache.reshape((nsub, m * d)), m * d
+        vo = idx[:T, j, 0]
+        # (K, n) merged into one level (stride d): a 4-D indirect transpose needs src.shape[1] or [2] == 1
+        nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, K * n, T)),
+                           src=kc.ap([[rm, T], [d, K * n], [1, d]], offset=off, vector_offset=vo),
+                           dge_mode=swdge)
+        for r in range(K):
+            nisa.dma_copy(dst=v[r * T:(r + 1) * T, j, :n, :],
+                          src=vc.ap([[rm, T], [1, n * d]], offset=off + r * n * d, vector_offset=vo),
+                          dge_mode=swdge)
 
 
 class _ValidRange(nl.NKIObject):
@@ -1256,6 +1298,9 @@ class _ValidRange(nl.NKIObject):
 
     def __init__(self):
         self.hi_k, self.lo_k, self.hi_v, self.lo_v = None, None, None, None
+        self.max_hi = None                  # fp32 [1, 1]: the pack's largest hi (its longest sequence)
+        self.step_regs, self.load_regs = None, {}   # runtime trip counts, shared by the KV heads
+        self.slot_run = {}                  # per slot start: fp32 [1, 1], 1 iff the pack's steps reach it
 
 
 def _valid_ranges(cfg, position_ids, p0, nb):
@@ -1273,7 +1318,89 @@ def _valid_ranges(cfg, position_ids, p0, nb):
     vr = _ValidRange()
     vr.hi_v, vr.lo_v = _range_bounds(cfg, pv, P_MAX, nb)
     vr.hi_k, vr.lo_k = _range_bounds(cfg, pk, npk, nst)
+    vr.max_hi = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=vr.max_hi, op=nl.maximum, data=vr.hi_v[0:1, :nb], axis=(1,))
     return vr
+
+
+def _registers(t, n):
+    """One register per element of the int32 row t[0:1, :n] (runtime trip counts)."""
+    regs = []
+    for i in range(n):
+        r = nisa.register_alloc()
+        nisa.register_load(dst=r, src=t[0:1, i:i + 1])
+        regs.append(r)
+    return tuple(regs)
+
+
+def _step_gates(cfg, st, steps):
+    """Ragged contexts: per step of the plan, a runtime trip count 1 iff the step starts before the pack's longest
+    sequence ends (max hi > step.pos0), else 0: its scores, softmax and PV are skipped. Skipped steps are a suffix
+    (pos0 grows), so the state's last update is the last step run. Step 0 always runs (None): it gives the state
+    its persistent buffers (see _online_step)."""
+    vr = st.cur_valid
+    if vr.step_regs is None:
+        ns = len(steps)
+        if st.pos0 is None:       # the plan's step starts, built once (the plan is the same for every pack)
+            st.pos0 = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
+            for k, step in enumerate(steps):
+                nisa.memset(dst=st.pos0[:, k:k + 1], value=float(step.pos0), engine=nisa.engine.gpsimd)
+        f = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=f, data1=vr.max_hi.broadcast(1, ns), data2=st.pos0, op=nl.greater)
+        fi = nl.ndarray((1, ns), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=fi, src=f)
+        vr.step_regs = (None,) + _registers(fi[:, 1:], ns - 1)
+    return vr.step_regs
+
+
+def _load_pieces(cfg, j0, w):
+    """(start, size) of the loads of a slot: contiguous caches load each sequence's slot in pieces of about FA_SUB
+    positions (one step's keys, rounded down to whole V partitions of n positions, so the runs stay n * d long) and
+    the remainder, so a sequence's loads stop within one step of its length; paged slots are gathered whole."""
+    if cfg.paged or cfg.pack == 1:     # one sequence per pack: its steps' gates already stop it (fewer DMAs)
+        return ((j0, w),)
+    n = w // P_MAX
+    body = n * P_MAX
+    step = max(n, FA_SUB // n * n) if n else FA_SUB     # whole V partitions of n positions each
+    pieces = tuple((j0 + a, min(step, body - a)) for a in range(0, body, step))
+    return pieces + (((j0 + body, w - body),) if w > body else ())
+
+
+def _load_gates(cfg, st, slots, nb):
+    """Ragged contexts: per load piece (_load_pieces) and batch of the pack, a runtime trip count 1 iff its
+    sequence has a valid row in the piece (hi > its start): loads past a sequence's length are skipped, so the HBM
+    traffic follows the real lengths. What the skipped loads leave in the ring (another slot's rows, or
+    uninitialised SBUF) is excluded like any other invalid row (_scrub_slot: the gate is 1 for such a batch). All
+    computed at the pack's start: a load must never wait for a gate computed behind the attention's VectorE work.
+    Also vr.slot_run[j0] = 1 iff the pack's steps reach the slot at j0."""
+    vr = st.cur_valid
+    if not vr.load_regs:
+        starts = [a for j0, w in slots for a, _ in _load_pieces(cfg, j0, w)]
+        ns, npc = len(slots), len(starts)
+        if st.slot0 is None:      # the plan's slot and piece starts, built once (the same plan for every pack)
+            st.slot0 = nl.ndarray((1, ns + npc), dtype=nl.float32, buffer=nl.sbuf)
+            for k, a in enumerate([j0 for j0, _ in slots] + starts):
+                nisa.memset(dst=st.slot0[:, k:k + 1], value=float(a), engine=nisa.engine.gpsimd)
+        f = nl.ndarray((1, npc, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=f[:, :, :nb], data1=vr.hi_v[0:1, :nb].expand_dim(1).broadcast(1, npc),
+                           data2=st.slot0[:, ns:].expand_dim(2).broadcast(2, nb), op=nl.greater)
+        fi = nl.ndarray((1, npc, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=fi[:, :, :nb], src=f[:, :, :nb])
+        run = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)     # 1 iff a sequence reaches the slot
+        nisa.tensor_tensor(dst=run, data1=vr.max_hi.broadcast(1, ns), data2=st.slot0[:, :ns], op=nl.greater)
+        for k, a in enumerate(starts):
+            vr.load_regs[a] = _registers(fi[:, k, :], nb)
+        for k, (j0, _w) in enumerate(slots):
+            vr.slot_run[j0] = run[:, k:k + 1]
+    return vr.load_regs
+
+
+def _run(gate, body):
+    """body(0) at trace time when gate is None, else inside a runtime loop of gate (0 or 1) iterations."""
+    if gate is None:
+        body(0)
+    else:
+        nl.fori_loop(0, gate, body)
 
 
 def _range_bounds(cfg, p, rows, cols):
@@ -1394,7 +1521,12 @@ def _slot_gates(cfg, vr, j0, w, nb):
     f = nl.ndarray((1, cfg.nst * kpp), dtype=nl.float32, buffer=nl.sbuf)
     if nb < nst * kpp:
         nisa.memset(dst=f[:, nb:nst * kpp], value=0.0)
-    nisa.tensor_scalar(dst=f[:, :nb], data=vr.hi_v[0:1, :nb], op0=nl.less, operand0=float(j0 + w))
+    if cfg.ragged and j0 > cfg.lo:   # a slot past every sequence of the pack is skipped whole (_step_gates):
+        # nothing to exclude (vr.slot_run = 0). The first slot holds step 0, which always runs: always scrubbed.
+        nisa.tensor_scalar(dst=f[:, :nb], data=vr.hi_v[0:1, :nb], op0=nl.less, operand0=float(j0 + w),
+                           op1=nl.multiply, operand1=vr.slot_run[j0])
+    else:
+        nisa.tensor_scalar(dst=f[:, :nb], data=vr.hi_v[0:1, :nb], op0=nl.less, operand0=float(j0 + w))
     if vr.lo_v is not None:
         g = nl.ndarray((1, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=g[:, :nb], data=vr.lo_v[0:1, :nb], op0=nl.greater, operand0=float(j0))
@@ -1464,11 +1596,16 @@ def _and_bits(data, mask, vector=False):
         nisa.tensor_tensor(dst=d16, data1=d16, data2=mask, op=nl.bitwise_and, engine=nisa.engine.gpsimd)
 
 
-def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks):
+def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None):
     """One online-softmax update over the masked scores sc[:rows, :cols] + PV.
 
     blocks: (first column, column stride, positions K, V block index) of each P^T block.
+    With a runtime gate (ragged contexts) the step runs inside a loop of 0 or 1 iterations, so it updates the
+    state (m, l, the pending alpha, acc) in place: tensors allocated in a runtime loop do not outlive it.
     """
+    if gate is not None:
+        nl.fori_loop(0, gate, lambda _i: _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks))
+        return
     d, scale = cfg.d, cfg.scale
     m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=sc[:rows, :cols], axis=(1,))
@@ -1501,6 +1638,41 @@ def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks):
             nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:k, i, :rows],
                            moving=v[:k, h0:h0 + hn, vb, :], accumulate=(i > 0))
     sm.m, sm.l, sm.pending = m_new, l_new, alpha
+
+
+def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks):
+    """_online_step writing the state in place (after a first step gave it its buffers), with the same VectorE /
+    ScalarE instruction counts: nbias = -scale * max(m, rowmax) in one op; the previous step's PV is flushed before
+    alpha overwrites the pending one; then l and m are updated in place."""
+    d, scale = cfg.d, cfg.scale
+    m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=sc[:rows, :cols], axis=(1,))
+    nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nbias[:rows], data=sm.m[:rows], op0=nl.maximum, operand0=m_t[:rows], op1=nl.multiply,
+                       operand1=-scale)
+    p = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
+    l_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p[:rows, :cols], op=nl.exp, data=sc[:rows, :cols], bias=nbias[:rows], scale=scale,
+                    reduce_op=nl.add, reduce_res=l_t[:rows], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    nblk = len(blocks)
+    pT = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+    for i, (c0, stride, k, _vb) in enumerate(blocks):
+        nisa.nc_transpose(dst=st.ps_t[:k, i, :rows], data=p[:rows, c0:c0 + (k - 1) * stride + 1:stride])
+    kmax = blocks[0][2]
+    nisa.activation(dst=pT[:kmax, :nblk, :rows], op=nl.copy, data=st.ps_t[:kmax, :nblk, :rows])   # ScalarE
+    n = nb * d      # previous step's PV, in place: acc = acc * alpha_prev + PV
+    nisa.scalar_tensor_tensor(dst=sm.acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,
+                              operand0=sm.pending[:rows], op1=nl.add, operand1=st.ps_o[:rows, :n])
+    nisa.activation(dst=sm.pending[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)  # alpha
+    nisa.scalar_tensor_tensor(dst=sm.l[:rows], data=sm.l[:rows], op0=nl.multiply, operand0=sm.pending[:rows],
+                              op1=nl.add, operand1=l_t[:rows])
+    nisa.tensor_tensor(dst=sm.m[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum)
+    half = max(1, PSUM_F // d)
+    for h0 in range(0, nb, half):
+        hn = min(half, nb - h0)
+        for i, (_c0, _s, k, vb) in enumerate(blocks):
+            nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:k, i, :rows],
+                           moving=v[:k, h0:h0 + hn, vb, :], accumulate=(i > 0))
 
 
 def _flush_acc(cfg, st, sm, rows, nb):

@@ -474,3 +474,53 @@ def test_add_bias_o_selects_the_rank_that_adds_the_bias():
     assert not torch.equal(with_b, without_b)
     with pytest.raises(ValueError, match="add_bias_o=1 must be a bool"):
         decode_attention(*args, **kw, backend="nkisim", add_bias_o=1)
+
+
+# ---- ragged contexts: each sequence is scanned to its own length ---------------------------------------------------
+
+RAGGED_FIRST = (1, 130, 1000, 4095, 2500)        # first new position of each sequence (its cache length)
+
+
+def _ragged_inputs(S, ctx, bs, seed=31):
+    args, kw = make_inputs(len(RAGGED_FIRST), S, s_max=ctx, ctx=ctx, seed=seed, **GPT_OSS_20B_TP8)
+    args[4][:] = torch.tensor(RAGGED_FIRST, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_stale_rows(args, 0)          # NaN past every sequence's length (stale tails of reused rows)
+    if bs:
+        args, kw_p = to_paged(args, kw, bs, seed=seed)
+        clean, _ = to_paged(clean, kw, bs, seed=seed)
+        kw = kw_p
+    return args, clean, kw
+
+
+@pytest.mark.parametrize("bs,lnc", [(0, 1), (64, 1), (0, 2)])
+def test_ragged_contexts_with_nan_tails(bs, lnc):
+    """Sequences of very different lengths in one batch, NaN past each one's length: finite, equal to the reference
+    and bit-identical to a clean cache (the skipped slots' leftovers are excluded like any stale row)."""
+    args, clean, kw = _ragged_inputs(1, 4096 + 128, bs)
+    ref_args = [a.clone() if a is not None else None for a in args]
+    ref = decode_attention_torch(*ref_args, **kw).float()
+    assert torch.isfinite(ref).all()
+    out = decode_attention(*args, **kw, backend="nkisim", lnc=lnc)
+    assert torch.isfinite(out.float()).all()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim", lnc=lnc))
+
+
+def test_ragged_contexts_read_only_real_rows():
+    """The modelled HBM traffic follows each sequence's length: the K/V bytes beyond a batch of empty caches (first
+    position 0) are the real rows (2 * d * 2 B each), rounded up per sequence to at most one load piece (FA_SUB)."""
+    import nkisim
+    from nki_kernels.attention.decode_attention import FA_SUB
+
+    d, ctx = GPT_OSS_20B_TP8["d"], 4096 + 128
+    reads = {}
+    for name, first in (("ragged", RAGGED_FIRST), ("empty", (0,) * len(RAGGED_FIRST))):
+        args, kw = make_inputs(len(first), 1, s_max=ctx, ctx=ctx, seed=31, **GPT_OSS_20B_TP8)
+        args[4][:, 0] = torch.tensor(first, dtype=torch.int32)
+        _, rep = nkisim.profile(decode_attention_nki, *args, target="trn2", **kw)
+        reads[name] = rep.hbm_read_bytes
+    kv = reads["ragged"] - reads["empty"]
+    real = sum(RAGGED_FIRST) * 2 * d * 2
+    assert real <= kv <= real + len(RAGGED_FIRST) * FA_SUB * 2 * d * 2, (kv, real)
+    assert kv < 0.5 * (len(RAGGED_FIRST) * (ctx - 1) * 2 * d * 2)      # far below a scan to the longest
