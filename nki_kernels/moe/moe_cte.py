@@ -18,7 +18,7 @@ P_MAX = nl.tile_size.pmax              # partitions = rows per token tile = matm
 PSUM_F = nl.tile_size.psum_bank_fmax   # fp32 elements per PSUM bank: the widest matmul output (moving free size)
 # bf16 TensorE transposes of [128, 128] gathered into one PSUM bank before one eviction
 TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
-DOWN_BANKS = 4         # PSUM banks the down projection rotates through (evictions overlap the next chunk's matmuls)
+DOWN_BANKS = 3         # PSUM banks the down projection rotates through (evictions overlap the next chunk's matmuls)
 W_GU_DMAS = 4          # the gate/up weights of one expert arrive in this many DMAs (matmuls start on the first)
 SCHED_FIELDS = 4       # per scheduled expert: expert id, first row, 128-row tiles, weights-needed flag (0/1)
 SBUF_RESERVE = 8 * 1024    # bytes per partition left for the small tiles (ids, affinities, schedule, constants)
@@ -187,10 +187,13 @@ class _Slot(nl.NKIObject):
 
 
 class _Psum(nl.NKIObject):
-    """PSUM: two transpose banks, gate and up accumulators, DOWN_BANKS down-projection banks (8 banks)."""
+    """PSUM: two banks for the x transposes, one for the activation transposes (its own, so that the next tile's x
+    transposes never wait for this tile's activation), gate and up accumulators, DOWN_BANKS down-projection banks
+    (8 banks)."""
 
     def __init__(self, cfg):
         self.t = [nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=cfg.dtype, buffer=nl.psum) for _ in range(2)]
+        self.at = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=cfg.dtype, buffer=nl.psum)
         self.g = nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum)
         self.u = nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum)
         self.d = [nl.ndarray((P_MAX, cfg.H_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(DOWN_BANKS)]
@@ -301,7 +304,7 @@ def _transpose_x(cfg, slot, psum):
         for c in range(nc):
             kt = c0 + c
             nisa.nc_transpose(dst=ps[:, c, :], data=slot.xt[:, kt:kt + (P_MAX - 1) * KT + 1:KT])
-        _evict(gi, slot.xT[:, c0:c0 + nc, :], ps[:, :nc, :])
+        _evict(gi + 1, slot.xT[:, c0:c0 + nc, :], ps[:, :nc, :])    # ScalarE first: VectorE has the activation
 
 
 def _gate_up_step(cfg, slot, psum, c):
@@ -341,7 +344,7 @@ def _activation_step(cfg, slot, psum, c):
 
 def _transpose_act(cfg, slot, psum):
     """aT[:, k, :] = a[:, k*128 : k*128 + 128]^T (with the down bias, column I of a is 1: the bias row's input)."""
-    ps = psum.t[0]
+    ps = psum.at
     for k in range(cfg.KD):
         w = min(P_MAX, cfg.I_aug - k * P_MAX)
         nisa.nc_transpose(dst=ps[:w, k, :], data=slot.a[:, k * P_MAX:k * P_MAX + w])
