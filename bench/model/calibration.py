@@ -103,19 +103,27 @@ def _kernel_floor(res) -> float:
     return get_instance(res.instance, res.lnc).kernel_min_s
 
 
+def _features(res, floor_s: float) -> tuple[list[tuple[float, float, float]], float]:
+    """The efficiency-independent parts of ``step_terms``: per component (t_compute, t_memory, launch floor) and the
+    floored collective time (computed once per row, so a fit over the efficiency grid stays cheap)."""
+    kfloor = _kernel_floor(res)
+    comps = [(c.t_compute, c.t_memory, c.count * kfloor) for c in res.components]
+    colls = sum(max(c.time_s, floor_s) * res.collective_multiplier(c) for c in res.collectives if c.n > 1)
+    return comps, colls
+
+
 def _fit(steps: list[tuple[Published, object]], host_step_s: float = HOST_STEP_S) -> CalParams:
     """Minimise sum((pred - published) / published)^2 over the efficiency grid; layer costs in closed form (>= 0).
-    The host time per step is an input (an assumption), not fitted."""
+    The host time per step is an input (an assumption), not fitted. Same terms as ``step_terms``."""
     if not steps:
         raise ValueError("calibration: nothing to fit (empty subset of published rows)")
+    rows = [(stack_of(p), p.tpot_ms * 1e-3, res.layers, *_features(res, COLLECTIVE_FLOOR_S)) for p, res in steps]
     best = None
     for eta in _ETA_GRID:
-        base = CalParams(eta, (), host_step_s=host_step_s, fitted_on=())
         per_stack: dict[str, list[tuple[float, float]]] = {s: [] for s in STACKS}
-        for p, res in steps:
-            t = p.tpot_ms * 1e-3
-            f = step_terms(res, base, stack_of(p))["total_s"]       # layer_fixed 0 in `base`
-            per_stack[stack_of(p)].append((res.layers / t, (f - t) / t))
+        for stack, t, layers, comps, colls in rows:
+            f = sum(max(tc, tm / eta, fl) for tc, tm, fl in comps) + colls + host_step_s   # layer_fixed 0 here
+            per_stack[stack].append((layers / t, (f - t) / t))
         layer, err = [], 0.0
         for s, pts in per_stack.items():
             den = sum(a * a for a, _ in pts)
