@@ -26,7 +26,7 @@ def prompts(vocab: int, seed: int = 1) -> list[torch.Tensor]:
 
 
 def serve(rank, world_size, spec, config_kwargs, ckpt, steps=3, flow="optimised", attn_backend="torch",
-          dtype=torch.float32, warmup=False, log_layer_step=None, pipelined=True, s_max=S_MAX):
+          dtype=torch.float32, warmup=False, log_layer_step=None, pipelined=True, s_max=S_MAX, sequences=None):
     """One rank: build groups, load both graphs from the checkpoint, prefill this replica's sequences, decode.
 
     Returns per-replica results (equal on every rank of a replica) and, when log_layer_step is a decode step
@@ -44,8 +44,8 @@ def serve(rank, world_size, spec, config_kwargs, ckpt, steps=3, flow="optimised"
     runner = ModelRunner(spec, state, *mlp, s_max=s_max, dtype=dtype, backend=attn_backend)
     runner.load(SafetensorsCheckpoint(ckpt), pipelined=pipelined)
     out = {"graphs": runner.warmup() if warmup else None}
-    seqs = prompts(spec.vocab)
-    b_local = len(seqs) // cfg.dp_size
+    seqs = prompts(spec.vocab)[:sequences]
+    b_local = -(-len(seqs) // cfg.dp_size)
     replica = rank // cfg.tp_size
     mine = seqs[replica * b_local:(replica + 1) * b_local]
     first, pre_logits = [], []

@@ -3,11 +3,11 @@ kernel path against the torch path within bf16."""
 
 import pytest
 import torch
-from models_case import serve
+from models_case import TINY_LLAMA, serve
 
 from modules.model_specs import TextModelSpec
 from modules.models.hf_layout import random_dense_state, write_checkpoint
-from modules.testing import RankFailedError, run_distributed
+from modules.testing import RankFailedError, assert_close_global, run_distributed
 
 V, H = 13, 8  # 13 over 4 ranks: 4 rows each, the last shard holds 1 real row and 3 zero padding rows
 
@@ -91,3 +91,46 @@ def _kernel_backend_with_attention_dp(rank, world_size):
 def test_kernel_backend_refuses_attention_dp():
     with pytest.raises(RankFailedError, match="no in-kernel all-to-all for attention_dp_size=2"):
         run_distributed(_kernel_backend_with_attention_dp, 2)
+
+
+@pytest.mark.timeout(120)
+def test_decode_pads_the_local_batch_to_the_bucket(tmp_path):
+    """3 sequences decode in the 4-bucket (one padding slot): their tokens and logits are the 4-sequence run's."""
+    path = str(write_checkpoint(random_dense_state(TINY_LLAMA, seed=0), tmp_path))
+    full = run_distributed(serve, 1, TINY_LLAMA, {}, path, steps=2)[0]
+    padded = run_distributed(serve, 2, TINY_LLAMA, dict(tp_size=2), path, steps=2, sequences=3)[0]
+    assert torch.equal(padded["tokens"], full["tokens"][:, :3])
+    assert_close_global(padded["logits"], full["logits"][:, :3], rtol=1e-5, atol=1e-5)
+
+
+def _sampling_and_loads_rank(rank, world_size, path):
+    """tp 1 x dp 2, attention / LM-head DP 2: index_select(sampling_positions) before the LM-head gather, and the
+    bytes each graph reads of one attention weight (prefill: plain TP; decode: half of Q over the DP pair)."""
+    from modules.config import NeuronConfig
+    from modules.loading import SafetensorsCheckpoint
+    from modules.models import KVCache, ModelRunner, llama_mlp, llama_mlp_mappings
+    from modules.models.hf_layout import attention_keys
+    from modules.parallel.state import initialize_parallel_state
+    cfg = NeuronConfig(dp_size=2, attention_dp_size=2, lm_head_dp_size=2, embedding_dp_size=2,
+                       prefill_buckets=(16,), decode_buckets=(4,))
+    state = initialize_parallel_state(cfg)
+    runner = ModelRunner(TINY_LLAMA, state, llama_mlp, llama_mlp_mappings, s_max=16, dtype=torch.float32)
+    reads = {}
+    for graph in ("prefill_model", "decode_model"):
+        ckpt = SafetensorsCheckpoint(path)
+        getattr(runner, graph).load(ckpt)
+        reads[graph] = ckpt.bytes_read[attention_keys(0)["q"]]
+    ids = torch.tensor([3, 14, 15, 92]) + rank
+    positions = torch.zeros(4, dtype=torch.long)
+    everyone, _ = runner.decode_model(ids, positions, KVCache.allocate(TINY_LLAMA, 1, 4, 16, torch.float32))
+    picked, _ = runner.decode_model(ids, positions, KVCache.allocate(TINY_LLAMA, 1, 4, 16, torch.float32),
+                                    sampling_positions=torch.tensor([3, 1]))
+    return everyone, picked, reads
+
+
+def test_sampling_positions_and_disaggregated_loads(tmp_path):
+    path = str(write_checkpoint(random_dense_state(TINY_LLAMA, seed=0), tmp_path))
+    q_bytes = TINY_LLAMA.q_width * TINY_LLAMA.hidden * 4
+    for everyone, picked, reads in run_distributed(_sampling_and_loads_rank, 2, path):
+        assert torch.equal(picked, everyone[[3, 1]])
+        assert reads == {"prefill_model": q_bytes, "decode_model": q_bytes // 2}
