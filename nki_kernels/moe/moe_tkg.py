@@ -143,6 +143,14 @@ class _Cfg(nl.NKIObject):
         self.chunks = tuple((c0, min(PSUM_F, self.H - c0)) for c0 in range(0, self.H, PSUM_F))
         self.core = nl.program_id(0)
         self.ncores = nl.num_programs()
+        # PSUM: the output accumulates across experts in one bank per 512 columns when those banks fit beside
+        # the gate/up accumulators (+ the broadcast affinities); the gate/up set is double-buffered if room is left
+        banks = nl.tile_size.psum_num_banks
+        gu_banks = -(-(self.n_acc + 1) * self.GS * 4 // nl.tile_size.psum_bank_fmax_bytes)
+        self.psum_acc = len(self.chunks) + gu_banks <= banks
+        out_banks = len(self.chunks) if self.psum_acc else 2
+        self.n_gu = 2 if out_banks + 2 * gu_banks <= banks else 1
+        self.psum_ok = out_banks + gu_banks <= banks
         slot = (self.KT * 2 * self.inter + self.MT * self.H + 2 * self.inter) * self.dtype.itemsize
         fit = (nl.tile_size.sbuf_fmax_bytes - SBUF_RESERVE - self.H * 4) // slot
         self.nbuf = min(W_BUFS, fit)
@@ -151,7 +159,7 @@ class _Cfg(nl.NKIObject):
 
 def tkg_kernel_error(cfg):
     """Limits of the kernel beyond the entry's argument checks (None when in the envelope)."""
-    if cfg.MT > MAX_I_TILES:
+    if cfg.MT > MAX_I_TILES or not cfg.psum_ok:
         return (f"moe_tkg: expert intermediate size I={cfg.inter} exceeds {MAX_I_TILES * I_TILE} (its gate/up "
                 "accumulators must fit 3 PSUM banks); shard I further across ranks")
     if cfg.nbuf < W_BUFS_MIN:
@@ -175,6 +183,8 @@ class _Consts(RouterConsts):
         nisa.iota(dst=cols, pattern=[[1, P_MAX]], offset=0, channel_multiplier=0)
         self.ident = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=self.ident, data=cols, op0=nl.equal, operand0=self.part_idx)
+        self.zeros_bf = nl.ndarray((1, PSUM_F), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=self.zeros_bf, value=0.0)
 
 
 def _rmsnorm_step(cfg, consts, xT, gamma):
@@ -184,16 +194,26 @@ def _rmsnorm_step(cfg, consts, xT, gamma):
     T, KT = cfg.T, cfg.KT
     g_sb = nl.ndarray((P_MAX, KT), dtype=gamma.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=g_sb, src=gamma.reshape((P_MAX, KT)))
-    sq = nl.ndarray((P_MAX, KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=sq[:, :, :T], op=nl.square, data=xT[:, :, :T])
     ss = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.psum)
-    first = True
-    for kt in range(KT):
-        n_p = min(P_MAX, max(0, (cfg.h_actual - kt + KT - 1) // KT))   # partitions p with p * KT + kt < h_actual
-        if n_p > 0:
-            nisa.nc_matmul(dst=ss[:, :T], stationary=consts.ones_f32[:n_p, :], moving=sq[:n_p, kt, :T],
-                           accumulate=not first)
-            first = False
+    if cfg.h_actual % KT == 0:
+        # the real columns are exactly partitions p < h_actual / KT (e.g. 2880 = 120 x 24): squares written
+        # [p, t, kt] and summed over kt on VectorE, then ONE fp32 ones-matmul over those partitions
+        n_p = cfg.h_actual // KT
+        sq = nl.ndarray((P_MAX, cfg.GS, KT), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sq[:n_p, :T, :].permute((0, 2, 1)), op=nl.square, data=xT[:n_p, :, :T])
+        part = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=part[:n_p, :T], op=nl.add, data=sq[:n_p, :T, :], axis=2)
+        nisa.nc_matmul(dst=ss[:, :T], stationary=consts.ones_f32[:n_p, :], moving=part[:n_p, :T], accumulate=False)
+    else:
+        sq = nl.ndarray((P_MAX, KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sq[:, :, :T], op=nl.square, data=xT[:, :, :T])
+        first = True
+        for kt in range(KT):
+            n_p = min(P_MAX, max(0, (cfg.h_actual - kt + KT - 1) // KT))   # partitions p: p * KT + kt < h_actual
+            if n_p > 0:
+                nisa.nc_matmul(dst=ss[:, :T], stationary=consts.ones_f32[:n_p, :], moving=sq[:n_p, kt, :T],
+                               accumulate=not first)
+                first = False
     ms = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=ms[:, :T], data=ss[:, :T], op0=nl.multiply, operand0=1.0 / cfg.h_actual,
                        op1=nl.add, operand1=cfg.eps)
@@ -245,7 +265,7 @@ def _dense_step(cfg, consts, idx, aff):
         if j > 0:
             nisa.tensor_tensor(dst=dense[:T, :], data1=dense[:T, :], data2=dst[:T, :], op=nl.add)
     ps = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=ps[:E, :T], stationary=dense[:T, :], moving=consts.ident[:T, :T])
+    nisa.nc_matmul(dst=ps[:E, :T], stationary=dense[:T, :], moving=consts.ident[:T, :T], accumulate=False)
     denseT = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=denseT[:E, :T], src=ps[:E, :T])
     return dense, denseT
@@ -262,7 +282,7 @@ def _schedule_step(cfg, consts, dense, denseT):
     T, E = cfg.T, cfg.E
     S = min(E, T * cfg.k)
     cnt = nl.ndarray((1, P_MAX), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=cnt[:, :E], stationary=consts.ones_f32[:T, 0:1], moving=dense[:T, :])
+    nisa.nc_matmul(dst=cnt[:, :E], stationary=consts.ones_f32[:T, 0:1], moving=dense[:T, :], accumulate=False)
     touched = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=touched, src=cnt[:, :E])
     lst = nl.ndarray((1, E + 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -272,11 +292,11 @@ def _schedule_step(cfg, consts, dense, denseT):
     gate = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=gate, data=consts.col_idx[0:1, :S], op0=nl.less, operand0=lst_f[0:1, E:E + 1])
     bc = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=bc[:E, :S], stationary=consts.ones_f32[0:1, :E], moving=lst_f[0:1, :S])
+    nisa.nc_matmul(dst=bc[:E, :S], stationary=consts.ones_f32[0:1, :E], moving=lst_f[0:1, :S], accumulate=False)
     onehot = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=onehot[:E, :S], data=bc[:E, :S], op0=nl.equal, operand0=consts.part_idx[:E, :])
     ps = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=ps[:T, :S], stationary=denseT[:E, :T], moving=onehot[:E, :S])
+    nisa.nc_matmul(dst=ps[:T, :S], stationary=denseT[:E, :T], moving=onehot[:E, :S], accumulate=False)
     affc = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=affc[:T, :S], src=ps[:T, :S])
     experts, gates = [], []
@@ -294,43 +314,65 @@ def _schedule_step(cfg, consts, dense, denseT):
     return affc, experts, gates
 
 
-def _init_acc_step(cfg, denseT, b_down, add_bias):
-    """acc [T, H] fp32 = Σ_e dense[t, e] · b_down[e] (the down biases, scaled by the affinities as the expert
-    outputs they belong to) on the core that adds them, else 0. fp32 matmuls over E on the partitions; they run
-    while the first expert's weights load."""
+class _Acc(nl.NKIObject):
+    """The output accumulator [T, H] fp32 across experts: one PSUM bank per 512 columns when they fit beside the
+    gate/up accumulators (cfg.psum_acc: no per-expert eviction at all), else SBUF with one add per chunk and
+    expert (a PSUM bank ring)."""
+
+    def __init__(self, cfg):
+        self.psum = cfg.psum_acc
+        if self.psum:
+            self.banks = tuple(nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in cfg.chunks)
+        else:
+            self.sb = nl.ndarray((P_MAX, cfg.H), dtype=nl.float32, buffer=nl.sbuf)
+            self.ring = tuple(nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in range(2))
+            self.nd = 0
+
+
+def _init_acc_step(cfg, consts, denseT, b_down, add_bias):
+    """acc = Σ_e dense[t, e] · b_down[e] (the down biases, scaled by the affinities as the expert outputs they
+    belong to; fp32 matmuls over E on the partitions) on the core that adds them, else 0. Issued after the
+    schedule, so the bias conversion (GpSimd) and matmuls run while the first expert's weights load."""
     T, E, H = cfg.T, cfg.E, cfg.H
-    acc = nl.ndarray((P_MAX, H), dtype=nl.float32, buffer=nl.sbuf)
-    if b_down is None or not add_bias or cfg.core != 0:
-        nisa.memset(dst=acc[:T, :], value=0.0)
-        return acc
-    bd = nl.ndarray((P_MAX, H), dtype=b_down.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=bd[:E, :], src=b_down)
-    bd32 = nl.ndarray((P_MAX, H), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=bd32[:E, :], src=bd[:E, :])
-    for c0, cw in cfg.chunks:
-        ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=ps[:T, :cw], stationary=denseT[:E, :T], moving=bd32[:E, c0:c0 + cw])
-        nisa.tensor_copy(dst=acc[:T, c0:c0 + cw], src=ps[:T, :cw])
+    acc = _Acc(cfg)
+    bd32 = None
+    if b_down is not None and add_bias and cfg.core == 0:
+        bd = nl.ndarray((P_MAX, H), dtype=b_down.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=bd[:E, :], src=b_down)
+        bd32 = nl.ndarray((P_MAX, H), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=bd32[:E, :], src=bd[:E, :], engine=nisa.engine.gpsimd)
+    for i, (c0, cw) in enumerate(cfg.chunks):
+        ps = acc.banks[i] if acc.psum else acc.ring[i % 2]
+        if bd32 is not None:
+            nisa.nc_matmul(dst=ps[:T, :cw], stationary=denseT[:E, :T], moving=bd32[:E, c0:c0 + cw],
+                           accumulate=False)
+        elif acc.psum:      # open the accumulation group with zeros (a K=1 matmul)
+            nisa.nc_matmul(dst=ps[:T, :cw], stationary=consts.ones_bf[0:1, :T], moving=consts.zeros_bf[0:1, :cw],
+                           accumulate=False)
+        if not acc.psum:
+            if bd32 is not None:
+                nisa.tensor_copy(dst=acc.sb[:T, c0:c0 + cw], src=ps[:T, :cw])
+            else:
+                nisa.memset(dst=acc.sb[:T, c0:c0 + cw], value=0.0)
     return acc
 
 
 class _Ring(nl.NKIObject):
     """Buffers of the expert loop, allocated once: nbuf weight slots (the DMA of slot j + nbuf waits for slot j's
-    matmuls: the modelled prefetch depth is what is allocated), two PSUM sets of gate/up accumulators, two down
-    PSUM banks, two activation tiles and the activation temporaries."""
+    matmuls: the modelled prefetch depth is what is allocated), n_gu PSUM sets of gate/up accumulators (plus the
+    slot's broadcast affinities), two activation tiles and the activation temporaries."""
 
     def __init__(self, cfg):
         KT, I2, MT, H, GS = cfg.KT, 2 * cfg.inter, cfg.MT, cfg.H, cfg.GS
         self.wgu = tuple(nl.ndarray((P_MAX, KT, I2), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
         self.wd = tuple(nl.ndarray((P_MAX, MT, H), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
         self.bgu = tuple(nl.ndarray((1, I2), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
-        self.ps_gu = tuple(nl.ndarray((P_MAX, cfg.n_acc, GS), dtype=nl.float32, buffer=nl.psum) for _ in range(2))
-        self.ps_d = tuple(nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in range(2))
+        self.ps_gu = tuple(nl.ndarray((P_MAX, cfg.n_acc + 1, GS), dtype=nl.float32, buffer=nl.psum)
+                           for _ in range(cfg.n_gu))
         self.act = tuple(nl.ndarray((P_MAX, MT, GS), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(2))
-        self.tmp = tuple(tuple(nl.ndarray((P_MAX, GS), dtype=nl.float32, buffer=nl.sbuf) for _ in range(4))
+        self.tmp = tuple(tuple(nl.ndarray((P_MAX, GS), dtype=nl.float32, buffer=nl.sbuf) for _ in range(5))
                          for _ in range(2))
         self.n = 0      # experts issued so far (ring position)
-        self.nd = 0     # down chunks issued so far
 
 
 def _expert_src(w, e, pattern, offset, stride):
@@ -346,6 +388,8 @@ def _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up):
     elements per partition, WGU_DMAS DMAs), down [rows, MT, H] (I row m * 128 + p: rows of H contiguous elements),
     the gate/up bias row."""
     KT, I2, H, inter = cfg.KT, 2 * cfg.inter, cfg.H, cfg.inter
+    if b_gate_up is not None:
+        nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, e, [[I2, 1], [1, I2]], 0, I2))
     n = min(WGU_DMAS, KT)
     for i in range(n):
         k0, k1 = i * KT // n, (i + 1) * KT // n
@@ -355,15 +399,19 @@ def _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up):
         rows = cfg.rows[m]
         src = _expert_src(w_down, e, [[H, rows], [1, H]], m * I_TILE * H, inter * H)
         nisa.dma_copy(dst=ring.wd[b][:rows, m, :], src=src)
-    if b_gate_up is not None:
-        nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, e, [[I2, 1], [1, I2]], 0, I2))
 
 
-def _gate_up_step(cfg, consts, ring, b, hT, has_bias):
+def _gate_up_step(cfg, consts, ring, b, hT, aff_col, has_bias):
     """gate^T / up^T [rows, T] per I tile, fp32 in PSUM: weights stationary (128 H x rows of I), the tokens moving
-    (T columns), contracted over the KT H tiles; the bias is a K=1 matmul (bias row x ones) opening each group."""
+    (T columns), contracted over the KT H tiles; the bias is a K=1 matmul (bias row x ones) opening each group.
+    Group n_acc gets the slot's affinities broadcast to all partitions, aff[p, t] = aff_col[t] (a ones matmul
+    over diag(aff_col): exact in fp32)."""
     T, inter = cfg.T, cfg.inter
-    ps = ring.ps_gu[ring.n % 2]
+    ps = ring.ps_gu[ring.n % cfg.n_gu]
+    diag = ring.tmp[ring.n % 2][4]
+    nisa.tensor_scalar(dst=diag[:T, :T], data=consts.ident[:T, :T], op0=nl.multiply, operand0=aff_col)
+    nisa.nc_matmul(dst=ps[:, cfg.n_acc, :T], stationary=consts.ones_f32[:T, :], moving=diag[:T, :T],
+                   accumulate=False)
     groups = [(c, m) for c in range(2) for m in range(cfg.MT)]
     if has_bias:
         for g, (c, m) in enumerate(groups):
@@ -379,71 +427,102 @@ def _gate_up_step(cfg, consts, ring, b, hT, has_bias):
 
 
 def _activation_step(cfg, ring, ps):
-    """act^T [rows, T] (I on partitions: the down projection's contraction) in the weights' dtype.
+    """act^T [rows, T] = aff · act(gate, up) (I on partitions: the down projection's contraction), the weights'
+    dtype; fp32 until that rounding.
 
-    clamped_swiglu (GPT-OSS): g = min(gate, L); glu = g·sigmoid(α g); act = (clip(up, −L, L) + 1)·glu.
-    swiglu: act = silu(gate)·up. fp32 until the final rounding."""
+    clamped_swiglu (GPT-OSS): g = min(gate, L); act = (clip(up, −L, L) + 1) · aff · g · sigmoid(α g).
+    swiglu: act = silu(gate) · up · aff."""
     T, MT = cfg.T, cfg.MT
     act = ring.act[ring.n % 2]
-    g, sg, glu, u = ring.tmp[ring.n % 2]
+    g, sg, glu, u, _ = ring.tmp[ring.n % 2]
+    aff = ps[:, cfg.n_acc, :T]
     for m in range(MT):
         rows = cfg.rows[m]
         gate, up = ps[:rows, m, :T], ps[:rows, MT + m, :T]
         if cfg.activation == "clamped_swiglu":
             nisa.tensor_scalar(dst=g[:rows, :T], data=gate, op0=nl.minimum, operand0=GPT_OSS_SWIGLU_LIMIT)
             nisa.activation(dst=sg[:rows, :T], op=nl.sigmoid, data=g[:rows, :T], scale=GPT_OSS_SWIGLU_ALPHA)
-            nisa.tensor_tensor(dst=glu[:rows, :T], data1=g[:rows, :T], data2=sg[:rows, :T], op=nl.multiply)
+            nisa.tensor_tensor(dst=glu[:rows, :T], data1=g[:rows, :T], data2=sg[:rows, :T], op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
             nisa.tensor_scalar(dst=u[:rows, :T], data=up, op0=nl.maximum, operand0=-GPT_OSS_SWIGLU_LIMIT,
                                op1=nl.minimum, operand1=GPT_OSS_SWIGLU_LIMIT)
-            nisa.scalar_tensor_tensor(dst=act[:rows, m, :T], data=u[:rows, :T], op0=nl.add, operand0=1.0,
-                                      op1=nl.multiply, operand1=glu[:rows, :T])
+            nisa.scalar_tensor_tensor(dst=u[:rows, :T], data=u[:rows, :T], op0=nl.add, operand0=1.0,
+                                      op1=nl.multiply, operand1=aff[:rows])
+            nisa.tensor_tensor(dst=act[:rows, m, :T], data1=u[:rows, :T], data2=glu[:rows, :T], op=nl.multiply)
         else:
             nisa.activation(dst=sg[:rows, :T], op=nl.silu, data=gate)
-            nisa.tensor_tensor(dst=act[:rows, m, :T], data1=sg[:rows, :T], data2=up, op=nl.multiply)
+            nisa.tensor_tensor(dst=u[:rows, :T], data1=sg[:rows, :T], data2=up, op=nl.multiply)
+            nisa.tensor_tensor(dst=act[:rows, m, :T], data1=u[:rows, :T], data2=aff[:rows], op=nl.multiply)
     return act
 
 
-def _down_step(cfg, ring, b, act, aff_col, acc):
-    """acc[:, chunk] += aff_col · (act @ W_down)[:, chunk]: the tokens' activations stationary (M = T), the down
-    rows moving (512 H columns per PSUM bank), contracted over the I tiles; the affinity scales the fp32 result
-    after the projection (per-partition scalar: tokens are on the partitions)."""
+def _down_step(cfg, ring, b, act, acc):
+    """acc[:, chunk] += act @ W_down (the affinity is already in act): the tokens' activations stationary (M = T),
+    the down rows moving (512 H columns per PSUM bank), contracted over the I tiles (tile m as soon as its rows
+    arrived). PSUM accumulator: straight into the bank; SBUF accumulator: a ring bank, then one add."""
     T = cfg.T
+    if acc.psum:
+        for m in range(cfg.MT):
+            rows = cfg.rows[m]
+            for i, (c0, cw) in enumerate(cfg.chunks):
+                nisa.nc_matmul(dst=acc.banks[i][:T, :cw], stationary=act[:rows, m, :T],
+                               moving=ring.wd[b][:rows, m, c0:c0 + cw], accumulate=True)
+        return
     for c0, cw in cfg.chunks:
-        pd = ring.ps_d[ring.nd % 2]
-        ring.nd += 1
+        pd = acc.ring[acc.nd % 2]
+        acc.nd += 1
         for m in range(cfg.MT):
             rows = cfg.rows[m]
             nisa.nc_matmul(dst=pd[:T, :cw], stationary=act[:rows, m, :T], moving=ring.wd[b][:rows, m, c0:c0 + cw],
                            accumulate=m > 0)
-        nisa.scalar_tensor_tensor(dst=acc[:T, c0:c0 + cw], data=pd[:T, :cw], op0=nl.multiply, operand0=aff_col,
-                                  op1=nl.add, operand1=acc[:T, c0:c0 + cw])
+        nisa.tensor_tensor(dst=acc.sb[:T, c0:c0 + cw], data1=pd[:T, :cw], data2=acc.sb[:T, c0:c0 + cw], op=nl.add)
 
 
 def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_gate_up):
-    """One expert on all T tokens: load (slot n % nbuf), gate/up, activation, down + affinity-scaled accumulate."""
+    """One expert on all T tokens: load (slot n % nbuf), gate/up, activation (× affinity), down into acc."""
     b = ring.n % cfg.nbuf
     _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up)
-    ps = _gate_up_step(cfg, consts, ring, b, hT, b_gate_up is not None)
+    ps = _gate_up_step(cfg, consts, ring, b, hT, aff_col, b_gate_up is not None)
     act = _activation_step(cfg, ring, ps)
-    _down_step(cfg, ring, b, act, aff_col, acc)
+    _down_step(cfg, ring, b, act, acc)
     ring.n += 1
+
+
+def _evict(i, dst, src):
+    """PSUM -> SBUF copy, alternating VectorE and ScalarE so that evictions of independent banks overlap."""
+    if i % 2 == 0:
+        nisa.tensor_copy(dst=dst, src=src)
+    else:
+        nisa.activation(dst=dst, op=nl.copy, data=src)
 
 
 def _store_out_step(cfg, acc, out):
     """out [T, H] (input dtype) = acc; LNC=2: each core sends the other core's H half of its partial sum, adds the
     half it receives to its own and stores that half."""
     T, H = cfg.T, cfg.H
+    if cfg.ncores == 1 and acc.psum:
+        o = nl.ndarray((P_MAX, H), dtype=out.dtype, buffer=nl.sbuf)
+        for i, (c0, cw) in enumerate(cfg.chunks):
+            _evict(i, o[:T, c0:c0 + cw], acc.banks[i][:T, :cw])
+        nisa.dma_copy(dst=out, src=o[:T, :])
+        return
+    if acc.psum:
+        full = nl.ndarray((P_MAX, H), dtype=nl.float32, buffer=nl.sbuf)
+        for i, (c0, cw) in enumerate(cfg.chunks):
+            _evict(i, full[:T, c0:c0 + cw], acc.banks[i][:T, :cw])
+    else:
+        full = acc.sb
     lo, hi = 0, H
-    total = acc
+    total = full
     if cfg.ncores > 1:
         half = H // 2
         lo, hi = cfg.core * half, (cfg.core + 1) * half
         olo = (1 - cfg.core) * half
         other = nl.ndarray((P_MAX, half), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.sendrecv(src=acc[:T, olo:olo + half], dst=other[:T, :], send_to_rank=1 - cfg.core,
+        nisa.sendrecv(src=full[:T, olo:olo + half], dst=other[:T, :], send_to_rank=1 - cfg.core,
                       recv_from_rank=1 - cfg.core, pipe_id=1)
         total = nl.ndarray((P_MAX, H), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=total[:T, lo:hi], data1=acc[:T, lo:hi], data2=other[:T, :], op=nl.add)
+        nisa.tensor_tensor(dst=total[:T, lo:hi], data1=full[:T, lo:hi], data2=other[:T, :], op=nl.add)
     o = nl.ndarray((P_MAX, H), dtype=out.dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=o[:T, lo:hi], src=total[:T, lo:hi])
     nisa.dma_copy(dst=out[:, lo:hi], src=o[:T, lo:hi])
@@ -481,8 +560,11 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
         - Selective mode: the touched experts are compacted on-chip (nonzero_with_count) and slot s loads expert
           list[s] through register-addressed DMAs; a slot beyond the count is skipped by a runtime trip count.
         - Weight slots form a ring of nbuf (<= 3) so the next experts' DMAs overlap the current expert's compute.
-        - Affinities scale the fp32 down-projection output (after it); the down biases are Σ_e a[t, e] b_down[e],
-          one fp32 matmul over E issued before the experts.
+        - Affinity scaling is POST_SCALE (it multiplies the expert's whole output, down bias included), applied
+          through linearity: a · (act @ W_down) = (a · act) @ W_down, so the fp32 activation columns are scaled
+          before their bf16 rounding and every expert's down projection accumulates in the same PSUM banks (no
+          per-expert eviction); the down biases are Σ_e a[t, e] b_down[e], one fp32 matmul over E that opens
+          those banks. (The nonlinearity sees unscaled gate/up: this is not PRE_SCALE.)
         - LNC=2: the cores take alternate experts (slots), each expert's weights are read by one core only; the
           router's H tiles are split (partial logits exchanged); the partial outputs are exchanged by H halves.
           x and gamma are read by both cores.
@@ -490,10 +572,10 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
     Pseudocode:
         hT = transpose(x) ; if gamma: hT = rmsnorm(hT)
         logits = hT^T W_r + b_r ; idx, aff = topk(logits) ; dense[t, e] = aff of e for t (0 if not chosen)
-        acc = dense @ b_down
+        acc (PSUM) = dense @ b_down
         for e in (touched experts | all experts):
-            gu^T = W_gu[e]^T hT (+ b_gu[e]) ; act^T = act(gate^T, up^T)
-            acc += dense[:, e] * (act @ W_down[e])
+            gu^T = W_gu[e]^T hT (+ b_gu[e]) ; act^T = dense[:, e]^T * act(gate^T, up^T)
+            acc += act @ W_down[e]
         out = acc
     """
     cfg = _Cfg(x, w_gate_up, w_router, top_k, hidden_actual, activation, expert_mode)
@@ -520,15 +602,14 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
     if gamma is not None:
         hT = _rmsnorm_step(cfg, consts, hT, gamma)
     idx, aff = _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize)
-    if cfg.core == 0:
-        store_routing_step(idx, aff, T, top_k, index_out, aff_out)
     dense, denseT = _dense_step(cfg, consts, idx, aff)
-    acc = _init_acc_step(cfg, denseT, b_down, add_down_bias)
     if cfg.mode == "all":
+        acc = _init_acc_step(cfg, consts, denseT, b_down, add_down_bias)
         for e in range(cfg.core, cfg.E, cfg.ncores):
             _expert_step(cfg, consts, ring, e, dense[:T, e:e + 1], hT, acc, w_gate_up, w_down, b_gate_up)
     else:
         affc, experts, gates = _schedule_step(cfg, consts, dense, denseT)
+        acc = _init_acc_step(cfg, consts, denseT, b_down, add_down_bias)
         for s in range(len(experts)):
             if experts[s] is None:
                 continue
@@ -539,6 +620,8 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
 
             nl.fori_loop(0, gates[s], body)
     _store_out_step(cfg, acc, out)
+    if cfg.core == 0:
+        store_routing_step(idx, aff, T, top_k, index_out, aff_out)
     return out, index_out, aff_out
 
 

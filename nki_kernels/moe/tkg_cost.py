@@ -8,19 +8,23 @@ DMA can start before the router has chosen (its DMAs are addressed by registers 
 all-expert stream starts at the first instruction and hides the router under the first expert's load. So
 
     t_all       = E · t_w
-    t_selective = t_route + n̄ · t_w
+    t_selective = t_route + n̄ · (t_w + t_slot)
     n̄           = E · (1 − (1 − 1/E)^(T·k))   (expected touched experts, k·T independent uniform picks; ≤ min(E, T·k))
     t_w         = expert bytes / the core's memory roof (hw.core.memory_bytes_per_s, nkisim.hardware)
 
 and "auto" picks selective iff t_selective < t_all. t_route is the kernel's modelled routing prologue (RMSNorm,
-router, top-k, schedule, first register-addressed DMA issue) as a fraction of nothing else: ROUTE_LATENCY_S below,
-read off the kernel's modelled timeline at T=1 (bench/test_moe_tkg.py prints it; re-measure when the prologue
-changes). Uniform routing is an assumption of the rule only; the kernel is correct for any routing.
+router, top-k, schedule, first register-addressed DMA issue) and t_slot what a register-addressed slot costs beyond
+its bytes (control dependencies on the registers shorten the overlap of one expert's compute with the next one's
+loads): ROUTE_LATENCY_S and SLOT_OVERHEAD_S below, read off the kernel's modelled timelines on GPT-OSS-20B TP=8
+(selective vs all at T = 128, where both stream all 32 experts: (660.5 - 633.4) us / 32 on trn2; re-measure with
+bench/test_moe_tkg.py when the kernel changes). Uniform routing is an assumption of the rule only; the kernel is
+correct for any routing.
 """
 
 from nkisim.hardware import hardware
 
-ROUTE_LATENCY_S = 8e-6     # modelled routing prologue at GPT-OSS rank shapes (trn2: ~7 us, trn3: ~6 us; bench)
+ROUTE_LATENCY_S = 8e-6     # modelled routing prologue at GPT-OSS rank shapes (trn2 ~7 us, trn3 ~6 us)
+SLOT_OVERHEAD_S = 0.85e-6  # modelled extra time per register-addressed expert slot (trn2)
 
 
 def expected_touched(T, E, k):
@@ -36,7 +40,7 @@ def expert_bytes(H, inter, itemsize=2):
 def mode_costs(T, E, k, H, inter, target="trn2"):
     """(t_selective, t_all) modelled seconds of the expert phase under the rule above."""
     t_w = expert_bytes(H, inter) / hardware(target).core.memory_bytes_per_s
-    return ROUTE_LATENCY_S + expected_touched(T, E, k) * t_w, E * t_w
+    return ROUTE_LATENCY_S + expected_touched(T, E, k) * (t_w + SLOT_OVERHEAD_S), E * t_w
 
 
 def choose_expert_mode(T, E, k, H, inter, target="trn2"):

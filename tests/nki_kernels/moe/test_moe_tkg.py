@@ -113,3 +113,14 @@ SMALL = dict(H=512, E=8, top_k=2, inter=200, hidden_actual=None)
 @pytest.mark.parametrize("mode", ["selective", "all"])
 def test_variants(over, mode):
     run_and_check(6, SMALL, mode, **over)
+
+
+def test_expert_mode_rule():
+    """Selective while the expected touched experts (plus the routing on its critical path) cost less than E."""
+    from nki_kernels.moe.tkg_cost import choose_expert_mode, expected_touched
+    s20 = dict(E=32, k=4, H=3072, inter=360)
+    assert [choose_expert_mode(T, **s20) for T in (1, 4, 8, 32, 128)] == ["selective"] * 3 + ["all"] * 2
+    assert choose_expert_mode(32, E=128, k=4, H=3072, inter=180) == "selective"
+    assert choose_expert_mode(128, E=128, k=4, H=3072, inter=180) == "all"
+    assert expected_touched(1, 32, 4) == pytest.approx(32 * (1 - (31 / 32) ** 4))
+    assert expected_touched(128, 32, 4) <= 32
