@@ -11,6 +11,8 @@ Prefill (sequence parallel), input [T/tp, H] on each rank — collectives, in or
     CTE on all T tokens → partial [T, Hp]
     reduce_scatter(dim 0) → [T/tp, Hp]                 (sums the TP partials and returns to the SP layout)
 Decode, input [T, H] on every rank: TKG (fused RMSNorm + router + experts) → partial [T, Hp]; all_reduce.
+Every rank must pass the same T/tp in prefill (the seed's SP constraint: the scheduler pads T to a bucket divisible by
+tp); the layer cannot see the other ranks' counts without a collective, and a mismatched all-gather aborts the group.
 
 The dense affinities carry UNSELECTED (−1) for experts a token does not use. Selected affinities are
 probabilities (≥ 0, possibly 0 after underflow), so top-k of the gathered rows recovers exactly each token's
@@ -105,6 +107,8 @@ class MoELayer(nn.Module):
         return torch.cat([x, x.new_zeros(x.shape[0], s.hidden_padded - s.hidden)], dim=1)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Prefill's RMSNorm, on the local SP chunk (per token, so before the gather: tp× less work). The CTE kernel has
+        # no fused norm; this is the torch reference's math, the same as the TKG kernel's fused norm.
         if self.gamma is None:
             return x
         return rmsnorm_torch(x, self.gamma, self.norm_eps, self.shape.hidden).to(x.dtype)
