@@ -11,8 +11,8 @@ O-projection -- from HBM to HBM. Its key loops depend on the bounds (runtime reg
 numerics (a trace-only run cannot know the trip counts).
 "% of TensorE peak" = the useful FLOPs (nki_kernels/vision/work.py: projections + attention over each image's own key
 pairs) / (modelled latency x bf16 peak) = the report's MFU. Issue 14's target (>= 55% for one image filling a block
-of >= 2048) is recorded per row (`modelled_meets_55pct_target`); it is asserted only where met (it is not met: see
-nki_kernels/vision/DESIGN.md, "Performance").
+of >= 2048) is recorded per row (`modelled_meets_55pct_target`) and asserted where it is met, on trn3 (57.9% at 2048,
+56.8% at 4096); on trn2 it is not met (53.1% / 49.8%: nki_kernels/vision/DESIGN.md, "Performance").
 
 nki-library (NKILIB_SRC; skipped with the reason otherwise; bench/peers/nkilib_vision.py): `attention_cte` with
 sequence packing on the same bounds (attention only: Q, K, V in, O out), and the library pipeline for the same block
@@ -79,6 +79,8 @@ def test_vision_attention_modelled(benchmark, S, mix, target):
     rep = benchmark.pedantic(ours, args=(S, mix, target), rounds=1, iterations=1)
     meets = rep.mfu >= TARGET_MFU if (mix == "1-image" and S >= 2048) else None
     _record(benchmark, rep, S, mix, 1, modelled_meets_55pct_target=meets)
+    if meets is not None and target == "trn3":      # met on trn3 (57.9% / 56.8%): kept; not met on trn2
+        assert meets, f"{100 * rep.mfu:.1f}% of TensorE peak < {100 * TARGET_MFU:.0f}%"
     assert rep.latency_s >= rep.roofline_s * 0.999     # a modelled latency never beats its own roofline
     assert rep.flops_issued >= rep.flops * 0.999        # the declared useful work is work the kernel issued
 
