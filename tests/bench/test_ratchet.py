@@ -92,3 +92,32 @@ def test_committed_baseline_is_small_and_well_formed():
     rows = ratchet.load_baseline()
     assert rows and ratchet.BASELINE.stat().st_size < 64_000
     assert all(k.startswith("bench/") and "::" in k and r["latency_s"] > 0 for k, r in rows.items())
+
+
+def test_bench_session_fails_on_a_regression(tmp_path):
+    """End to end through bench/conftest.py: one real modelled kernel row against a baseline 10% faster fails the
+    pytest session; against the committed baseline it passes."""
+    import os
+    import subprocess
+    import sys
+
+    root = ratchet.BASELINE.parents[1]
+    key = "bench/test_cost_model.py::test_profile_cost_model[stream_copy_512x1024_fp32-trn2]"
+    doc = json.loads(ratchet.BASELINE.read_text())
+    assert key in doc["rows"]
+    doc["rows"][key]["latency_s"] *= 0.9
+    tampered = tmp_path / "baseline.json"
+    tampered.write_text(json.dumps(doc))
+
+    def run(baseline):
+        return subprocess.run([sys.executable, "-m", "pytest", key, "--benchmark-only", "-q", "-p", "no:cacheprovider",
+                               "--no-bench-report", "--benchmark-min-rounds=1", "--benchmark-max-time=0.000001",
+                               "--ratchet-baseline", str(baseline)], cwd=root, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+
+    bad = run(tampered)
+    assert bad.returncode == 1, bad.stdout[-2000:]
+    assert "REGRESSED (fails)" in bad.stdout and key in bad.stdout
+    good = run(ratchet.BASELINE)
+    assert good.returncode == 0, good.stdout[-2000:]
+    assert "1 unchanged" in good.stdout
