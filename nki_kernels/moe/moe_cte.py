@@ -20,7 +20,8 @@ PSUM_F = nl.tile_size.psum_bank_fmax   # fp32 elements per PSUM bank: the widest
 TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
 DOWN_BANKS = 3         # PSUM banks the down projection rotates through (evictions overlap the next chunk's matmuls)
 W_GU_DMAS = 4          # the gate/up weights of one expert arrive in this many DMAs (matmuls start on the first)
-SCHED_FIELDS = 4       # per scheduled expert: expert id, first row, 128-row tiles, weights-needed flag (0/1)
+# per scheduled expert: expert id, first row, pairs of 128-row tiles, odd last tile (0/1), weights-needed flag (0/1)
+SCHED_FIELDS = 5
 SBUF_RESERVE = 8 * 1024    # bytes per partition left for the small tiles (ids, affinities, schedule, constants)
 DGE = nisa.dge_mode.swdge   # indirect (vector_offset) DMAs are software-DGE transfers
 
@@ -32,7 +33,14 @@ class _Config(nl.NKIObject):
         self.T, self.H, self.E, self.I, self.rows, self.sched_len = T, H, E, inter, rows, sched_len
         self.dtype, self.activation, self.bias_gu, self.bias_d, self.n_cores = (dtype, activation, bias_gu, bias_d,
                                                                                 n_cores)
-        self.KT = H // P_MAX                   # gate/up contraction tiles (H index p * KT + kt on partition p)
+        self.KT = H // P_MAX                   # gate/up contraction tiles
+        # x^T by DMA gather-transposes (trn3) or by TensorE transposes of the gathered rows (trn2). trn3 has 1.7x
+        # trn2's HBM share per core at the same TensorE rate, so there the DMA queues have room for the transposes
+        # and TensorE is the bound; on trn2 it is the other way round. The H order of a contraction tile follows:
+        # DMA transposes read natural tiles (H index kt * 128 + p on partition p; contiguous 256 B per element
+        # row), TensorE transposes strided column sets (H index p * KT + kt, so each partition's weight rows are
+        # one contiguous run: longer weight DMAs).
+        self.dma_transpose = nisa.get_nc_version() >= nisa.nc_version.gen4
         # down contraction: I rows, plus one row of ones (activations) / b_down (weights) when the bias is added,
         # so the bias is a free extra contraction row instead of a separate matmul
         self.I_aug = inter + (1 if bias_d else 0)
@@ -64,12 +72,12 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         x ([T, H] @ HBM): hidden states (bf16).
         w_gate_up ([E, H, 2, I] @ HBM): gate (index 0) and up (index 1) projections.
         w_down ([E, I, H] @ HBM): down projection.
-        gather_ids ([R, 1] int32 @ HBM): token of each mapping row; padding rows name any valid token.
+        gather_ids ([R, 1] uint32 @ HBM): token of each mapping row; padding rows name any valid token.
         scatter_ids ([R, 1] int32 @ HBM): token of each mapping row, -1 for padding (its output is dropped).
         row_affinity ([R, 1] fp32 @ HBM): affinity of each mapping row, 0 for padding.
-        schedule ([n_cores, 1 + 4 S] int32 @ HBM): per core: the number of expert pairs it serves, then S (even)
-            entries (expert id, first row, 128-row tiles, load flag); the entries past a core's experts have
-            0 tiles and flag 0.
+        schedule ([n_cores, 1 + 5 S] int32 @ HBM): per core: the number of expert pairs it serves, then S (even)
+            entries (expert id, first row, pairs of 128-row tiles, odd last tile 0/1, load flag 0/1); the entries
+            past a core's experts have no tiles and flag 0.
         b_gate_up ([E, 2, I] @ HBM): optional gate/up bias.
         b_down ([E, H] @ HBM): optional down bias (pass None on the TP ranks that must not add it).
         activation (str): "clamped_swiglu" (GPT-OSS) or "swiglu".
@@ -87,6 +95,7 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
           cores add the two partials (half the rows each) into out.
         - Orientation: gate/up with the gathered tokens' x^T [128 (H), 128 (tokens)] stationary and the weights
           moving (the I columns stream, no I padding); the down projection with act^T stationary.
+        - x^T: DMA gather-transposes on trn3, TensorE transposes on trn2 (see _Config).
 
     Pseudocode:
         out = 0
@@ -107,13 +116,15 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         acc, acc_off = part.reshape((cfg.n_cores * cfg.T, cfg.H)), core * cfg.T * cfg.H
     _zero_rows(cfg, acc if cfg.n_cores == 1 else part[core], 0, cfg.T)
     sched = _load_schedule(cfg, schedule, core)
-    slots = [_Slot(cfg) for _ in range(2)]
+    weights = [_Weights(cfg) for _ in range(2)]
+    tiles = [_Tiles(cfg) for _ in range(2)]
     psum = _Psum(cfg)
 
     def pair(p):
         for s in range(2):
-            _serve_expert(cfg, slots[s], psum, sched, p * (2 * SCHED_FIELDS) + s * SCHED_FIELDS + 1, x, w_gate_up,
-                          w_down, b_gate_up, b_down, gather_ids, scatter_ids, row_affinity, acc, acc_off)
+            base = p * (2 * SCHED_FIELDS) + s * SCHED_FIELDS + 1
+            _serve_expert(cfg, [_Slot(weights[s], t) for t in tiles], psum, sched, base, x, w_gate_up, w_down,
+                          b_gate_up, b_down, gather_ids, scatter_ids, row_affinity, acc, acc_off)
 
     n_pairs = nisa.scalar_load(sched[0:1, 0:1])
     nl.fori_loop(0, n_pairs, pair)
@@ -148,7 +159,7 @@ def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity
     n_cores = nl.num_programs()
     assert len(schedule.shape) == 2 and schedule.shape[0] == n_cores and (schedule.shape[1] - 1) % (
         2 * SCHED_FIELDS) == 0, \
-        f"schedule must be [n_cores={n_cores}, 1 + 8 p], got shape {tuple(schedule.shape)}"
+        f"schedule must be [n_cores={n_cores}, 1 + {2 * SCHED_FIELDS} p], got shape {tuple(schedule.shape)}"
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down), ("b_gate_up", b_gate_up), ("b_down", b_down)):
         assert w is None or w.dtype == x.dtype, f"{name} dtype {w.dtype} must equal x's ({x.dtype})"
     cfg = _Config(T, H, E, inter, R, schedule.shape[1], x.dtype, activation, b_gate_up is not None,
@@ -162,18 +173,26 @@ def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity
     return cfg
 
 
-class _Slot(nl.NKIObject):
-    """One expert's resident weights and one token tile's working buffers (two slots: two experts in flight)."""
+class _Weights(nl.NKIObject):
+    """One expert's resident weights (two of them: the next expert's load while this one computes)."""
 
     def __init__(self, cfg):
         dt, KT, KD, H, inter = cfg.dtype, cfg.KT, cfg.KD, cfg.H, cfg.I
         self.wgu = nl.ndarray((P_MAX, KT, 2 * inter), dtype=dt, buffer=nl.sbuf)
         self.wd = nl.ndarray((P_MAX, KD, H), dtype=dt, buffer=nl.sbuf)
         self.bgu = nl.ndarray((P_MAX, 2 * inter), dtype=dt, buffer=nl.sbuf) if cfg.bias_gu else None
-        self.gid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+
+
+class _Tiles(nl.NKIObject):
+    """One token tile's working buffers (two sets, alternating tile by tile: the next tile's rows arrive and its
+    gate/up runs while this tile's activation and down projection finish)."""
+
+    def __init__(self, cfg):
+        dt, KT, KD, H, inter = cfg.dtype, cfg.KT, cfg.KD, cfg.H, cfg.I
+        self.gid = nl.ndarray((P_MAX, 1), dtype=nl.uint32, buffer=nl.sbuf)
         self.sid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.aff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        self.xt = nl.ndarray((P_MAX, H), dtype=dt, buffer=nl.sbuf)
+        self.xt = None if cfg.dma_transpose else nl.ndarray((P_MAX, H), dtype=dt, buffer=nl.sbuf)
         self.xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=dt, buffer=nl.sbuf)
         cw = min(inter, cfg.I_CH)
         self.g = nl.ndarray((P_MAX, cw), dtype=nl.float32, buffer=nl.sbuf)
@@ -184,6 +203,15 @@ class _Slot(nl.NKIObject):
         self.y = nl.ndarray((P_MAX, H), dtype=dt, buffer=nl.sbuf)
         if cfg.bias_d:   # column I of the activations is the constant input of the down-bias row, set once
             nisa.memset(dst=self.a[:, inter:inter + 1], value=1.0)
+
+
+class _Slot(nl.NKIObject):
+    """The weights and the tile buffers one token tile uses (views, no memory of its own)."""
+
+    def __init__(self, w, t):
+        self.wgu, self.wd, self.bgu = w.wgu, w.wd, w.bgu
+        self.gid, self.sid, self.aff, self.xt, self.xT = t.gid, t.sid, t.aff, t.xt, t.xT
+        self.g, self.u, self.s, self.a, self.aT, self.y = t.g, t.u, t.s, t.a, t.aT, t.y
 
 
 class _Psum(nl.NKIObject):
@@ -220,32 +248,43 @@ def _field(cfg, sched, base, k):
     return nisa.scalar_load(sched.ap([[cfg.sched_len, 1], [1, 1]], offset=k, scalar_offset=base, indirect_dim=1))
 
 
-def _serve_expert(cfg, slot, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids,
+def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids,
                   row_affinity, acc, acc_off):
-    """One scheduled expert: its weights into the slot (if it has rows), then each of its 128-row tiles."""
+    """One scheduled expert: its weights (if it has rows), then its 128-row tiles, two at a time (alternate tile
+    buffers), and an odd last one."""
     e = _field(cfg, sched, base, 0)
     row0 = _field(cfg, sched, base, 1)
-    n_tiles = _field(cfg, sched, base, 2)
-    load = _field(cfg, sched, base, 3)
-    nl.fori_loop(0, load, lambda _: _load_weights(cfg, slot, e, w_gate_up, w_down, b_gate_up, b_down))
+    n_pairs = _field(cfg, sched, base, 2)
+    odd = _field(cfg, sched, base, 3)
+    load = _field(cfg, sched, base, 4)
+    nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], e, w_gate_up, w_down, b_gate_up, b_down))
 
-    def tile(t):
-        _token_tile(cfg, slot, psum, row0 + t * P_MAX, x, gather_ids, scatter_ids, row_affinity, acc, acc_off)
+    def tile(slot, row):
+        _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc, acc_off)
 
-    nl.fori_loop(0, n_tiles, tile)
+    def two(i):
+        tile(slots[0], row0 + i * (2 * P_MAX))
+        tile(slots[1], row0 + i * (2 * P_MAX) + P_MAX)
+
+    nl.fori_loop(0, n_pairs, two)
+    nl.fori_loop(0, odd, lambda _: tile(slots[0], row0 + n_pairs * (2 * P_MAX)))
 
 
 def _load_weights(cfg, slot, e, w_gate_up, w_down, b_gate_up, b_down):
-    """Expert e's weights → the slot. Gate/up: partition p holds H rows p*KT .. p*KT + KT - 1 (one contiguous run per
-    partition); down: partition p of tile k holds I row k*128 + p; b_down is row I of the down weights."""
+    """Expert e's weights → the slot. Gate/up in the contraction tiles' H order (_Config.dma_transpose); down:
+    partition p of tile k holds I row k*128 + p; b_down is row I of the down weights."""
     KT, inter, H = cfg.KT, cfg.I, cfg.H
     row = 2 * inter
     step = (KT + W_GU_DMAS - 1) // W_GU_DMAS
     for k0 in range(0, KT, step):
         k1 = min(KT, k0 + step)
-        nisa.dma_copy(dst=slot.wgu[:, k0:k1, :],
-                      src=w_gate_up.ap([[KT * row, P_MAX], [1, (k1 - k0) * row]], offset=k0 * row, scalar_offset=e,
-                                       indirect_dim=0))
+        if cfg.dma_transpose:      # natural tiles: H row kt * 128 + p
+            src = w_gate_up.ap([[row, P_MAX], [P_MAX * row, k1 - k0], [1, row]], offset=k0 * P_MAX * row,
+                               scalar_offset=e, indirect_dim=0)
+        else:                      # H row p * KT + kt: one contiguous run per partition
+            src = w_gate_up.ap([[KT * row, P_MAX], [1, (k1 - k0) * row]], offset=k0 * row, scalar_offset=e,
+                               indirect_dim=0)
+        nisa.dma_copy(dst=slot.wgu[:, k0:k1, :], src=src)
     full = inter // P_MAX
     if full:
         nisa.dma_copy(dst=slot.wd[:, 0:full, :],
@@ -267,7 +306,8 @@ def _load_weights(cfg, slot, e, w_gate_up, w_down, b_gate_up, b_down):
 def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc, acc_off):
     """One 128-row tile of an expert's rows: gather, gate/up, activation, down, scale, scatter-add."""
     _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity)
-    _transpose_x(cfg, slot, psum)
+    if not cfg.dma_transpose:
+        _transpose_x(cfg, slot, psum)
     for c in range(cfg.n_ich):
         _gate_up_step(cfg, slot, psum, c)
         _activation_step(cfg, slot, psum, c)
@@ -283,8 +323,13 @@ def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity):
     nisa.dma_copy(dst=slot.gid, src=gather_ids[nl.ds(row, P_MAX), :])
     nisa.dma_copy(dst=slot.sid, src=scatter_ids[nl.ds(row, P_MAX), :])
     nisa.dma_copy(dst=slot.aff, src=row_affinity[nl.ds(row, P_MAX), :])
-    nisa.dma_copy(dst=slot.xt, src=x.ap([[cfg.H, P_MAX], [1, cfg.H]], offset=0, vector_offset=slot.gid),
-                  dge_mode=DGE)
+    if cfg.dma_transpose:
+        # xT[p, kt, j] = x[ids[j], kt * 128 + p]: one gather-transpose of the tile's rows
+        nisa.dma_transpose(dst=slot.xT, src=x.ap([[cfg.H, P_MAX], [P_MAX, cfg.KT], [1, P_MAX]], offset=0,
+                                                  vector_offset=slot.gid), dge_mode=DGE)
+    else:
+        nisa.dma_copy(dst=slot.xt, src=x.ap([[cfg.H, P_MAX], [1, cfg.H]], offset=0, vector_offset=slot.gid),
+                      dge_mode=DGE)
 
 
 def _evict(i, dst, src):
@@ -400,13 +445,14 @@ def kernel_inputs(expert_index, affinities, num_experts, block_size, n_cores=1):
     aff = np.asarray(affinities.float().cpu() if hasattr(affinities, "cpu") else affinities, np.float32).reshape(-1)
     slot = m.token_position_to_slot
     row_aff = np.where(slot >= 0, aff[np.maximum(slot, 0)], 0.0).astype(np.float32)
-    gather = np.where(ids >= 0, ids, 0).astype(np.int32)
+    gather = np.where(ids >= 0, ids, 0).astype(np.uint32)
     sched = expert_schedule(m, n_cores)
     return m, gather[:, None], ids[:, None].astype(np.int32), row_aff[:, None], sched
 
 
 def expert_schedule(m, n_cores=1):
-    """[n_cores, 1 + 4 S] int32: each core's expert pairs and its (expert, first row, tiles, load) entries. Experts
+    """[n_cores, 1 + 5 S] int32: each core's expert pairs and its (expert, first row, tile pairs, odd tile, load)
+    entries. Experts
     go to the core with fewer tiles so far, largest first (LPT), then each core serves its experts in id order."""
     n = m.num_active
     tiles = -(-m.tokens_per_expert[m.active_experts[:n]] // P_MAX_HOST)
@@ -423,7 +469,8 @@ def expert_schedule(m, n_cores=1):
         js = sorted(js)
         out[c, 0] = (len(js) + 1) // 2
         for i, j in enumerate(js):
-            out[c, 1 + SCHED_FIELDS * i:1 + SCHED_FIELDS * (i + 1)] = (m.active_experts[j], firsts[j], tiles[j], 1)
+            out[c, 1 + SCHED_FIELDS * i:1 + SCHED_FIELDS * (i + 1)] = (m.active_experts[j], firsts[j], tiles[j] // 2,
+                                                                       tiles[j] % 2, 1)
     return out
 
 

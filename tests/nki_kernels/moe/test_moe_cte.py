@@ -140,3 +140,15 @@ def test_kernel_gpt_oss_120b_tp16(T, lnc, skew):
 def _rank(shard):
     return dict(H=shard["H"], E=shard["E"], inter=shard["inter"], k=shard["top_k"],
                 hidden_actual=shard["hidden_actual"])
+
+
+@pytest.mark.parametrize("T,lnc,skew,bias", [(200, 1, None, True), (300, 2, "one", False), (129, 1, "half", True)])
+def test_kernel_trn3_dma_transposes(T, lnc, skew, bias, monkeypatch):
+    """trn3 takes x^T from DMA gather-transposes (natural H tiles for x and the gate/up weights)."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    run_and_check(T, 256, 8, 96, 3, lnc=lnc, skew=skew, biases=bias, block_size=128)
+
+
+def test_kernel_trn3_gpt_oss_20b_tp8(monkeypatch):
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    run_and_check(512, lnc=2, **_rank(GPT_OSS_20B_TP8))
