@@ -122,10 +122,16 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         # of the O-projection's H columns. Core 0 alone writes the cache.
         b_lo, b_hi = 0, cfg.B
         _split_context(cfg, nl.program_id(0))
+    elif n_prog > 1 and _can_split_weights(cfg):
+        # Batch split without reading a weight twice: each core loads half of W_qkv's rows and half of W_o's
+        # columns; QKV partial sums (all tokens) and the attention outputs o^T (each core's sequences) are
+        # exchanged with sendrecv. Core 0 alone writes the cache.
+        _split_weights(cfg, nl.program_id(0))
     if b_lo < b_hi:
         # DMA instructions issue in program order: small inputs first, then W_qkv, every K/V load of the attention,
         # W_o (its arrival paces the O-projection), and the stores last, so no load waits behind a store.
-        tiles = _token_tiles(cfg, b_lo, b_hi)
+        # With split weights every phase but the attention covers all tokens (one token tile).
+        tiles = _token_tiles(cfg, 0, cfg.B) if cfg.wsplit else _token_tiles(cfg, b_lo, b_hi)
         ins = _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles)
         rows = _paged_rows(cfg, position_ids, block_table, tiles)
         starts = _window_starts(cfg, position_ids, b_lo, b_hi)
@@ -138,6 +144,8 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         qkT = _transpose_qk(cfg, qkv, tiles)
         oT, wo = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles,
                                          b_lo, b_hi, W_o, block_ids, starts)
+        if cfg.wsplit and not cfg.split:
+            _exchange_oT(cfg, oT[0], b_lo, b_hi, per_core)
         if cfg.core == 0:
             _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, rows)
         _output_projection(cfg, consts, oT, wo, ins.bias_o, out, tiles)
@@ -150,9 +158,37 @@ def _split_context(cfg, core):
     mid = cfg.scan // cfg.unit // 2 * cfg.unit
     n_c = cfg.H // P_MAX
     half = (n_c + 1) // 2
-    cfg.split, cfg.core = True, core
+    cfg.split, cfg.wsplit, cfg.core = True, True, core
     cfg.lo, cfg.hi = (0, mid) if core == 0 else (mid, cfg.scan)
     cfg.hc = (0, half) if core == 0 else (half, n_c)
+
+
+def _split_weights(cfg, core):
+    """LNC=2 batch split with the weights split between the cores: this core loads W_qkv rows of half of the
+    H/128 tiles (QKV partial sums exchanged) and W_o columns [hc0 * 128, hc1 * 128) (o^T exchanged)."""
+    n_c = cfg.H // P_MAX
+    half = (n_c + 1) // 2
+    cfg.wsplit, cfg.core = True, core
+    cfg.hc = (0, half) if core == 0 else (half, n_c)
+
+
+def _can_split_weights(cfg):
+    """Batch split with B even (the cores' o^T column blocks have one shape, as sendrecv needs), o^T one PSUM bank
+    of one token tile (the attention's direct o^T path, exchanged in one sendrecv) and a QKV contraction of two
+    halves; other shapes keep whole weights per core."""
+    n_k = (cfg.nq * cfg.d + P_MAX - 1) // P_MAX
+    return (cfg.B >= 2 and cfg.B % 2 == 0 and cfg.B * cfg.S <= cfg.tile_tok and cfg.d in (32, 64, 128)
+            and n_k * cfg.B * cfg.S <= PSUM_F and cfg.KT >= 2)
+
+
+def _exchange_oT(cfg, oT, b_lo, b_hi, per_core):
+    """Split weights: o^T [128, K chunk, tokens] holds this core's sequences' columns; send them and receive the
+    other core's (token ranges are static: core 0 has sequences [0, per_core), core 1 the rest)."""
+    S = cfg.S
+    mine = (b_lo * S, b_hi * S)
+    theirs = (per_core * S, cfg.B * S) if cfg.core == 0 else (0, per_core * S)
+    nisa.sendrecv(src=oT[:, :, mine[0]:mine[1]], dst=oT[:, :, theirs[0]:theirs[1]], send_to_rank=1 - cfg.core,
+                  recv_from_rank=1 - cfg.core, pipe_id=cfg.nkv + 1)
 
 
 class _Config(nl.NKIObject):
@@ -218,6 +254,7 @@ class _Config(nl.NKIObject):
         self.fa_tile = max(P_MAX, min(ft, (self.scan + P_MAX - 1) // P_MAX * P_MAX))
         # Context split between the two cores of an LNC=2 launch (B < 2; see _split_context): defaults = no split.
         self.split, self.core, self.lo, self.hi, self.hc = False, 0, 0, self.scan, (0, H // P_MAX)
+        self.wsplit = False    # LNC=2: W_qkv rows / W_o columns split between the cores (_split_weights)
         if self.paged:     # paged slots are 128 * 2^m positions (block-aligned gathers)
             ft = P_MAX
             while 2 * ft <= self.fa_tile:
@@ -493,7 +530,7 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
     the fp32 partial sums are exchanged with sendrecv and added (same bits on both cores; bias on core 0's part).
     """
     KT, C = cfg.KT, cfg.C
-    qsplit = cfg.split and KT >= 2
+    qsplit = cfg.wsplit and KT >= 2
     kt0, kt1 = (0, KT) if not qsplit else ((0, KT // 2) if cfg.core == 0 else (KT // 2, KT))
     if qsplit and cfg.core == 1:
         bias = None
@@ -745,7 +782,7 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         q_pos = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=q_pos[:rows], src=position_ids.ap([[S, nb], [1, S], [0, G]], offset=p0 * S))
     sm = _Softmax()
-    if cfg.core == 0:
+    if cfg.core == 0 or not cfg.split:
         _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, q_pos)
     else:            # second core of a context split: empty state (m = MASK_NEG, l = 0, no accumulator yet)
         sm.m = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)

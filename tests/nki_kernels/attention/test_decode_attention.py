@@ -68,6 +68,21 @@ def run_and_check(B, S, s_max, ctx, window=0, lnc=1, shape=GPT_OSS_20B_TP8, seed
     return out
 
 
+def test_lnc2_reads_each_weight_once():
+    """LNC=2 with a batch split loads half of W_qkv and half of W_o per core: the HBM traffic equals LNC=1's within
+    the small inputs both cores read (X, cos/sin, positions) and the modelled latency drops."""
+    import nkisim
+    args, kw = make_inputs(8, 1, s_max=1024, ctx=1024, seed=4, **LLAMA31_8B_TP8)
+    reps = {lnc: nkisim.profile(decode_attention_nki if lnc == 1 else decode_attention_nki[2], *args, target="trn2",
+                                **kw).report for lnc in (1, 2)}
+    H, C = args[0].shape[2], args[1].shape[1]
+    weights = (H * C + args[7].shape[0] * H) * 2
+    extra = reps[2].hbm_read_bytes - reps[1].hbm_read_bytes
+    assert 0 <= extra <= 2 * args[0].numel() * 2 + 64 * 1024, extra        # the small inputs, not a weight
+    assert extra < 0.05 * weights
+    assert reps[2].latency_s < 0.8 * reps[1].latency_s
+
+
 # ---- model rank shards ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("B,S,ctx,window", [
@@ -114,8 +129,11 @@ def test_trn3(B, S, ctx, shape, lnc, bs, monkeypatch):
 # ---- LNC=2 ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("B,S,ctx,window,shape", [
-    (8, 1, 1024, 128, GPT_OSS_20B_TP8), (5, 4, 512, 0, LLAMA31_8B_TP8), (1, 1, 512, 0, GPT_OSS_20B_TP8),
-    (4, 2, 256, 0, MULTI_KV),
+    (8, 1, 1024, 128, GPT_OSS_20B_TP8),   # split weights (B even, one token tile): QKV partials and o^T exchanged
+    (5, 4, 512, 0, LLAMA31_8B_TP8),       # odd B: whole weights per core
+    (1, 1, 512, 0, GPT_OSS_20B_TP8),      # context split
+    (4, 2, 256, 0, MULTI_KV),             # split weights, 2 KV heads
+    (6, 4, 512, 0, LLAMA31_8B_TP8),       # split weights, S_tkg 4
 ])
 def test_lnc2(B, S, ctx, window, shape, monkeypatch):
     # Same bits as LNC=1 holds on TensorE (an output element's accumulation depends only on its own row and column)
