@@ -224,6 +224,9 @@ class DecodeModel(_Model):
         if positions.shape != input_ids.shape or cache.batch != b:
             raise ValueError(f"decode: input_ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)} and "
                              f"cache batch {cache.batch} must all be [B_local]")
+        if b and not (0 <= int(positions.min()) and int(positions.max()) < cache.s_max):
+            raise ValueError(f"decode: positions must be in [0, S_max={cache.s_max}) of the KV cache, got "
+                             f"[{int(positions.min())}, {int(positions.max())}]")
         home = s.mlp.dp if flow == "optimised" else s.local  # where h lives between layers
         ids = s.embedding.dp.all_gather(input_ids)  # [B_local · emb_dp]
         h = dp_transition(self.embed(ids), s.embedding.dp, home)  # once, before the layer loop

@@ -125,12 +125,18 @@ def _sampling_and_loads_rank(rank, world_size, path):
     everyone, _ = runner.decode_model(ids, positions, KVCache.allocate(TINY_LLAMA, 1, 4, 16, torch.float32))
     picked, _ = runner.decode_model(ids, positions, KVCache.allocate(TINY_LLAMA, 1, 4, 16, torch.float32),
                                     sampling_positions=torch.tensor([3, 1]))
-    return everyone, picked, reads
+    error = None
+    try:
+        runner.decode_model(ids, positions + 16, KVCache.allocate(TINY_LLAMA, 1, 4, 16, torch.float32))
+    except ValueError as e:
+        error = str(e)
+    return everyone, picked, reads, error
 
 
 def test_sampling_positions_and_disaggregated_loads(tmp_path):
     path = str(write_checkpoint(random_dense_state(TINY_LLAMA, seed=0), tmp_path))
     q_bytes = TINY_LLAMA.q_width * TINY_LLAMA.hidden * 4
-    for everyone, picked, reads in run_distributed(_sampling_and_loads_rank, 2, path):
+    for everyone, picked, reads, error in run_distributed(_sampling_and_loads_rank, 2, path):
         assert torch.equal(picked, everyone[[3, 1]])
+        assert error == "decode: positions must be in [0, S_max=16) of the KV cache, got [16, 16]"
         assert reads == {"prefill_model": q_bytes, "decode_model": q_bytes // 2}
