@@ -10,10 +10,8 @@ from modules.model_specs import TextModelSpec
 # Tiny Llama-shaped: GQA 16 Q / 2 KV heads (KV replicated from tp 4 on), vocab 100 (padded on 8 and 16 shards).
 TINY_LLAMA = TextModelSpec("tiny-llama", layers=2, hidden=64, intermediate=128, heads=16, kv_heads=2, head_dim=8,
                            vocab=100)
-# GPT-OSS attention features on the same shapes: q/k/v/o biases, sinks, sliding window on even layers.
-TINY_GPT_OSS_ATTN = TextModelSpec("tiny-gpt-oss-attention", layers=2, hidden=64, intermediate=128, heads=16,
-                                  kv_heads=2, head_dim=8, vocab=100, sliding_window=4, attention_bias=True)
-# Tiny GPT-OSS: the attention features above plus a 4-expert top-2 MoE (modules.moe) in the MLP slot.
+# Tiny GPT-OSS: q/k/v/o biases, sinks, a 4-token sliding window on even layers, and a 4-expert top-2 MoE
+# (modules.moe) in the MLP slot.
 TINY_GPT_OSS = TextModelSpec("tiny-gpt-oss", layers=2, hidden=64, intermediate=64, heads=16, kv_heads=2, head_dim=8,
                              vocab=100, experts=4, top_k=2, sliding_window=4, attention_bias=True)
 PROMPT_LENGTHS = (5, 11, 3, 17)  # 4 sequences; prefill buckets 16 / 32
