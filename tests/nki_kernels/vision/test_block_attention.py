@@ -64,6 +64,15 @@ def test_qwen3_vl_rank_shape(sizes, lnc):
     _check(out, vision_block_attention_torch(*args, **kw), sum(sizes))
 
 
+def test_trn3(monkeypatch):
+    """The same kernel on a trn3 target (the benchmarks profile it there)."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    S, H, nh, d = 512, 256, 2, 72
+    args = make_inputs(S, H, nh, d, (300, 100))
+    out = vision_block_attention(*args, num_heads=nh, head_dim=d, backend="nkisim", lnc=2)
+    _check(out, vision_block_attention_torch(*args, num_heads=nh, head_dim=d), 400)
+
+
 def test_fp32_bias():
     """b_qkv may be fp32 (an encoder kept in fp32 passes its bias as is): added exactly, as the reference does."""
     S, H, nh, d = 256, 128, 2, 72
