@@ -71,8 +71,19 @@ def model_rows(b: dict) -> list[dict]:
         cols = x.get("columns") or []
         return [dict(zip(cols, vals, strict=True)) for vals in x.get("rows") or []]
     if x.get("kind") in ("model", "published"):
-        return [x]
+        return [_normalise(x)]
     return []
+
+
+def _normalise(r: dict) -> dict:
+    """Rows saved before the JSON was slimmed carry full component / collective lists: derive the totals the report
+    reads (kernel time per component, exposed collective time per layer and elsewhere)."""
+    if "kernel_us" in r or "components" not in r:
+        return r
+    colls = r.get("collectives") or []
+    return {**r, "kernel_us": {c["name"]: c["t_kernel"] * 1e6 for c in r["components"]},
+            "coll_layer_us": sum(c["time_s"] * r["layers"] for c in colls if c["per_layer"]) * 1e6,
+            "coll_other_us": sum(c["time_s"] for c in colls if not c["per_layer"]) * 1e6}
 
 
 def skipped(data: dict) -> list[dict]:

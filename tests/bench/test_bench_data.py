@@ -30,3 +30,20 @@ def test_group_table_round_trips_rows_and_reasons():
     assert len(split(data)["model"]) == 2 and not split(data)["kernel"]
     assert [s["id"] for s in skipped(data)] == ["other", cases[2].id]
     assert is_host_timed(b)      # the formula's CPU time is never shown as a latency
+
+
+def test_rows_saved_with_full_lists_still_render():
+    """A row from before the JSON was slimmed (full component / collective lists) gives the same totals."""
+    from bench.model.analytical import evaluate
+    from bench.model.hardware import get_instance
+    from modules.model_specs import LLAMA_31_8B
+
+    res = evaluate(LLAMA_31_8B, get_instance("trn2.48xlarge"), ParallelConfig(8, 2, 2, 2, 2, 2),
+                   Bucket("decode", batch=8, ctx=2048))
+    new = res.as_dict()
+    old = {k: v for k, v in new.items() if k not in ("kernel_us", "coll_layer_us", "coll_other_us")}
+    old.update(components=[c.as_dict() for c in res.components],
+               collectives=[c.as_dict() for c in res.collectives if c.n > 1])
+    (row,) = model_rows({"extra_info": old})
+    assert row["kernel_us"] == new["kernel_us"]
+    assert row["coll_layer_us"] == new["coll_layer_us"] and row["coll_other_us"] == new["coll_other_us"]
