@@ -47,8 +47,11 @@ class GptOssMoEMLP(nn.Module):
         return self.moe.prefill(x_sp)  # all-gather of hidden and affinities … reduce-scatter, inside the layer
 
 
-def gpt_oss_mlp(spec: TextModelSpec, layer: int, tp_group, eps: float, dtype: torch.dtype) -> GptOssMoEMLP:
-    return GptOssMoEMLP(spec, layer, tp_group, eps, dtype)
+def gpt_oss_mlp(spec: TextModelSpec, layer: int, tp_group, eps: float, dtype: torch.dtype,
+                backend: str = "torch") -> GptOssMoEMLP:
+    """The MLP factory of GPT-OSS; functools.partial(gpt_oss_mlp, backend="nkisim" | "nki" | "auto") runs the MoE
+    through the nki_kernels.moe kernels instead of their torch references."""
+    return GptOssMoEMLP(spec, layer, tp_group, eps, dtype, backend=backend)
 
 
 def gpt_oss_mlp_mappings(spec: TextModelSpec, layer: int, mxfp4: bool = False) -> dict:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from modules.model_specs import TextModelSpec
@@ -24,7 +26,8 @@ def prompts(vocab: int, seed: int = 1) -> list[torch.Tensor]:
 
 
 def serve(rank, world_size, spec, config_kwargs, ckpt, steps=3, flow="optimised", attn_backend="torch",
-          dtype=torch.float32, warmup=False, log_layer_step=None, pipelined=True, s_max=S_MAX, sequences=None):
+          dtype=torch.float32, warmup=False, log_layer_step=None, pipelined=True, s_max=S_MAX, sequences=None,
+          mlp_backend="torch"):
     """One rank: build groups, load both graphs from the checkpoint, prefill this replica's sequences, decode.
 
     Returns per-replica results (equal on every rank of a replica) and, when log_layer_step is a decode step
@@ -38,7 +41,8 @@ def serve(rank, world_size, spec, config_kwargs, ckpt, steps=3, flow="optimised"
 
     cfg = NeuronConfig(prefill_buckets=PREFILL_BUCKETS, decode_buckets=DECODE_BUCKETS, **config_kwargs)
     state = initialize_parallel_state(cfg)
-    mlp = (gpt_oss_mlp, gpt_oss_mlp_mappings) if spec.is_moe else (llama_mlp, llama_mlp_mappings)
+    moe = functools.partial(gpt_oss_mlp, backend=mlp_backend)
+    mlp = (moe, gpt_oss_mlp_mappings) if spec.is_moe else (llama_mlp, llama_mlp_mappings)
     runner = ModelRunner(spec, state, *mlp, s_max=s_max, dtype=dtype, backend=attn_backend)
     runner.load(SafetensorsCheckpoint(ckpt), pipelined=pipelined)
     out = {"graphs": runner.warmup() if warmup else None}

@@ -6,7 +6,7 @@ import torch
 from models_case import TINY_LLAMA, serve
 
 from modules.model_specs import TextModelSpec
-from modules.models.hf_layout import random_dense_state, write_checkpoint
+from modules.models.hf_layout import random_dense_state, random_gpt_oss_state, write_checkpoint
 from modules.testing import RankFailedError, assert_close_global, run_distributed
 
 V, H = 13, 8  # 13 over 4 ranks: 4 rows each, the last shard holds 1 real row and 3 zero padding rows
@@ -53,17 +53,23 @@ def _prefill_bucket_rank(rank, world_size, spec):
 
 KERNEL_SPEC = TextModelSpec("tiny-kernel", layers=1, hidden=128, intermediate=128, heads=4, kv_heads=2, head_dim=32,
                             vocab=64)
+# GPT-OSS for the kernels: H a multiple of 128 (decode kernel), a sliding-window and a full layer, biases, sinks, MoE.
+GPT_OSS_KERNEL_SPEC = TextModelSpec("tiny-gpt-oss-kernel", layers=2, hidden=128, intermediate=64, heads=4, kv_heads=2,
+                                    head_dim=32, vocab=64, experts=4, top_k=2, sliding_window=4, attention_bias=True)
 
 
 @pytest.mark.timeout(120)
-def test_decode_kernel_path_matches_torch_path(tmp_path):
-    """backend="nkisim" runs the fused decode-attention kernel on the interpreter (tp 2, bf16) against the torch path.
+@pytest.mark.parametrize("spec", [KERNEL_SPEC, GPT_OSS_KERNEL_SPEC], ids=["llama", "gpt_oss"])
+def test_decode_kernel_path_matches_torch_path(tmp_path, spec):
+    """backend="nkisim" runs the fused decode-attention kernel on the interpreter (tp 2, bf16; for GPT-OSS also the
+    MoE's router / CTE / TKG kernels through modules.moe) against the torch path.
 
     Per sequence, step by step while both paths have emitted the same tokens: logits agree within bf16
     (|diff| <= 2e-2 max|logit|), and a token may differ only where the torch path's top-2 margin is within that
     tolerance (a bf16 near-tie; the sequence is compared no further, its inputs now differ)."""
-    path = str(write_checkpoint(random_dense_state(KERNEL_SPEC, seed=3, dtype=torch.bfloat16), tmp_path))
-    runs = {be: run_distributed(serve, 2, KERNEL_SPEC, dict(tp_size=2), path, steps=3, attn_backend=be,
+    state = (random_gpt_oss_state if spec.is_moe else random_dense_state)(spec, seed=3, dtype=torch.bfloat16)
+    path = str(write_checkpoint(state, tmp_path))
+    runs = {be: run_distributed(serve, 2, spec, dict(tp_size=2), path, steps=3, attn_backend=be, mlp_backend=be,
                                 dtype=torch.bfloat16, timeout=100)[0] for be in ("torch", "nkisim")}
     t, k = runs["torch"], runs["nkisim"]
     tol = 2e-2 * t["logits"].abs().max()
