@@ -37,17 +37,22 @@ CONTEXTS = (4096, 16384)
 _REPORTS = {}     # (shape id, B, ctx, target, window, block size, lnc) -> (report, bound): rows reuse each other
 
 
-def modelled(shape, B, ctx, target, window=0, block_size=0, lnc=1):
-    key = (id(shape), B, ctx, target, window, block_size, lnc)
+def modelled(shape, B, ctx, target, window=0, block_size=0, lnc=1, fp8=False):
+    key = (id(shape), B, ctx, target, window, block_size, lnc, fp8)
     if key not in _REPORTS:
-        _REPORTS[key] = _modelled(shape, B, ctx, target, window, block_size, lnc)
+        _REPORTS[key] = _modelled(shape, B, ctx, target, window, block_size, lnc, fp8)
     return _REPORTS[key]
 
 
-def _modelled(shape, B, ctx, target, window=0, block_size=0, lnc=1):
+def _modelled(shape, B, ctx, target, window=0, block_size=0, lnc=1, fp8=False):
     args, kw = make_inputs(B, 1, s_max=ctx, ctx=ctx, **shape)
     if block_size:
         args, kw = to_paged(args, kw, block_size)
+    if fp8:      # e4m3 cache, per-tensor scales (the values' magnitude does not change the modelled cost)
+        import torch
+        one = torch.ones(1)
+        args = args[:2] + tuple(c.float().to(torch.float8_e4m3fn) for c in args[2:4]) + args[4:]
+        kw = dict(kw, k_scale=one, v_scale=one)
     kernel = decode_attention_nki if lnc == 1 else decode_attention_nki[lnc]
     X, pos, W_o = args[0], args[4], args[7]
     nq = W_o.shape[0] // shape["d"]
@@ -142,6 +147,19 @@ def test_decode_attention_lnc2_batch_modelled(benchmark, model, B, ctx):
     benchmark.extra_info.update({"lnc": 2, "modelled_latency_over_lnc1": ratio, "modelled_meets_target": ratio <= 0.6,
                                  "modelled_hbm_bytes_over_lnc1": rep.hbm_bytes / one.hbm_bytes})
     assert rep.hbm_bytes <= 1.02 * one.hbm_bytes       # no weight read twice
+
+
+@pytest.mark.parametrize("B,ctx", [(16, 16384)])
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_decode_attention_fp8_cache_modelled(benchmark, model, B, ctx):
+    """fp8 (e4m3) KV cache on trn2, dequantised on load; compare with the bf16 row of the main grid."""
+    rep, bound = benchmark.pedantic(modelled, args=(SHAPES[model], B, ctx, "trn2"), kwargs=dict(fp8=True),
+                                    rounds=1, iterations=1)
+    bf16, _ = modelled(SHAPES[model], B, ctx, "trn2")
+    _record(benchmark, rep, bound, model=model, batch=B, context=ctx, kv_cache="fp8 e4m3")
+    benchmark.extra_info.update({"modelled_latency_over_bf16_cache": rep.latency_s / bf16.latency_s,
+                                 "modelled_hbm_bytes_over_bf16_cache": rep.hbm_bytes / bf16.hbm_bytes})
+    assert rep.hbm_bytes < bf16.hbm_bytes
 
 
 # ---- ragged batch: lengths spread 128 ... 16K, each sequence scanned to its own length ---------------------------

@@ -6,7 +6,8 @@
   - "torch":  the torch reference (same semantics);
   - "auto":   "nki" when the real package serves `import nki`, else "nkisim".
 It returns out [B*S_tkg, H] (the partial O-projection, before the TP all-reduce; bias_o is added iff add_bias_o, which
-under TP must be True on exactly one rank of the group) and updates K_cache / V_cache in place. position_ids and
+under TP must be True on exactly one rank of the group) and updates K_cache / V_cache in place. An fp8 cache
+(float8_e4m3fn / float8_e4m3, contiguous) takes k_scale / v_scale ([1] or [kv_heads] float32). position_ids and
 block_table may be int64 (torch's default): they are checked on the host and passed to the kernel as int32.
 """
 
@@ -85,7 +86,7 @@ def _to_torch(x):
 
 def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None, sinks=None,
                      bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0, sliding_window=0,
-                     block_table=None, backend="auto", lnc=1, add_bias_o=True):
+                     block_table=None, backend="auto", lnc=1, add_bias_o=True, k_scale=None, v_scale=None):
     """Fused decode attention for one TP rank. See `decode_attention_kernel` for shapes and semantics."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
@@ -107,12 +108,14 @@ def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
         backend = "nkisim" if nkisim.active() else "nki"
     kwargs = dict(gamma=gamma, bias_qkv=bias_qkv, sinks=sinks, bias_o=bias_o, context_len=int(context_len),
                   softmax_scale=float(softmax_scale), eps=float(eps), hidden_actual=int(hidden_actual),
-                  sliding_window=int(sliding_window), block_table=block_table, add_bias_o=add_bias_o)
+                  sliding_window=int(sliding_window), block_table=block_table, add_bias_o=add_bias_o,
+                  k_scale=k_scale, v_scale=v_scale)
     args = (X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o)
     if backend == "torch":
         is_np = isinstance(X, np.ndarray)
         targs = [_to_torch(a) for a in args]
-        tkw = {k: (_to_torch(v) if k in ("gamma", "bias_qkv", "sinks", "bias_o", "block_table") else v)
+        tkw = {k: (_to_torch(v) if k in ("gamma", "bias_qkv", "sinks", "bias_o", "block_table", "k_scale", "v_scale")
+                   else v)
                for k, v in kwargs.items()}
         tkw["context_len"] = tkw["context_len"] or None
         tkw["softmax_scale"] = tkw["softmax_scale"] or None

@@ -50,7 +50,7 @@ GATHER_ROWS_MIN = 16
 
 def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None,
                             sinks=None, bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0,
-                            sliding_window=0, block_table=None, add_bias_o=True):
+                            sliding_window=0, block_table=None, add_bias_o=True, k_scale=None, v_scale=None):
     """Fused decode attention block: out = O_proj(Attn(RoPE(QKV(RMSNorm(X)))), with in-place KV-cache update.
 
     Dimensions:
@@ -72,6 +72,10 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         add_bias_o (bool): whether THIS rank adds bias_o. The output is a partial sum over the tensor-parallel
             ranks, so under TP pass True on exactly one rank of the group (e.g. rank 0) and False on the others
             (or bias_o=None and add the bias after the all-reduce); True for a single rank.
+        k_scale, v_scale ([1] or [nkv] fp32 @ HBM): fp8 KV cache (K_cache / V_cache float8_e4m3 or float8_e4m3fn,
+            contiguous layout): per-tensor or per-KV-head scales; a cached value means value * scale. Dequantised
+            on load (the K/V loads cast to bf16; k_scale folds into q, v_scale into the final 1/l); the new
+            tokens' K/V are quantised (value / scale, rounded to fp8) before use, as the cache stores them.
         sinks ([nq] @ HBM): optional per-head sink logits (scaled-logit units); join the softmax denominator only.
         context_len (int): static number of cache positions scanned (L); 0 = S_max. Every position must be < L.
         softmax_scale (float): 0.0 = 1/sqrt(d). eps (float): RMSNorm epsilon.
@@ -107,7 +111,8 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         out = o @ W_o + b_o ; K_cache[b, :, pos[b]] = k ; V_cache[b, :, pos[b]] = v
     """
     cfg = _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
-                           context_len, softmax_scale, hidden_actual, sliding_window, block_table, add_bias_o)
+                           context_len, softmax_scale, hidden_actual, sliding_window, block_table, add_bias_o,
+                           k_scale, v_scale)
     if not add_bias_o:
         bias_o = None       # another rank of the TP group adds it
     out = nl.ndarray((cfg.B * cfg.S, cfg.H), dtype=X.dtype, buffer=nl.shared_hbm)
@@ -132,7 +137,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         # W_o (its arrival paces the O-projection), and the stores last, so no load waits behind a store.
         # With split weights every phase but the attention covers all tokens (one token tile).
         tiles = _token_tiles(cfg, 0, cfg.B) if cfg.wsplit else _token_tiles(cfg, b_lo, b_hi)
-        ins = _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles)
+        ins = _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale, v_scale)
         rows = _paged_rows(cfg, position_ids, block_table, tiles)
         starts = _window_starts(cfg, position_ids, b_lo, b_hi)
         block_ids = _load_block_ids(cfg, block_table, b_lo, b_hi, starts)
@@ -141,6 +146,9 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         xT = _rmsnorm(cfg, consts, ins, tiles, eps)
         qkv = _qkv_projection(cfg, consts, xT, W_qkv, ins.bias_qkv, tiles)
         qkv = _rope(cfg, qkv, ins, tiles)
+        if cfg.fp8:
+            _quantize_kv(cfg, qkv, ins, tiles, K_cache.dtype)
+            consts.vs = ins.vs
         qkT = _transpose_qk(cfg, qkv, tiles)
         oT, wo = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles,
                                          b_lo, b_hi, W_o, block_ids, starts)
@@ -194,9 +202,13 @@ def _exchange_oT(cfg, oT, b_lo, b_hi, per_core):
 class _Config(nl.NKIObject):
     """Static shapes and options of one launch (compile-time values only)."""
 
-    def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize, bs=0, mb=0):
+    def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize, bs=0, mb=0, fp8=False):
         self.B, self.S, self.H, self.d, self.nkv, self.nq = B, S, H, d, nkv, nq
         self.paged, self.bs, self.mb = bs > 0, bs, mb    # paged cache: block size, block-table columns
+        # fp8 KV cache: K rows are cast on load into a staging slot and DMA-transposed from SBUF, which gives the
+        # i-major K^T layout of the paged path (column i*128 + q <-> position q*n + i)
+        self.fp8 = fp8
+        self.imajor = self.paged or fp8
         self.s_max, self.L, self.scale, self.h_actual, self.window = s_max, L, scale, h_actual, window
         self.group = nq // nkv                 # query heads per KV head
         self.R = self.group * S                # query rows of one (batch, KV head): (s, h) order
@@ -239,10 +251,11 @@ class _Config(nl.NKIObject):
         # FT target: V runs of >= 4 KiB per partition (DMA efficiency), i.e. FT * d * itemsize / 128 >= 4 KiB.
         self.kv_bufs = KV_BUFS if d <= 64 else KV_BUFS + 1
         ft_target = min(FA_TILE_MAX, max(2 * FA_SUB, V_RUN_BYTES * P_MAX // (d * itemsize) // FA_SUB * FA_SUB))
-        while self.pack > PACK_MIN and self.kv_bufs * _slot_bytes(self.pack, ft_target, self.kpp, d, itemsize) > budget:
+        while self.pack > PACK_MIN and self.kv_bufs * _slot_bytes(self.pack, ft_target, self.kpp, d, itemsize,
+                                                                   fp8) > budget:
             self.pack -= 1
         ft = FA_TILE_MAX
-        while ft > FA_SUB and self.kv_bufs * _slot_bytes(self.pack, ft, self.kpp, d, itemsize) > budget:
+        while ft > FA_SUB and self.kv_bufs * _slot_bytes(self.pack, ft, self.kpp, d, itemsize, fp8) > budget:
             ft -= FA_SUB
         if self.kv_bufs == KV_BUFS and ft >= 2 * FA_SUB:
             # Same SBUF as KV_BUFS slots of ft positions, as up to twice as many half-size slots: the first steps
@@ -262,9 +275,10 @@ class _Config(nl.NKIObject):
             self.fa_tile = ft
 
 
-def _slot_bytes(pack, ft, kpp, d, itemsize):
-    """Bytes per partition of one K/V load slot: K^T stacks [128, ft] and V [128, ft / 128, d] per batch."""
-    return ((pack + kpp - 1) // kpp * ft + pack * ft * d // P_MAX) * itemsize
+def _slot_bytes(pack, ft, kpp, d, itemsize, fp8=False):
+    """Bytes per partition of one K/V load slot: K^T stacks [128, ft] and V [128, ft / 128, d] per batch (fp8
+    cache: and the K rows' staging, the size of V)."""
+    return ((pack + kpp - 1) // kpp * ft + (2 if fp8 else 1) * pack * ft * d // P_MAX) * itemsize
 
 
 def argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table=None):
@@ -288,7 +302,8 @@ def argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table=None):
 
 
 def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
-                     context_len, softmax_scale, hidden_actual, sliding_window, block_table=None, add_bias_o=True):
+                     context_len, softmax_scale, hidden_actual, sliding_window, block_table=None, add_bias_o=True,
+                     k_scale=None, v_scale=None):
     """Check every static limit before any work; messages name the argument and the limit."""
     assert nl.tile_size.gemm_moving_fmax >= PSUM_F, \
         f"target: matmul moving free size {nl.tile_size.gemm_moving_fmax} < one PSUM bank ({PSUM_F}); unsupported"
@@ -329,8 +344,20 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     assert tuple(W_o.shape) == (nq * d, H), f"W_o must be [nq*d={nq * d}, H={H}], got {W_o.shape}"
     assert tuple(position_ids.shape) == (B, S), f"position_ids must be [B={B}, S_tkg={S}], got {position_ids.shape}"
     assert position_ids.dtype == nl.int32, f"position_ids must be int32, got {position_ids.dtype}"
-    for name, t in (("W_qkv", W_qkv), ("K_cache", K_cache), ("V_cache", V_cache), ("W_o", W_o)):
+    fp8 = K_cache.dtype in (nl.float8_e4m3, nl.float8_e4m3fn)
+    caches = () if fp8 else (("K_cache", K_cache), ("V_cache", V_cache))
+    for name, t in (("W_qkv", W_qkv), ("W_o", W_o)) + caches:
         assert t.dtype == X.dtype, f"{name} dtype {t.dtype} must match X dtype {X.dtype}"
+    if fp8:
+        assert V_cache.dtype == K_cache.dtype, f"V_cache dtype {V_cache.dtype} must match K_cache dtype {K_cache.dtype}"
+        assert not paged, "K_cache: an fp8 cache is supported in the contiguous layout only (no block_table)"
+        assert s_max % P_MAX == 0, f"K_cache: an fp8 cache needs S_max={s_max} to be a multiple of {P_MAX}"
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            assert t is not None, f"{name} is required with an fp8 cache ({K_cache.dtype})"
+            assert tuple(t.shape) in ((1,), (nkv,)) and t.dtype == nl.float32, \
+                f"{name} must be float32 [1] (per tensor) or [kv_heads={nkv}] (per head), got {t.dtype} {t.shape}"
+    else:
+        assert k_scale is None and v_scale is None, "k_scale / v_scale apply to an fp8 KV cache only"
     if cos is not None:
         assert tuple(cos.shape) == (B, S, d // 2) and tuple(sin.shape) == (B, S, d // 2), \
             f"cos/sin must be [B={B}, S_tkg={S}, d/2={d // 2}], got {cos.shape} / {sin.shape}"
@@ -355,7 +382,7 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     assert 1 <= h_act <= H, f"hidden_actual={h_act} must be in 1..H={H}"
     assert sliding_window >= 0, f"sliding_window={sliding_window} must be >= 0"
     scale = softmax_scale if softmax_scale != 0.0 else 1.0 / (d ** 0.5)
-    return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window, X.dtype.itemsize, bs, mb)
+    return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window, X.dtype.itemsize, bs, mb, fp8)
 
 
 def _token_tiles(cfg, b_lo, b_hi):
@@ -376,10 +403,19 @@ class _Inputs(nl.NKIObject):
     def __init__(self):
         self.x, self.cos, self.sin = (), (), ()
         self.gamma, self.bias_qkv, self.bias_o, self.bias_o_rows = None, None, None, None
+        self.ks, self.vs, self.ks_inv, self.vs_inv = None, None, None, None   # fp8 cache scales [128, nkv] fp32
 
 
-def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles):
+def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale=None, v_scale=None):
     ins = _Inputs()
+    if cfg.fp8:     # scales of the KV heads on every partition (per tensor: one value repeated), and 1 / scale
+        for name, t in (("ks", k_scale), ("vs", v_scale)):
+            sc = nl.ndarray((P_MAX, cfg.nkv), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=sc, src=t.ap([[0, P_MAX], [1 if t.shape[0] == cfg.nkv else 0, cfg.nkv]]))
+            inv = nl.ndarray((P_MAX, cfg.nkv), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.reciprocal(dst=inv, data=sc)
+            setattr(ins, name, sc)
+            setattr(ins, name + "_inv", inv)
     X2 = X.reshape((cfg.B * cfg.S, cfg.H))
     xs = []
     for t0, nt, _, _ in tiles:
@@ -417,6 +453,23 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles):
     return ins
 
 
+def _quantize_kv(cfg, qkv, ins, tiles, cache_dtype):
+    """fp8 cache: the new tokens' k and v columns become value / scale rounded to the cache dtype (held in bf16:
+    exactly what the cache stores, so the active step, the cached keys and the cache update agree), and q is
+    multiplied by its KV head's k_scale (scores = q k). v_scale is applied to the final 1 / l."""
+    d, nq, nkv, G = cfg.d, cfg.nq, cfg.nkv, cfg.group
+    for ti, (_t0, nt, _, _) in enumerate(tiles):
+        t = qkv[ti]
+        q = t[:nt, cfg.pad:cfg.pad + nq * d].reshape((nt, nkv, G * d))
+        nisa.tensor_tensor(dst=q, data1=q, data2=ins.ks[:nt, :].expand_dim(2).broadcast(2, G * d), op=nl.multiply)
+        for c0, inv in ((nq * d, ins.ks_inv), ((nq + nkv) * d, ins.vs_inv)):
+            kv = t[:nt, cfg.pad + c0:cfg.pad + c0 + nkv * d].reshape((nt, nkv, d))
+            q8 = nl.ndarray((P_MAX, nkv, d), dtype=cache_dtype, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=q8[:nt], data1=kv, data2=inv[:nt, :].expand_dim(2).broadcast(2, d),
+                               op=nl.multiply)
+            nisa.tensor_copy(dst=kv, src=q8[:nt])
+
+
 def _transpose_bias_o(cfg, ins):
     """ins.bias_o = [128, H/128] fp32 from the [H/128, 128] rows (H/128 <= 128 chunks per transpose)."""
     if ins.bias_o_rows is None:
@@ -434,6 +487,7 @@ class _Constants(nl.NKIObject):
     """SBUF constants: identity (selection matmuls), MASK_NEG * identity (mask folding), ones."""
 
     def __init__(self, cfg, dtype):
+        self.vs = None     # fp8 cache: v_scale per KV head on every partition (set after the inputs are loaded)
         ones = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.memset(dst=ones, value=1.0)
         self.ones = ones
@@ -660,6 +714,9 @@ class _AttnState(nl.NKIObject):
                         for _ in range(cfg.kv_bufs))
         self.v = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX + 1, d), dtype=dtype, buffer=nl.sbuf)
                        for _ in range(cfg.kv_bufs))
+        # fp8 cache: K rows cast to bf16 (V's layout), DMA-transposed from SBUF into K^T
+        self.stage = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX, d), dtype=dtype, buffer=nl.sbuf)
+                           for _ in range(cfg.kv_bufs)) if cfg.fp8 else ()
         self.qm = qm
         self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
         self.block_ids, self.starts = None, None
@@ -816,6 +873,8 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         nisa.tensor_tensor(dst=l_fin[:rows], data1=sm.l[:rows], data2=e_sk[:rows], op=nl.add)
     rinv = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=rinv[:rows], data=l_fin[:rows])
+    if cfg.fp8:      # PV summed V in cache units: o = acc * v_scale / l
+        nisa.tensor_scalar(dst=rinv[:rows], data=rinv[:rows], op0=nl.multiply, operand0=consts.vs[:rows, g:g + 1])
     if full:
         return _normalise_full(cfg, st, sm, rows, nb, rinv, qkT.dtype)
     # The last step's PV is flushed only now: the denominator chain above needs only m and l, so VectorE runs it
@@ -1027,7 +1086,7 @@ def _plan(cfg):
         k = len(slots)
         slots.append((j0, w))
         i0 = 0
-        while cfg.paged and i0 < n:      # i-major score layout: column il*128 + q' (see _load_slot_paged)
+        while cfg.imajor and i0 < n:     # i-major score layout: column il*128 + q' (see _load_slot_paged)
             ni = FA_SUB // P_MAX
             while ni > n - i0:
                 ni //= 2
@@ -1097,6 +1156,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         j0, w = slots[len(views)]
         kT = st.kT[st.n_slots % cfg.kv_bufs]
         v = st.v[st.n_slots % cfg.kv_bufs]
+        stage = st.stage[st.n_slots % cfg.kv_bufs] if cfg.fp8 else None
         st.n_slots += 1
         if cfg.paged:
             lg = st.load_gates[j0] if cfg.ragged else (None,) * nb
@@ -1110,6 +1170,11 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                                       v[:, j], b, g, j0, w)
                     continue
 
+                if cfg.fp8:
+                    _run(st.load_gates[j0][j] if cfg.ragged else None,
+                         lambda _i, b=b, j=j, j0=j0, w=w, kT=kT, v=v, stage=stage:
+                         _load_fp8(cfg, K_cache, V_cache, kT, v, stage, b, g, j, j0, w))
+                    continue
                 if not cfg.ragged:
                     _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, j0, w)
                     continue
@@ -1154,6 +1219,17 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
                            accumulate=(jj > 0))
         for m in masks:          # each chunk's masks right after its scores: its row max can start early
             _fold_chunk(consts, sc, rows, m, (c0, c1, inner))
+
+
+def _load_fp8(cfg, K_cache, V_cache, kT, v, stage, b, g, j, j0, w):
+    """fp8 cache, slot [j0, j0 + w) of batch j: dequantised on load -- K rows and V cast to bf16 by the DMAs
+    (partition q holds positions q*n .. q*n + n - 1), then K^T by a DMA transpose from SBUF in the i-major order
+    (column i*128 + q <-> position q*n + i, the paged layout's K = 1 case). w is a multiple of 128 (S_max is)."""
+    d, n = cfg.d, w // P_MAX
+    u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
+    nisa.dma_copy(dst=stage[:, j, :n, :], src=K_cache[b, g, j0:j0 + w, :].reshape((P_MAX, n * d)))
+    nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, n, P_MAX)), src=stage[:, j, :n, :])
+    nisa.dma_copy(dst=v[:, j, :n, :], src=V_cache[b, g, j0:j0 + w, :].reshape((P_MAX, n * d)))
 
 
 def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size):
@@ -1394,7 +1470,7 @@ def _load_pieces(cfg, j0, w):
     """(start, size) of the loads of a slot: contiguous caches load each sequence's slot in pieces of about FA_SUB
     positions (one step's keys, rounded down to whole V partitions of n positions, so the runs stay n * d long) and
     the remainder, so a sequence's loads stop within one step of its length; paged slots are gathered whole."""
-    if cfg.paged or cfg.pack == 1:     # one sequence per pack: its steps' gates already stop it (fewer DMAs)
+    if cfg.imajor or cfg.pack == 1:     # one sequence per pack: its steps' gates already stop it (fewer DMAs)
         return ((j0, w),)
     n = w // P_MAX
     body = n * P_MAX
@@ -1472,7 +1548,7 @@ def _k_ramp(cfg, st, w):
     column r*n*T + i*T + t <-> t*m + r*n + i (T = 128 / K gathered rows of m = K*n positions, see _slot_split).
     One table at a time (the contiguous one serves every slot)."""
     n, K = w // P_MAX, _slot_split(cfg, w)
-    if not cfg.paged:
+    if not cfg.imajor:
         key, width, pattern = "c", cfg.fa_tile, [[1, cfg.fa_tile]]
     elif K == 1:
         key, width, pattern = f"p{n}", w, [[1, n], [n, P_MAX]]

@@ -10,7 +10,8 @@ import torch
 
 def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None,
                            sinks=None, bias_o=None, context_len=None, softmax_scale=None, eps=1e-5,
-                           hidden_actual=0, sliding_window=0, block_table=None, add_bias_o=True):
+                           hidden_actual=0, sliding_window=0, block_table=None, add_bias_o=True, k_scale=None,
+                           v_scale=None):
     """Reference forward. Updates K_cache / V_cache in place at `position_ids` and returns out [B*S_tkg, H].
 
     Shapes: X [B, S, H]; W_qkv [H, (nq + 2*nkv)*d]; K_cache/V_cache [B, nkv, S_max, d]; position_ids [B, S] int;
@@ -19,6 +20,9 @@ def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W
     add_bias_o (under tensor parallelism: on one rank of the group only, see decode_attention_kernel).
     Key j is visible to a query at position p iff j <= p and (sliding_window == 0 or j > p - sliding_window), and
     j < context_len. Cache rows a query does not see never affect it (stale rows may hold NaN).
+    fp8 cache (K_cache / V_cache of a float8 dtype): k_scale / v_scale [1] or [nkv]; a cached value means
+    value * scale, the new tokens' k / v are stored as (value / scale) rounded to the cache dtype and read back
+    from the cache like every other row.
     Paged layout (block_table [B, max_blocks] int): K_cache/V_cache [num_blocks, nkv, block_size, d]; position j of
     sequence b is row j % block_size of block block_table[b, j // block_size]; S_max = max_blocks * block_size.
     """
@@ -55,6 +59,10 @@ def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W
             return torch.cat([t1 * c - t2 * s_, t2 * c + t1 * s_], dim=-1).to(dt).float()
         q, k = rope(q), rope(k)
     pos = position_ids.reshape(B, S).long()
+    fp8 = K_cache.dtype.is_floating_point and K_cache.dtype.itemsize == 1
+    ks = k_scale.float().reshape(-1).expand(nkv) if fp8 else torch.ones(nkv)
+    vs = v_scale.float().reshape(-1).expand(nkv) if fp8 else torch.ones(nkv)
+    k, v = k / ks[None, :, None], v / vs[None, :, None]      # cache units (identity without fp8)
     for b in range(B):
         for s in range(S):
             p = int(pos[b, s])
@@ -71,6 +79,7 @@ def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W
     else:
         kc = K_cache[:, :, :L].float()
         vc = V_cache[:, :, :L].float()
+    kc, vc = kc * ks[None, :, None, None], vc * vs[None, :, None, None]     # dequantised
     j = torch.arange(L)
     out = torch.empty(B * S, nq, d)
     for b in range(B):

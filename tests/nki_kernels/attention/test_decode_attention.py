@@ -542,3 +542,56 @@ def test_ragged_contexts_read_only_real_rows():
     real = sum(RAGGED_FIRST) * 2 * d * 2
     assert real <= kv <= real + len(RAGGED_FIRST) * FA_SUB * 2 * d * 2, (kv, real)
     assert kv < 0.5 * (len(RAGGED_FIRST) * (ctx - 1) * 2 * d * 2)      # far below a scan to the longest
+
+
+# ---- fp8 (e4m3) KV cache: per-tensor or per-head scales, dequantised on load ------------------------------------
+
+@pytest.mark.parametrize("shape,B,S,ctx,per_head,lnc,ragged", [
+    (GPT_OSS_20B_TP8, 4, 1, 1024, False, 1, False),     # per-tensor scales, stacked K^T (d = 64)
+    (LLAMA31_8B_TP8, 3, 2, 512, True, 1, False),        # per-head scales, d = 128, S_tkg 2
+    (MULTI_KV, 2, 1, 2048, True, 2, True),              # 2 KV heads with their own scales, LNC=2, NaN tails
+])
+def test_fp8_kv_cache(shape, B, S, ctx, per_head, lnc, ragged):
+    args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=41, **shape)
+    nkv = shape["nkv"]
+    ks = torch.tensor([1 / 64, 1 / 48][:nkv] if per_head else [1 / 64], dtype=torch.float32)
+    vs = torch.tensor([1 / 80, 1 / 40][:nkv] if per_head else [1 / 80], dtype=torch.float32)
+    f8 = torch.float8_e4m3fn
+    K8 = (args[2].float() / ks.expand(nkv)[None, :, None, None]).to(f8)
+    V8 = (args[3].float() / vs.expand(nkv)[None, :, None, None]).to(f8)
+    if ragged:    # stale rows past each sequence's length: NaN bytes (0x7F in e4m3fn)
+        for b in range(B):
+            p0 = int(args[4][b, 0])
+            for c in (K8, V8):
+                c.view(torch.uint8)[b, :, p0:] = 0x7F
+    args = args[:2] + (K8, V8) + args[4:]
+    kw = dict(kw, k_scale=ks, v_scale=vs)
+    ref_args = [a.clone() if a is not None else None for a in args]
+    ref = decode_attention_torch(*ref_args, **kw).float()
+    assert torch.isfinite(ref).all()
+    out = decode_attention(*args, **kw, backend="nkisim", lnc=lnc).float()
+    assert torch.isfinite(out).all()
+    err = (out - ref).abs().max().item()
+    assert err <= ATOL + RTOL * ref.abs().max().item(), err
+    assert torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item() >= MIN_COS
+    written = _written_rows(args, kw, B)
+    for got, want in ((args[2], ref_args[2]), (args[3], ref_args[3])):      # quantised new rows, rest untouched
+        sel = written[:, None, :, None].expand_as(got)
+        assert torch.equal(got.view(torch.uint8)[~sel], want.view(torch.uint8)[~sel])
+        diff = (got[sel].float() - want[sel].float()).abs()
+        assert (diff <= 0.07 * want[sel].float().abs() + 1e-3).float().mean() >= 0.99   # one fp8 step at most
+
+
+def test_fp8_cache_halves_the_kv_bytes():
+    """The modelled HBM traffic of the cache scan halves with an fp8 cache (1 byte per element instead of 2)."""
+    import nkisim
+    args, kw = make_inputs(4, 1, s_max=4096, ctx=4096, seed=42, **GPT_OSS_20B_TP8)
+    args[4][:, 0] = 4095
+    reads = {}
+    _, rep = nkisim.profile(decode_attention_nki, *args, target="trn2", **kw)
+    reads["bf16"] = rep.hbm_read_bytes
+    one = torch.ones(1)
+    a8 = args[:2] + tuple(c.float().to(torch.float8_e4m3fn) for c in args[2:4]) + args[4:]
+    _, rep8 = nkisim.profile(decode_attention_nki, *a8, target="trn2", **dict(kw, k_scale=one, v_scale=one))
+    kv_bf16 = 4 * 4095 * 2 * 64 * 2
+    assert reads["bf16"] - rep8.hbm_read_bytes == pytest.approx(kv_bf16 / 2, rel=0.02)
