@@ -78,7 +78,7 @@ def _cmd_sweep(args) -> int:
         for group, members in groups.items():   # the same one-table-per-group records as bench/test_model_sweep.py
             table = run_table(members, lookup)
             n_rows += table["configurations"]
-            n_skipped += len(table["skipped"])
+            n_skipped += table["invalid"]
             benchmarks.append({"group": group, "name": group, "fullname": group, "params": {}, "param": group,
                                "extra_info": table, "stats": {}})
             bar.advance(task, len(members))

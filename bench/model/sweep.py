@@ -155,16 +155,17 @@ def run_table(group_cases: list[Case], kernel_latency: KernelLatency | None = No
     with their reasons. One benchmark per group, not per configuration: the configurations' figures are all
     modelled, the CPU time of evaluating the formula says nothing about any of them, and per-configuration records
     of pytest-benchmark (stats, options, names) made most of a multi-MB JSON."""
-    rows, skipped = [], []
+    rows, skipped = [], {}
     for case, row in iter_rows(group_cases, kernel_latency):
         if isinstance(row, dict):
             rows.append({**row, "case_id": case.id})
         else:
-            skipped.append([case.id, row])
+            skipped.setdefault(row, []).append(case.id)      # {reason: [case ids]}: reasons repeat a lot
     columns: list[str] = []
     for r in rows:
         columns += [k for k in r if k not in columns]
-    return {"kind": TABLE_KIND, "modelled": True, "configurations": len(rows), "columns": columns,
+    return {"kind": TABLE_KIND, "modelled": True, "configurations": len(rows),
+            "invalid": sum(len(v) for v in skipped.values()), "columns": columns,
             "rows": [[r.get(k) for k in columns] for r in rows], "skipped": skipped}
 
 

@@ -92,7 +92,7 @@ def skipped(data: dict) -> list[dict]:
     for b in data.get("benchmarks", []):
         x = b.get("extra_info") or {}
         if x.get("kind") == TABLE_KIND:
-            out += [{"id": i, "reason": r} for i, r in x.get("skipped") or []]
+            out += [{"id": i, "reason": r} for r, ids in (x.get("skipped") or {}).items() for i in ids]
     return out
 
 
