@@ -22,6 +22,10 @@ DOWN_BANKS = 3         # PSUM banks the down projection rotates through (evictio
 W_GU_DMAS = 4          # the gate/up weights of one expert arrive in this many DMAs (matmuls start on the first)
 # per scheduled expert: expert id, first row, pairs of 128-row tiles, odd last tile (0/1), weights-needed flag (0/1)
 SCHED_FIELDS = 5
+COMBINE_ROWS = 256     # rows per DMA when the LNC=2 partial is added into out (>= 1.5 MiB per transfer)
+# shortest per-partition weight DMA run worth the natural H tiling of DMA transposes: run / (run + 256 B) >= 80%
+# (AWS DMA bandwidth guide: < 256 B per descriptor severely overhead-bound, >= 2 KiB near peak; nkisim.cost rule 6)
+WEIGHT_RUN_MIN = 1024
 SBUF_RESERVE = 8 * 1024    # bytes per partition left for the small tiles (ids, affinities, schedule, constants)
 DGE = nisa.dge_mode.swdge   # indirect (vector_offset) DMAs are software-DGE transfers
 
@@ -29,18 +33,19 @@ DGE = nisa.dge_mode.swdge   # indirect (vector_offset) DMAs are software-DGE tra
 class _Config(nl.NKIObject):
     """Static shapes and options of one launch."""
 
-    def __init__(self, T, H, E, inter, rows, sched_len, dtype, activation, bias_gu, bias_d, n_cores):
+    def __init__(self, T, H, E, inter, rows, sched_len, dtype, itemsize, activation, bias_gu, bias_d, n_cores):
         self.T, self.H, self.E, self.I, self.rows, self.sched_len = T, H, E, inter, rows, sched_len
         self.dtype, self.activation, self.bias_gu, self.bias_d, self.n_cores = (dtype, activation, bias_gu, bias_d,
                                                                                 n_cores)
         self.KT = H // P_MAX                   # gate/up contraction tiles
-        # x^T by DMA gather-transposes (trn3) or by TensorE transposes of the gathered rows (trn2). trn3 has 1.7x
-        # trn2's HBM share per core at the same TensorE rate, so there the DMA queues have room for the transposes
-        # and TensorE is the bound; on trn2 it is the other way round. The H order of a contraction tile follows:
-        # DMA transposes read natural tiles (H index kt * 128 + p on partition p; contiguous 256 B per element
-        # row), TensorE transposes strided column sets (H index p * KT + kt, so each partition's weight rows are
-        # one contiguous run: longer weight DMAs).
-        self.dma_transpose = nisa.get_nc_version() >= nisa.nc_version.gen4
+        # x^T by DMA gather-transposes or by TensorE transposes of the gathered rows. The H order of a contraction
+        # tile follows: DMA transposes read natural tiles (H index kt * 128 + p on partition p), so each partition
+        # loads its gate/up weight rows as runs of 2I elements; TensorE transposes take strided column sets (H
+        # index p * KT + kt), so each partition's weight rows are one contiguous run. DMA transposes on trn3 only
+        # (1.7x trn2's HBM share per core at the same TensorE rate: there DMA has room and TensorE is the bound;
+        # on trn2 it is the other way round), and only while the weight runs stay >= WEIGHT_RUN_MIN bytes.
+        self.dma_transpose = (nisa.get_nc_version() >= nisa.nc_version.gen4
+                              and 2 * inter * itemsize >= WEIGHT_RUN_MIN)
         # down contraction: I rows, plus one row of ones (activations) / b_down (weights) when the bias is added,
         # so the bias is a free extra contraction row instead of a separate matmul
         self.I_aug = inter + (1 if bias_d else 0)
@@ -91,8 +96,8 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
           computes. An expert with no rows is never scheduled; a tile past an expert's rows is never run (the tile
           loop's bound is data), so padding costs at most the rest of an expert's last 128-row tile.
         - Each expert's weights are read from HBM once per launch. LNC=2 splits the experts between the two cores
-          (balanced on tiles on the host); each core accumulates into its own HBM partial, and after a barrier the
-          cores add the two partials (half the rows each) into out.
+          (balanced on tiles on the host); core 0 accumulates into out, core 1 into an HBM partial, and after a
+          barrier the cores add the partial into out (half the rows each, DMA read-modify-writes).
         - Orientation: gate/up with the gathered tokens' x^T [128 (H), 128 (tokens)] stationary and the weights
           moving (the I columns stream, no I padding); the down projection with act^T stationary.
         - x^T: DMA gather-transposes on trn3, TensorE transposes on trn2 (see _Config).
@@ -109,12 +114,13 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
                            b_down, activation)
     out = nl.ndarray((cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
     core = nl.program_id(0) if cfg.n_cores > 1 else 0
-    acc, acc_off = out, 0
+    # LNC=2: core 0 accumulates into out, core 1 into a partial of its own (two cores' read-modify-writes of one
+    # token row would race); after a barrier the cores add the partial into out, half the rows each
+    acc = out
     if cfg.n_cores > 1:
-        # one partial per core: two cores' read-modify-writes of one token row would race
-        part = nl.ndarray((cfg.n_cores, cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
-        acc, acc_off = part.reshape((cfg.n_cores * cfg.T, cfg.H)), core * cfg.T * cfg.H
-    _zero_rows(cfg, acc if cfg.n_cores == 1 else part[core], 0, cfg.T)
+        part = nl.ndarray((cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
+        acc = out if core == 0 else part
+    _zero_rows(cfg, acc, 0, cfg.T)
     sched = _load_schedule(cfg, schedule, core)
     weights = [_Weights(cfg) for _ in range(2)]
     tiles = [_Tiles(cfg) for _ in range(2)]
@@ -124,13 +130,13 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         for s in range(2):
             base = p * (2 * SCHED_FIELDS) + s * SCHED_FIELDS + 1
             _serve_expert(cfg, [_Slot(weights[s], t) for t in tiles], psum, sched, base, x, w_gate_up, w_down,
-                          b_gate_up, b_down, gather_ids, scatter_ids, row_affinity, acc, acc_off)
+                          b_gate_up, b_down, gather_ids, scatter_ids, row_affinity, acc)
 
     n_pairs = nisa.scalar_load(sched[0:1, 0:1])
     nl.fori_loop(0, n_pairs, pair)
     if cfg.n_cores > 1:
         nisa.core_barrier(part, cores=(0, 1))
-        _combine_partials(cfg, part, out, core)
+        _add_partial(cfg, part, out, core)
     return out
 
 
@@ -162,7 +168,8 @@ def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity
         f"schedule must be [n_cores={n_cores}, 1 + {2 * SCHED_FIELDS} p], got shape {tuple(schedule.shape)}"
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down), ("b_gate_up", b_gate_up), ("b_down", b_down)):
         assert w is None or w.dtype == x.dtype, f"{name} dtype {w.dtype} must equal x's ({x.dtype})"
-    cfg = _Config(T, H, E, inter, R, schedule.shape[1], x.dtype, activation, b_gate_up is not None,
+    cfg = _Config(T, H, E, inter, R, schedule.shape[1], x.dtype, x.dtype.itemsize, activation,
+                  b_gate_up is not None,
                   b_down is not None, n_cores)
     assert cfg.KD * P_MAX * 2 <= nl.tile_size.psum_bank_fmax_bytes, \
         f"w_down: I={inter} too large: the transposed activations must fit one PSUM bank (I <= 1023)"
@@ -249,7 +256,7 @@ def _field(cfg, sched, base, k):
 
 
 def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids,
-                  row_affinity, acc, acc_off):
+                  row_affinity, acc):
     """One scheduled expert: its weights (if it has rows), then its 128-row tiles, two at a time (alternate tile
     buffers), and an odd last one."""
     e = _field(cfg, sched, base, 0)
@@ -260,7 +267,7 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
     nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], e, w_gate_up, w_down, b_gate_up, b_down))
 
     def tile(slot, row):
-        _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc, acc_off)
+        _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc)
 
     def two(i):
         tile(slots[0], row0 + i * (2 * P_MAX))
@@ -303,7 +310,7 @@ def _load_weights(cfg, slot, e, w_gate_up, w_down, b_gate_up, b_down):
                                                      indirect_dim=0))
 
 
-def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc, acc_off):
+def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc):
     """One 128-row tile of an expert's rows: gather, gate/up, activation, down, scale, scatter-add."""
     _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity)
     if not cfg.dma_transpose:
@@ -314,8 +321,8 @@ def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, 
     _transpose_act(cfg, slot, psum)
     _down_step(cfg, slot, psum)
     # scatter-add: out[ids] = out[ids] + y in the DMA engine (fp32 add, x's dtype stored); padding rows (-1) skipped.
-    # acc is out, or under LNC=2 the [cores, T, H] partials (.ap addresses the storage: acc_off selects the core's)
-    view = acc.ap([[cfg.H, P_MAX], [1, cfg.H]], offset=acc_off, vector_offset=slot.sid)
+    # (acc: out, or core 1's partial under LNC=2)
+    view = acc.ap([[cfg.H, P_MAX], [1, cfg.H]], offset=0, vector_offset=slot.sid)
     nisa.dma_compute(dst=view, srcs=[view, slot.y], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
 
 
@@ -417,20 +424,14 @@ def _down_step(cfg, slot, psum):
             nisa.tensor_scalar(dst=slot.y[:, h0:h0 + hw], data=ps[:, :hw], op0=nl.multiply, operand0=slot.aff)
 
 
-def _combine_partials(cfg, part, out, core):
-    """LNC=2: out = part[0] + part[1], the cores taking alternate 128-row tiles."""
-    a = nl.ndarray((P_MAX, cfg.H), dtype=cfg.dtype, buffer=nl.sbuf)
-    b = nl.ndarray((P_MAX, cfg.H), dtype=cfg.dtype, buffer=nl.sbuf)
-    n_t = (cfg.T + P_MAX - 1) // P_MAX
-    for t in range(n_t):
-        if t % cfg.n_cores != core:
-            continue
-        t0 = t * P_MAX
-        n = min(P_MAX, cfg.T - t0)
-        nisa.dma_copy(dst=a[:n, :], src=part[0, t0:t0 + n, :])
-        nisa.dma_copy(dst=b[:n, :], src=part[1, t0:t0 + n, :])
-        nisa.tensor_tensor(dst=a[:n, :], data1=a[:n, :], data2=b[:n, :], op=nl.add)
-        nisa.dma_copy(dst=out[t0:t0 + n, :], src=a[:n, :])
+def _add_partial(cfg, part, out, core):
+    """LNC=2: out += part for this core's half of the rows, in HBM -> HBM DMA read-modify-writes (fp32 add, x's
+    dtype stored), COMBINE_ROWS rows each."""
+    half = (cfg.T + cfg.n_cores - 1) // cfg.n_cores
+    r0, r1 = core * half, min(cfg.T, (core + 1) * half)
+    for t0 in range(r0, r1, COMBINE_ROWS):
+        n = min(COMBINE_ROWS, r1 - t0)
+        nisa.dma_compute(dst=out[t0:t0 + n, :], srcs=[out[t0:t0 + n, :], part[t0:t0 + n, :]], reduce_op=nl.add)
 
 
 moe_cte_nki = nki.jit(moe_cte_kernel)

@@ -144,9 +144,15 @@ def _rank(shard):
 
 @pytest.mark.parametrize("T,lnc,skew,bias", [(200, 1, None, True), (300, 2, "one", False), (129, 1, "half", True)])
 def test_kernel_trn3_dma_transposes(T, lnc, skew, bias, monkeypatch):
-    """trn3 takes x^T from DMA gather-transposes (natural H tiles for x and the gate/up weights)."""
+    """trn3 takes x^T from DMA gather-transposes (natural H tiles for x and the gate/up weights) when the weight runs
+    (2I bf16) are >= 1 KiB: I = 256."""
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
-    run_and_check(T, 256, 8, 96, 3, lnc=lnc, skew=skew, biases=bias, block_size=128)
+    run_and_check(T, 256, 8, 256, 3, lnc=lnc, skew=skew, biases=bias, block_size=128)
+
+
+def test_kernel_trn3_tensor_transposes_for_short_weight_rows(monkeypatch):
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    run_and_check(100, 256, 4, 96, 2)
 
 
 def test_kernel_trn3_gpt_oss_20b_tp8(monkeypatch):
