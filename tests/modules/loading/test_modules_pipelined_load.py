@@ -30,7 +30,7 @@ def test_reader_runs_ahead_of_placing(ckpt_dir, monkeypatch):  # noqa: F811
     ckpt = SafetensorsCheckpoint(ckpt_dir)
     read_events: list[threading.Event] = [threading.Event() for _ in range(32)]
     overlapped: list[bool] = []
-    wait_s = [2.0]
+    wait_s = [10.0]  # generous: the reader is normally there within microseconds
     read_all, place = SafetensorsCheckpoint._read_all, SafetensorsCheckpoint._place
 
     def spy_read_all(self, *a):
