@@ -63,6 +63,19 @@ def test_target_met_in_baseline_is_asserted(baseline):
     assert res.failed and not res.regressions and [r[0] for r in res.target_failures] == ["k::a"]
 
 
+def test_a_benchs_own_target_verdict_is_ratcheted(tmp_path):
+    """Targets that are not a latency/bound ratio (e.g. an MFU floor) ratchet through modelled_meets_target."""
+    path = tmp_path / "b.json"
+    ratchet.update(_run(_bench("k::mfu", 1e-3, modelled_meets_target=True), _bench("k::no", 1e-3,
+                                                                                   modelled_meets_target=False)), path)
+    rows = ratchet.load_baseline(path)
+    assert rows["k::mfu"]["meets_target"] is True and rows["k::no"]["meets_target"] is False
+    lost = ratchet.check(_run(_bench("k::mfu", 1e-3, modelled_meets_target=False),
+                              _bench("k::no", 1e-3, modelled_meets_target=False)), rows)
+    assert lost.failed and [r[0] for r in lost.target_failures] == ["k::mfu"]
+    assert any("modelled_meets_target is now False" in line for line in lost.lines())
+
+
 def test_update_in_the_same_commit_passes(baseline):
     slower = _run(_bench("k::a", 100e-6, bound=90e-6, target=1.3), _bench("k::b", 60e-6), _bench("k::c", 10e-6))
     assert ratchet.check(slower, ratchet.load_baseline(baseline)).failed
