@@ -227,9 +227,10 @@ def _evict(i, dst, src):
 
 def _x_transposed(cfg, x):
     """x^T of this core's token tiles, [128 (H rows kt*128 + p), KT, tiles * 128] bf16 (the QKV projection's
-    stationaries), by TensorE transposes, TRANSPOSE_GROUP per PSUM bank, evicted by ScalarE (idle until the first
-    attention step; VectorE does the first head group's RoPE meanwhile). Resident for all head groups."""
-    xT = nl.ndarray((P_MAX, cfg.KT, len(cfg.mine) * P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+    stationaries), by TensorE transposes, TRANSPOSE_GROUP per PSUM bank, evicted alternately by ScalarE and VectorE
+    (both idle until the first attention step, which waits for these). Resident for all head groups."""
+    # [128, tile, KT, 128]: each tile's x^T is one contiguous region (no false dependency between tiles' writes)
+    xT = nl.ndarray((P_MAX, len(cfg.mine), cfg.KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
     for i, t in enumerate(cfg.mine):
         xt = nl.ndarray((P_MAX, cfg.H), dtype=x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=xt, src=x[t * P_MAX:(t + 1) * P_MAX, :])
@@ -238,27 +239,33 @@ def _x_transposed(cfg, x):
             pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x.dtype, buffer=nl.psum)
             for k in range(kn):
                 nisa.nc_transpose(dst=pt[:, k, :], data=xt[:, (k0 + k) * P_MAX:(k0 + k + 1) * P_MAX])
-            nisa.activation(dst=xT[:, k0:k0 + kn, i * P_MAX:(i + 1) * P_MAX], op=nl.copy, data=pt[:, :kn, :])
+            dst = xT[:, i, k0:k0 + kn, :]
+            if i % 2 == 0:
+                nisa.tensor_copy(dst=dst, src=pt[:, :kn, :])
+            else:
+                nisa.activation(dst=dst, op=nl.copy, data=pt[:, :kn, :])
     return xT
 
 
 def _qkv_rope(cfg, x, xT, wq, bias, cos, sin, g0, g1):
     """Heads [g0, g1) (nh of them here), this core's token tiles: qkv = x @ W_qkv + b (bf16), RoPE on q and k, then
-    qkT [128 (d used), 2nh, n_pad, 128] bf16 (Q^T of head h at [:d, h], K^T at [:d, nh + h]; key tile t at
-    [..., t, :]) and v [128 tokens, n_pad, nh*d] bf16; the PAD_TILES tiles after the block are zero."""
+    qkT [128 (d used), n_pad, 2nh, 128] bf16 (token tile t, Q^T of head h at [:d, t, h], K^T at [:d, t, nh + h];
+    each token tile's region contiguous, so the per-tile writes carry no false dependencies) and
+    v [128 tokens, n_pad, nh*d] bf16; the PAD_TILES tiles after the block are zero."""
     d, nh = cfg.d, g1 - g0
     hd = nh * d
     h2 = d // 2
-    qkT = nl.ndarray((P_MAX, 2 * nh, cfg.n_pad, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+    qkT = nl.ndarray((P_MAX, cfg.n_pad, 2 * nh, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
     v = nl.ndarray((P_MAX, cfg.n_pad, hd), dtype=x.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=qkT[:d, nh:, cfg.n_kt:, :], value=0.0, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=qkT[:d, cfg.n_kt:, nh:, :], value=0.0, engine=nisa.engine.gpsimd)
     nisa.memset(dst=v[:, cfg.n_kt:, :], value=0.0, engine=nisa.engine.gpsimd)
     ones = nl.ndarray((1, P_MAX), dtype=bias.dtype, buffer=nl.sbuf)
     nisa.memset(dst=ones, value=1.0, engine=nisa.engine.gpsimd)
-    # RoPE engine: the first group's rotary is on the path to the first attention step, while VectorE has nothing
-    # else to do; later groups' run on GpSimd beside the attention (VectorE is then its busiest engine).
-    gp = nisa.engine.vector if g0 == 0 else nisa.engine.gpsimd
+    # RoPE engine: the first group's rotary is on the path to the first attention step: VectorE (nothing else to do
+    # yet) and GpSimd take alternate tiles; later groups' run on GpSimd beside the attention (VectorE is then the
+    # busiest engine).
     for i, t in enumerate(cfg.mine):
+        gp = nisa.engine.vector if g0 == 0 and i % 2 == 0 else nisa.engine.gpsimd
         cs = nl.ndarray((P_MAX, 2, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=cs[:, 0, :], src=cos[t * P_MAX:(t + 1) * P_MAX, :])
         nisa.dma_copy(dst=cs[:, 1, :], src=sin[t * P_MAX:(t + 1) * P_MAX, :])
@@ -284,7 +291,7 @@ def _qkv_rope(cfg, x, xT, wq, bias, cos, sin, g0, g1):
             for f0, w0, n in bank:
                 o0 = f0 - b0
                 for kt in range(cfg.KT):
-                    nisa.nc_matmul(dst=ps[:, o0:o0 + n], stationary=xT[:, kt, i * P_MAX:(i + 1) * P_MAX],
+                    nisa.nc_matmul(dst=ps[:, o0:o0 + n], stationary=xT[:, i, kt, :],
                                    moving=wq[:, kt, w0:w0 + n], accumulate=(kt > 0))
                 nisa.nc_matmul(dst=ps[:, o0:o0 + n], stationary=ones, moving=bias[:, w0:w0 + n], accumulate=True)
             nb_cols = sum(n for _, _, n in bank)
@@ -310,7 +317,7 @@ def _qkv_rope(cfg, x, xT, wq, bias, cos, sin, g0, g1):
             pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x.dtype, buffer=nl.psum)
             for j in range(jn):
                 nisa.nc_transpose(dst=pt[:d, j, :], data=rot[:, j0 + j, :])
-            _evict(i + j0 + 1, qkT[:d, j0:j0 + jn, t, :], pt[:d, :jn, :])
+            _evict(i + j0 + 1, qkT[:d, t, j0:j0 + jn, :], pt[:d, :jn, :])
     return qkT, v
 
 
@@ -320,7 +327,7 @@ def _exchange_kv(cfg, qkT, v, nh, g0):
     d = cfg.d
     core, other = cfg.core, 1 - cfg.core
     n = cfg.n_kt
-    nisa.sendrecv(src=qkT[:d, nh:, core:n:2, :], dst=qkT[:d, nh:, other:n:2, :], send_to_rank=other,
+    nisa.sendrecv(src=qkT[:d, core:n:2, nh:, :], dst=qkT[:d, other:n:2, nh:, :], send_to_rank=other,
                   recv_from_rank=other, pipe_id=100 + 2 * g0)
     nisa.sendrecv(src=v[:, core:n:2, :], dst=v[:, other:n:2, :], send_to_rank=other, recv_from_rank=other,
                   pipe_id=101 + 2 * g0)
@@ -351,7 +358,7 @@ def _attend(cfg, qkT, v, rb0, dec, regs, qt, h, nh, o_h):
     nisa.memset(dst=acc, value=0.0, engine=nisa.engine.gpsimd)
     rb = nl.ndarray((P_MAX, 2), dtype=f32, buffer=nl.sbuf)       # the rows' bounds relative to this step's keys
     nisa.tensor_copy(dst=rb, src=rb0[:, qt, :], engine=nisa.engine.gpsimd)
-    stat = qkT[:d, h, qt, :]
+    stat = qkT[:d, qt, h, :]
     st = (nb, l_sum, acc, rb, dec)
 
     def step(width):
@@ -374,13 +381,15 @@ def _key_step(cfg, st, stat, qkT, v, c, h, nh, width):
     hd = nh * d
     f32 = nl.float32
     gp = nisa.engine.gpsimd
-    n = width * P_MAX
-    ps = nl.ndarray((P_MAX, n), dtype=f32, buffer=nl.psum)
-    for b in range(n // PSUM_F):
-        # K^T of head h, keys c*128 + b*512 .. + 512: the register c scales by the tile size (indirect_dim=2)
-        mv = qkT.ap([[2 * nh * cfg.n_pad * P_MAX, d], [1, PSUM_F]],
-                    offset=(nh + h) * cfg.n_pad * P_MAX + b * PSUM_F, scalar_offset=c, indirect_dim=2)
-        nisa.nc_matmul(dst=ps[:, b * PSUM_F:(b + 1) * PSUM_F], stationary=stat, moving=mv, accumulate=False)
+    kb = PSUM_F // P_MAX                                          # key tiles per matmul (one PSUM bank)
+    ps = nl.ndarray((P_MAX, width, P_MAX), dtype=f32, buffer=nl.psum)
+    for b in range(width // kb):
+        # K^T of head h, key tiles c + b*kb .. + kb (tile stride 2nh*128): the register c scales by a tile's
+        # elements (indirect_dim=1)
+        mv = qkT.ap([[cfg.n_pad * 2 * nh * P_MAX, d], [2 * nh * P_MAX, PSUM_F // P_MAX], [1, P_MAX]],
+                    offset=(nh + h) * P_MAX + b * (PSUM_F // P_MAX) * 2 * nh * P_MAX, scalar_offset=c,
+                    indirect_dim=1)
+        nisa.nc_matmul(dst=ps[:, b * kb:(b + 1) * kb, :], stationary=stat, moving=mv, accumulate=False)
     mt = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
     nisa.range_select(dst=ps, on_true_tile=ps, comp_op0=nl.greater_equal, comp_op1=nl.less, bound0=rb[:, 0:1],
                       bound1=rb[:, 1:2], reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=mt,
@@ -390,7 +399,7 @@ def _key_step(cfg, st, stat, qkT, v, c, h, nh, width):
     nisa.tensor_tensor(dst=nbn, data1=nbn, data2=nb, op=nl.minimum, engine=gp)
     alpha = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)    # exp(scale * (m - m'))
     nisa.activation(dst=alpha, op=nl.exp, data=nb, bias=nbn, scale=-1.0)
-    p = nl.ndarray((P_MAX, n), dtype=v.dtype, buffer=nl.sbuf)
+    p = nl.ndarray((P_MAX, width, P_MAX), dtype=v.dtype, buffer=nl.sbuf)
     rs = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
     nisa.activation(dst=p, op=nl.exp, data=ps, bias=nbn, scale=cfg.scale, reduce_op=nl.add, reduce_res=rs,
                     reduce_cmd=nisa.reduce_cmd.reset_reduce)
@@ -401,7 +410,7 @@ def _key_step(cfg, st, stat, qkT, v, c, h, nh, width):
     nisa.tensor_tensor(dst=rb, data1=rb, data2=dec[:, STEPS.index(width), :], op=nl.subtract, engine=gp)
     # P^T by a DMA transpose (the DMA queues are idle during the attention; TensorE and VectorE are not)
     pT = nl.ndarray((P_MAX, width, P_MAX), dtype=v.dtype, buffer=nl.sbuf)
-    nisa.dma_transpose(dst=pT, src=p.reshape((P_MAX, width, P_MAX)))
+    nisa.dma_transpose(dst=pT, src=p)
     po = nl.ndarray((P_MAX, d), dtype=f32, buffer=nl.psum)
     for j in range(width):
         vj = v.ap([[cfg.n_pad * hd, P_MAX], [1, d]], offset=j * hd + h * d, scalar_offset=c, indirect_dim=1)
