@@ -512,8 +512,6 @@ def _store_out_step(cfg, acc, out):
             _evict(i, full[:T, c0:c0 + cw], acc.banks[i][:T, :cw])
     else:
         full = acc.sb
-    lo, hi = 0, H
-    total = full
     if cfg.ncores > 1:
         half = H // 2
         lo, hi = cfg.core * half, (cfg.core + 1) * half
@@ -521,11 +519,17 @@ def _store_out_step(cfg, acc, out):
         other = nl.ndarray((P_MAX, half), dtype=nl.float32, buffer=nl.sbuf)
         nisa.sendrecv(src=full[:T, olo:olo + half], dst=other[:T, :], send_to_rank=1 - cfg.core,
                       recv_from_rank=1 - cfg.core, pipe_id=1)
-        total = nl.ndarray((P_MAX, H), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=total[:T, lo:hi], data1=full[:T, lo:hi], data2=other[:T, :], op=nl.add)
+        # the sum rounds straight to the output dtype, split between VectorE and GpSimd (both SBUF operands)
+        o = nl.ndarray((P_MAX, H), dtype=out.dtype, buffer=nl.sbuf)
+        mid = lo + half // 2
+        nisa.tensor_tensor(dst=o[:T, lo:mid], data1=full[:T, lo:mid], data2=other[:T, :mid - lo], op=nl.add)
+        nisa.tensor_tensor(dst=o[:T, mid:hi], data1=full[:T, mid:hi], data2=other[:T, mid - lo:], op=nl.add,
+                           engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=out[:, lo:hi], src=o[:T, lo:hi])
+        return
     o = nl.ndarray((P_MAX, H), dtype=out.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=o[:T, lo:hi], src=total[:T, lo:hi])
-    nisa.dma_copy(dst=out[:, lo:hi], src=o[:T, lo:hi])
+    nisa.tensor_copy(dst=o[:T, :], src=full[:T, :])
+    nisa.dma_copy(dst=out, src=o[:T, :])
 
 
 def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None, b_down=None, gamma=None,
