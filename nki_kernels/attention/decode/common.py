@@ -1,0 +1,71 @@
+"""SBUF constants and small helpers shared by every phase (evictions, runtime trip counts).
+
+Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
+
+import nki.isa as nisa
+import nki.language as nl
+
+from .config import MASK_NEG, P_MAX
+
+
+class _Constants(nl.NKIObject):
+    """SBUF constants: identity (selection matmuls), MASK_NEG * identity (mask folding), ones."""
+
+    def __init__(self, cfg, dtype):
+        self.vs = None     # fp8 cache: v_scale per KV head on every partition (set after the inputs are loaded)
+        ones = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=ones, value=1.0)
+        self.ones = ones
+        self.ident = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.affine_select(dst=self.ident, pattern=[[-1, P_MAX]], channel_multiplier=1, on_true_tile=ones,
+                           on_false_value=0.0, cmp_op=nl.equal)
+        fill = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=fill, value=MASK_NEG)
+        self.neg_eye = nl.ndarray((P_MAX, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.affine_select(dst=self.neg_eye, pattern=[[-1, P_MAX]], channel_multiplier=1, on_true_tile=fill,
+                           on_false_value=0.0, cmp_op=nl.equal)
+        self.ones_f32 = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=self.ones_f32, value=1.0)
+        # Masked stationaries of the attention (double-buffered over packs): stack jj of qm holds the queries of
+        # the pack's batch j = jj*kpp + u on partitions u*d..(u+1)*d, columns j*R..(j+1)*R, zeros elsewhere;
+        # accumulating qm_jj^T K_jj over the stacks yields a packed score tile where row block j only saw batch
+        # j's keys. Zeroed once (early, while VectorE is idle); every pack rewrites the same blocks.
+        self.qm = tuple(nl.ndarray((P_MAX, cfg.nst, cfg.pack * cfg.R), dtype=dtype, buffer=nl.sbuf)
+                        for _ in range(2))
+        for q in self.qm:
+            nisa.memset(dst=q[:cfg.kpp * cfg.d], value=0.0)
+
+
+def _ones_row(consts, dtype, n):
+    """[1, n] ones of `dtype` (stationary of a K=1 bias matmul)."""
+    if dtype == nl.bfloat16:
+        return consts.ones[:1, :n]
+    t = nl.ndarray((1, P_MAX), dtype=dtype, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=1.0)
+    return t[:1, :n]
+
+
+def _evict(i, dst, src):
+    """PSUM -> SBUF copy, alternating VectorE and ScalarE so that evictions of independent banks overlap."""
+    if i % 2 == 0:
+        nisa.tensor_copy(dst=dst, src=src)
+    else:
+        nisa.activation(dst=dst, op=nl.copy, data=src)
+
+
+def _registers(t, n):
+    """One register per element of the int32 row t[0:1, :n] (runtime trip counts)."""
+    regs = []
+    for i in range(n):
+        r = nisa.register_alloc()
+        nisa.register_load(dst=r, src=t[0:1, i:i + 1])
+        regs.append(r)
+    return tuple(regs)
+
+
+def _run(gate, body):
+    """body(0) at trace time when gate is None, else inside a runtime loop of gate (0 or 1) iterations."""
+    if gate is None:
+        body(0)
+    else:
+        nl.fori_loop(0, gate, body)

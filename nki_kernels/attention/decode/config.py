@@ -1,0 +1,258 @@
+"""Tile sizes and limits, the launch configuration (_Config: every derived size), argument validation and the LNC=2
+splits.
+
+Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
+
+import nki.language as nl
+
+# ---- tile sizes -----------------------------------------------------------------------------------------------
+# Hardware limits come from nl.tile_size (the same on trn2 and trn3 unless noted); the rest are tuning choices
+# expressed in them. Target-dependent capacities (usable SBUF per partition, usable PSUM banks) are read at trace
+# time in _Config, so one file serves trn2 and trn3.
+# SBUF/PSUM partitions = matmul contraction tile (K) = TensorE transpose size = gemm_stationary_fmax (a score
+# tile's rows are a stationary's columns)
+P_MAX = nl.tile_size.pmax
+# fp32 elements per PSUM bank; also every matmul's moving free size here (<= gemm_moving_fmax, see _validate_inputs)
+PSUM_F = nl.tile_size.psum_bank_fmax
+QKV_BANKS = 4          # PSUM banks open at once in the QKV projection (one accumulation group per bank)
+# TensorE transposes [<=128, 128] (bf16) batched into one PSUM bank before one eviction
+TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
+FA_SUB = 2 * PSUM_F    # context positions per online-softmax step: 2 PSUM banks of scores, double-buffered
+PV_COLS = 2 * PSUM_F   # PV output columns (pack batches x d): 2 PSUM banks
+# PSUM banks the attention holds at once: 2 score buffers of FA_SUB, the PV output, one transpose bank (P^T) and
+# one selection bank (o^T); every other phase uses fewer.
+ATTN_PSUM_BANKS = 2 * (FA_SUB // PSUM_F) + PV_COLS // PSUM_F + 2
+FA_TILE_MAX = 4096     # context positions per K/V load (one DMA per batch and K/V): >= 4 KiB per partition
+V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
+KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
+PACK_MIN = 4           # smallest batch pack the K/V ring sizing may shrink to (for longer, more efficient DMAs)
+KV_SBUF_MAX = 128 * 1024   # bytes per partition for the K/V ring (less when the resident weights are large)
+KV_SBUF_MIN = 32 * 1024    # ... but never less than this (the weights then stream through a smaller ring)
+SBUF_RESERVE = 24 * 1024   # bytes per partition kept for everything else (q, masks, P tiles, accumulators)
+W_QKV_DMAS = 4         # W_qkv is loaded in this many DMAs (>= 2 KiB contiguous per partition each)
+MASK_NEG = -1.0e30     # additive mask value: exp underflows to 0; two of them still sum to a finite fp32
+MAX_S_TKG = 8          # new tokens per sequence
+MAX_BATCH = 64
+MAX_GROUP = 16         # query heads per KV head
+MAX_HEAD_DIM = P_MAX   # head dim lives on the partitions for QK^T
+MAX_TOKENS = 4 * P_MAX  # B * S_tkg handled per launch (4 token tiles of 128 partitions)
+MIN_BLOCK, MAX_BLOCK = 16, 512   # paged KV cache: block sizes (powers of two) in this range
+MAX_CACHE_ROWS = 1 << 24   # paged cache rows num_blocks * kv_heads * block_size: exact in fp32 (row ids on-chip)
+# AWS nki.isa.dma_transpose, "DMA Indirect Transpose Constraints": a gather-transpose takes 16..128 index rows (a
+# multiple of 16), so a paged slot is gathered in at least this many rows (sub-blocks when blocks are large).
+GATHER_ROWS_MIN = 16
+
+
+def _split_context(cfg, core):
+    """LNC=2 with B < 2: this core scans [lo, hi) of the cache (halves in units of cfg.unit) and owns the
+    O-projection columns [hc0 * 128, hc1 * 128)."""
+    mid = cfg.scan // cfg.unit // 2 * cfg.unit
+    n_c = cfg.H // P_MAX
+    half = (n_c + 1) // 2
+    cfg.split, cfg.wsplit, cfg.core = True, True, core
+    cfg.lo, cfg.hi = (0, mid) if core == 0 else (mid, cfg.scan)
+    cfg.hc = (0, half) if core == 0 else (half, n_c)
+
+
+def _split_weights(cfg, core):
+    """LNC=2 batch split with the weights split between the cores: this core loads W_qkv rows of half of the
+    H/128 tiles (QKV partial sums exchanged) and W_o columns [hc0 * 128, hc1 * 128) (o^T exchanged)."""
+    n_c = cfg.H // P_MAX
+    half = (n_c + 1) // 2
+    cfg.wsplit, cfg.core = True, core
+    cfg.hc = (0, half) if core == 0 else (half, n_c)
+
+
+def _can_split_weights(cfg):
+    """Batch split with B even (the cores' o^T column blocks have one shape, as sendrecv needs), o^T one PSUM bank
+    of one token tile (the attention's direct o^T path, exchanged in one sendrecv) and a QKV contraction of two
+    halves; other shapes keep whole weights per core."""
+    n_k = (cfg.nq * cfg.d + P_MAX - 1) // P_MAX
+    return (cfg.B >= 2 and cfg.B % 2 == 0 and cfg.B * cfg.S <= cfg.tile_tok and cfg.d in (32, 64, 128)
+            and n_k * cfg.B * cfg.S <= PSUM_F and cfg.KT >= 2)
+
+
+class _Config(nl.NKIObject):
+    """Static shapes and options of one launch (compile-time values only)."""
+
+    def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize, bs=0, mb=0, fp8=False):
+        self.B, self.S, self.H, self.d, self.nkv, self.nq = B, S, H, d, nkv, nq
+        self.paged, self.bs, self.mb = bs > 0, bs, mb    # paged cache: block size, block-table columns
+        # fp8 KV cache: K rows are cast on load into a staging slot and DMA-transposed from SBUF, which gives the
+        # i-major K^T layout of the paged path (column i*128 + q <-> position q*n + i)
+        self.fp8 = fp8
+        self.imajor = self.paged or fp8
+        self.s_max, self.L, self.scale, self.h_actual, self.window = s_max, L, scale, h_actual, window
+        self.group = nq // nkv                 # query heads per KV head
+        self.R = self.group * S                # query rows of one (batch, KV head): (s, h) order
+        self.C = (nq + 2 * nkv) * d            # fused QKV columns
+        self.KT = H // P_MAX                   # contraction tiles over H (H index p * KT + kt on partition p)
+        self.tile_tok = (P_MAX // S) * S       # tokens per token tile: whole sequences only
+        self.L_prior = L - S                   # cache keys read: j < pos[b, 0] <= L - S
+        # Scan of the cache: whole 128-position tiles (paged: whole u-position units, u = max(128, block size)).
+        self.unit = max(P_MAX, bs)
+        self.scan = (self.L_prior + self.unit - 1) // self.unit * self.unit
+        if not self.paged:
+            self.scan = min(s_max, self.scan)
+        # Sliding window: scan only the W - 1 cache keys before each sequence's first new position, from a dynamic
+        # start (a register per sequence): start = clamp(pos[b, 0] - W + 1, 0, cap - scan_w) (paged: rounded down
+        # to a multiple of u, and u more positions scanned). The cost no longer grows with the context.
+        self.dyn = False
+        self.cap = s_max if not self.paged else s_max // self.unit * self.unit
+        if window > 0:
+            scan_w = 0
+            if window > 1 and self.paged:
+                scan_w = (window - 1 + self.unit - 1) // self.unit * self.unit + self.unit
+            elif window > 1:
+                scan_w = (window - 1 + P_MAX - 1) // P_MAX * P_MAX
+            if scan_w < self.scan and scan_w <= self.cap:
+                self.scan, self.dyn = scan_w, scan_w > 0
+        # Ragged contexts: each sequence's K/V loads stop at its own length, and a pack's steps past all of its
+        # sequences' lengths are skipped (runtime trip counts; see _step_gates). Not for the windowed scan, whose
+        # short range already follows each sequence.
+        self.ragged = not self.dyn
+        # d <= 64: kpp = 128 // d batches share the partitions of one K^T / query stack (batch j on partitions
+        # (j % kpp) * d ..), so one score matmul contracts over 128 partitions and covers kpp batches.
+        self.kpp = P_MAX // d if (2 * d <= P_MAX and P_MAX % d == 0) else 1
+        self.pad = P_MAX - d if self.kpp > 1 else 0      # qkv tile column padding for the stacked transposes
+        self.pack = max(1, min(B, P_MAX // self.R, PV_COLS // d))   # batches sharing one score tile
+        # K/V ring: KV_BUFS slots of pack x FT positions (K^T stacks [128, FT] + V [128, FT/128, d] per batch).
+        n_k = (nq * d + P_MAX - 1) // P_MAX
+        resident = self.KT * self.C * itemsize + n_k * H * itemsize     # W_qkv and W_o, bytes per partition
+        sbuf = nl.tile_size.sbuf_fmax_bytes    # usable SBUF bytes per partition of this target
+        budget = min(KV_SBUF_MAX, max(KV_SBUF_MIN, sbuf - SBUF_RESERVE - resident))
+        # FT target: V runs of >= 4 KiB per partition (DMA efficiency), i.e. FT * d * itemsize / 128 >= 4 KiB.
+        self.kv_bufs = KV_BUFS if d <= 64 else KV_BUFS + 1
+        ft_target = min(FA_TILE_MAX, max(2 * FA_SUB, V_RUN_BYTES * P_MAX // (d * itemsize) // FA_SUB * FA_SUB))
+        while self.pack > PACK_MIN and self.kv_bufs * _slot_bytes(self.pack, ft_target, self.kpp, d, itemsize,
+                                                                   fp8) > budget:
+            self.pack -= 1
+        ft = FA_TILE_MAX
+        while ft > FA_SUB and self.kv_bufs * _slot_bytes(self.pack, ft, self.kpp, d, itemsize, fp8) > budget:
+            ft -= FA_SUB
+        if self.kv_bufs == KV_BUFS and ft >= 2 * FA_SUB:
+            # Same SBUF as KV_BUFS slots of ft positions, as up to twice as many half-size slots: the first steps
+            # start on half the data and the ring runs further ahead of the compute (no queue stalls).
+            half = ft // 2 // FA_SUB * FA_SUB
+            self.kv_bufs = min(2 * KV_BUFS, KV_BUFS * ft // half)
+            ft = half
+        self.nst = (self.pack + self.kpp - 1) // self.kpp          # K^T / query stacks per pack
+        self.fa_tile = max(P_MAX, min(ft, (self.scan + P_MAX - 1) // P_MAX * P_MAX))
+        # Context split between the two cores of an LNC=2 launch (B < 2; see _split_context): defaults = no split.
+        self.split, self.core, self.lo, self.hi, self.hc = False, 0, 0, self.scan, (0, H // P_MAX)
+        self.wsplit = False    # LNC=2: W_qkv rows / W_o columns split between the cores (_split_weights)
+        if self.paged:     # paged slots are 128 * 2^m positions (block-aligned gathers)
+            ft = P_MAX
+            while 2 * ft <= self.fa_tile:
+                ft *= 2
+            self.fa_tile = ft
+
+
+def _slot_bytes(pack, ft, kpp, d, itemsize, fp8=False):
+    """Bytes per partition of one K/V load slot: K^T stacks [128, ft] and V [128, ft / 128, d] per batch (fp8
+    cache: and the K rows' staging, the size of V)."""
+    return ((pack + kpp - 1) // kpp * ft + (2 if fp8 else 1) * pack * ft * d // P_MAX) * itemsize
+
+
+def argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table=None):
+    """The argument at fault when a wrong layout would otherwise be blamed on another one, as a message (None: no
+    such error). Shared by the kernel's validation and the host-side checks of `decode_attention`."""
+    if (cos is None) != (sin is None):
+        given, missing = ("cos", "sin") if sin is None else ("sin", "cos")
+        return f"{given} is given but {missing} is None: the RoPE tables come as a pair (both or neither)"
+    paged = block_table is not None
+    layout = "[num_blocks, kv_heads, block_size, d]" if paged else "[B, kv_heads, S_max, d]"
+    if len(K_cache.shape) != 4:
+        return f"K_cache must be {layout}, got shape {tuple(K_cache.shape)}"
+    if tuple(V_cache.shape) != tuple(K_cache.shape):
+        return f"V_cache shape {tuple(V_cache.shape)} must equal K_cache shape {tuple(K_cache.shape)}"
+    nkv, d = K_cache.shape[1], K_cache.shape[3]
+    if len(W_qkv.shape) == 2 and (d < 1 or W_qkv.shape[1] % d or W_qkv.shape[1] // d < 3 * nkv):
+        return (f"K_cache: shape {tuple(K_cache.shape)} read as {layout} gives kv_heads={nkv}, d={d}, which W_qkv's "
+                f"{W_qkv.shape[1]} = (nq + 2*kv_heads) * d columns (nq >= kv_heads) cannot hold: is the cache in "
+                f"another layout (e.g. [B, S_max, kv_heads, d])?")
+    return None
+
+
+def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
+                     context_len, softmax_scale, hidden_actual, sliding_window, block_table=None, add_bias_o=True,
+                     k_scale=None, v_scale=None):
+    """Check every static limit before any work; messages name the argument and the limit."""
+    assert nl.tile_size.gemm_moving_fmax >= PSUM_F, \
+        f"target: matmul moving free size {nl.tile_size.gemm_moving_fmax} < one PSUM bank ({PSUM_F}); unsupported"
+    assert nl.tile_size.psum_num_banks >= ATTN_PSUM_BANKS, \
+        (f"target: the attention needs {ATTN_PSUM_BANKS} PSUM banks, {nl.tile_size.psum_num_banks} are usable "
+         "(NKI_DMA_TRANSPOSE_AS_PE_TRANSPOSE=true reserves one)")
+    assert len(X.shape) == 3, f"X must be [B, S_tkg, H], got shape {X.shape}"
+    B, S, H = X.shape
+    assert len(W_qkv.shape) == 2 and W_qkv.shape[0] == H, f"W_qkv must be [H={H}, (nq+2*nkv)*d], got {W_qkv.shape}"
+    err = argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table)   # cache rank, V_cache shape, d | W_qkv
+    assert err is None, err
+    assert isinstance(add_bias_o, bool), f"add_bias_o={add_bias_o!r} must be a bool"
+    paged = block_table is not None
+    if paged:
+        n_blocks, nkv, bs, d = K_cache.shape
+        assert len(block_table.shape) == 2 and block_table.shape[0] == B, \
+            f"block_table must be [B={B}, max_blocks_per_seq], got shape {block_table.shape}"
+        assert block_table.dtype == nl.int32, f"block_table must be int32, got {block_table.dtype}"
+        assert MIN_BLOCK <= bs <= MAX_BLOCK and (bs & (bs - 1)) == 0, \
+            f"K_cache: block_size={bs} must be a power of two in {MIN_BLOCK}..{MAX_BLOCK}"
+        assert n_blocks * nkv * bs <= MAX_CACHE_ROWS, \
+            f"K_cache: num_blocks * kv_heads * block_size = {n_blocks * nkv * bs} rows exceeds {MAX_CACHE_ROWS}"
+        mb = block_table.shape[1]
+        Bc, s_max = B, mb * bs
+    else:
+        Bc, nkv, s_max, d = K_cache.shape
+        bs, mb = 0, 0
+    assert 1 <= B <= MAX_BATCH, f"X: batch {B} must be in 1..{MAX_BATCH}"
+    assert 1 <= S <= MAX_S_TKG, f"X: S_tkg {S} must be in 1..{MAX_S_TKG}"
+    assert H % P_MAX == 0, f"X: hidden size H={H} must be a multiple of {P_MAX} (pad it; see hidden_actual)"
+    assert B * S <= MAX_TOKENS, f"X: B*S_tkg = {B * S} must be <= {MAX_TOKENS}"
+    assert d <= MAX_HEAD_DIM and d % 2 == 0, f"K_cache: head dim d={d} must be even and <= {MAX_HEAD_DIM}"
+    assert Bc == B, f"K_cache: batch {Bc} must equal X batch {B}"
+    nq = W_qkv.shape[1] // d - 2 * nkv
+    assert nq >= nkv and nq % nkv == 0, f"W_qkv: {nq} query heads is not a positive multiple of kv_heads={nkv}"
+    assert nq // nkv <= MAX_GROUP, f"W_qkv: {nq // nkv} query heads per KV head exceeds {MAX_GROUP}"
+    assert (nq // nkv) * S <= P_MAX, f"(q heads per KV head) * S_tkg = {(nq // nkv) * S} must be <= {P_MAX}"
+    assert tuple(W_o.shape) == (nq * d, H), f"W_o must be [nq*d={nq * d}, H={H}], got {W_o.shape}"
+    assert tuple(position_ids.shape) == (B, S), f"position_ids must be [B={B}, S_tkg={S}], got {position_ids.shape}"
+    assert position_ids.dtype == nl.int32, f"position_ids must be int32, got {position_ids.dtype}"
+    fp8 = K_cache.dtype in (nl.float8_e4m3, nl.float8_e4m3fn)
+    caches = () if fp8 else (("K_cache", K_cache), ("V_cache", V_cache))
+    for name, t in (("W_qkv", W_qkv), ("W_o", W_o)) + caches:
+        assert t.dtype == X.dtype, f"{name} dtype {t.dtype} must match X dtype {X.dtype}"
+    if fp8:
+        assert V_cache.dtype == K_cache.dtype, f"V_cache dtype {V_cache.dtype} must match K_cache dtype {K_cache.dtype}"
+        assert not paged, "K_cache: an fp8 cache is supported in the contiguous layout only (no block_table)"
+        assert s_max % P_MAX == 0, f"K_cache: an fp8 cache needs S_max={s_max} to be a multiple of {P_MAX}"
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            assert t is not None, f"{name} is required with an fp8 cache ({K_cache.dtype})"
+            assert tuple(t.shape) in ((1,), (nkv,)) and t.dtype == nl.float32, \
+                f"{name} must be float32 [1] (per tensor) or [kv_heads={nkv}] (per head), got {t.dtype} {t.shape}"
+    else:
+        assert k_scale is None and v_scale is None, "k_scale / v_scale apply to an fp8 KV cache only"
+    if cos is not None:
+        assert tuple(cos.shape) == (B, S, d // 2) and tuple(sin.shape) == (B, S, d // 2), \
+            f"cos/sin must be [B={B}, S_tkg={S}, d/2={d // 2}], got {cos.shape} / {sin.shape}"
+    if gamma is not None:
+        assert tuple(gamma.shape) == (1, H), f"gamma must be [1, H={H}], got {gamma.shape}"
+    if bias_qkv is not None:
+        assert tuple(bias_qkv.shape) == (1, W_qkv.shape[1]), f"bias_qkv must be [1, {W_qkv.shape[1]}]"
+    if bias_o is not None:
+        assert tuple(bias_o.shape) == (1, H), f"bias_o must be [1, H={H}], got {bias_o.shape}"
+    if sinks is not None:
+        assert tuple(sinks.shape) == (nq,), f"sinks must be [nq={nq}], got {sinks.shape}"
+    L = s_max if context_len == 0 else context_len
+    assert 1 <= L <= s_max, f"context_len={L} must be in 1..S_max={s_max} (cache too short)"
+    assert L >= S, f"context_len={L} is shorter than S_tkg={S}"
+    if paged:
+        unit = max(P_MAX, bs)
+        need = (L - S + unit - 1) // unit * unit
+        assert need <= s_max, (f"block_table: {mb} blocks of {bs} = {s_max} positions; the scan of context_len={L} "
+                               f"reads {need} positions ({need // bs} blocks; whole units of {unit}): cache too short "
+                               "(pad the block table with any valid block id)")
+    h_act = H if hidden_actual == 0 else hidden_actual
+    assert 1 <= h_act <= H, f"hidden_actual={h_act} must be in 1..H={H}"
+    assert sliding_window >= 0, f"sliding_window={sliding_window} must be >= 0"
+    scale = softmax_scale if softmax_scale != 0.0 else 1.0 / (d ** 0.5)
+    return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window, X.dtype.itemsize, bs, mb, fp8)

@@ -1,0 +1,544 @@
+"""Flash-decoding over the cache: attention state, batch packs, the active step, software-pipelined steps, online
+softmax.
+
+Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
+
+import nki.isa as nisa
+import nki.language as nl
+
+from .common import _run
+from .config import FA_SUB, MASK_NEG, MAX_S_TKG, P_MAX, PSUM_F, PV_COLS, TRANSPOSE_GROUP
+from .isolation import _scrub_slot, _scrub_v, _valid_ranges
+from .kv_io import _load_fp8, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
+from .oproj import _load_w_o, _rows_to_oT, _rows_to_tokens, _transpose_o
+from .planning import _load_pieces, _packs, _plan, _slot_split
+from .ragged import _load_gates, _step_gates
+
+
+class _AttnState(nl.NKIObject):
+    """Buffers shared by every pack and step of the attention, multi-buffered explicitly (the cost model and the
+    hardware both serialise on reuse): 2 score tiles of FA_SUB fp32 (4 PSUM banks), the PV output (2 banks), one
+    transpose bank, one selection bank; KV_BUFS K/V load slots; 2 masked-query stationaries."""
+
+    def __init__(self, cfg, dtype, qm):
+        d, pack = cfg.d, cfg.pack
+        self.ps_sc = tuple(nl.ndarray((P_MAX, FA_SUB), dtype=nl.float32, buffer=nl.psum) for _ in range(2))
+        self.ps_o = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.psum)
+        self.ps_t = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=dtype, buffer=nl.psum)
+        self.ps_sel = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
+        self.kT = tuple(nl.ndarray((P_MAX, cfg.nst, cfg.fa_tile), dtype=dtype, buffer=nl.sbuf)
+                        for _ in range(cfg.kv_bufs))
+        self.v = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX + 1, d), dtype=dtype, buffer=nl.sbuf)
+                       for _ in range(cfg.kv_bufs))
+        # fp8 cache: K rows cast to bf16 (V's layout), DMA-transposed from SBUF into K^T
+        self.stage = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX, d), dtype=dtype, buffer=nl.sbuf)
+                           for _ in range(cfg.kv_bufs)) if cfg.fp8 else ()
+        self.qm = qm
+        self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
+        self.block_ids, self.starts = None, None
+        self.iotas = {}
+        self.valid, self.cur_valid = {}, None     # per pack: _ValidRange of its sequences
+        self.ramps, self.k_ramp = {}, (None, None)  # scrub position tables (see _scrub_slot)
+        self.pos0, self.slot0 = None, None          # fp32 [1, steps / slots]: their starts (_step_gates)
+
+    def scores(self):
+        buf = self.ps_sc[self.n_scores % 2]
+        self.n_scores += 1
+        return buf
+
+    def iota(self, key, pattern, cols):
+        """Constant fp32 [128, cols] key offsets (same on every partition), built once per layout."""
+        if key not in self.iotas:
+            t = nl.ndarray((P_MAX, FA_SUB), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.iota(dst=t[:, :cols], pattern=pattern, offset=0, channel_multiplier=0)
+            self.iotas[key] = t
+        return self.iotas[key]
+
+
+class _Softmax(nl.NKIObject):
+    """Running statistics of one pack: max m, sum l (fp32 [rows, 1]) and the PV accumulator (fp32 [rows, nb*d])."""
+
+    def __init__(self):
+        self.m, self.l, self.acc, self.pending = None, None, None, None
+
+
+def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi, W_o,
+                            block_ids=None, starts=None):
+    """Flash-decoding for every (KV head, batch pack); returns (oT[tile] = [128 (head, dim), K chunk, tokens] bf16,
+    the O-projection's stationaries, and the resident W_o).
+
+    Packs are balanced (ceil(batches / packs) each). W_o's load is issued after every K/V load (the K/V ring has
+    enough slots that it does not stall the DMA queue on compute, so W_o only has to arrive before the O-projection).
+    """
+    st = _AttnState(cfg, qkT.dtype, consts.qm)
+    st.block_ids, st.starts = block_ids, starts
+    # bmask[r, j] = 1.0 iff row r belongs to the pack's batch j (j*R <= r < (j+1)*R).
+    lo = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+    ones = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    nisa.affine_select(dst=lo, pattern=[[-cfg.R, cfg.pack]], channel_multiplier=1, on_true_tile=ones,
+                       on_false_value=0.0, cmp_op=nl.greater_equal)
+    bmask = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.affine_select(dst=bmask, pattern=[[-cfg.R, cfg.pack]], channel_multiplier=1, on_true_tile=lo,
+                       on_false_value=0.0, cmp_op=nl.less, offset=-cfg.R)
+    n_k = (cfg.nq * cfg.d + P_MAX - 1) // P_MAX
+    # Direct o^T (one token tile, heads on legal partition starts, all of o^T in one PSUM bank): the selection
+    # matmuls write o^T straight into the selection bank (every element exactly once), one eviction at the end.
+    direct = len(tiles) == 1 and cfg.d in (32, 64, 128) and n_k * tiles[0][1] <= PSUM_F
+    o_acc = ()
+    if not direct:
+        o_acc = tuple(nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
+    packs = _packs(cfg, b_lo, b_hi)
+    n_packs = len(packs)
+    for g in range(cfg.nkv):
+        for pi, (p0, nb) in enumerate(packs):
+            # last pack: the selection matmuls also pick each row's own batch block (TensorE is idle by then)
+            last = direct and g == cfg.nkv - 1 and pi == n_packs - 1
+            o_rows = _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0,
+                                  nb, bmask, full=last)
+            if direct:
+                _rows_to_oT(cfg, consts, st, o_rows, tiles[0], g, p0, nb, full=last)
+            else:
+                _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
+    wo = _load_w_o(cfg, W_o)
+    if direct:
+        nt, K = tiles[0][1], cfg.nq * cfg.d
+        oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=qkT.dtype, buffer=nl.sbuf)
+        ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
+        if K % P_MAX == 0:
+            nisa.tensor_copy(dst=oT[:, :, :nt], src=ps)
+        else:
+            if n_k > 1:
+                nisa.tensor_copy(dst=oT[:, :n_k - 1, :nt], src=ps[:, :n_k - 1, :])
+            kl = K - (n_k - 1) * P_MAX
+            nisa.tensor_copy(dst=oT[:kl, n_k - 1, :nt], src=ps[:kl, n_k - 1, :])
+        return (oT,), wo
+    o_tok = []
+    for ti, (_t0, nt, _, _) in enumerate(tiles):
+        o = nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=qkT.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=o[:nt], src=o_acc[ti][:nt])
+        o_tok.append(o)
+    st = None      # release the attention's PSUM banks before the transposes allocate theirs
+    return _transpose_o(cfg, tuple(o_tok), tiles), wo
+
+
+def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0, nb, bmask,
+                 full=False):
+    """One batch pack of KV head g: rows (batch j, token s, head h). Returns o_rows [rows, d] bf16 (normalised),
+    or with full=True the normalised accumulator [rows, nb*d] bf16 (every batch block; see _rows_to_oT)."""
+    d, S, R, G = cfg.d, cfg.S, cfg.R, cfg.group
+    rows = nb * R
+    base = tiles[0][0]
+    qm = st.qm[st.n_packs % 2]
+    st.n_packs += 1
+    kact = nl.ndarray((P_MAX, cfg.nst, MAX_S_TKG), dtype=qkT.dtype, buffer=nl.sbuf)   # new keys, stacked
+    for j in range(nb):
+        t = (p0 + j) * S - base
+        jj, u0 = j // cfg.kpp, (j % cfg.kpp) * d
+        u = j % cfg.kpp
+        nisa.tensor_copy(dst=qm[u0:u0 + d, jj, j * R:(j + 1) * R].reshape((d, S, G)),
+                         src=qkT[u0:u0 + d, u, t:t + S, g * G:(g + 1) * G], engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=kact[u0:u0 + d, jj, :S], src=qkT[u0:u0 + d, u, t:t + S, cfg.nq + g],
+                         engine=nisa.engine.gpsimd)
+    # First new position of each row's sequence, and each row's own position (fp32, [rows, 1]).
+    p_first = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=p_first[:rows], src=position_ids.ap([[S, nb], [0, S], [0, G]], offset=p0 * S))
+    q_pos = p_first
+    if S > 1 or cfg.window > 0:
+        q_pos = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=q_pos[:rows], src=position_ids.ap([[S, nb], [1, S], [0, G]], offset=p0 * S))
+    sm = _Softmax()
+    if cfg.core == 0 or not cfg.split:
+        _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, q_pos)
+    else:            # second core of a context split: empty state (m = MASK_NEG, l = 0, no accumulator yet)
+        sm.m = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=sm.m[:rows], value=MASK_NEG)
+        sm.l = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=sm.l[:rows], value=0.0)
+    if cfg.dyn:      # windowed scan: key offsets are relative to each sequence's start
+        start = _start_rows(cfg, p_first, rows)
+        pf_rel = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=pf_rel[:rows], data1=p_first[:rows], data2=start[:rows], op=nl.subtract)
+        qp_rel = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=qp_rel[:rows], data1=q_pos[:rows], data2=start[:rows], op=nl.subtract)
+        p_first, q_pos = pf_rel, qp_rel
+    if p0 not in st.valid:      # per pack, shared by the KV heads
+        st.valid[p0] = _valid_ranges(cfg, position_ids, p0, nb)
+    st.cur_valid = st.valid[p0]
+    _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
+    if cfg.split:
+        _flush_acc(cfg, st, sm, rows, nb)
+        _combine_cores(cfg, sm, rows, nb, g)
+    # Final normalisation; sinks join the denominator only.
+    l_fin = sm.l
+    if sinks is not None:
+        sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sk[:rows], src=sinks.ap([[0, nb], [0, S], [1, G]], offset=g * G))
+        nb_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=nb_f[:rows], data=sm.m[:rows], op0=nl.multiply, operand0=-cfg.scale)
+        e_sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=e_sk[:rows], op=nl.exp, data=sk[:rows], bias=nb_f[:rows], scale=1.0)
+        l_fin = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=l_fin[:rows], data1=sm.l[:rows], data2=e_sk[:rows], op=nl.add)
+    rinv = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=rinv[:rows], data=l_fin[:rows])
+    if cfg.fp8:      # PV summed V in cache units: o = acc * v_scale / l
+        nisa.tensor_scalar(dst=rinv[:rows], data=rinv[:rows], op0=nl.multiply, operand0=consts.vs[:rows, g:g + 1])
+    if full:
+        return _normalise_full(cfg, st, sm, rows, nb, rinv, qkT.dtype)
+    # The last step's PV is flushed only now: the denominator chain above needs only m and l, so VectorE runs it
+    # while TensorE finishes the last PV.
+    _flush_acc(cfg, st, sm, rows, nb)
+    # o = acc / l on the diagonal blocks only (others zeroed by bmask), then summed over the batch blocks:
+    # o_rows[r, :] = the row's own batch block, rounded to bf16 (the reference's rounding point).
+    o_m = nl.ndarray((P_MAX, cfg.pack, d), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=o_m[:rows, :nb, :], data=sm.acc[:rows, :nb * d].reshape((rows, nb, d)),
+                              op0=nl.multiply, operand0=rinv[:rows], op1=nl.multiply,
+                              operand1=bmask[:rows, :nb].expand_dim(2).broadcast(2, d))
+    o_rows = nl.ndarray((P_MAX, d), dtype=qkT.dtype, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=o_rows[:rows], op=nl.add, data=o_m[:rows, :nb, :].permute((0, 2, 1)), axis=(2,))
+    return o_rows
+
+
+def _normalise_full(cfg, st, sm, rows, nb, rinv, dtype):
+    """o = (acc * alpha + PV) / l for every batch block (bf16), folding the pending flush into the normalisation:
+    acc * alpha / l is formed while TensorE finishes the last PV, then one pass PV / l + that."""
+    n = nb * cfg.d
+    o_n = nl.ndarray((P_MAX, PV_COLS), dtype=dtype, buffer=nl.sbuf)
+    if sm.pending is None:  # already flushed (context split)
+        nisa.tensor_scalar(dst=o_n[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply, operand0=rinv[:rows])
+        return o_n
+    if sm.acc is None:  # only the active step
+        nisa.activation(dst=o_n[:rows, :n], op=nl.copy, data=st.ps_o[:rows, :n], scale=rinv[:rows])
+        return o_n
+    a2 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=a2[:rows], data1=sm.pending[:rows], data2=rinv[:rows], op=nl.multiply)
+    acc_s = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)      # while TensorE finishes the PV
+    nisa.tensor_scalar(dst=acc_s[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply, operand0=a2[:rows])
+    nisa.scalar_tensor_tensor(dst=o_n[:rows, :n], data=st.ps_o[:rows, :n], op0=nl.multiply, operand0=rinv[:rows],
+                              op1=nl.add, operand1=acc_s[:rows, :n])
+    sm.pending = None
+    return o_n
+
+
+def _combine_cores(cfg, sm, rows, nb, g):
+    """Context split (LNC=2): exchange (m, l, acc) with the other core and merge the two partial softmax states:
+    m = max(m0, m1), l = sum_c l_c e^{scale (m_c - m)}, acc likewise. Each core adds its own term and the other's
+    (fp32 addition commutes), so both cores hold the same bits. A core whose half saw only masked keys has
+    m_c <= MASK_NEG: its weight e^{scale (m_c - m)} is exactly 0."""
+    n = nb * cfg.d
+    mine = nl.ndarray((P_MAX, 2 + PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=mine[:rows, 0:1], src=sm.m[:rows])
+    nisa.tensor_copy(dst=mine[:rows, 1:2], src=sm.l[:rows])
+    nisa.tensor_copy(dst=mine[:rows, 2:2 + n], src=sm.acc[:rows, :n])
+    other = nl.ndarray((P_MAX, 2 + PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    peer = 1 - cfg.core
+    nisa.sendrecv(src=mine[:rows, :2 + n], dst=other[:rows, :2 + n], send_to_rank=peer, recv_from_rank=peer,
+                  pipe_id=g)
+    m = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=m[:rows], data1=mine[:rows, 0:1], data2=other[:rows, 0:1], op=nl.maximum)
+    nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nbias[:rows], data=m[:rows], op0=nl.multiply, operand0=-cfg.scale)
+    a_mine = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=a_mine[:rows], op=nl.exp, data=mine[:rows, 0:1], bias=nbias[:rows], scale=cfg.scale)
+    a_other = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=a_other[:rows], op=nl.exp, data=other[:rows, 0:1], bias=nbias[:rows], scale=cfg.scale)
+    # [l | acc] of each core scaled by its weight, then summed: (mine * a_mine) + (other * a_other)
+    t_other = nl.ndarray((P_MAX, 1 + PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=t_other[:rows, :1 + n], data=other[:rows, 1:2 + n], op0=nl.multiply,
+                       operand0=a_other[:rows])
+    t_mine = nl.ndarray((P_MAX, 1 + PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=t_mine[:rows, :1 + n], data=mine[:rows, 1:2 + n], op0=nl.multiply, operand0=a_mine[:rows])
+    la = nl.ndarray((P_MAX, 1 + PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=la[:rows, :1 + n], data1=t_mine[:rows, :1 + n], data2=t_other[:rows, :1 + n], op=nl.add)
+    sm.m, sm.l, sm.acc = m, la[:, 0:1], la[:, 1:1 + PV_COLS]
+
+
+def _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, q_pos):
+    """Scores of the S new tokens of each sequence, K^T/V straight from SBUF; causal among the new tokens.
+
+    Initialises the running statistics: every row sees at least its own key, so m is finite from here on.
+    """
+    d, S, R = cfg.d, cfg.S, cfg.R
+    rows = nb * R
+    base = tiles[0][0]
+    sc = st.scores()
+    for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
+        kp = min(cfg.kpp, nb - jj * cfg.kpp) * d
+        nisa.nc_matmul(dst=sc[:rows, :S], stationary=qm[:kp, jj, :rows], moving=kact[:kp, jj, :S],
+                       accumulate=(jj > 0))
+    if S > 1:
+        # key s' is invalid for the row of token s if s' > s, or (sliding window) s' <= s - W
+        s_row = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=s_row[:rows], data1=q_pos[:rows], data2=p_first[:rows], op=nl.subtract)
+        key = st.iota(f"a{S}", [[1, S]], S)
+        _fold_mask(cfg, consts, sc, rows, ((0, S, 0),), key, s_row, nl.greater, 0.0)
+        if 0 < cfg.window < S:
+            _fold_mask(cfg, consts, sc, rows, ((0, S, 0),), key, s_row, nl.less_equal, -float(cfg.window))
+    m0 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=m0[:rows], op=nl.maximum, data=sc[:rows, :S], axis=(1,))
+    nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nbias[:rows], data=m0[:rows], op0=nl.multiply, operand0=-cfg.scale)
+    p = nl.ndarray((P_MAX, MAX_S_TKG), dtype=kact.dtype, buffer=nl.sbuf)
+    l0 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p[:rows, :S], op=nl.exp, data=sc[:rows, :S], bias=nbias[:rows], scale=cfg.scale,
+                    reduce_op=nl.add, reduce_res=l0[:rows], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    nisa.nc_transpose(dst=st.ps_t[:S, 0, :rows], data=p[:rows, :S])
+    pT = nl.ndarray((P_MAX, P_MAX), dtype=kact.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=pT[:S, :rows], src=st.ps_t[:S, 0, :rows])
+    # V of the new tokens as [token s', batch j * d]: selection matmuls (identity columns) out of the token layout.
+    va = st.scores()
+    vcol = cfg.pad + (cfg.nq + cfg.nkv + g) * d
+    for j in range(nb):
+        t = (p0 + j) * S
+        ti = (t - base) // cfg.tile_tok
+        r, nt = t - tiles[ti][0], tiles[ti][1]
+        nisa.nc_matmul(dst=va[:S, j * d:(j + 1) * d], stationary=consts.ident[:nt, r:r + S],
+                       moving=qkv[ti][:nt, vcol:vcol + d], accumulate=False)
+    v_new = nl.ndarray((P_MAX, PV_COLS), dtype=kact.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=v_new[:S, :nb * d], src=va[:S, :nb * d])
+    half = max(1, PSUM_F // d)
+    for h0 in range(0, nb, half):
+        hn = min(half, nb - h0)
+        nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:S, :rows],
+                       moving=v_new[:S, h0 * d:(h0 + hn) * d], accumulate=False)
+    sm.m, sm.l, sm.pending = m0, l0, l0    # acc = PV, flushed after the next step's statistics
+
+
+def _cols(t, rows, c0, c1, inner):
+    """t[:rows, c0:c1], viewed [rows, (c1 - c0) / inner, inner] when inner > 0 (the score matmuls' dst shape; the
+    mask matmuls must use the same view to continue the same PSUM accumulation group)."""
+    if inner <= 0:
+        return t[:rows, c0:c1]
+    return t[:rows, c0:c1].reshape((rows, (c1 - c0) // inner, inner))
+
+
+def _fold_mask(cfg, consts, sc, rows, chunks, key, thr_base, cmp, shift):
+    """sc[:rows, chunks] += MASK_NEG where cmp(key offset, thr_base + shift) (key offsets per column, thresholds
+    per row): the 0/1 mask is built on GpSimd and folded into the score PSUM by a matmul with MASK_NEG * I, one per
+    score accumulation chunk (c0, c1, inner)."""
+    m = _build_mask(cfg, rows, chunks[-1][1], key, thr_base, cmp, shift)
+    for chunk in chunks:
+        _fold_chunk(consts, sc, rows, m, chunk)
+
+
+def _build_mask(cfg, rows, cols, key, thr_base, cmp, shift):
+    """0/1 bf16 mask [rows, cols] = cmp(key offset, threshold + shift) on GpSimd (threshold a per-row scalar)."""
+    thr = thr_base
+    if shift != 0.0:
+        thr = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=thr[:rows], data=thr_base[:rows], op0=nl.add, operand0=shift)
+    m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=m[:rows, :cols], data1=key[:rows, :cols], data2=thr[:rows].broadcast(1, cols), op=cmp,
+                       engine=nisa.engine.gpsimd)
+    return m
+
+
+def _fold_chunk(consts, sc, rows, m, chunk):
+    """sc[:rows, chunk] += MASK_NEG * m (a matmul with MASK_NEG * I, continuing the chunk's accumulation group)."""
+    c0, c1, inner = chunk
+    nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=consts.neg_eye[:rows, :rows],
+                   moving=_cols(m, rows, c0, c1, inner), accumulate=True)
+
+
+def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos):
+    """Cache keys j < pos[b, 0] (and > pos - W): K/V slots in a KV_BUFS ring, software-pipelined steps.
+
+    Program order per step k: loads of the next slot when step k+1 starts one, scores + masks of step k+1, then the
+    softmax / P^T / PV of step k, so TensorE computes the next scores while Vector/Scalar work on this step.
+    """
+    rows = nb * cfg.R
+    slots, steps = _plan(cfg)
+    if len(steps) == 0:
+        return
+    # Per-step mask thresholds (tiny, all issued up front so the GpSimd masks never wait for VectorE).
+    for step in steps:
+        step.thr_hi = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)   # invalid if j > pos[b, 0] - 1
+        nisa.tensor_scalar(dst=step.thr_hi[:rows], data=p_first[:rows], op0=nl.add, operand0=-1.0 - step.pos0)
+        if cfg.window > 0:                                                       # invalid if j <= pos - W
+            step.thr_lo = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=step.thr_lo[:rows], data=q_pos[:rows], op0=nl.add,
+                               operand0=-float(cfg.window) - step.pos0)
+    gates = _step_gates(cfg, st, steps) if cfg.ragged else (None,) * len(steps)
+    st.load_gates = _load_gates(cfg, st, slots, nb) if cfg.ragged else None
+    views = []
+    _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[0], views, gates[0])
+    for k in range(len(steps)):
+        if k + 1 < len(steps):
+            _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[k + 1], views,
+                          gates[k + 1])
+        step = steps[k]
+        _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks, gates[k])
+        step.sc = None
+        if k == 0 and cfg.ragged and sm.acc is None:
+            # no accumulator yet (second core of a context split): a zero one, so every later flush is the same
+            # in-place acc * alpha + PV whichever steps run
+            sm.acc = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(dst=sm.acc[:rows, :nb * cfg.d], value=0.0)
+
+
+def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step, views, gate=None):
+    """Loads of the step's slot (when first needed), then its scores and masks into the next score buffer (inside
+    the step's runtime gate when ragged contexts skip it)."""
+    d, rows = cfg.d, nb * cfg.R
+    fresh = []
+    while len(views) <= step.slot:
+        j0, w = slots[len(views)]
+        kT = st.kT[st.n_slots % cfg.kv_bufs]
+        v = st.v[st.n_slots % cfg.kv_bufs]
+        stage = st.stage[st.n_slots % cfg.kv_bufs] if cfg.fp8 else None
+        st.n_slots += 1
+        if cfg.paged:
+            lg = st.load_gates[j0] if cfg.ragged else (None,) * nb
+            _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w, lg)
+        else:
+            for j in range(nb):
+                b = p0 + j
+                u0 = (j % cfg.kpp) * d
+                if cfg.dyn:     # windowed scan: positions start[b] + j0 .. (register-addressed)
+                    _load_slot_window(cfg, st.starts[b], K_cache, V_cache, kT[u0:u0 + d, j // cfg.kpp, :w],
+                                      v[:, j], b, g, j0, w)
+                    continue
+
+                if cfg.fp8:
+                    _run(st.load_gates[j0][j] if cfg.ragged else None,
+                         lambda _i, b=b, j=j, j0=j0, w=w, kT=kT, v=v, stage=stage:
+                         _load_fp8(cfg, K_cache, V_cache, kT, v, stage, b, g, j, j0, w))
+                    continue
+                if not cfg.ragged:
+                    _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, j0, w)
+                    continue
+                for a, size in _load_pieces(cfg, j0, w):    # a sequence's loads stop at its length
+                    _run(st.load_gates[a][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kT=kT, v=v:
+                         _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size))
+        _scrub_slot(cfg, st, kT, j0, w, nb)
+        views.append((kT, v))
+        fresh.append((v, j0, w, st.gates[1]))
+    kT = views[step.slot][0]
+    j0, w = slots[step.slot]
+    sc = st.scores()
+    key = st.iota(step.key_id, step.key_pattern, step.cols)
+    _run(gate, lambda _i: _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
+    for v, j0, w, gates in fresh:      # V is needed by the PV, one step later
+        _scrub_v(cfg, st, v, j0, w, nb, gates)
+    step.sc = sc
+
+
+def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
+    """Scores of one step (every K^T stack of the pack) with its masks folded in, chunk by chunk."""
+    d, n = cfg.d, w // P_MAX
+    masks = [_build_mask(cfg, rows, step.cols, key, step.thr_hi, nl.greater, 0.0)]
+    if step.thr_lo is not None:
+        masks.append(_build_mask(cfg, rows, step.cols, key, step.thr_lo, nl.less_equal, 0.0))
+    for c0, c1, inner in step.chunks:
+        for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
+            kp = min(cfg.kpp, nb - jj * cfg.kpp) * d
+            if inner < 0:                   # paged, i-major: columns (il, q') of K^T, q' = r*T + t
+                i0, K = step.pos0 - j0, _slot_split(cfg, w)
+                il0, il1 = i0 + c0 // P_MAX, i0 + c1 // P_MAX
+                if K == 1:
+                    mov = kT[:kp, jj, il0 * P_MAX:il1 * P_MAX]
+                else:
+                    mov = kT[:kp, jj, :w].reshape((kp, K, n, P_MAX // K))[:, :, il0:il1, :].permute((0, 2, 1, 3))
+            elif inner > 0:
+                i0 = step.pos0 - j0
+                mov = kT[:kp, jj, :n * P_MAX].reshape((kp, P_MAX, n))[:, c0 // inner:c1 // inner, i0:i0 + inner]
+            else:
+                mov = kT[:kp, jj, n * P_MAX:w]
+            nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=qm[:kp, jj, :rows], moving=mov,
+                           accumulate=(jj > 0))
+        for m in masks:          # each chunk's masks right after its scores: its row max can start early
+            _fold_chunk(consts, sc, rows, m, (c0, c1, inner))
+
+
+def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None):
+    """One online-softmax update over the masked scores sc[:rows, :cols] + PV.
+
+    blocks: (first column, column stride, positions K, V block index) of each P^T block.
+    With a runtime gate (ragged contexts) the step runs inside a loop of 0 or 1 iterations, so it updates the
+    state (m, l, the pending alpha, acc) in place: tensors allocated in a runtime loop do not outlive it.
+    """
+    if gate is not None:
+        nl.fori_loop(0, gate, lambda _i: _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks))
+        return
+    d, scale = cfg.d, cfg.scale
+    m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=sc[:rows, :cols], axis=(1,))
+    m_new = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=m_new[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum)
+    nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nbias[:rows], data=m_new[:rows], op0=nl.multiply, operand0=-scale)
+    alpha = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=alpha[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)
+    p = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
+    l_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p[:rows, :cols], op=nl.exp, data=sc[:rows, :cols], bias=nbias[:rows], scale=scale,
+                    reduce_op=nl.add, reduce_res=l_t[:rows], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    l_new = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=l_new[:rows], data=sm.l[:rows], op0=nl.multiply, operand0=alpha[:rows],
+                              op1=nl.add, operand1=l_t[:rows])
+    # P^T blocks [positions, rows] via TensorE transposes (one PSUM bank), then PV with every batch's V side by
+    # side (only the diagonal blocks are used).
+    nblk = len(blocks)
+    pT = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+    for i, (c0, stride, k, _vb) in enumerate(blocks):
+        nisa.nc_transpose(dst=st.ps_t[:k, i, :rows], data=p[:rows, c0:c0 + (k - 1) * stride + 1:stride])
+    kmax = blocks[0][2]
+    nisa.activation(dst=pT[:kmax, :nblk, :rows], op=nl.copy, data=st.ps_t[:kmax, :nblk, :rows])   # ScalarE
+    _flush_acc(cfg, st, sm, rows, nb)     # previous step's PV, placed after this step's statistics on VectorE
+    half = max(1, PSUM_F // d)
+    for h0 in range(0, nb, half):
+        hn = min(half, nb - h0)
+        for i, (_c0, _s, k, vb) in enumerate(blocks):
+            nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:k, i, :rows],
+                           moving=v[:k, h0:h0 + hn, vb, :], accumulate=(i > 0))
+    sm.m, sm.l, sm.pending = m_new, l_new, alpha
+
+
+def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks):
+    """_online_step writing the state in place (after a first step gave it its buffers), with the same VectorE /
+    ScalarE instruction counts: nbias = -scale * max(m, rowmax) in one op; the previous step's PV is flushed before
+    alpha overwrites the pending one; then l and m are updated in place."""
+    d, scale = cfg.d, cfg.scale
+    m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=sc[:rows, :cols], axis=(1,))
+    nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nbias[:rows], data=sm.m[:rows], op0=nl.maximum, operand0=m_t[:rows], op1=nl.multiply,
+                       operand1=-scale)
+    p = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
+    l_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p[:rows, :cols], op=nl.exp, data=sc[:rows, :cols], bias=nbias[:rows], scale=scale,
+                    reduce_op=nl.add, reduce_res=l_t[:rows], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    nblk = len(blocks)
+    pT = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+    for i, (c0, stride, k, _vb) in enumerate(blocks):
+        nisa.nc_transpose(dst=st.ps_t[:k, i, :rows], data=p[:rows, c0:c0 + (k - 1) * stride + 1:stride])
+    kmax = blocks[0][2]
+    nisa.activation(dst=pT[:kmax, :nblk, :rows], op=nl.copy, data=st.ps_t[:kmax, :nblk, :rows])   # ScalarE
+    n = nb * d      # previous step's PV, in place: acc = acc * alpha_prev + PV
+    nisa.scalar_tensor_tensor(dst=sm.acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,
+                              operand0=sm.pending[:rows], op1=nl.add, operand1=st.ps_o[:rows, :n])
+    nisa.activation(dst=sm.pending[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)  # alpha
+    nisa.scalar_tensor_tensor(dst=sm.l[:rows], data=sm.l[:rows], op0=nl.multiply, operand0=sm.pending[:rows],
+                              op1=nl.add, operand1=l_t[:rows])
+    nisa.tensor_tensor(dst=sm.m[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum)
+    half = max(1, PSUM_F // d)
+    for h0 in range(0, nb, half):
+        hn = min(half, nb - h0)
+        for i, (_c0, _s, k, vb) in enumerate(blocks):
+            nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:k, i, :rows],
+                           moving=v[:k, h0:h0 + hn, vb, :], accumulate=(i > 0))
+
+
+def _flush_acc(cfg, st, sm, rows, nb):
+    """acc = acc * alpha + PV of the pending step (ps_o), or acc = PV for the first step."""
+    if sm.pending is None:
+        return
+    acc = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    n = nb * cfg.d
+    if sm.acc is None:
+        nisa.tensor_copy(dst=acc[:rows, :n], src=st.ps_o[:rows, :n])
+    else:
+        nisa.scalar_tensor_tensor(dst=acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,
+                                  operand0=sm.pending[:rows], op1=nl.add, operand1=st.ps_o[:rows, :n])
+    sm.acc, sm.pending = acc, None

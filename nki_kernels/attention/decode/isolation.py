@@ -1,0 +1,237 @@
+"""Stale cache rows excluded by selection (valid ranges per sequence, K^T / V scrubs gated at run time).
+
+Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
+
+import nki.isa as nisa
+import nki.language as nl
+
+from .config import P_MAX
+from .kv_io import _start_rows
+from .planning import _slot_split
+
+
+class _ValidRange(nl.NKIObject):
+    """Scan positions holding data of each sequence of a pack: key k (scan coordinates: relative to the sequence's
+    window start when the scan is windowed) is valid iff lo <= k < hi, hi = the first new position, lo = hi - W + 1
+    (sliding window; None = no lower bound). fp32 per-partition tables in the two slot layouts: _k [128, stacks]
+    (partition u*d + e of stack jj <-> batch jj*kpp + u of the K^T slot) and _v [128, batches] (same on every
+    partition)."""
+
+    def __init__(self):
+        self.hi_k, self.lo_k, self.hi_v, self.lo_v = None, None, None, None
+        self.max_hi = None                  # fp32 [1, 1]: the pack's largest hi (its longest sequence)
+        self.step_regs, self.load_regs = None, {}   # runtime trip counts, shared by the KV heads
+        self.slot_run = {}                  # per slot start: fp32 [1, 1], 1 iff the pack's steps reach it
+
+
+def _valid_ranges(cfg, position_ids, p0, nb):
+    S, d, kpp = cfg.S, cfg.d, cfg.kpp
+    nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
+    pv = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=pv[:, :nb], src=position_ids.ap([[0, P_MAX], [S, nb]], offset=p0 * S))
+    pk = nl.ndarray((P_MAX, cfg.nst), dtype=nl.float32, buffer=nl.sbuf)
+    if nb % kpp:       # the last stack's missing batches: any finite value (their partitions are never read)
+        nisa.memset(dst=pk[:npk, nst - 1:nst], value=0.0)
+    for u in range(min(kpp, nb)):
+        cnt = (nb - u + kpp - 1) // kpp
+        nisa.dma_copy(dst=pk[u * d:(u + 1) * d, :cnt], src=position_ids.ap([[0, d], [kpp * S, cnt]],
+                                                                           offset=(p0 + u) * S))
+    vr = _ValidRange()
+    vr.hi_v, vr.lo_v = _range_bounds(cfg, pv, P_MAX, nb)
+    vr.hi_k, vr.lo_k = _range_bounds(cfg, pk, npk, nst)
+    vr.max_hi = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=vr.max_hi, op=nl.maximum, data=vr.hi_v[0:1, :nb], axis=(1,))
+    return vr
+
+
+def _range_bounds(cfg, p, rows, cols):
+    """(hi, lo) of _ValidRange from the first new positions p [rows, cols] (fp32)."""
+    hi = p
+    if cfg.dyn:
+        start = _start_rows(cfg, p, rows, cols)
+        hi = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=hi[:rows], data1=p[:rows, :cols], data2=start[:rows], op=nl.subtract)
+    lo = None
+    if cfg.window > 0:
+        lo = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=lo[:rows], data=hi[:rows, :cols], op0=nl.add, operand0=1.0 - cfg.window)
+    return hi, lo
+
+
+def _slot_rel(t, rows, cols, j0, sign=1.0, add=0.0):
+    """sign * (t[:rows, :cols] - j0) + add (fp32): a _ValidRange bound in the key offsets of the slot at j0."""
+    if t is None:
+        return None
+    r = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=r[:rows], data=t[:rows, :cols], op0=nl.add, operand0=-float(j0), op1=nl.multiply,
+                       operand1=sign)
+    if add != 0.0:
+        nisa.tensor_scalar(dst=r[:rows], data=r[:rows], op0=nl.add, operand0=add)
+    return r
+
+
+def _k_ramp(cfg, st, w):
+    """fp32 [128, w]: key offset (position - slot start) of every K^T slot column (same on every partition):
+    contiguous: the column; paged (i-major, see _load_slot_paged): K = 1 column i*128 + q <-> q*n + i, K > 1
+    column r*n*T + i*T + t <-> t*m + r*n + i (T = 128 / K gathered rows of m = K*n positions, see _slot_split).
+    One table at a time (the contiguous one serves every slot)."""
+    n, K = w // P_MAX, _slot_split(cfg, w)
+    if not cfg.imajor:
+        key, width, pattern = "c", cfg.fa_tile, [[1, cfg.fa_tile]]
+    elif K == 1:
+        key, width, pattern = f"p{n}", w, [[1, n], [n, P_MAX]]
+    else:
+        key, width, pattern = f"p{n}_{K}", w, [[n, K], [1, n], [K * n, P_MAX // K]]
+    if st.k_ramp[0] != key:
+        t = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=t[:, :width], pattern=pattern, offset=0, channel_multiplier=0)
+        st.k_ramp = (key, t)
+    return st.k_ramp[1]
+
+
+def _v_positions(cfg, st, w):
+    """fp32 [128, blocks]: key offset of V slot block i on partition q (see _issue_scores / _load_slot_paged):
+    q*n + i (i < n), the remainder block n*128 + q; paged K > 1: partition r*T + t holds t*m + r*n + i
+    (T = 128 / K gathered rows of m = K*n positions, see _slot_split)."""
+    n, rem, K = w // P_MAX, w % P_MAX, _slot_split(cfg, w)
+    key = (n, rem, K)
+    if key in st.ramps:
+        return st.ramps[key]
+    t = nl.ndarray((P_MAX, n + 1), dtype=nl.float32, buffer=nl.sbuf)
+    if K == 1:
+        if n > 0:
+            nisa.iota(dst=t[:, :n], pattern=[[1, n]], offset=0, channel_multiplier=n)
+        if rem:
+            nisa.iota(dst=t[:, n:n + 1], pattern=[[0, 1]], offset=n * P_MAX, channel_multiplier=1)
+    else:
+        T, m = P_MAX // K, K * n
+        q = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=q, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+        tt = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)            # t = q mod T
+        nisa.tensor_scalar(dst=tt, data=q, op0=nl.mod, operand0=float(T))
+        rn = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)            # r * n = (q - t) * n / T
+        nisa.tensor_scalar(dst=rn, data=q, op0=nl.subtract, operand0=tt, op1=nl.multiply, operand1=float(n) / T)
+        base = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)          # t * m + r * n
+        nisa.scalar_tensor_tensor(dst=base, data=tt, op0=nl.multiply, operand0=float(m), op1=nl.add,
+                                  operand1=rn)
+        i = nl.ndarray((P_MAX, n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=i, pattern=[[1, n]], offset=0, channel_multiplier=0)
+        nisa.tensor_scalar(dst=t[:, :n], data=i, op0=nl.add, operand0=base)
+    st.ramps[key] = t
+    return t
+
+
+def _scrub_slot(cfg, st, kT, j0, w, nb):
+    """Exclude, by selection, every K^T element of the slot [j0, j0 + w) whose position is outside its own
+    sequence's valid range (st.cur_valid): rows past a sequence's length (a reused paged block's stale tail, which
+    may hold NaN) and rows before a sliding window. Batch packing contracts other sequences' keys against zero
+    queries and the PV matmul multiplies invalid values by zero probabilities; 0 * NaN = NaN, so invalid data must
+    never reach a matmul. A bitwise AND of the bf16 bits with an int16 mask keeps a valid key exactly and leaves
+    an invalid one finite (its score is masked anyway); never a multiply. Masks per stack on ScalarE, ANDs on
+    GpSimd; V in _scrub_v. Each stack's / batch's scrub runs only when the slot holds one of its invalid rows (a
+    runtime trip count, see _slot_gates)."""
+    vr = st.cur_valid
+    d, kpp = cfg.d, cfg.kpp
+    nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
+    # K^T mask = sign(key - hi + 1/2) as int16: 0xFFFF (-1) keeps a valid key's bits, 0x0001 (+1) leaves at most
+    # the lowest mantissa bit of an invalid one (0 or a subnormal: finite, and masked anyway). On ScalarE (idle
+    # here); windowed scans AND a second mask sign(lo - 1/2 - key).
+    b_hi = _slot_rel(vr.hi_k, npk, nst, j0, -1.0, 0.5)
+    b_lo = _slot_rel(vr.lo_k, npk, nst, j0, 1.0, -0.5)
+    ramp = _k_ramp(cfg, st, w)
+    st.gates = _slot_gates(cfg, vr, j0, w, nb)
+    for jj in range(nst):
+        kp = min(kpp, nb - jj * kpp) * d
+
+        def stack(_i, jj=jj, kp=kp):
+            for bias, sc in ((b_hi, 1.0), (b_lo, -1.0)):
+                if bias is None:
+                    continue
+                m = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.int16, buffer=nl.sbuf)
+                nisa.activation(dst=m[:kp, :w], op=nl.sign, data=ramp[:kp, :w], bias=bias[:kp, jj:jj + 1],
+                                scale=sc)
+                _and_bits(kT[:kp, jj, :w], m[:kp, :w], vector=jj % 2 == 1)
+        nl.fori_loop(0, st.gates[0][jj], stack)    # runs only when a sequence of the stack has invalid rows here
+
+
+def _slot_gates(cfg, vr, j0, w, nb):
+    """Runtime trip counts (registers, 0 or 1) of the slot's scrub: per K^T stack and per batch, 1 iff one of its
+    sequences has an invalid row in [j0, j0 + w): hi < j0 + w, or (window) lo > j0. A slot whose rows are all
+    valid for its sequences (most of a long sequence's slots) is not touched."""
+    kpp, nst = cfg.kpp, (nb + cfg.kpp - 1) // cfg.kpp
+    f = nl.ndarray((1, cfg.nst * kpp), dtype=nl.float32, buffer=nl.sbuf)
+    if nb < nst * kpp:
+        nisa.memset(dst=f[:, nb:nst * kpp], value=0.0)
+    if cfg.ragged and j0 > cfg.lo:   # a slot past every sequence of the pack is skipped whole (_step_gates):
+        # nothing to exclude (vr.slot_run = 0). The first slot holds step 0, which always runs: always scrubbed.
+        nisa.tensor_scalar(dst=f[:, :nb], data=vr.hi_v[0:1, :nb], op0=nl.less, operand0=float(j0 + w),
+                           op1=nl.multiply, operand1=vr.slot_run[j0])
+    else:
+        nisa.tensor_scalar(dst=f[:, :nb], data=vr.hi_v[0:1, :nb], op0=nl.less, operand0=float(j0 + w))
+    if vr.lo_v is not None:
+        g = nl.ndarray((1, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=g[:, :nb], data=vr.lo_v[0:1, :nb], op0=nl.greater, operand0=float(j0))
+        nisa.tensor_tensor(dst=f[:, :nb], data1=f[:, :nb], data2=g[:, :nb], op=nl.maximum)
+    fv = nl.ndarray((1, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=fv[:, :nb], src=f[:, :nb])
+    fk = nl.ndarray((1, cfg.nst), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=fk[:, :nst], op=nl.maximum, data=f[:, :nst * kpp].reshape((1, nst, kpp)), axis=(2,))
+    regs = []
+    for t, n in ((fk, nst), (fv, nb)):
+        rs = []
+        for i in range(n):
+            r = nisa.register_alloc()
+            nisa.register_load(dst=r, src=t[0:1, i:i + 1])
+            rs.append(r)
+        regs.append(tuple(rs))
+    return tuple(regs)
+
+
+def _scrub_v(cfg, st, v, j0, w, nb, gates):
+    """V half of _scrub_slot (issued after the first step's scores: PV needs it one step later): an int16 mask
+    [128, batches, blocks] (-1 valid, 0 invalid; small, VectorE), ANDed on GpSimd."""
+    vr = st.cur_valid
+    d = cfg.d
+    n, rem = w // P_MAX, w % P_MAX
+    nblk = n + (1 if rem else 0)
+    th_v, tl_v = _slot_rel(vr.hi_v, P_MAX, nb, j0), _slot_rel(vr.lo_v, P_MAX, nb, j0)
+    vpos = _v_positions(cfg, st, w)[:, :nblk].expand_dim(1).broadcast(1, nb)
+    mf = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=mf[:, :nb, :], data1=vpos, data2=th_v[:, :nb].expand_dim(2).broadcast(2, nblk),
+                       op=nl.less)
+    mv = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.int16, buffer=nl.sbuf)
+    if tl_v is None:
+        nisa.tensor_scalar(dst=mv[:, :nb, :], data=mf[:, :nb, :], op0=nl.multiply, operand0=-1.0)
+    else:
+        m2 = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=m2[:, :nb, :], data1=vpos, data2=tl_v[:, :nb].expand_dim(2).broadcast(2, nblk),
+                           op=nl.greater_equal)
+        nisa.scalar_tensor_tensor(dst=mv[:, :nb, :], data=mf[:, :nb, :], op0=nl.multiply, operand0=-1.0,
+                                  op1=nl.multiply, operand1=m2[:, :nb, :])
+    v4 = nisa.get_nc_version() >= nisa.nc_version.gen4
+    if v4:      # see _and_bits: VectorE on int32 pairs
+        mv32 = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=mv32[:, :nb, :], src=mv[:, :nb, :])
+    for j in range(nb):
+
+        def batch(_i, j=j):
+            if v4:
+                v32 = v.view(nl.int32)
+                nisa.tensor_tensor(dst=v32[:, j, :nblk, :], data1=v32[:, j, :nblk, :],
+                                   data2=mv32[:, j, :].expand_dim(2).broadcast(2, d // 2), op=nl.bitwise_and,
+                                   engine=nisa.engine.vector)
+            else:
+                _and_bits(v[:, j, :nblk, :], mv[:, j, :].expand_dim(2).broadcast(2, d))
+        nl.fori_loop(0, gates[j], batch)     # only a batch with invalid rows in this slot
+
+
+def _and_bits(data, mask, vector=False):
+    """data (bf16) &= mask (int16, same shape, contiguous): keeps data's bits where the mask is -1. GpSimd (int16
+    lanes at twice its fp32 rate on NeuronCore-v3); vector=True on v4 (where GpSimd runs every dtype at the fp32
+    rate): VectorE on int32 pairs (two adjacent values with their two mask halves: half the elements)."""
+    if vector and nisa.get_nc_version() >= nisa.nc_version.gen4:
+        d32, m32 = data.view(nl.int32), mask.view(nl.int32)
+        nisa.tensor_tensor(dst=d32, data1=d32, data2=m32, op=nl.bitwise_and, engine=nisa.engine.vector)
+    else:
+        d16 = data.view(nl.int16)
+        nisa.tensor_tensor(dst=d16, data1=d16, data2=mask, op=nl.bitwise_and, engine=nisa.engine.gpsimd)

@@ -1,0 +1,243 @@
+"""K/V cache I/O: contiguous, windowed, paged (block table) and fp8 slot loads, and the cache update.
+
+Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
+
+import nki.isa as nisa
+import nki.language as nl
+
+from .common import _run
+from .config import P_MAX
+from .planning import _packs, _plan, _slot_split
+
+
+def _load_fp8(cfg, K_cache, V_cache, kT, v, stage, b, g, j, j0, w):
+    """fp8 cache, slot [j0, j0 + w) of batch j: dequantised on load -- K rows and V cast to bf16 by the DMAs
+    (partition q holds positions q*n .. q*n + n - 1), then K^T by a DMA transpose from SBUF in the i-major order
+    (column i*128 + q <-> position q*n + i, the paged layout's K = 1 case). w is a multiple of 128 (S_max is)."""
+    d, n = cfg.d, w // P_MAX
+    u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
+    nisa.dma_copy(dst=stage[:, j, :n, :], src=K_cache[b, g, j0:j0 + w, :].reshape((P_MAX, n * d)))
+    nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, n, P_MAX)), src=stage[:, j, :n, :])
+    nisa.dma_copy(dst=v[:, j, :n, :], src=V_cache[b, g, j0:j0 + w, :].reshape((P_MAX, n * d)))
+
+
+def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size):
+    """Contiguous cache: K^T / V of positions [a, a + size) of the slot [j0, j0 + w) for batch j of the pack (the
+    whole slot, or a piece of it: whole V partitions of the slot layout, or its remainder block)."""
+    d, n = cfg.d, w // P_MAX
+    u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
+    off = a - j0
+    nisa.dma_transpose(dst=kT[u0:u0 + d, jj, off:off + size], src=K_cache[b, g, a:a + size, :])
+    body = max(0, min(size, n * P_MAX - off))        # positions of the piece in the n-per-partition layout
+    if body:
+        nisa.dma_copy(dst=v[off // n:(off + body) // n, j, :n, :],
+                      src=V_cache[b, g, a:a + body, :].reshape((body // n, n * d)))
+    rem = size - body
+    if rem:
+        nisa.dma_copy(dst=v[:rem, j, n, :], src=V_cache[b, g, a + body:a + size, :])
+
+
+def _load_slot_window(cfg, start, K_cache, V_cache, kT, v, b, g, j0, w):
+    """Contiguous cache, windowed scan: K^T / V of positions start + j0 .. start + j0 + w (start: a register).
+    The windowed scan is whole 128-position tiles (scan_w, see _Config), so w = 128 * n."""
+    d, s_max = cfg.d, cfg.s_max
+    n = w // P_MAX
+    base = ((b * cfg.nkv + g) * s_max + j0) * d
+    nisa.dma_transpose(dst=kT, src=K_cache.ap([[d, w], [1, d]], offset=base, scalar_offset=start, indirect_dim=2))
+    nisa.dma_copy(dst=v[:, :n, :], src=V_cache.ap([[n * d, P_MAX], [1, n * d]], offset=base, scalar_offset=start,
+                                                 indirect_dim=2))
+
+
+def _start_rows(cfg, p_first, rows, cols=1):
+    """fp32 [rows, cols]: first scanned position of each sequence (windowed scan; see _Config), elementwise from
+    its first new position p_first [rows, cols]."""
+    x = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=x[:rows], data=p_first[:rows, :cols], op0=nl.add, operand0=1.0 - cfg.window,
+                       op1=nl.maximum, operand1=0.0)
+    if cfg.paged:
+        m = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=m[:rows], data=x[:rows], op0=nl.mod, operand0=float(cfg.unit))
+        x2 = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=x2[:rows], data1=x[:rows], data2=m[:rows], op=nl.subtract)
+        x = x2
+    out = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out[:rows], data=x[:rows], op0=nl.minimum, operand0=float(cfg.cap - cfg.scan))
+    return out
+
+
+def _window_starts(cfg, position_ids, b_lo, b_hi):
+    """Windowed scan: a register per sequence b with its first scanned position (paged: block), keyed b."""
+    regs = {}
+    if not cfg.dyn:
+        return regs
+    nbat = b_hi - b_lo
+    p_i = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=p_i[:nbat], src=position_ids.ap([[cfg.S, nbat], [1, 1]], offset=b_lo * cfg.S))
+    p_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=p_f[:nbat], src=p_i[:nbat])
+    st = _start_rows(cfg, p_f, nbat)
+    s_i = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=s_i[:nbat], data=st[:nbat], op0=nl.multiply, operand0=1.0 / cfg.bs if cfg.paged else 1.0)
+    for j in range(nbat):
+        r = nisa.register_alloc()
+        nisa.register_load(dst=r, src=s_i[j:j + 1, 0:1])
+        regs[b_lo + j] = r
+    return regs
+
+
+def _load_block_ids(cfg, block_table, b_lo, b_hi, starts=None):
+    """Paged cache: SBUF tiles of block ids (uint32, one per partition: the gathers' vector offsets) for every
+    (pack, slot) of the scan, keyed (first batch, slot start). Issued at the start of the kernel: the partition
+    dim of these tiles walks block_table with 4-byte runs (slow DMAs), which then hide under the weight loads."""
+    ids = {}
+    if not cfg.paged:
+        return ids
+    slots, _steps = _plan(cfg)
+    subs = {}
+    for p0, nb in _packs(cfg, b_lo, b_hi):
+        for j0, w in slots:
+            b0, n, K = j0 // cfg.bs, w // P_MAX, _slot_split(cfg, w)
+            # [t, batch, gather]: block b0 + t*ns + i (K = 1) or gathered row t = block b0 + t // sub, part t % sub
+            ns = n // cfg.bs if K == 1 else 1
+            t_n = P_MAX if K == 1 else P_MAX // K
+            sub = 1 if K == 1 else cfg.bs // (K * n)      # gathered rows per block (> 1: sub-blocks)
+            pat = [[ns, t_n]] if sub == 1 else [[1, t_n // sub], [0, sub]]    # each block id repeated sub times
+            idx = nl.ndarray((P_MAX, cfg.pack, ns), dtype=nl.uint32, buffer=nl.sbuf)
+            if cfg.dyn:
+                for j in range(nb):
+                    nisa.dma_copy(dst=idx[:t_n, j, :], src=block_table.ap(
+                        pat + [[1, ns]], offset=(p0 + j) * cfg.mb + b0, scalar_offset=starts[p0 + j],
+                        indirect_dim=1, dtype=nl.uint32))
+            else:
+                nisa.dma_copy(dst=idx[:t_n, :nb, :], src=block_table.ap(pat + [[cfg.mb, nb], [1, ns]],
+                                                                        offset=p0 * cfg.mb + b0, dtype=nl.uint32))
+            if sub > 1:
+                # sub-block row id (rows of m = K * n positions of the cache): block * nkv * sub + part; the head's
+                # part g * sub is the gathers' static offset. fp32 arithmetic is exact (< MAX_CACHE_ROWS).
+                if sub not in subs:
+                    q = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.iota(dst=q, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+                    part = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=part, data=q, op0=nl.mod, operand0=float(sub))
+                    subs[sub] = part
+                nisa.tensor_scalar(dst=idx[:t_n, :nb, 0], data=idx[:t_n, :nb, 0], op0=nl.multiply,
+                                   operand0=float(cfg.nkv * sub), op1=nl.add, operand1=subs[sub][:t_n])
+            ids[(p0, j0)] = idx
+    return ids
+
+
+def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w, gates):
+    """K^T / V of scan positions [j0, j0 + w) for every batch of the pack from a paged cache (indirect DMAs).
+
+    K^T lands in the natural order of a DMA transpose (one contiguous range per partition), "i-major":
+      K = 1: column i*128 + q holds position q*n + i;  K > 1: column r*n*T + i*T + t holds row r*n + i of block t.
+    V: partition q' (q' = q, or r*T + t) holds the same positions, block i of the slot. The steps use the matching
+    i-major score layout (see _plan), so score chunks read contiguous K^T columns and P^T blocks are contiguous.
+      n >= bs: n/bs indirect gathers of 128 blocks each (block q*(n/bs) + i' on partition q);
+      n < bs <= w: R = 128 / K gathered rows of m = K*n positions (whole blocks, or sub-blocks so that R >= 16, see
+      _slot_split): K^T by one 3-D transpose [R, K*n, d] -> [d, K*n, R]; V by K gathers of R partitions.
+    (w >= bs always: see _slot_bounds.)
+    """
+    n = w // P_MAX
+    row = cfg.nkv * cfg.bs * cfg.d               # elements per block of the cache (the indexed rows)
+    idx = st.block_ids[(p0, j0)]
+    K = _slot_split(cfg, w)
+    off = g * cfg.bs * cfg.d
+    for j in range(nb):     # a sequence's gathers stop at its length (ragged contexts)
+        _run(gates[j], lambda _i, j=j: _gather_batch(cfg, K_cache, V_cache, kT, v, idx, K, off, row, j, n, w))
+
+
+def _gather_batch(cfg, K_cache, V_cache, kT, v, idx, K, off, row, j, n, w):
+    """The paged gathers of batch j of the pack for one slot (see _load_slot_paged)."""
+    d, bs = cfg.d, cfg.bs
+    swdge = nisa.dge_mode.swdge
+    u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
+    if K == 1:
+        for i in range(n // bs):
+            vo = idx[:, j, i]
+            nisa.dma_transpose(dst=kT[u0:u0 + d, jj, i * bs * P_MAX:(i + 1) * bs * P_MAX].reshape((d, bs, P_MAX)),
+                               src=K_cache.ap([[row, P_MAX], [d, bs], [1, d]], offset=off, vector_offset=vo),
+                               dge_mode=swdge)
+            nisa.dma_copy(dst=v[:, j, i * bs:(i + 1) * bs, :],
+                          src=V_cache.ap([[row, P_MAX], [1, bs * d]], offset=off, vector_offset=vo),
+                          dge_mode=swdge)
+    else:
+        T, m = P_MAX // K, K * n                 # gathered rows of m positions (see _slot_split)
+        kc, vc, rm = K_cache, V_cache, row
+        if m < bs:      # sub-blocks: the indexed rows are m positions of one head (ids from _load_block_ids)
+            nsub = K_cache.shape[0] * cfg.nkv * (bs // m)
+            kc, vc, rm = K_cache.reshape((nsub, m * d)), V_cache.reshape((nsub, m * d)), m * d
+        vo = idx[:T, j, 0]
+        # (K, n) merged into one level (stride d): a 4-D indirect transpose needs src.shape[1] or [2] == 1
+        nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, K * n, T)),
+                           src=kc.ap([[rm, T], [d, K * n], [1, d]], offset=off, vector_offset=vo),
+                           dge_mode=swdge)
+        for r in range(K):
+            nisa.dma_copy(dst=v[r * T:(r + 1) * T, j, :n, :],
+                          src=vc.ap([[rm, T], [1, n * d]], offset=off + r * n * d, vector_offset=vo),
+                          dge_mode=swdge)
+
+
+def _paged_rows(cfg, position_ids, block_table, tiles):
+    """Paged cache: per new token, a register with its cache row block_table[b, p // bs] * nkv * bs + p % bs
+    (rows of [num_blocks * nkv * block_size, d]; + g * bs for KV head g). Issued early (tiny DMAs, off the
+    critical path); the stores that use the registers come last. Returns per token tile a tuple of registers."""
+    if not cfg.paged:
+        return ()
+    bs, S = cfg.bs, cfg.S
+    pos2 = position_ids.reshape((cfg.B * cfg.S, 1))
+    out = []
+    for t0, nt, _tb0, _nb in tiles:
+        p_i = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=p_i[:nt], src=pos2[t0:t0 + nt, :])
+        p_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=p_f[:nt], src=p_i[:nt])
+        off = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)          # p % bs
+        nisa.tensor_scalar(dst=off[:nt], data=p_f[:nt], op0=nl.mod, operand0=float(bs))
+        col = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)            # p // bs (exact: bs = 2^k)
+        nisa.tensor_scalar(dst=col[:nt], data=p_f[:nt], op0=nl.subtract, operand0=off[:nt], op1=nl.multiply,
+                           operand1=1.0 / bs)
+        blk = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+        for t in range(nt):
+            r = nisa.register_alloc()
+            nisa.register_load(dst=r, src=col[t:t + 1, 0:1])
+            nisa.dma_copy(dst=blk[t:t + 1, 0:1], src=block_table[(t0 + t) // S:(t0 + t) // S + 1, nl.ds(r, 1)])
+        blk_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=blk_f[:nt], src=blk[:nt])
+        lin = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)            # blk * nkv * bs + p % bs
+        nisa.scalar_tensor_tensor(dst=lin[:nt], data=blk_f[:nt], op0=nl.multiply, operand0=float(cfg.nkv * bs),
+                                  op1=nl.add, operand1=off[:nt])
+        regs = []
+        for t in range(nt):
+            r = nisa.register_alloc()
+            nisa.register_load(dst=r, src=lin[t:t + 1, 0:1])
+            regs.append(r)
+        out.append(tuple(regs))
+    return tuple(out)
+
+
+def _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, rows=()):
+    """K/V rows of the new tokens -> cache[b, g, pos[b, 0] : pos[b, 0] + S] (dynamic start from a register); paged:
+    one row per token, K_cache[rows[t] + g * bs] of the [num_blocks * nkv * bs, d] row view (see _paged_rows).
+
+    Issued after every cache read in program order (the attention used the new tokens from SBUF)."""
+    d, nq, nkv, S = cfg.d, cfg.nq, cfg.nkv, cfg.S
+    if cfg.paged:
+        for ti, (_t0, nt, _tb0, _nb) in enumerate(tiles):
+            for t in range(nt):
+                for g in range(nkv):
+                    kc, vc = cfg.pad + (nq + g) * d, cfg.pad + (nq + nkv + g) * d
+                    for cache, c in ((K_cache, kc), (V_cache, vc)):
+                        nisa.dma_copy(dst=cache.ap([[d, 1], [1, d]], offset=g * cfg.bs * d, scalar_offset=rows[ti][t],
+                                                   indirect_dim=2), src=qkv[ti][t:t + 1, c:c + d])
+        return
+    for ti, (_t0, _nt, tb0, nb) in enumerate(tiles):
+        for bl in range(nb):
+            b = tb0 + bl
+            start = nisa.register_alloc()
+            nisa.register_load(dst=start, src=position_ids[b, 0])
+            r0 = bl * S
+            for g in range(nkv):
+                kc, vc = cfg.pad + (nq + g) * d, cfg.pad + (nq + nkv + g) * d
+                nisa.dma_copy(dst=K_cache[b, g, nl.ds(start, S), :], src=qkv[ti][r0:r0 + S, kc:kc + d])
+                nisa.dma_copy(dst=V_cache[b, g, nl.ds(start, S), :], src=qkv[ti][r0:r0 + S, vc:vc + d])

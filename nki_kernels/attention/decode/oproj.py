@@ -1,0 +1,198 @@
+"""Attention output to the O-projection's layout (selection matmuls, LNC=2 o^T exchange) and the transposed
+O-projection.
+
+Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
+
+import nki.isa as nisa
+import nki.language as nl
+
+from .common import _evict
+from .config import P_MAX, PSUM_F, TRANSPOSE_GROUP
+
+
+def _exchange_oT(cfg, oT, b_lo, b_hi, per_core):
+    """Split weights: o^T [128, K chunk, tokens] holds this core's sequences' columns; send them and receive the
+    other core's (token ranges are static: core 0 has sequences [0, per_core), core 1 the rest)."""
+    S = cfg.S
+    mine = (b_lo * S, b_hi * S)
+    theirs = (per_core * S, cfg.B * S) if cfg.core == 0 else (0, per_core * S)
+    nisa.sendrecv(src=oT[:, :, mine[0]:mine[1]], dst=oT[:, :, theirs[0]:theirs[1]], send_to_rank=1 - cfg.core,
+                  recv_from_rank=1 - cfg.core, pipe_id=cfg.nkv + 1)
+
+
+def _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb):
+    """o_acc[tile][token, (g*G + h)*d + e] = o_rows[row(token, h), e] by selection matmuls: Sel_h[r, t] = 1 iff
+    r = G*(t - base) + h (rows are (batch, token, head) = G*token + head), one matmul per head."""
+    d, S, G = cfg.d, cfg.S, cfg.group
+    rows = nb * cfg.R
+    hg = max(1, PSUM_F // d)
+    for ti, (_t0, nt, tb0, tnb) in enumerate(tiles):
+        if max(p0, tb0) >= min(p0 + nb, tb0 + tnb):
+            continue
+        base_t = (p0 - tb0) * S
+        sel = nl.ndarray((P_MAX, G, P_MAX), dtype=o_rows.dtype, buffer=nl.sbuf)
+        nisa.affine_select(dst=sel[:rows, :, :nt], pattern=[[-1, G], [-G, nt]], channel_multiplier=1,
+                           on_true_tile=consts.ones[:rows, :nt].expand_dim(1).broadcast(1, G), on_false_value=0.0,
+                           cmp_op=nl.equal, offset=G * base_t)
+        for h0 in range(0, G, hg):
+            hn = min(hg, G - h0)
+            for h in range(h0, h0 + hn):
+                nisa.nc_matmul(dst=st.ps_sel[:nt, (h - h0) * d:(h - h0 + 1) * d], stationary=sel[:rows, h, :nt],
+                               moving=o_rows[:rows, :d], accumulate=False)
+            c0 = (g * G + h0) * d
+            if p0 <= tb0:      # first pack of this tile: plain copy, later packs add (disjoint non-zero rows)
+                nisa.tensor_copy(dst=o_acc[ti][:nt, c0:c0 + hn * d], src=st.ps_sel[:nt, :hn * d])
+            else:
+                nisa.tensor_tensor(dst=o_acc[ti][:nt, c0:c0 + hn * d], data1=o_acc[ti][:nt, c0:c0 + hn * d],
+                                   data2=st.ps_sel[:nt, :hn * d], op=nl.add)
+
+
+def _rows_to_oT(cfg, consts, st, o_rows, tile, g, p0, nb, full=False):
+    """o^T[(hg*d + e) % 128, (hg*d + e) // 128, token] = o_rows[row(token, h), e] (hg = g*G + h) by selection
+    matmuls written straight into the selection PSUM bank ([128, n_k, tokens] fp32): stationary o_rows [rows, d],
+    moving Sel_h [rows, this pack's tokens] (Sel_h[r, t] = 1 iff r = G*(t - base) + h). Every (head, token) block
+    is written once (by its pack), so the bank holds all of o^T after the last pack. full=True: o_rows is the
+    normalised accumulator [rows, nb*d] with every batch block; one matmul per (batch j, head h) with stationary =
+    block j and moving = Sel_h on batch j's tokens keeps only the row's own block (no block mask / reduction)."""
+    d, S, G = cfg.d, cfg.S, cfg.group
+    rows = nb * cfg.R
+    _t0, nt, tb0, _tnb = tile
+    n_k = (cfg.nq * d + P_MAX - 1) // P_MAX
+    ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
+    c0, c1 = (p0 - tb0) * S, (p0 - tb0 + nb) * S      # this pack's token columns
+    sel = nl.ndarray((P_MAX, G, P_MAX), dtype=o_rows.dtype, buffer=nl.sbuf)
+    nisa.affine_select(dst=sel[:rows, :, :c1 - c0], pattern=[[-1, G], [-G, c1 - c0]], channel_multiplier=1,
+                       on_true_tile=consts.ones[:rows, :c1 - c0].expand_dim(1).broadcast(1, G), on_false_value=0.0,
+                       cmp_op=nl.equal, offset=0)
+    # Heads h with (g*G + h) % dup == u land on partitions u*d.. of consecutive chunks: one matmul covers them all
+    # (moving = their selection columns, stride dup heads).
+    dup = P_MAX // d
+    for u in range(dup):
+        h0 = (u - g * G) % dup
+        if h0 >= G:
+            continue
+        cnt = (G - h0 + dup - 1) // dup
+        k0 = (g * G + h0) // dup
+        if full:
+            for j in range(nb):
+                nisa.nc_matmul(dst=ps[u * d:(u + 1) * d, k0:k0 + cnt, c0 + j * S:c0 + (j + 1) * S],
+                               stationary=o_rows[:rows, j * d:(j + 1) * d],
+                               moving=sel[:rows, h0:h0 + (cnt - 1) * dup + 1:dup, j * S:(j + 1) * S], accumulate=False)
+            continue
+        per = max(1, PSUM_F // (c1 - c0))
+        for i0 in range(0, cnt, per):
+            i1 = min(cnt, i0 + per)
+            nisa.nc_matmul(dst=ps[u * d:(u + 1) * d, k0 + i0:k0 + i1, c0:c1], stationary=o_rows[:rows, :d],
+                           moving=sel[:rows, h0 + i0 * dup:h0 + (i1 - 1) * dup + 1:dup, :c1 - c0], accumulate=False)
+
+
+def _load_w_o(cfg, W_o):
+    """W_o resident in SBUF as [128 (head, dim) rows, K chunk, H]; one DMA per K chunk (issued after the K/V loads,
+    its arrival paces the O-projection, which therefore streams instead of running after the last load)."""
+    K = cfg.nq * cfg.d
+    n_k = (K + P_MAX - 1) // P_MAX
+    wo = nl.ndarray((P_MAX, n_k, cfg.H), dtype=W_o.dtype, buffer=nl.sbuf)
+    h0, h1 = cfg.hc[0] * P_MAX, cfg.hc[1] * P_MAX      # this core's output columns (all of H unless split)
+    for k in range(n_k):
+        kn = min(P_MAX, K - k * P_MAX)
+        nisa.dma_copy(dst=wo[:kn, k, h0:h1], src=W_o[k * P_MAX:k * P_MAX + kn, h0:h1])
+    return wo
+
+
+def _transpose_o(cfg, o_tok, tiles):
+    """oT[tile] = [128 (head, dim) rows, K chunk, tokens]: the stationaries of the O-projection."""
+    K = cfg.nq * cfg.d
+    n_k = (K + P_MAX - 1) // P_MAX
+    oTs = []
+    for ti, (_t0, nt, _, _) in enumerate(tiles):
+        oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=o_tok[ti].dtype, buffer=nl.sbuf)
+        for c0 in range(0, n_k, TRANSPOSE_GROUP):
+            nc = min(TRANSPOSE_GROUP, n_k - c0)
+            ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=o_tok[ti].dtype, buffer=nl.psum)
+            kn_max = min(P_MAX, K - c0 * P_MAX)
+            for c in range(nc):
+                k0 = (c0 + c) * P_MAX
+                kn = min(P_MAX, K - k0)
+                nisa.nc_transpose(dst=ps[:kn, c, :nt], data=o_tok[ti][:nt, k0:k0 + kn])
+            if K % P_MAX == 0 or c0 + nc < n_k:
+                nisa.tensor_copy(dst=oT[:kn_max, c0:c0 + nc, :nt], src=ps[:kn_max, :nc, :nt])
+            else:   # the last chunk is partial: copy it separately
+                if nc > 1:
+                    nisa.tensor_copy(dst=oT[:, c0:c0 + nc - 1, :nt], src=ps[:, :nc - 1, :nt])
+                kl = K - (n_k - 1) * P_MAX
+                nisa.tensor_copy(dst=oT[:kl, n_k - 1, :nt], src=ps[:kl, nc - 1, :nt])
+        oTs.append(oT)
+    return tuple(oTs)
+
+
+def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
+    """out[tokens, H] = o @ W_o (+ bias), computed transposed: out^T chunk c [128 (H), tokens] = sum over K chunks
+    of matmul(stationary = W_o rows [K chunk, 128 H columns], moving = o^T [K chunk, tokens]) -- max(tokens, 64)
+    cycles per matmul instead of 512 with W_o moving. The bias is a per-partition scalar of out^T (added by the
+    eviction), then TensorE transposes bring [tokens, H] back for one contiguous store per token tile (few tokens:
+    several chunks per transpose, see _store_packed).
+    """
+    K = cfg.nq * cfg.d
+    n_k = (K + P_MAX - 1) // P_MAX
+    n_c = (cfg.H + P_MAX - 1) // P_MAX
+    hc0, hc1 = cfg.hc                                        # this core's 128-column chunks of H
+    for ti, (t0, nt, _, _) in enumerate(tiles):
+        per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, nt <= 128] fp32 per bank
+        outT = nl.ndarray((P_MAX, n_c, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
+        cpt = P_MAX // nt // per_bank * per_bank       # chunks per packed group: whole banks, dividing the range
+        while cpt > 0 and ((hc1 - hc0) % cpt != 0 or hc0 % cpt != 0):
+            cpt -= per_bank
+        packed = cpt > 0
+        if packed:        # [128, group, token, chunk of the group]: see _store_packed
+            outP = nl.ndarray((P_MAX, n_c // cpt, nt, cpt), dtype=out.dtype, buffer=nl.sbuf)
+        for c0 in range(hc0, hc1, per_bank):
+            ncb = min(per_bank, hc1 - c0)
+            ps = nl.ndarray((P_MAX, per_bank, P_MAX), dtype=nl.float32, buffer=nl.psum)
+            for c in range(c0, c0 + ncb):                   # one accumulation group at a time per bank
+                for k in range(n_k):
+                    kn = min(P_MAX, K - k * P_MAX)
+                    nisa.nc_matmul(dst=ps[:, c - c0, :nt], stationary=wo[:kn, k, c * P_MAX:(c + 1) * P_MAX],
+                                   moving=oTs[ti][:kn, k, :nt], accumulate=(k > 0))
+            dst = outT[:, c0:c0 + ncb, :nt]
+            if packed:
+                dst = outP[:, c0 // cpt, :, c0 % cpt:c0 % cpt + ncb].permute((0, 2, 1))
+            if bias_T is not None:
+                nisa.tensor_tensor(dst=dst, data1=ps[:, :ncb, :nt],
+                                   data2=bias_T[:, c0:c0 + ncb].expand_dim(2).broadcast(2, nt), op=nl.add)
+            else:
+                _evict(c0 // per_bank, dst, ps[:, :ncb, :nt])
+            ps = None
+        if packed:
+            _store_packed(cfg, outP, out, t0, nt, cpt)
+            continue
+        res = nl.ndarray((P_MAX, cfg.H), dtype=out.dtype, buffer=nl.sbuf)
+        for c0 in range(hc0, hc1, TRANSPOSE_GROUP):
+            nc = min(TRANSPOSE_GROUP, hc1 - c0)
+            pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
+            for c in range(nc):
+                nisa.nc_transpose(dst=pt[:nt, c, :], data=outT[:, c0 + c, :nt])
+            _evict((c0 - hc0) // TRANSPOSE_GROUP, res[:nt, c0 * P_MAX:(c0 + nc) * P_MAX].reshape((nt, nc, P_MAX)),
+                   pt[:nt, :nc, :])
+            pt = None
+        nisa.dma_copy(dst=out[t0:t0 + nt, hc0 * P_MAX:hc1 * P_MAX], src=res[:nt, hc0 * P_MAX:hc1 * P_MAX])
+
+
+def _store_packed(cfg, outP, out, t0, nt, cpt):
+    """Few tokens (nt <= 32): out^T held as outP [128 (H), group q, token t, chunk c of the group] (cpt <= 128 / nt
+    chunks per group) goes back to [tokens, H] with ONE TensorE transpose per group: partition t * cpt + c of group
+    q holds out[t, (q * cpt + c) * 128 + p]. The transposes and evictions handle 128 rows instead of nt; one store
+    per token (disjoint rows, 256 B runs)."""
+    hc0, hc1 = cfg.hc
+    H = cfg.H
+    q_lo, n_g, rows = hc0 // cpt, (hc1 - hc0) // cpt, cpt * nt
+    res = nl.ndarray((P_MAX, n_g, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
+    for q0 in range(0, n_g, TRANSPOSE_GROUP):
+        qn = min(TRANSPOSE_GROUP, n_g - q0)
+        pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
+        for qi in range(qn):
+            nisa.nc_transpose(dst=pt[:rows, qi, :], data=outP[:, q_lo + q0 + qi, :, :].reshape((P_MAX, rows)))
+        _evict(q0 // TRANSPOSE_GROUP, res[:rows, q0:q0 + qn, :], pt[:rows, :qn, :])
+        pt = None
+    for t in range(nt):
+        nisa.dma_copy(dst=out.ap([[P_MAX, cpt], [cpt * P_MAX, n_g], [1, P_MAX]], offset=(t0 + t) * H + hc0 * P_MAX),
+                      src=res[t * cpt:(t + 1) * cpt, :, :])

@@ -1,0 +1,131 @@
+"""Pure planning of a launch: token tiles, batch packs, K/V slots, online-softmax steps and load pieces.
+
+Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
+
+import nki.language as nl
+
+from .config import FA_SUB, GATHER_ROWS_MIN, P_MAX, PSUM_F
+
+
+def _token_tiles(cfg, b_lo, b_hi):
+    """Token tiles of this core: tuples (first token, token count, first batch, batch count); whole sequences."""
+    tiles = []
+    per_tile = cfg.tile_tok // cfg.S
+    b = b_lo
+    while b < b_hi:
+        nb = min(per_tile, b_hi - b)
+        tiles.append((b * cfg.S, nb * cfg.S, b, nb))
+        b += nb
+    return tuple(tiles)
+
+
+def _packs(cfg, b_lo, b_hi):
+    """Balanced batch packs of this core: (first batch, batch count), ceil(batches / packs) each."""
+    n_packs = (b_hi - b_lo + cfg.pack - 1) // cfg.pack
+    per = (b_hi - b_lo + n_packs - 1) // n_packs
+    return tuple((b_lo + pi * per, min(per, b_hi - b_lo - pi * per)) for pi in range(n_packs))
+
+
+class _Step(nl.NKIObject):
+    """One online-softmax step over the cache: slot index, score chunks, key layout and P^T / V blocks."""
+
+    def __init__(self, slot, pos0, chunks, key_id, key_pattern, blocks):
+        self.slot, self.pos0, self.chunks = slot, pos0, chunks
+        self.key_id, self.key_pattern, self.blocks = key_id, key_pattern, blocks
+        self.cols = chunks[-1][1]
+        self.sc, self.thr_hi, self.thr_lo = None, None, None
+
+
+def _slot_bounds(cfg, lo, hi):
+    """Slot boundaries over scan positions [lo, hi).
+
+    Contiguous: slots of fa_tile positions, the last one split so that only FA_SUB positions arrive last (the
+    compute left after the last K/V byte is then one step). Paged: slots of 128 * 2^m positions, each starting at a
+    multiple of its own size, largest first. A paged slot is whole blocks: the scan's bounds are multiples of
+    u = max(128, block size) and fa_tile >= FA_SUB >= MAX_BLOCK, so the halving stops at w >= block size.
+    """
+    if not cfg.paged:
+        bounds = list(range(lo, hi, cfg.fa_tile)) + [hi]
+        if len(bounds) >= 2 and bounds[-1] - bounds[-2] > FA_SUB:
+            bounds.insert(len(bounds) - 1, bounds[-1] - FA_SUB)
+        return bounds
+    bounds = [lo]
+    j = lo
+    while j < hi:
+        w = cfg.fa_tile
+        while w > P_MAX and (j % w != 0 or j + w > hi):
+            w //= 2
+        if w > FA_SUB and j + w == hi:     # last slot: halve down to FA_SUB positions arriving last
+            w //= 2
+        assert w >= cfg.bs, f"paged slot of {w} positions < block size {cfg.bs}: the plan's invariant is broken"
+        j += w
+        bounds.append(j)
+    return bounds
+
+
+def _plan(cfg):
+    """Slots (j0, w) of this core's cache scan [cfg.lo, cfg.hi) and the steps over them (static).
+
+    Slot layout: K^T [d, w] by DMA transpose; V so that partition q holds positions q*n + i (n = w // 128, one
+    contiguous run of n*d elements per partition), the last w % 128 positions as one more block. A step covers
+    i in [i0, i0 + ni) for all q (ni a power of two, so 512-column score chunks align with the PSUM banks):
+    score column q*ni + il <-> position q*n + i0 + il, so the P^T block of V block i0 + il is the stride-ni column
+    set il::ni of P. Keys beyond L - S are read only up to the next multiple of 128 (and S_max): they are masked.
+    """
+    bounds = _slot_bounds(cfg, cfg.lo, cfg.hi)
+    slots, steps = [], []
+    for si in range(len(bounds) - 1):
+        j0, w = bounds[si], bounds[si + 1] - bounds[si]
+        n, rem = w // P_MAX, w % P_MAX
+        k = len(slots)
+        slots.append((j0, w))
+        i0 = 0
+        while cfg.imajor and i0 < n:     # i-major score layout: column il*128 + q' (see _load_slot_paged)
+            ni = FA_SUB // P_MAX
+            while ni > n - i0:
+                ni //= 2
+            K = _slot_split(cfg, w)
+            per = PSUM_F // P_MAX
+            chunks = tuple((il0 * P_MAX, min(ni, il0 + per) * P_MAX, -1) for il0 in range(0, ni, per))
+            blocks = tuple((il * P_MAX, 1, P_MAX, i0 + il) for il in range(ni))
+            key = [[1, ni], [n, P_MAX]] if K == 1 else [[1, ni], [n, K], [K * n, P_MAX // K]]
+            steps.append(_Step(k, j0 + i0, chunks, f"p{n}_{ni}_{K}", key, blocks))
+            i0 += ni
+        while i0 < n:
+            ni = FA_SUB // P_MAX
+            while ni > n - i0:
+                ni //= 2
+            qc = min(P_MAX, PSUM_F // ni)
+            chunks = tuple((q0 * ni, min(P_MAX, q0 + qc) * ni, ni) for q0 in range(0, P_MAX, qc))
+            blocks = tuple((il, ni, P_MAX, i0 + il) for il in range(ni))
+            steps.append(_Step(k, j0 + i0, chunks, f"s{n}_{ni}", [[n, P_MAX], [1, ni]], blocks))
+            i0 += ni
+        if rem:
+            steps.append(_Step(k, j0 + n * P_MAX, ((0, rem, 0),), f"r{rem}", [[1, rem]], ((0, 1, rem, n),)))
+    return tuple(slots), tuple(steps)
+
+
+def _slot_split(cfg, w):
+    """Paged slot of w = 128 * n positions: K = 1 when n >= bs (partition q holds positions q*n .. q*n + n - 1:
+    whole blocks per partition). When n < bs <= w the slot is gathered as R = 128 / K rows of m = K * n positions
+    (gathered row t holds positions t*m ..; partition q = r*R + t holds rows r*n .. r*n + n - 1 of gathered row t):
+    a gathered row is a whole block (m = bs, K = bs / n) unless that gives fewer than GATHER_ROWS_MIN rows (AWS's
+    indirect dma_transpose needs 16..128 index rows), then a sub-block of m = w / 16 positions (K = 128 / 16).
+    w >= bs always (see _slot_bounds)."""
+    n = w // P_MAX
+    if not cfg.paged or n >= cfg.bs:
+        return 1
+    return min(cfg.bs // n, P_MAX // GATHER_ROWS_MIN)
+
+
+def _load_pieces(cfg, j0, w):
+    """(start, size) of the loads of a slot: contiguous caches load each sequence's slot in pieces of about FA_SUB
+    positions (one step's keys, rounded down to whole V partitions of n positions, so the runs stay n * d long) and
+    the remainder, so a sequence's loads stop within one step of its length; paged slots are gathered whole."""
+    if cfg.imajor or cfg.pack == 1:     # one sequence per pack: its steps' gates already stop it (fewer DMAs)
+        return ((j0, w),)
+    n = w // P_MAX
+    body = n * P_MAX
+    step = max(n, FA_SUB // n * n) if n else FA_SUB     # whole V partitions of n positions each
+    pieces = tuple((j0 + a, min(step, body - a)) for a in range(0, body, step))
+    return pieces + (((j0 + body, w - body),) if w > body else ())

@@ -1,0 +1,265 @@
+"""Small inputs, RMSNorm, the QKV projection (LNC=2: split contraction), RoPE, fp8 quantisation of the new K/V and the
+q/k transposes.
+
+Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
+
+import nki.isa as nisa
+import nki.language as nl
+
+from .common import _evict, _ones_row
+from .config import P_MAX, PSUM_F, QKV_BANKS, TRANSPOSE_GROUP, W_QKV_DMAS
+
+
+class _Inputs(nl.NKIObject):
+    """Small per-launch inputs in SBUF (loaded before the weights so they never queue behind them)."""
+
+    def __init__(self):
+        self.x, self.cos, self.sin = (), (), ()
+        self.gamma, self.bias_qkv, self.bias_o, self.bias_o_rows = None, None, None, None
+        self.ks, self.vs, self.ks_inv, self.vs_inv = None, None, None, None   # fp8 cache scales [128, nkv] fp32
+
+
+def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale=None, v_scale=None):
+    ins = _Inputs()
+    if cfg.fp8:     # scales of the KV heads on every partition (per tensor: one value repeated), and 1 / scale
+        for name, t in (("ks", k_scale), ("vs", v_scale)):
+            sc = nl.ndarray((P_MAX, cfg.nkv), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=sc, src=t.ap([[0, P_MAX], [1 if t.shape[0] == cfg.nkv else 0, cfg.nkv]]))
+            inv = nl.ndarray((P_MAX, cfg.nkv), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.reciprocal(dst=inv, data=sc)
+            setattr(ins, name, sc)
+            setattr(ins, name + "_inv", inv)
+    X2 = X.reshape((cfg.B * cfg.S, cfg.H))
+    xs = []
+    for t0, nt, _, _ in tiles:
+        x = nl.ndarray((P_MAX, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x[:nt], src=X2[t0:t0 + nt, :])
+        xs.append(x)
+    ins.x = tuple(xs)
+    if gamma is not None:
+        # gamma[p * KT + kt] on partition p, column kt: the H layout of the transposed activations and of W_qkv.
+        ins.gamma = nl.ndarray((P_MAX, cfg.KT), dtype=gamma.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ins.gamma, src=gamma.reshape((P_MAX, cfg.KT)))
+    if bias_qkv is not None:
+        ins.bias_qkv = nl.ndarray((1, cfg.C), dtype=bias_qkv.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ins.bias_qkv, src=bias_qkv)
+    if bias_o is not None:
+        # bias_o[c * 128 + p] on partition p, column c (a per-partition scalar of the transposed O-projection):
+        # a contiguous [H/128, 128] load and one TensorE transpose.
+        n_c = cfg.H // P_MAX
+        b_rows = nl.ndarray((P_MAX, P_MAX), dtype=bias_o.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=b_rows[:n_c, :], src=bias_o.reshape((n_c, P_MAX)))
+        ins.bias_o_rows = b_rows
+    if cos is not None:
+        h2 = cfg.d // 2
+        cos2 = cos.reshape((cfg.B * cfg.S, h2))
+        sin2 = sin.reshape((cfg.B * cfg.S, h2))
+        cs, sn = [], []
+        for t0, nt, _, _ in tiles:
+            c = nl.ndarray((P_MAX, h2), dtype=cos.dtype, buffer=nl.sbuf)
+            s = nl.ndarray((P_MAX, h2), dtype=sin.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=c[:nt], src=cos2[t0:t0 + nt, :])
+            nisa.dma_copy(dst=s[:nt], src=sin2[t0:t0 + nt, :])
+            cs.append(c)
+            sn.append(s)
+        ins.cos, ins.sin = tuple(cs), tuple(sn)
+    return ins
+
+
+def _quantize_kv(cfg, qkv, ins, tiles, cache_dtype):
+    """fp8 cache: the new tokens' k and v columns become value / scale rounded to the cache dtype (held in bf16:
+    exactly what the cache stores, so the active step, the cached keys and the cache update agree), and q is
+    multiplied by its KV head's k_scale (scores = q k). v_scale is applied to the final 1 / l."""
+    d, nq, nkv, G = cfg.d, cfg.nq, cfg.nkv, cfg.group
+    for ti, (_t0, nt, _, _) in enumerate(tiles):
+        t = qkv[ti]
+        q = t[:nt, cfg.pad:cfg.pad + nq * d].reshape((nt, nkv, G * d))
+        nisa.tensor_tensor(dst=q, data1=q, data2=ins.ks[:nt, :].expand_dim(2).broadcast(2, G * d), op=nl.multiply)
+        for c0, inv in ((nq * d, ins.ks_inv), ((nq + nkv) * d, ins.vs_inv)):
+            kv = t[:nt, cfg.pad + c0:cfg.pad + c0 + nkv * d].reshape((nt, nkv, d))
+            q8 = nl.ndarray((P_MAX, nkv, d), dtype=cache_dtype, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=q8[:nt], data1=kv, data2=inv[:nt, :].expand_dim(2).broadcast(2, d),
+                               op=nl.multiply)
+            nisa.tensor_copy(dst=kv, src=q8[:nt])
+
+
+def _transpose_bias_o(cfg, ins):
+    """ins.bias_o = [128, H/128] fp32 from the [H/128, 128] rows (H/128 <= 128 chunks per transpose)."""
+    if ins.bias_o_rows is None:
+        return
+    n_c = cfg.H // P_MAX
+    ins.bias_o = nl.ndarray((P_MAX, n_c), dtype=nl.float32, buffer=nl.sbuf)
+    for c0 in range(0, n_c, P_MAX):
+        nc = min(P_MAX, n_c - c0)
+        ps = nl.ndarray((P_MAX, P_MAX), dtype=ins.bias_o_rows.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=ps[:, :nc], data=ins.bias_o_rows[c0:c0 + nc, :])
+        nisa.tensor_copy(dst=ins.bias_o[:, c0:c0 + nc], src=ps[:, :nc])
+
+
+def _rmsnorm(cfg, consts, ins, tiles, eps):
+    """xT[tile] = [128 (H), KT, tokens] bf16 with H index p * KT + kt: rmsnorm(x) transposed.
+
+    x^T comes from TensorE transposes of strided column sets of x; the sum of squares is a ones-matmul over the
+    partitions (broadcast to all 128), so every elementwise step runs on KT * tokens elements instead of H.
+    """
+    KT = cfg.KT
+    xTs = []
+    for ti, (_t0, nt, _, _) in enumerate(tiles):
+        x = ins.x[ti]
+        xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+        for c0 in range(0, KT, TRANSPOSE_GROUP):
+            nc = min(TRANSPOSE_GROUP, KT - c0)
+            ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x.dtype, buffer=nl.psum)
+            for c in range(nc):
+                kt = c0 + c
+                nisa.nc_transpose(dst=ps[:, c, :nt], data=x[:nt, kt:kt + (P_MAX - 1) * KT + 1:KT])
+            nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, :nt])
+        if ins.gamma is None:
+            xTs.append(xT)
+            continue
+        sq = nl.ndarray((P_MAX, KT, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sq[:, :, :nt], op=nl.square, data=xT[:, :, :nt])
+        ss = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.psum)
+        first = True
+        for kt in range(KT):
+            n_p = min(P_MAX, max(0, (cfg.h_actual - kt + KT - 1) // KT))   # partitions p with p*KT + kt < H_actual
+            if n_p > 0:
+                nisa.nc_matmul(dst=ss[:, :nt], stationary=consts.ones_f32[:n_p, :], moving=sq[:n_p, kt, :nt],
+                               accumulate=not first)
+                first = False
+        ms = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=ms[:, :nt], data=ss[:, :nt], op0=nl.multiply, operand0=1.0 / cfg.h_actual,
+                           op1=nl.add, operand1=eps)
+        rstd = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=rstd[:, :nt], op=nl.rsqrt, data=ms[:, :nt])
+        xr = nl.ndarray((P_MAX, KT, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=xr[:, :, :nt], data1=xT[:, :, :nt], data2=rstd[:, :nt].expand_dim(1).broadcast(1, KT),
+                           op=nl.multiply)
+        xn = nl.ndarray((P_MAX, KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=xn[:, :, :nt], data1=xr[:, :, :nt], data2=ins.gamma.expand_dim(2).broadcast(2, nt),
+                           op=nl.multiply)
+        xTs.append(xn)
+    return tuple(xTs)
+
+
+def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
+    """qkv[tile] = [tokens, C] bf16 = xn @ W_qkv (+ bias), fp32 accumulation in PSUM over H/128 tiles.
+
+    W_qkv is resident in SBUF as [128, KT, C] (row p * KT + kt on partition p: KT * C contiguous elements per
+    partition), loaded in W_QKV_DMAS large DMAs so the first accumulation group starts on the first part. The bias
+    is one more K=1 matmul (ones x bias) into the same accumulator.
+    Context split (LNC=2, B < 2): each core contracts half of the KT tiles (and loads only those rows of W_qkv);
+    the fp32 partial sums are exchanged with sendrecv and added (same bits on both cores; bias on core 0's part).
+    """
+    KT, C = cfg.KT, cfg.C
+    qsplit = cfg.wsplit and KT >= 2
+    kt0, kt1 = (0, KT) if not qsplit else ((0, KT // 2) if cfg.core == 0 else (KT // 2, KT))
+    if qsplit and cfg.core == 1:
+        bias = None
+    wq = nl.ndarray((P_MAX, KT, C), dtype=W_qkv.dtype, buffer=nl.sbuf)
+    w3 = W_qkv.reshape((P_MAX, KT, C))
+    n_dma = min(W_QKV_DMAS, kt1 - kt0)
+    for i in range(n_dma):
+        k0, k1 = kt0 + i * (kt1 - kt0) // n_dma, kt0 + (i + 1) * (kt1 - kt0) // n_dma
+        nisa.dma_copy(dst=wq[:, k0:k1, :], src=w3[:, k0:k1, :])
+    qkv = tuple(_qkv_tile(cfg, W_qkv.dtype, tiles[ti][1]) for ti in range(len(tiles)))
+    part = ()
+    if qsplit:
+        part = tuple(nl.ndarray((P_MAX, C), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
+    n_chunks = (C + PSUM_F - 1) // PSUM_F
+    pairs = [(ti, ch) for ch in range(n_chunks) for ti in range(len(tiles))]
+    n_ev = 0
+    for g0 in range(0, len(pairs), QKV_BANKS):
+        group = pairs[g0:g0 + QKV_BANKS]
+        accs = [nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in group]
+        if bias is not None:
+            for i, (ti, ch) in enumerate(group):
+                nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
+                nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=_ones_row(consts, bias.dtype, nt),
+                               moving=bias[:1, c0:c0 + cw], accumulate=False)
+        for kt in range(kt0, kt1):
+            for i, (ti, ch) in enumerate(group):
+                nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
+                nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=xT[ti][:, kt, :nt], moving=wq[:, kt, c0:c0 + cw],
+                               accumulate=(kt > kt0 or bias is not None))
+        for i, (ti, ch) in enumerate(group):
+            nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
+            if qsplit:
+                _evict(n_ev, part[ti][:nt, c0:c0 + cw], accs[i][:nt, :cw])
+            else:
+                _evict(n_ev, qkv[ti][:nt, cfg.pad + c0:cfg.pad + c0 + cw], accs[i][:nt, :cw])
+            n_ev += 1
+        accs = None    # release the banks before the next group allocates
+    for ti in range(len(part)):
+        nt = tiles[ti][1]
+        other = nl.ndarray((P_MAX, C), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.sendrecv(src=part[ti][:nt, :], dst=other[:nt, :], send_to_rank=1 - cfg.core, recv_from_rank=1 - cfg.core,
+                      pipe_id=cfg.nkv + ti)
+        nisa.tensor_tensor(dst=qkv[ti][:nt, cfg.pad:cfg.pad + C], data1=part[ti][:nt, :], data2=other[:nt, :],
+                           op=nl.add)
+    return qkv
+
+
+def _qkv_tile(cfg, dtype, nt):
+    """[128, pad | C | pad] token-layout q/k/v tile; the zeroed pads let every head be transposed from a 128-column
+    window that puts it on partitions u*d (the stacked layout, see _transpose_qk)."""
+    t = nl.ndarray((P_MAX, cfg.C + 2 * cfg.pad), dtype=dtype, buffer=nl.sbuf)
+    if cfg.pad > 0:
+        nisa.memset(dst=t[:nt, :cfg.pad], value=0.0, engine=nisa.engine.gpsimd)
+        nisa.memset(dst=t[:nt, cfg.pad + cfg.C:], value=0.0, engine=nisa.engine.gpsimd)
+    return t
+
+
+def _rope(cfg, qkv, ins, tiles):
+    """Half-split RoPE on the q and k heads of each token tile (fp32 math, bf16 result); v columns copied."""
+    if len(ins.cos) == 0:
+        return qkv
+    d, h2 = cfg.d, cfg.d // 2
+    nh = cfg.nq + cfg.nkv
+    out = []
+    for ti, (_t0, nt, _, _) in enumerate(tiles):
+        src = qkv[ti]
+        cb = ins.cos[ti][:nt].expand_dim(1).broadcast(1, nh)
+        sb = ins.sin[ti][:nt].expand_dim(1).broadcast(1, nh)
+        pad = cfg.pad
+        heads = src[:nt, pad:pad + nh * d].reshape((nt, nh, d))
+        x1, x2 = heads[:, :, :h2], heads[:, :, h2:]
+        dst = _qkv_tile(cfg, src.dtype, nt)
+        rot = dst[:nt, pad:pad + nh * d].reshape((nt, nh, d))
+        ta = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
+        tb = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
+        tc = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
+        td = nl.ndarray((P_MAX, nh, h2), dtype=nl.float32, buffer=nl.sbuf)
+        # The four products are independent: two on VectorE, two on GpSimd.
+        nisa.tensor_tensor(dst=ta[:nt], data1=x1, data2=cb, op=nl.multiply)
+        nisa.tensor_tensor(dst=tb[:nt], data1=x2, data2=sb, op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=tc[:nt], data1=x2, data2=cb, op=nl.multiply)
+        nisa.tensor_tensor(dst=td[:nt], data1=x1, data2=sb, op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=rot[:, :, :h2], data1=ta[:nt], data2=tb[:nt], op=nl.subtract)
+        nisa.tensor_tensor(dst=rot[:, :, h2:], data1=tc[:nt], data2=td[:nt], op=nl.add)
+        nisa.tensor_copy(dst=dst[:nt, pad + nh * d:pad + cfg.C], src=src[:nt, pad + nh * d:pad + cfg.C],
+                         engine=nisa.engine.gpsimd)
+        out.append(dst)
+    return tuple(out)
+
+
+def _transpose_qk(cfg, qkv, tiles):
+    """qkT[:, u, token, head] = head^T on partitions u*d..(u+1)*d (u < kpp; d on partitions for QK^T), for the q
+    heads 0..nq-1 and k heads nq..nq+nkv-1: TensorE transposes of 128-column windows (d columns when kpp = 1)."""
+    d, kpp = cfg.d, cfg.kpp
+    n_tok = tiles[-1][0] + tiles[-1][1] - tiles[0][0]
+    nh = cfg.nq + cfg.nkv
+    width = d if kpp == 1 else P_MAX
+    qkT = nl.ndarray((P_MAX, kpp, n_tok, nh), dtype=qkv[0].dtype, buffer=nl.sbuf)
+    base = tiles[0][0]
+    for ti, (t0, nt, _, _) in enumerate(tiles):
+        for u in range(kpp):
+            for h0 in range(0, nh, TRANSPOSE_GROUP):
+                n = min(TRANSPOSE_GROUP, nh - h0)
+                ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=qkv[ti].dtype, buffer=nl.psum)
+                for h in range(n):
+                    c0 = cfg.pad + (h0 + h - u) * d
+                    nisa.nc_transpose(dst=ps[:width, h, :nt], data=qkv[ti][:nt, c0:c0 + width])
+                nisa.tensor_copy(dst=qkT[u * d:(u + 1) * d, u, t0 - base:t0 - base + nt, h0:h0 + n].permute((0, 2, 1)),
+                                 src=ps[u * d:(u + 1) * d, :n, :nt])
+    return qkT

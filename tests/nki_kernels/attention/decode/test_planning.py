@@ -1,0 +1,75 @@
+"""The pure planning functions of the decode kernel (nki_kernels/attention/decode/planning.py) on configurations
+built directly (no kernel run): every position scanned once, in the order the ragged gates rely on."""
+
+import pytest
+
+import nkisim
+
+nkisim.install()
+
+from nki_kernels.attention.decode.config import FA_SUB, P_MAX, _Config  # noqa: E402
+from nki_kernels.attention.decode.planning import (  # noqa: E402
+    _load_pieces,
+    _packs,
+    _plan,
+    _slot_bounds,
+    _slot_split,
+    _token_tiles,
+)
+
+# (B, S, H, d, nkv, nq, S_max, L, block size): GPT-OSS / Llama rank shards, a remainder, paged, odd sizes
+CONFIGS = [
+    (16, 1, 3072, 64, 1, 8, 4096, 4096, 0),
+    (3, 2, 4096, 128, 1, 4, 600, 600, 0),
+    (64, 1, 4096, 128, 1, 4, 16384, 16384, 0),
+    (5, 4, 1024, 128, 2, 8, 2048, 2048, 0),
+    (4, 1, 3072, 64, 1, 8, 32 * 64, 2048, 64),
+    (2, 1, 4096, 128, 1, 4, 8 * 512, 4096, 512),
+]
+
+
+def _cfg(B, S, H, d, nkv, nq, s_max, L, bs):
+    mb = s_max // bs if bs else 0
+    return _Config(B, S, H, d, nkv, nq, s_max, L, d ** -0.5, H, 0, 2, bs, mb)
+
+
+@pytest.mark.parametrize("c", CONFIGS)
+def test_slots_and_steps_cover_the_scan_once_in_order(c):
+    cfg = _cfg(*c)
+    bounds = _slot_bounds(cfg, cfg.lo, cfg.hi)
+    assert bounds[0] == 0 and bounds[-1] == cfg.scan and all(a < b for a, b in zip(bounds, bounds[1:]))
+    slots, steps = _plan(cfg)
+    assert [j0 for j0, _ in slots] == bounds[:-1]
+    for k, (j0, w) in enumerate(slots):
+        n, rem = w // P_MAX, w % P_MAX
+        vblocks = sorted(vb for s in steps if s.slot == k for *_, vb in s.blocks)
+        assert vblocks == list(range(n)) + ([n] if rem else [])      # every V block (so every position) once
+        if cfg.paged:
+            assert w % P_MAX == 0 and (w // P_MAX) & (w // P_MAX - 1) == 0 and j0 % w == 0 and w >= cfg.bs
+            assert _slot_split(cfg, w) in (1, *range(2, P_MAX // 16 + 1))
+    pos0 = [s.pos0 for s in steps]
+    assert pos0 == sorted(pos0)           # skipped steps are a suffix (_step_gates)
+    assert all(s.cols <= FA_SUB for s in steps)
+
+
+@pytest.mark.parametrize("c", CONFIGS)
+def test_load_pieces_partition_each_slot(c):
+    cfg = _cfg(*c)
+    for j0, w in _plan(cfg)[0]:
+        pieces = _load_pieces(cfg, j0, w)
+        assert pieces[0][0] == j0 and sum(size for _, size in pieces) == w
+        assert all(a + s == b for (a, s), (b, _) in zip(pieces, pieces[1:]))
+        n = w // P_MAX
+        body = [(a, s) for a, s in pieces if a < j0 + n * P_MAX]
+        assert all(s % n == 0 and (a - j0) % n == 0 for a, s in body)    # whole V partitions
+
+
+@pytest.mark.parametrize("B,lo,hi", [(16, 0, 16), (64, 0, 64), (9, 5, 9), (64, 32, 64)])
+def test_packs_and_token_tiles(B, lo, hi):
+    cfg = _cfg(B, 1, 3072, 64, 1, 8, 1024, 1024, 0)
+    packs = _packs(cfg, lo, hi)
+    assert packs[0][0] == lo and sum(nb for _, nb in packs) == hi - lo
+    assert max(nb for _, nb in packs) - min(nb for _, nb in packs) <= 1 and max(nb for _, nb in packs) <= cfg.pack
+    tiles = _token_tiles(cfg, lo, hi)
+    assert [t[2] for t in tiles][0] == lo and sum(t[3] for t in tiles) == hi - lo
+    assert all(t[1] == t[3] * cfg.S <= cfg.tile_tok for t in tiles)
