@@ -36,6 +36,26 @@ def _shape_key(d: dict) -> tuple | None:
         return None
 
 
+MAIN_GRID = "test_decode_attention_modelled["     # bench/test_decode_attention.py's contiguous grid
+# extra_info keys that mark a variant of the decode-attention workload (not the contiguous full-attention grid)
+_VARIANT_KEYS = ("modelled_sliding_window", "modelled_block_size", "modelled_layout", "modelled_context_split",
+                 "modelled_batch_split", "modelled_kv_cache", "layout", "block_size", "sliding_window",
+                 "context_split", "batch_split", "kv_cache", "ragged", "modelled_ragged", "peer")
+
+
+def _int(v) -> int | None:
+    """An integer batch / context, or None (e.g. a ragged row's 'ragged 128-16K' label)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str) and v.strip().isdigit():
+        return int(v)
+    return None
+
+
 class KernelTable:
     def __init__(self) -> None:
         # (shape key, target) -> {(batch, ctx): latency_s}
@@ -47,17 +67,21 @@ class KernelTable:
         return sum(len(v) for v in self._pts.values())
 
     def add_benchmark(self, name: str, params: dict | None, extra_info: dict) -> bool:
-        """Index one decode-attention benchmark row; False if it is not one."""
+        """Index one decode-attention benchmark row of the main grid; False if it is not one. Variants of the kernel
+        benchmarked beside it (paged KV, sliding window, LNC=2 context split, ragged contexts, S_tkg > 1, peers) are
+        other workloads at the same (batch, context) and must not replace the contiguous full-attention point."""
         x = extra_info or {}
-        if "modelled_latency_s" not in x or "decode_attention" not in name:
+        if "modelled_latency_s" not in x or not name.startswith(MAIN_GRID):
+            return False
+        if any(x.get(k) for k in _VARIANT_KEYS) or int(x.get("s_tkg", 1) or 1) != 1:
             return False
         shape = KNOWN_SHAPES.get(str(x.get("model", ""))) or x
         key = _shape_key(shape)
-        batch, ctx = x.get("batch"), x.get("context", x.get("ctx"))
-        if key is None or batch is None or ctx is None or int(x.get("lnc", 1)) != 1:
+        batch, ctx = _int(x.get("batch")), _int(x.get("context", x.get("ctx")))
+        if key is None or batch is None or ctx is None or _int(x.get("lnc", 1)) != 1:
             return False
         target = x.get("modelled_target", (params or {}).get("target", "trn2"))
-        self._pts[(key, target)][(int(batch), int(ctx))] = float(x["modelled_latency_s"])
+        self._pts[(key, target)][(batch, ctx)] = float(x["modelled_latency_s"])
         return True
 
     @classmethod

@@ -248,3 +248,22 @@ def test_kernel_table_interpolates_and_feeds_the_model():
     attn = next(c for c in r.components if c.name == "attention")
     assert attn.source == "nkisim" and attn.t_kernel == pytest.approx(32 * 20e-6)
     assert r.as_dict()["kernel_sources"] == ["attention"]
+
+
+def test_kernel_table_takes_only_the_contiguous_main_grid():
+    """Variants at the same (batch, context) — ragged contexts, sliding window, paged KV, fp8 cache — and other
+    benchmarks never replace the main grid's point (a ragged row's context is a label, not a number)."""
+    x = {"modelled_latency_s": 1e-4, "model": "llama-3.1-8b-tp8", "batch": 8, "context": 4096, "lnc": 1,
+         "modelled_target": "trn2"}
+    table = KernelTable()
+    assert table.add_benchmark("test_decode_attention_modelled[a]", {}, x)
+    for name, extra in (("test_decode_attention_ragged_modelled[b]", {"context": "ragged 128-16K"}),
+                        ("test_decode_attention_modelled[c]", {"context": "ragged 128-16K"}),
+                        ("test_decode_attention_modelled[d]", {"modelled_sliding_window": 128}),
+                        ("test_decode_attention_paged_modelled[e]", {"modelled_layout": "paged"}),
+                        ("test_decode_attention_fp8_modelled[f]", {"modelled_kv_cache": "fp8 e4m3"}),
+                        ("test_moe_tkg_modelled[g]", {})):
+        assert not table.add_benchmark(name, {}, {**x, "modelled_latency_s": 9.0, **extra}), name
+    assert len(table) == 1
+    assert table("attention", {"q_heads": 4, "kv_heads": 1, "head_dim": 128, "hidden": 4096, "batch": 8,
+                               "ctx": 4096, "target": "trn2", "lnc": 1}) == 1e-4
