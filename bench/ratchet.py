@@ -21,6 +21,7 @@ Updating the baseline is a deliberate act committed with the change that moves t
 
     pytest bench/ --benchmark-only --ratchet-update            # run and rewrite the baseline's rows from this run
     python -m bench.ratchet update reports/latest.json          # or from a saved run (--prune drops rows not run)
+    python -m bench.ratchet update --only-new reports/latest.json   # a new bench file's rows join; others untouched
 """
 
 from __future__ import annotations
@@ -142,13 +143,19 @@ def check(data: dict, baseline: dict[str, dict], tolerance: float = TOLERANCE, b
     return res
 
 
-def update(data: dict, path: str | Path = BASELINE, prune: bool = False) -> dict[str, dict]:
-    """Rewrite the baseline's rows from this run (rows the run did not produce are kept unless ``prune``)."""
+def update(data: dict, path: str | Path = BASELINE, prune: bool = False, only_new: bool = False) -> dict[str, dict]:
+    """Rewrite the baseline's rows from this run (rows the run did not produce are kept unless ``prune``). With
+    ``only_new`` the rows already in the baseline keep their figures: a new bench file's rows join the ratchet
+    without accepting anyone else's change."""
     now = rows(data)
     if not now:
         raise ValueError("ratchet update: the run has no modelled kernel rows (modelled_latency_s); nothing written")
+    if prune and only_new:
+        raise ValueError("ratchet update: --prune and --only-new contradict each other")
     base = {} if prune else dict(load_baseline(path))
     for key, r in now.items():
+        if only_new and key in base:
+            continue
         entry = {"latency_s": r["latency_s"]}
         if r["target_ratio"] is not None:
             entry.update(target_ratio=r["target_ratio"], over_bound=r["over_bound"])
@@ -172,10 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--baseline", default=str(BASELINE))
         if name == "update":
             s.add_argument("--prune", action="store_true", help="drop baseline rows this run did not produce")
+            s.add_argument("--only-new", action="store_true",
+                           help="add the rows absent from the baseline; leave the others' figures as they are")
     args = p.parse_args(argv)
     data = json.loads(Path(args.json).read_text())
     if args.cmd == "update":
-        n = len(update(data, args.baseline, args.prune))
+        n = len(update(data, args.baseline, args.prune, args.only_new))
         print(f"wrote {args.baseline} ({n} rows)")
         return 0
     res = check(data, load_baseline(args.baseline), baseline_path=args.baseline)

@@ -92,6 +92,15 @@ def test_partial_update_keeps_other_rows_unless_pruned(baseline):
         ratchet.update({"benchmarks": []}, baseline)
 
 
+def test_only_new_adds_rows_without_accepting_changes(baseline):
+    run = _run(_bench("k::a", 100e-6, bound=90e-6, target=1.3), _bench("k::b", 99e-6), _bench("k::new", 5e-6))
+    rows = ratchet.update(run, baseline, only_new=True)
+    assert rows["k::b"]["latency_s"] == 50e-6 and rows["k::new"]["latency_s"] == 5e-6
+    assert ratchet.check(run, ratchet.load_baseline(baseline)).failed          # k::b's regression still fails
+    with pytest.raises(ValueError, match="contradict"):
+        ratchet.update(run, baseline, prune=True, only_new=True)
+
+
 def test_cli_check_exit_status(baseline, tmp_path, capsys):
     run = tmp_path / "run.json"
     run.write_text(json.dumps(_run(_bench("k::a", 100e-6, bound=90e-6, target=1.3), _bench("k::b", 70e-6))))
