@@ -12,7 +12,7 @@ numerics (a trace-only run cannot know the trip counts).
 "% of TensorE peak" = the useful FLOPs (nki_kernels/vision/work.py: projections + attention over each image's own key
 pairs) / (modelled latency x bf16 peak) = the report's MFU. Issue 14's target (>= 55% for one image filling a block
 of >= 2048) is recorded per row (`modelled_meets_55pct_target`) and asserted where it is met (TARGET_MET: trn2 at 2048,
-trn3 at 2048 and 4096); trn2 at 4096 does not meet it (52%: nki_kernels/vision/DESIGN.md, "Performance").
+trn3 at 2048 and 4096); trn2 at 4096 does not meet it (53%: nki_kernels/vision/DESIGN.md, "Performance").
 
 nki-library (NKILIB_SRC; skipped with the reason otherwise; bench/peers/nkilib_vision.py): `attention_cte` with
 sequence packing on the same bounds (attention only: Q, K, V in, O out), and the library pipeline for the same block
@@ -80,7 +80,7 @@ def test_vision_attention_modelled(benchmark, S, mix, target):
     rep = benchmark.pedantic(ours, args=(S, mix, target), rounds=1, iterations=1)
     meets = rep.mfu >= TARGET_MFU if (mix == "1-image" and S >= 2048) else None
     _record(benchmark, rep, S, mix, 1, modelled_meets_55pct_target=meets)
-    if (target, S) in TARGET_MET:                  # kept where met; recorded only where not (trn2, 4096)
+    if meets is not None and (target, S) in TARGET_MET:    # kept where met; only recorded where not (trn2 4096)
         assert meets, f"{100 * rep.mfu:.1f}% of TensorE peak < {100 * TARGET_MFU:.0f}%"
     assert rep.latency_s >= rep.roofline_s * 0.999     # a modelled latency never beats its own roofline
     assert rep.flops_issued >= rep.flops * 0.999        # the declared useful work is work the kernel issued

@@ -337,11 +337,12 @@ def _exchange_kv(cfg, qkT, v, nh, g0):
 
 def _step_constants(cfg):
     """Constants of the GpSimd state updates (GpSimd has no tensor_scalar): dec [128, i, :] = the key count of a
-    step of STEPS[i] tiles (the bounds' decrement), dec[128, len(STEPS), :] = -scale."""
+    step of STEPS[i] tiles (the bounds' decrement), dec[128, len(STEPS), :] = (-scale, L_MIN)."""
     dec = nl.ndarray((P_MAX, len(STEPS) + 1, 2), dtype=nl.float32, buffer=nl.sbuf)
     for i, w in enumerate(STEPS):
         nisa.memset(dst=dec[:, i, :], value=float(w * P_MAX), engine=nisa.engine.gpsimd)
-    nisa.memset(dst=dec[:, len(STEPS), :], value=-cfg.scale, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=dec[:, len(STEPS), 0:1], value=-cfg.scale, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=dec[:, len(STEPS), 1:2], value=L_MIN, engine=nisa.engine.gpsimd)
     return dec
 
 
@@ -368,7 +369,7 @@ def _attend(cfg, qkT, v, rb0, dec, regs, qt, h, nh, o_h):
     for i, w in enumerate(STEPS):
         nl.fori_loop(regs[i], regs[i + 1], step(w), step=w)
     lg = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=lg, data=l_sum, op0=nl.maximum, operand0=L_MIN)
+    nisa.tensor_tensor(dst=lg, data1=l_sum, data2=dec[:, len(STEPS), 1:2], op=nl.maximum, engine=nisa.engine.gpsimd)
     rl = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
     nisa.reciprocal(dst=rl, data=lg)
     nisa.activation(dst=o_h, op=nl.copy, data=acc, scale=rl)
