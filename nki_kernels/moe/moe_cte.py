@@ -26,6 +26,12 @@ COMBINE_ROWS = 256     # rows per DMA when the LNC=2 partial is added into out (
 # shortest per-partition weight DMA run worth the natural H tiling of DMA transposes: run / (run + 256 B) >= 80%
 # (AWS DMA bandwidth guide: < 256 B per descriptor severely overhead-bound, >= 2 KiB near peak; nkisim.cost rule 6)
 WEIGHT_RUN_MIN = 1024
+# Rows per expert from which DMA gather-transposes beat TensorE transposes (indirect transposes need NeuronCore-v3+).
+# Per 128-row tile (GPT-OSS-20B TP8 shard) TensorE takes ~12.8 us with its transposes, ~11.5 us without; an expert's
+# weights take 18 us of DMA on trn2 (0.36 TB/s per core; 21 us in natural tiles) and each tile ~4.2 us of gather and
+# scatter (+10% as transposes): with n tiles per expert the DMA path wins on trn2 once 11.5 n >= 21 + 4.6 n, i.e.
+# n >= 3 tiles. On trn3 (0.61 TB/s per core, the same TensorE rate) it wins from about one tile.
+DMA_TRANSPOSE_MIN_ROWS = {"gen3": 3 * 128, "gen4": 0}
 SBUF_RESERVE = 8 * 1024    # bytes per partition left for the small tiles (ids, affinities, schedule, constants)
 DGE = nisa.dge_mode.swdge   # indirect (vector_offset) DMAs are software-DGE transfers
 
@@ -33,7 +39,8 @@ DGE = nisa.dge_mode.swdge   # indirect (vector_offset) DMAs are software-DGE tra
 class _Config(nl.NKIObject):
     """Static shapes and options of one launch."""
 
-    def __init__(self, T, H, E, inter, rows, sched_len, dtype, itemsize, activation, bias_gu, bias_d, n_cores):
+    def __init__(self, T, H, E, inter, rows, sched_len, dtype, itemsize, activation, bias_gu, bias_d, n_cores,
+                 routed_rows):
         self.T, self.H, self.E, self.I, self.rows, self.sched_len = T, H, E, inter, rows, sched_len
         self.dtype, self.activation, self.bias_gu, self.bias_d, self.n_cores = (dtype, activation, bias_gu, bias_d,
                                                                                 n_cores)
@@ -41,10 +48,15 @@ class _Config(nl.NKIObject):
         # x^T by DMA gather-transposes or by TensorE transposes of the gathered rows. The H order of a contraction
         # tile follows: DMA transposes read natural tiles (H index kt * 128 + p on partition p), so each partition
         # loads its gate/up weight rows as runs of 2I elements; TensorE transposes take strided column sets (H
-        # index p * KT + kt), so each partition's weight rows are one contiguous run. DMA transposes on trn3 only
-        # (1.7x trn2's HBM share per core at the same TensorE rate: there DMA has room and TensorE is the bound;
-        # on trn2 it is the other way round), and only while the weight runs stay >= WEIGHT_RUN_MIN bytes.
-        self.dma_transpose = (nisa.get_nc_version() >= nisa.nc_version.gen4
+        # index p * KT + kt), so each partition's weight rows are one contiguous run. DMA transposes move ~10% of
+        # the TensorE work to the DMA queues, which also carry every expert's weights: worth it once an expert's
+        # weights are shared by enough rows that TensorE is the bound (DMA_TRANSPOSE_MIN_ROWS per generation), and
+        # only while the weight runs stay >= WEIGHT_RUN_MIN bytes.
+        v = nisa.get_nc_version()
+        min_rows = (DMA_TRANSPOSE_MIN_ROWS["gen4"] if v >= nisa.nc_version.gen4
+                    else DMA_TRANSPOSE_MIN_ROWS["gen3"] if v >= nisa.nc_version.gen3 else None)
+        rows_per_expert = (routed_rows or rows) / E
+        self.dma_transpose = (min_rows is not None and rows_per_expert >= min_rows
                               and 2 * inter * itemsize >= WEIGHT_RUN_MIN)
         # down contraction: I rows, plus one row of ones (activations) / b_down (weights) when the bias is added,
         # so the bias is a free extra contraction row instead of a separate matmul
@@ -66,7 +78,7 @@ class _Config(nl.NKIObject):
 
 
 def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up=None,
-                   b_down=None, activation="clamped_swiglu"):
+                   b_down=None, activation="clamped_swiglu", routed_rows=0):
     """Blockwise MoE experts (prefill): out[t] = Σ_rows of t  affinity · down(act(gate_up(x[t]))) for one TP rank.
 
     Dimensions:
@@ -86,6 +98,7 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         b_gate_up ([E, 2, I] @ HBM): optional gate/up bias.
         b_down ([E, H] @ HBM): optional down bias (pass None on the TP ranks that must not add it).
         activation (str): "clamped_swiglu" (GPT-OSS) or "swiglu".
+        routed_rows (int): T * k, the real mapping rows (0: R, an upper bound); only sizes the x^T choice.
 
     Returns:
         out ([T, H] @ HBM, shared_hbm): the rank's partial output in x's dtype; each row's expert outputs are
@@ -100,7 +113,7 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
           barrier the cores add the partial into out (half the rows each, DMA read-modify-writes).
         - Orientation: gate/up with the gathered tokens' x^T [128 (H), 128 (tokens)] stationary and the weights
           moving (the I columns stream, no I padding); the down projection with act^T stationary.
-        - x^T: DMA gather-transposes on trn3, TensorE transposes on trn2 (see _Config).
+        - x^T: DMA gather-transposes or TensorE transposes, by generation and rows per expert (see _Config).
 
     Pseudocode:
         out = 0
@@ -111,7 +124,7 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
                 y = aT^T @ [Wd[e] ; bd[e]]  ;  out[ids] += bf16(affinity * y)
     """
     cfg = _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up,
-                           b_down, activation)
+                           b_down, activation, routed_rows)
     out = nl.ndarray((cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
     core = nl.program_id(0) if cfg.n_cores > 1 else 0
     # LNC=2: core 0 accumulates into out, core 1 into a partial of its own (two cores' read-modify-writes of one
@@ -141,7 +154,7 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
 
 
 def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up, b_down,
-                     activation):
+                     activation, routed_rows):
     """Every static limit, before any work; messages name the argument and the limit."""
     assert activation in ("clamped_swiglu", "swiglu"), \
         f"activation={activation!r} must be 'clamped_swiglu' or 'swiglu'"
@@ -169,8 +182,7 @@ def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down), ("b_gate_up", b_gate_up), ("b_down", b_down)):
         assert w is None or w.dtype == x.dtype, f"{name} dtype {w.dtype} must equal x's ({x.dtype})"
     cfg = _Config(T, H, E, inter, R, schedule.shape[1], x.dtype, x.dtype.itemsize, activation,
-                  b_gate_up is not None,
-                  b_down is not None, n_cores)
+                  b_gate_up is not None, b_down is not None, n_cores, routed_rows)
     assert cfg.KD * P_MAX * 2 <= nl.tile_size.psum_bank_fmax_bytes, \
         f"w_down: I={inter} too large: the transposed activations must fit one PSUM bank (I <= 1023)"
     need = 2 * (cfg.weight_bytes() + cfg.tile_bytes()) + SBUF_RESERVE
@@ -490,4 +502,4 @@ def run_kernel(x, expert_index, affinities, w_gate_up, w_down, b_gate_up, b_down
         arrays = [torch.from_numpy(a) for a in arrays]
     kernel = moe_cte_nki if lnc == 1 else moe_cte_nki[lnc]
     return kernel(x, w_gate_up, w_down, *arrays, b_gate_up=b_gate_up, b_down=b_down if add_down_bias else None,
-                  activation=activation)
+                  activation=activation, routed_rows=int(expert_index.shape[0] * expert_index.shape[1]))

@@ -164,3 +164,8 @@ def test_kernel_long_prefill_16k():
     """T = 16384 (nki-library's shard_on_i_hybrid fails past 2048 for GPT-OSS-20B, aws-neuron-sdk#1372): nothing in
     the kernel scales with T but its loop trip counts (small H / I keep the interpretation short)."""
     run_and_check(16384, 128, 4, 64, 2, lnc=2)
+
+
+def test_kernel_trn2_dma_transposes_with_many_rows_per_expert():
+    """trn2 switches to DMA gather-transposes from 384 rows per expert (here 400, I = 256: 1 KiB weight runs)."""
+    run_and_check(400, 256, 2, 256, 2)
