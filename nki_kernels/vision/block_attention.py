@@ -24,6 +24,7 @@ TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
 STEPS = (4 * PSUM_F // P_MAX, 2 * PSUM_F // P_MAX, PSUM_F // P_MAX)
 PAD_TILES = STEPS[-1] - 1                # zero key tiles after the block: a tail step may run past the range end
 assert PAD_TILES == KEY_PAD_TILES, "limits.KEY_PAD_TILES (the SBUF budget) must match the narrowest key step"
+REG_SETS = 4              # register sets for the key-loop bounds (4 x 4 of the sequencer's 64 registers)
 EVICT_VECTOR_EVERY = 8    # PSUM evictions outside the attention: every 8th on VectorE, the rest on ScalarE
 M_INIT = -1.0e30          # running max before any key: above the range_select fill, so exp(fill - max) = 0
 FP32_MIN = -3.4028235e38  # range_select's fill for keys outside the range (a hardware constant, C11)
@@ -102,17 +103,18 @@ def vision_block_attention_kernel(x, w_qkv, b_qkv, cos, sin, bound_min, bound_ma
     rb0, kreg = _key_ranges(cfg, bound_min, bound_max)     # first used by the first attention step
     dec = _step_constants(cfg)
     wo = _load_weights(cfg, w_o, cfg.hd, cfg.H, 64)
+    # The key loops' bounds of a query tile live in registers (64 per engine sequencer): REG_SETS sets reused
+    # round-robin, so the loops of REG_SETS consecutive query tiles can overlap.
+    reg_sets = tuple(tuple(nisa.register_alloc() for _ in range(len(STEPS) + 1)) for _ in range(REG_SETS))
     for g0 in range(0, cfg.nh, cfg.gsz):
         g1 = min(cfg.nh, g0 + cfg.gsz)
         qkT, v = _qkv_rope(cfg, x, xT, wq, bias, cos, sin, g0, g1)
         if n_prog > 1:
             _exchange_kv(cfg, qkT, v, g1 - g0, g0)
         for i, qt in enumerate(cfg.mine):
-            regs = []
-            for j in range(len(STEPS) + 1):
-                r = nisa.register_alloc()
+            regs = reg_sets[i % REG_SETS]
+            for j, r in enumerate(regs):
                 nisa.register_load(dst=r, src=kreg[qt:qt + 1, j:j + 1])
-                regs.append(r)
             for h in range(g0, g1):
                 _attend(cfg, qkT, v, rb0, dec, regs, qt, h - g0, g1 - g0, o_all[:, i, h * cfg.d:(h + 1) * cfg.d])
             if g1 == cfg.nh:
