@@ -22,7 +22,7 @@ from .decode.config import (
     argument_error,
 )
 from .decode.flash import _attention_flash_decode
-from .decode.kv_io import _load_block_ids, _paged_rows, _update_cache, _window_starts
+from .decode.kv_io import _load_block_ids, _load_positions, _paged_rows, _update_cache, _window_starts
 from .decode.oproj import _exchange_oT, _output_projection
 from .decode.planning import _token_tiles
 from .decode.qkv import (
@@ -129,6 +129,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         # With split weights every phase but the attention covers all tokens (one token tile).
         tiles = _token_tiles(cfg, 0, cfg.B) if cfg.wsplit else _token_tiles(cfg, b_lo, b_hi)
         ins = _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale, v_scale)
+        pos_sb = _load_positions(cfg, position_ids)      # register loads of the cache update read SBUF
         rows = _paged_rows(cfg, position_ids, block_table, tiles)
         starts = _window_starts(cfg, position_ids, b_lo, b_hi)
         block_ids = _load_block_ids(cfg, block_table, b_lo, b_hi, starts)
@@ -146,7 +147,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         if cfg.wsplit and not cfg.split:
             _exchange_oT(cfg, oT[0], b_lo, b_hi, per_core)
         if cfg.core == 0:
-            _update_cache(cfg, qkv, K_cache, V_cache, position_ids, tiles, rows)
+            _update_cache(cfg, qkv, K_cache, V_cache, pos_sb, tiles, rows)
         _output_projection(cfg, consts, oT, wo, ins.bias_o, out, tiles)
     return out
 
