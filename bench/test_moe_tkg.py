@@ -6,7 +6,8 @@ nki_kernels/moe/tkg_inputs.py), random routing, T = 1, 4, 8, 32, 128, trn2 and t
 cost rule of nki_kernels/moe/tkg_cost.py).
 bound = (distinct experts in the routing) x (one expert's weight bytes) / (the cores' memory roof,
 hw.core.memory_bytes_per_s x LNC): reading the touched experts once is the least any kernel must do.
-Target (issue 13): modelled latency <= 1.3 x bound at every T; asserted where met (LNC=1, both targets). LNC=2 rows
+Target (issue 13): modelled latency <= 1.3 x bound at every T; asserted where met (LNC=1, both targets). GPT-OSS-120B
+TP=16 rows (trn2, LNC=1) are reported only (not met at every T: see the test's docstring). LNC=2 rows
 are reported (`modelled_meets_target`), not asserted: at T = 1 the fixed prologue (router) and the cross-core
 exchange weigh against a halved bound.
 Side by side (needs NKILIB_SRC, else skipped with that reason): the library's `moe_tkg` at LNC=2 (as its tests run
@@ -20,7 +21,7 @@ import torch
 
 import nkisim
 from bench.peers import nkilib
-from modules.model_specs import GPT_OSS_20B
+from modules.model_specs import GPT_OSS_20B, GPT_OSS_120B
 from nki_kernels.moe import rmsnorm_torch, router_torch
 from nki_kernels.moe.moe_tkg import moe_tkg_nki
 from nki_kernels.moe.tkg_cost import choose_expert_mode, expert_bytes
@@ -30,38 +31,40 @@ from nkisim.hardware import hardware
 pytestmark = pytest.mark.skipif(not nkisim.active(), reason="real nki present: the figures here are modelled")
 
 SHAPE = tkg_shard(GPT_OSS_20B, 8)
+SHAPE_120B = tkg_shard(GPT_OSS_120B, 16)
 TOKENS = (1, 4, 8, 32, 128)
 TARGET_RATIO = 1.3
 _OURS = {}
 
 
-def _inputs(T):
-    args, kw = make_tkg_inputs(T=T, **SHAPE)
+def _inputs(T, shape=SHAPE):
+    args, kw = make_tkg_inputs(T=T, **shape)
     return args, kw
 
 
-def touched_bound_s(expert_index, target, lnc):
+def touched_bound_s(expert_index, target, lnc, shape=SHAPE):
     """Seconds to read the distinct experts of the routing once at the memory roof of `lnc` cores."""
     n = len(set(torch.as_tensor(expert_index).flatten().tolist()))
-    return n, n * expert_bytes(SHAPE["H"], SHAPE["inter"]) / (hardware(target).core.memory_bytes_per_s * lnc)
+    return n, n * expert_bytes(shape["H"], shape["inter"]) / (hardware(target).core.memory_bytes_per_s * lnc)
 
 
-def ours(T, target, lnc=1):
-    args, kw = _inputs(T)
-    mode = choose_expert_mode(T, SHAPE["E"], SHAPE["top_k"], SHAPE["H"], SHAPE["inter"], target)
+def ours(T, target, lnc=1, shape=SHAPE):
+    args, kw = _inputs(T, shape)
+    mode = choose_expert_mode(T, shape["E"], shape["top_k"], shape["H"], shape["inter"], target)
     kin = dict(kw, b_router=kw["b_router"].reshape(1, -1), gamma=kw["gamma"].reshape(1, -1),
                hidden_actual=kw["hidden_actual"] or 0, expert_mode=mode)
     out, rep = nkisim.profile(moe_tkg_nki if lnc == 1 else moe_tkg_nki[lnc], *args, target=target, **kin)
-    rep.touched, rep.touched_bound_s = touched_bound_s(out[1], target, lnc)
+    rep.touched, rep.touched_bound_s = touched_bound_s(out[1], target, lnc, shape)
     rep.expert_mode = mode
-    _OURS[T, target, lnc] = rep
+    if shape is SHAPE:
+        _OURS[T, target, lnc] = rep
     return rep
 
 
-def _record(benchmark, rep, T, target, lnc, impl="ours"):
+def _record(benchmark, rep, T, target, lnc, impl="ours", model="gpt-oss-20b-tp8"):
     info = rep.extra_info()
     ratio = rep.latency_s / rep.touched_bound_s
-    info.update({"kernel": f"moe_tkg ({impl})", "model": "gpt-oss-20b-tp8", "tokens": T, "lnc": lnc,
+    info.update({"kernel": f"moe_tkg ({impl})", "model": model, "tokens": T, "lnc": lnc,
                  "impl": impl, "modelled_expert_mode": rep.expert_mode, "modelled_touched_experts": rep.touched,
                  "modelled_bound_s": rep.touched_bound_s, "modelled_latency_over_bound": ratio,
                  "modelled_target_ratio": TARGET_RATIO if impl == "ours" else None,
@@ -78,6 +81,17 @@ def test_moe_tkg_modelled(benchmark, T, target):
     ratio = _record(benchmark, rep, T, target, 1)
     assert rep.latency_s >= rep.roofline_s * 0.999
     assert ratio <= TARGET_RATIO, f"T={T} {target}: {ratio:.3f} x the touched-expert bound"
+
+
+@pytest.mark.parametrize("T", TOKENS)
+def test_moe_tkg_gpt_oss_120b_modelled(benchmark, T):
+    """GPT-OSS-120B TP=16 rank (E 128, I 180) on trn2, LNC=1: reported (`modelled_meets_target`), not asserted --
+    the 52-row second I tile loads through 7 of the 16 DMA engines, so the weight stream runs at ~87% of the roof,
+    and at T = 1 the 128-expert router and down-bias loads lengthen the prologue."""
+    rep = benchmark.pedantic(ours, args=(T, "trn2"), kwargs=dict(shape=SHAPE_120B), rounds=1, iterations=1)
+    _record(benchmark, rep, T, "trn2", 1, model="gpt-oss-120b-tp16")
+    benchmark.extra_info["modelled_target_ratio"] = None
+    assert rep.latency_s >= rep.roofline_s * 0.999
 
 
 # ---- side by side with nki-library's moe_tkg (LNC=2) -----------------------------------------------------------
