@@ -27,7 +27,7 @@ from .tkg_cost import choose_expert_mode
 MAX_TOKENS = 128       # T = B * S_tkg: tokens live on the partitions of one tile
 EXPERT_MODES = ("auto", "selective", "all")
 PSUM_F = nl.tile_size.psum_bank_fmax     # fp32 per PSUM bank: the down projection's output columns per matmul
-I_TILE = 128           # the expert intermediate dimension is tiled on partitions (gate/up output rows, down K)
+I_TILE = P_MAX         # the expert intermediate dimension is tiled on partitions (gate/up output rows, down K)
 MAX_I_TILES = 6        # gate/up accumulators of one expert (2 * I tiles of <= 512 B) in <= 3 PSUM banks
 WGU_DMAS = 4           # one expert's gate/up rows are loaded in this many DMAs (the matmuls start on the first)
 W_BUFS = 3             # expert weight slots (ring): the next experts' DMAs run while one is computed ...

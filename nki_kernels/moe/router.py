@@ -14,7 +14,7 @@ from .moe_torch import ROUTER_MODES, router_torch
 
 # ---- sizes ------------------------------------------------------------------------------------------------------
 P_MAX = nl.tile_size.pmax            # partitions: tokens per tile, contraction (H) tile
-H_TILE = 128                         # H is contracted in partition tiles of 128 (= P_MAX on every target)
+H_TILE = P_MAX                       # H is contracted in partition tiles (128 on every target)
 MAX_TOP_K = 8                        # one nisa.max8 / nc_find_index8 pass: the 8 largest per token
 MAX8_WIDTH = 8                       # max8 reads at least 8 values per partition: narrower logits are padded
 MAX_EXPERTS = 128                    # E <= 128: the dense affinities' transpose puts E on the partitions
