@@ -74,7 +74,7 @@ def vision_block_attention_kernel(x, w_qkv, b_qkv, cos, sin, bound_min, bound_ma
 
     Pseudocode (per query tile qt of 128 rows, per head h):
         [klo, khi) = key tiles covering the union of the rows' ranges (padding rows excluded); m = -1e30, l = 0, acc = 0
-        for key step c in [klo, khi) (1024 keys a step, the tail 512): s = q_h k_h[c]^T ; s = range_select(s, rows'
+        for key step c in [klo, khi) (2048-key steps, then 1024, then 512): s = q_h k_h[c]^T ; s = range_select(s, rows'
             bounds) with row max mt ; m' = max(m, mt) ; p = exp(scale (s - m')) ; alpha = exp(scale (m - m'))
             l = l alpha + sum p ; acc = acc alpha + p v_h[c] ; m = m'
         o[qt, h] = acc / max(l, 2^-40) ;   out[qt] = o[qt] @ W_o
@@ -172,7 +172,7 @@ def _key_ranges(cfg, bound_min, bound_max):
     nisa.tensor_reduce(dst=tmin, op=nl.minimum, data=lo_eff, axis=1)
     tmax = nl.ndarray((n, 1), dtype=f32, buffer=nl.sbuf)                 # = -max(hi_eff): hi_eff holds -(1-e)*hi
     nisa.tensor_reduce(dst=tmax, op=nl.minimum, data=hi_eff, axis=1)
-    # klo = floor(tmin / 128); khi = ceil(-tmax / 128) = floor((127 - tmax) / 128); mid = klo + 8 floor((khi-klo)/8)
+    # klo = floor(tmin / 128); khi = ceil(-tmax / 128) = floor((127 - tmax) / 128); then the loop boundaries (below)
     ns = len(STEPS)
     kf = nl.ndarray((n, ns + 1), dtype=f32, buffer=nl.sbuf)     # (klo, loop boundaries..., khi)
     rem = nl.ndarray((n, 1), dtype=f32, buffer=nl.sbuf)
