@@ -200,6 +200,7 @@ class _Weights(nl.NKIObject):
         self.wgu = nl.ndarray((P_MAX, KT, 2 * inter), dtype=dt, buffer=nl.sbuf)
         self.wd = nl.ndarray((P_MAX, KD, H), dtype=dt, buffer=nl.sbuf)
         self.bgu = nl.ndarray((P_MAX, 2 * inter), dtype=dt, buffer=nl.sbuf) if cfg.bias_gu else None
+        self.brow = nl.ndarray((1, 2 * inter), dtype=dt, buffer=nl.sbuf) if cfg.bias_gu else None
 
 
 class _Tiles(nl.NKIObject):
@@ -228,7 +229,7 @@ class _Slot(nl.NKIObject):
     """The weights and the tile buffers one token tile uses (views, no memory of its own)."""
 
     def __init__(self, w, t):
-        self.wgu, self.wd, self.bgu = w.wgu, w.wd, w.bgu
+        self.wgu, self.wd, self.bgu, self.brow = w.wgu, w.wd, w.bgu, w.brow
         self.gid, self.sid, self.aff, self.xt, self.xT = t.gid, t.sid, t.aff, t.xt, t.xT
         self.g, self.u, self.s, self.a, self.aT, self.y = t.g, t.u, t.s, t.a, t.aT, t.y
 
@@ -244,6 +245,9 @@ class _Psum(nl.NKIObject):
         self.g = nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum)
         self.u = nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum)
         self.d = [nl.ndarray((P_MAX, cfg.H_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(DOWN_BANKS)]
+        # a row of ones: the stationary of the matmul that copies the gate/up bias row to all 128 partitions
+        self.ones = nl.ndarray((1, P_MAX), dtype=cfg.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=self.ones, value=1.0)
 
 
 def _zero_rows(cfg, dst, r0, r1):
@@ -276,7 +280,7 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
     n_pairs = _field(cfg, sched, base, 2)
     odd = _field(cfg, sched, base, 3)
     load = _field(cfg, sched, base, 4)
-    nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], e, w_gate_up, w_down, b_gate_up, b_down))
+    nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], psum, e, w_gate_up, w_down, b_gate_up, b_down))
 
     def tile(slot, row):
         _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc)
@@ -289,7 +293,7 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
     nl.fori_loop(0, odd, lambda _: tile(slots[0], row0 + n_pairs * (2 * P_MAX)))
 
 
-def _load_weights(cfg, slot, e, w_gate_up, w_down, b_gate_up, b_down):
+def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down):
     """Expert e's weights → the slot. Gate/up in the contraction tiles' H order (_Config.dma_transpose); down:
     partition p of tile k holds I row k*128 + p; b_down is row I of the down weights."""
     KT, inter, H = cfg.KT, cfg.I, cfg.H
@@ -317,9 +321,15 @@ def _load_weights(cfg, slot, e, w_gate_up, w_down, b_gate_up, b_down):
         nisa.dma_copy(dst=slot.wd[rem:rem + 1, full, :], src=b_down.ap([[H, 1], [1, H]], offset=0, scalar_offset=e,
                                                                       indirect_dim=0))
     if cfg.bias_gu:
-        # broadcast over the 128 token partitions (partition stride 0): added to each token's gate/up row
-        nisa.dma_copy(dst=slot.bgu, src=b_gate_up.ap([[0, P_MAX], [1, 2 * inter]], offset=0, scalar_offset=e,
-                                                     indirect_dim=0))
+        # the bias row, read once, goes to all 128 token partitions by a ones-matmul (a partition-stride-0 DMA
+        # would read it from HBM 128 times): added to each token's gate/up row
+        nisa.dma_copy(dst=slot.brow, src=b_gate_up.ap([[row, 1], [1, row]], offset=0, scalar_offset=e,
+                                                      indirect_dim=0))
+        for c0 in range(0, row, PSUM_F):
+            cw = min(PSUM_F, row - c0)
+            ps = psum.d[(c0 // PSUM_F) % DOWN_BANKS]
+            nisa.nc_matmul(dst=ps[:, :cw], stationary=psum.ones, moving=slot.brow[:, c0:c0 + cw], accumulate=False)
+            nisa.tensor_copy(dst=slot.bgu[:, c0:c0 + cw], src=ps[:, :cw])
 
 
 def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc):

@@ -169,3 +169,21 @@ def test_kernel_long_prefill_16k():
 def test_kernel_trn2_dma_transposes_with_many_rows_per_expert():
     """trn2 switches to DMA gather-transposes from 384 rows per expert (here 400, I = 256: 1 KiB weight runs)."""
     run_and_check(400, 256, 2, 256, 2)
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_kernel_reads_each_expert_weight_once(lnc):
+    """HBM reads (cost model trace) = every expert's weights once + the token rows: with weights dominating, a
+    weight read twice (per tile, or by both cores) would at least double them."""
+    import nkisim
+    from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki
+    T, H, E, inter, k = 300, 256, 4, 512, 2
+    x, idx, aff, w_gu, w_d, b_gu, b_d = make_inputs(T, H, E, inter, k)
+    _, *arrays = kernel_inputs(idx, aff, E, 128, lnc)
+    kernel = moe_cte_nki if lnc == 1 else moe_cte_nki[lnc]
+    rep = nkisim.profile(kernel, x, w_gu, w_d, *[torch.from_numpy(a) for a in arrays], b_gate_up=b_gu,
+                         b_down=b_d).report
+    weights = sum(t.numel() * 2 for t in (w_gu, w_d, b_gu, b_d))
+    tiles = sum(-(-int((idx == e).sum()) // 128) for e in range(E))
+    rows = 2 * tiles * 128 * H * 2 + (2 * T * H * 2 if lnc == 2 else 0)   # gathers, scatter reads (+ partial add)
+    assert weights <= rep.hbm_read_bytes <= weights + rows + 64 * 1024, (rep.hbm_read_bytes, weights, rows)
