@@ -331,26 +331,29 @@ class _Acc(nl.NKIObject):
 
 def _init_acc_step(cfg, consts, denseT, b_down, add_bias):
     """acc = Σ_e dense[t, e] · b_down[e] (the down biases, scaled by the affinities as the expert outputs they
-    belong to; fp32 matmuls over E on the partitions) on the core that adds them, else 0. Issued after the
-    schedule, so the bias conversion (GpSimd) and matmuls run while the first expert's weights load."""
+    belong to) on the core that adds them, else 0. bf16 matmuls over E on the partitions with the affinities split
+    into hi + lo bf16 parts (a = hi + lo to 2^-18 relative; b_down is used as given, no conversion); they run while
+    the first expert's weights load."""
     T, E, H = cfg.T, cfg.E, cfg.H
     acc = _Acc(cfg)
-    bd32 = None
+    parts = ()
     if b_down is not None and add_bias and cfg.core == 0:
         bd = nl.ndarray((P_MAX, H), dtype=b_down.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=bd[:E, :], src=b_down)
-        bd32 = nl.ndarray((P_MAX, H), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=bd32[:E, :], src=bd[:E, :], engine=nisa.engine.gpsimd)
+        hi = nl.ndarray((P_MAX, cfg.GS), dtype=b_down.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=hi[:E, :T], src=denseT[:E, :T])
+        lo = nl.ndarray((P_MAX, cfg.GS), dtype=b_down.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=lo[:E, :T], data1=denseT[:E, :T], data2=hi[:E, :T], op=nl.subtract)
+        parts = (hi, lo)
     for i, (c0, cw) in enumerate(cfg.chunks):
         ps = acc.banks[i] if acc.psum else acc.ring[i % 2]
-        if bd32 is not None:
-            nisa.nc_matmul(dst=ps[:T, :cw], stationary=denseT[:E, :T], moving=bd32[:E, c0:c0 + cw],
-                           accumulate=False)
-        elif acc.psum:      # open the accumulation group with zeros (a K=1 matmul)
+        for j, part in enumerate(parts):
+            nisa.nc_matmul(dst=ps[:T, :cw], stationary=part[:E, :T], moving=bd[:E, c0:c0 + cw], accumulate=j > 0)
+        if not parts and acc.psum:      # open the accumulation group with zeros (a K=1 matmul)
             nisa.nc_matmul(dst=ps[:T, :cw], stationary=consts.ones_bf[0:1, :T], moving=consts.zeros_bf[0:1, :cw],
                            accumulate=False)
         if not acc.psum:
-            if bd32 is not None:
+            if parts:
                 nisa.tensor_copy(dst=acc.sb[:T, c0:c0 + cw], src=ps[:T, :cw])
             else:
                 nisa.memset(dst=acc.sb[:T, c0:c0 + cw], value=0.0)
@@ -567,8 +570,8 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
         - Affinity scaling is POST_SCALE (it multiplies the expert's whole output, down bias included), applied
           through linearity: a · (act @ W_down) = (a · act) @ W_down, so the fp32 activation columns are scaled
           before their bf16 rounding and every expert's down projection accumulates in the same PSUM banks (no
-          per-expert eviction); the down biases are Σ_e a[t, e] b_down[e], one fp32 matmul over E that opens
-          those banks. (The nonlinearity sees unscaled gate/up: this is not PRE_SCALE.)
+          per-expert eviction); the down biases are Σ_e a[t, e] b_down[e], matmuls over E (affinities as
+          hi + lo bf16 parts) that open those banks. (The nonlinearity sees unscaled gate/up: this is not PRE_SCALE.)
         - LNC=2: the cores take alternate experts (slots), each expert's weights are read by one core only; the
           router's H tiles are split (partial logits exchanged); the partial outputs are exchanged by H halves.
           x and gamma are read by both cores.
