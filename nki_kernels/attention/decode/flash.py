@@ -34,6 +34,7 @@ class _AttnState(nl.NKIObject):
         self.stage = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX, d), dtype=dtype, buffer=nl.sbuf)
                            for _ in range(cfg.kv_bufs)) if cfg.fp8 else ()
         self.qm = qm
+        self.ring_w = [0] * cfg.kv_bufs     # per ring buffer: positions scrubbed or loaded in every lane so far
         self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
         self.block_ids, self.starts = None, None
         self.iotas = {}
@@ -411,7 +412,9 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                 for a, size in _load_pieces(cfg, j0, w):    # a sequence's loads stop at its length
                     _run(st.load_gates[a][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kT=kT, v=v:
                          _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size))
-        _scrub_slot(cfg, st, kT, j0, w, nb)
+        buf = (st.n_slots - 1) % cfg.kv_bufs
+        _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=w > st.ring_w[buf])    # beyond what the buffer held
+        st.ring_w[buf] = max(st.ring_w[buf], w)
         views.append((kT, v))
         fresh.append((v, j0, w, st.gates[1]))
     kT = views[step.slot][0]

@@ -21,7 +21,7 @@ class _ValidRange(nl.NKIObject):
         self.hi_k, self.lo_k, self.hi_v, self.lo_v = None, None, None, None
         self.max_hi = None                  # fp32 [1, 1]: the pack's largest hi (its longest sequence)
         self.step_regs, self.load_regs = None, {}   # runtime trip counts, shared by the KV heads
-        self.slot_run = {}                  # per slot start: fp32 [1, 1], 1 iff the pack's steps reach it
+        self.scrub = {}                     # per slot start: fp32 [1, stacks * kpp] scrub flags (ragged)
 
 
 def _valid_ranges(cfg, position_ids, p0, nb):
@@ -121,7 +121,7 @@ def _v_positions(cfg, st, w):
     return t
 
 
-def _scrub_slot(cfg, st, kT, j0, w, nb):
+def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True):
     """Exclude, by selection, every K^T element of the slot [j0, j0 + w) whose position is outside its own
     sequence's valid range (st.cur_valid): rows past a sequence's length (a reused paged block's stale tail, which
     may hold NaN) and rows before a sliding window. Batch packing contracts other sequences' keys against zero
@@ -139,7 +139,7 @@ def _scrub_slot(cfg, st, kT, j0, w, nb):
     b_hi = _slot_rel(vr.hi_k, npk, nst, j0, -1.0, 0.5)
     b_lo = _slot_rel(vr.lo_k, npk, nst, j0, 1.0, -0.5)
     ramp = _k_ramp(cfg, st, w)
-    st.gates = _slot_gates(cfg, vr, j0, w, nb)
+    st.gates = _slot_gates(cfg, vr, j0, w, nb, fresh_ring)
     for jj in range(nst):
         kp = min(kpp, nb - jj * kpp) * d
 
@@ -154,19 +154,20 @@ def _scrub_slot(cfg, st, kT, j0, w, nb):
         nl.fori_loop(0, st.gates[0][jj], stack)    # runs only when a sequence of the stack has invalid rows here
 
 
-def _slot_gates(cfg, vr, j0, w, nb):
+def _slot_gates(cfg, vr, j0, w, nb, fresh_ring=True):
     """Runtime trip counts (registers, 0 or 1) of the slot's scrub: per K^T stack and per batch, 1 iff one of its
     sequences has an invalid row in [j0, j0 + w): hi < j0 + w, or (window) lo > j0. A slot whose rows are all
     valid for its sequences (most of a long sequence's slots) is not touched."""
     kpp, nst = cfg.kpp, (nb + cfg.kpp - 1) // cfg.kpp
-    f = nl.ndarray((1, cfg.nst * kpp), dtype=nl.float32, buffer=nl.sbuf)
-    if nb < nst * kpp:
-        nisa.memset(dst=f[:, nb:nst * kpp], value=0.0)
-    if cfg.ragged and j0 > cfg.lo:   # a slot past every sequence of the pack is skipped whole (_step_gates):
-        # nothing to exclude (vr.slot_run = 0). The first slot holds step 0, which always runs: always scrubbed.
-        nisa.tensor_scalar(dst=f[:, :nb], data=vr.hi_v[0:1, :nb], op0=nl.less, operand0=float(j0 + w),
-                           op1=nl.multiply, operand1=vr.slot_run[j0])
+    if cfg.ragged and vr.lo_v is None and not fresh_ring:
+        # precomputed at the pack's start (_load_gates): only lanes whose sequence ends inside the slot. A ring
+        # buffer's use beyond the width it held so far (fresh_ring) scrubs every lane with invalid rows, loaded or
+        # not, so from then on a lane whose load is skipped holds finite data (a scrubbed or valid earlier slot).
+        f = vr.scrub[j0]
     else:
+        f = nl.ndarray((1, cfg.nst * kpp), dtype=nl.float32, buffer=nl.sbuf)
+        if nb < nst * kpp:
+            nisa.memset(dst=f[:, nb:nst * kpp], value=0.0)
         nisa.tensor_scalar(dst=f[:, :nb], data=vr.hi_v[0:1, :nb], op0=nl.less, operand0=float(j0 + w))
     if vr.lo_v is not None:
         g = nl.ndarray((1, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
