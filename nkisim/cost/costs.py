@@ -112,8 +112,11 @@ def dma_cost(ins, core):
         rings = ()
         pieces = min(core.dma_engines, max(1, math.ceil(moved / core.dma_min_efficient_bytes)))
     # Each engine moves its share at the engine rate, but HBM traffic of the core is capped at its HBM share.
+    # A read-modify-write of an HBM dst (dma_compute accumulating into HBM) reads the dst from HBM as well as writing
+    # it: that is a third HBM side sharing the same per-engine HBM bandwidth (the roofline counts both directions).
+    rmw_hbm = any(a.buffer in HBM_BUFFERS for a in ins.reads if a not in reads)
     hbm_sides = (1 if any(a.buffer in HBM_BUFFERS for a in reads) else 0) + \
-        (1 if any(a.buffer in HBM_BUFFERS for a in writes) else 0)
+        (1 if any(a.buffer in HBM_BUFFERS for a in writes) else 0) + (1 if rmw_hbm else 0)
     bw = core.dma_engine_bytes_per_s
     if hbm_sides:
         bw = min(bw, core.hbm_bytes_per_s / core.dma_engines / hbm_sides)

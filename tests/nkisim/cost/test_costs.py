@@ -121,6 +121,20 @@ def test_dma_rules():
     assert instruction_cost(h2h, T2).rings == () and instruction_cost(h2h, T2).pieces == 16
 
 
+def test_dma_compute_accumulating_into_hbm_pays_the_dst_read():
+    """A read-modify-write of an HBM dst reads it and writes it: the HBM share of each engine is split over both
+    directions, so it takes longer than a plain SBUF -> HBM store of the same bytes (and never beats its roofline)."""
+    n = 128 * 4096
+    store = Instruction(0, 0, "dma_copy", "dma", (sb(2, 128, 2048, 2),), (hbm(1, n, 4096),), {})
+    dst = hbm(1, n, 4096)
+    rmw = Instruction(0, 0, "dma_compute", "dma", (dst, sb(2, 128, 2048, 2)), (hbm(1, n, 4096),), {})
+    s, r = instruction_cost(store, T2), instruction_cost(rmw, T2)
+    assert r.dma_bytes == s.dma_bytes == n and r.hbm_read == n and r.hbm_write == n
+    per_queue = min(T2.dma_engine_bytes_per_s, T2.hbm_bytes_per_s / 16 / 2)
+    assert r.busy_s == pytest.approx(T2.dma_transfer_overhead_s + n / 16 / (per_queue * dma_efficiency(4096, T2)))
+    assert r.busy_s > s.busy_s
+
+
 def test_register_load_from_hbm_costs_a_dma_round_trip():
     rl = Instruction(0, 0, "register_load", "sync", (hbm(1, 4, 4),), (Access(-1, "reg", 0, 4, 4, 1, 4),), {})
     c = instruction_cost(rl, T2)
