@@ -15,9 +15,6 @@ from .decode.config import (
     FA_TILE_MAX,
     P_MAX,
     PSUM_F,
-    _can_split_weights,
-    _split_context,
-    _split_weights,
     _validate_inputs,
     argument_error,
 )
@@ -103,26 +100,17 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
     """
     cfg = _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
                            context_len, softmax_scale, hidden_actual, sliding_window, block_table, add_bias_o,
-                           k_scale, v_scale)
+                           k_scale, v_scale, nl.num_programs(), nl.program_id(0))
     if not add_bias_o:
         bias_o = None       # another rank of the TP group adds it
     out = nl.ndarray((cfg.B * cfg.S, cfg.H), dtype=X.dtype, buffer=nl.shared_hbm)
 
-    n_prog = nl.num_programs()
-    per_core = (cfg.B + n_prog - 1) // n_prog
-    b_lo = nl.program_id(0) * per_core
-    b_hi = min(cfg.B, b_lo + per_core)
-    if n_prog > 1 and cfg.B < n_prog and cfg.scan >= 2 * cfg.unit:
-        # Fewer sequences than cores: both cores run every sequence and split the cache scan; the partial softmax
-        # states are exchanged with sendrecv and combined (same bits on both cores), then each core computes half
-        # of the O-projection's H columns. Core 0 alone writes the cache.
-        b_lo, b_hi = 0, cfg.B
-        _split_context(cfg, nl.program_id(0))
-    elif n_prog > 1 and _can_split_weights(cfg):
-        # Batch split without reading a weight twice: each core loads half of W_qkv's rows and half of W_o's
-        # columns; QKV partial sums (all tokens) and the attention outputs o^T (each core's sequences) are
-        # exchanged with sendrecv. Core 0 alone writes the cache.
-        _split_weights(cfg, nl.program_id(0))
+    # This core's sequences (cfg.b_lo, cfg.b_hi; _Config decides the LNC split). Fewer sequences than cores: both
+    # cores run every sequence and split the cache scan; the partial softmax states are exchanged with sendrecv and
+    # combined, then each core computes half of the O-projection's H columns. Batch split with split weights: each
+    # core loads half of W_qkv's rows and half of W_o's columns; QKV partial sums (all tokens) and the attention
+    # outputs o^T (each core's sequences) are exchanged with sendrecv. Core 0 alone writes the cache then.
+    b_lo, b_hi = cfg.b_lo, cfg.b_hi
     if b_lo < b_hi:
         # DMA instructions issue in program order: small inputs first, then W_qkv, every K/V load of the attention,
         # W_o (its arrival paces the O-projection), and the stores last, so no load waits behind a store.
@@ -145,7 +133,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         oT, wo = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles,
                                          b_lo, b_hi, W_o, block_ids, starts)
         if cfg.wsplit and not cfg.split:
-            _exchange_oT(cfg, oT[0], b_lo, b_hi, per_core)
+            _exchange_oT(cfg, oT[0], b_lo, b_hi, cfg.per_core)
         if cfg.core == 0:
             _update_cache(cfg, qkv, K_cache, V_cache, pos_sb, tiles, rows)
         _output_projection(cfg, consts, oT, wo, ins.bias_o, out, tiles)

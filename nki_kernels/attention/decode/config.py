@@ -75,7 +75,8 @@ def _can_split_weights(cfg):
 class _Config(nl.NKIObject):
     """Static shapes and options of one launch (compile-time values only)."""
 
-    def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize, bs=0, mb=0, fp8=False):
+    def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize, bs=0, mb=0, fp8=False,
+                 n_prog=1, core=0):
         self.B, self.S, self.H, self.d, self.nkv, self.nq = B, S, H, d, nkv, nq
         self.paged, self.bs, self.mb = bs > 0, bs, mb    # paged cache: block size, block-table columns
         # fp8 KV cache: K rows are cast on load into a staging slot and DMA-transposed from SBUF, which gives the
@@ -146,6 +147,16 @@ class _Config(nl.NKIObject):
             while 2 * ft <= self.fa_tile:
                 ft *= 2
             self.fa_tile = ft
+        # This core's share of an LNC launch, decided here so that nothing changes the config afterwards:
+        # sequences [b_lo, b_hi) (per_core each), or both cores on every sequence with the scan split (B < cores),
+        # or a batch split with the weights split too (_can_split_weights).
+        self.per_core = (B + n_prog - 1) // n_prog
+        self.b_lo, self.b_hi = core * self.per_core, min(B, (core + 1) * self.per_core)
+        if n_prog > 1 and B < n_prog and self.scan >= 2 * self.unit:
+            self.b_lo, self.b_hi = 0, B
+            _split_context(self, core)
+        elif n_prog > 1 and _can_split_weights(self):
+            _split_weights(self, core)
 
 
 def _slot_bytes(pack, ft, kpp, d, itemsize, fp8=False):
@@ -176,7 +187,7 @@ def argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table=None):
 
 def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
                      context_len, softmax_scale, hidden_actual, sliding_window, block_table=None, add_bias_o=True,
-                     k_scale=None, v_scale=None):
+                     k_scale=None, v_scale=None, n_prog=1, core=0):
     """Check every static limit before any work; messages name the argument and the limit."""
     assert nl.tile_size.gemm_moving_fmax >= PSUM_F, \
         f"target: matmul moving free size {nl.tile_size.gemm_moving_fmax} < one PSUM bank ({PSUM_F}); unsupported"
@@ -255,4 +266,5 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     assert 1 <= h_act <= H, f"hidden_actual={h_act} must be in 1..H={H}"
     assert sliding_window >= 0, f"sliding_window={sliding_window} must be >= 0"
     scale = softmax_scale if softmax_scale != 0.0 else 1.0 / (d ** 0.5)
-    return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window, X.dtype.itemsize, bs, mb, fp8)
+    return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window, X.dtype.itemsize, bs, mb, fp8,
+                   n_prog, core)
