@@ -85,7 +85,7 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
     n_k = (cfg.nq * cfg.d + P_MAX - 1) // P_MAX
     # Direct o^T (one token tile, heads on legal partition starts, all of o^T in one PSUM bank): the selection
     # matmuls write o^T straight into the selection bank (every element exactly once), one eviction at the end.
-    direct = len(tiles) == 1 and cfg.d in (32, 64, 128) and n_k * tiles[0][1] <= PSUM_F
+    direct = len(tiles) == 1 and cfg.d in (32, 64, 128) and n_k * tiles[0].nt <= PSUM_F
     o_acc = ()
     if not direct:
         o_acc = tuple(nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
@@ -103,7 +103,7 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
                 _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
     wo = _load_w_o(cfg, W_o)
     if direct:
-        nt, K = tiles[0][1], cfg.nq * cfg.d
+        nt, K = tiles[0].nt, cfg.nq * cfg.d
         oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=qkT.dtype, buffer=nl.sbuf)
         ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
         if K % P_MAX == 0:
@@ -115,7 +115,8 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
             nisa.tensor_copy(dst=oT[:kl, n_k - 1, :nt], src=ps[:kl, n_k - 1, :])
         return (oT,), wo
     o_tok = []
-    for ti, (_t0, nt, _, _) in enumerate(tiles):
+    for ti, tl in enumerate(tiles):
+        nt = tl.nt
         o = nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=qkT.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=o[:nt], src=o_acc[ti][:nt])
         o_tok.append(o)
@@ -129,7 +130,7 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     or with full=True the normalised accumulator [rows, nb*d] bf16 (every batch block; see _rows_to_oT)."""
     d, S, R, G = cfg.d, cfg.S, cfg.R, cfg.group
     rows = nb * R
-    base = tiles[0][0]
+    base = tiles[0].t0
     qm = st.qm[st.n_packs % 2]
     st.n_packs += 1
     kact = nl.ndarray((P_MAX, cfg.nst, MAX_S_TKG), dtype=qkT.dtype, buffer=nl.sbuf)   # new keys, stacked
@@ -262,7 +263,7 @@ def _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, 
     """
     d, S, R = cfg.d, cfg.S, cfg.R
     rows = nb * R
-    base = tiles[0][0]
+    base = tiles[0].t0
     sc = st.scores()
     for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
         kp = min(cfg.kpp, nb - jj * cfg.kpp) * d
@@ -293,7 +294,7 @@ def _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, 
     for j in range(nb):
         t = (p0 + j) * S
         ti = (t - base) // cfg.tile_tok
-        r, nt = t - tiles[ti][0], tiles[ti][1]
+        r, nt = t - tiles[ti].t0, tiles[ti].nt
         nisa.nc_matmul(dst=va[:S, j * d:(j + 1) * d], stationary=consts.ident[:nt, r:r + S],
                        moving=qkv[ti][:nt, vcol:vcol + d], accumulate=False)
     v_new = nl.ndarray((P_MAX, PV_COLS), dtype=kact.dtype, buffer=nl.sbuf)

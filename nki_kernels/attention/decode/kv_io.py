@@ -187,7 +187,8 @@ def _paged_rows(cfg, position_ids, block_table, tiles):
     bs, S = cfg.bs, cfg.S
     pos2 = position_ids.reshape((cfg.B * cfg.S, 1))
     out = []
-    for t0, nt, _tb0, _nb in tiles:
+    for tl in tiles:
+        t0, nt = tl.t0, tl.nt
         p_i = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(dst=p_i[:nt], src=pos2[t0:t0 + nt, :])
         p_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -232,7 +233,8 @@ def _update_cache(cfg, qkv, K_cache, V_cache, pos, tiles, rows=()):
     Issued after every cache read in program order (the attention used the new tokens from SBUF)."""
     d, nq, nkv, S = cfg.d, cfg.nq, cfg.nkv, cfg.S
     if cfg.paged:
-        for ti, (_t0, nt, _tb0, _nb) in enumerate(tiles):
+        for ti, tl in enumerate(tiles):
+            nt = tl.nt
             for t in range(nt):
                 for g in range(nkv):
                     kc, vc = cfg.pad + (nq + g) * d, cfg.pad + (nq + nkv + g) * d
@@ -240,7 +242,8 @@ def _update_cache(cfg, qkv, K_cache, V_cache, pos, tiles, rows=()):
                         nisa.dma_copy(dst=cache.ap([[d, 1], [1, d]], offset=g * cfg.bs * d, scalar_offset=rows[ti][t],
                                                    indirect_dim=2), src=qkv[ti][t:t + 1, c:c + d])
         return
-    for ti, (_t0, _nt, tb0, nb) in enumerate(tiles):
+    for ti, tl in enumerate(tiles):
+        tb0, nb = tl.b0, tl.nb
         for bl in range(nb):
             b = tb0 + bl
             start = nisa.register_alloc()

@@ -26,7 +26,8 @@ def _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb):
     d, S, G = cfg.d, cfg.S, cfg.group
     rows = nb * cfg.R
     hg = max(1, PSUM_F // d)
-    for ti, (_t0, nt, tb0, tnb) in enumerate(tiles):
+    for ti, tl in enumerate(tiles):
+        nt, tb0, tnb = tl.nt, tl.b0, tl.nb
         if max(p0, tb0) >= min(p0 + nb, tb0 + tnb):
             continue
         base_t = (p0 - tb0) * S
@@ -56,7 +57,7 @@ def _rows_to_oT(cfg, consts, st, o_rows, tile, g, p0, nb, full=False):
     block j and moving = Sel_h on batch j's tokens keeps only the row's own block (no block mask / reduction)."""
     d, S, G = cfg.d, cfg.S, cfg.group
     rows = nb * cfg.R
-    _t0, nt, tb0, _tnb = tile
+    nt, tb0 = tile.nt, tile.b0
     n_k = (cfg.nq * d + P_MAX - 1) // P_MAX
     ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
     c0, c1 = (p0 - tb0) * S, (p0 - tb0 + nb) * S      # this pack's token columns
@@ -104,7 +105,8 @@ def _transpose_o(cfg, o_tok, tiles):
     K = cfg.nq * cfg.d
     n_k = (K + P_MAX - 1) // P_MAX
     oTs = []
-    for ti, (_t0, nt, _, _) in enumerate(tiles):
+    for ti, tl in enumerate(tiles):
+        nt = tl.nt
         oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=o_tok[ti].dtype, buffer=nl.sbuf)
         for c0 in range(0, n_k, TRANSPOSE_GROUP):
             nc = min(TRANSPOSE_GROUP, n_k - c0)
@@ -136,7 +138,8 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
     n_k = (K + P_MAX - 1) // P_MAX
     n_c = (cfg.H + P_MAX - 1) // P_MAX
     hc0, hc1 = cfg.hc                                        # this core's 128-column chunks of H
-    for ti, (t0, nt, _, _) in enumerate(tiles):
+    for ti, tl in enumerate(tiles):
+        t0, nt = tl.t0, tl.nt
         per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, nt <= 128] fp32 per bank
         outT = nl.ndarray((P_MAX, n_c, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
         cpt = P_MAX // nt // per_bank * per_bank       # chunks per packed group: whole banks, dividing the range

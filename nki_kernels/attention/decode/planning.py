@@ -7,14 +7,21 @@ import nki.language as nl
 from .config import FA_SUB, GATHER_ROWS_MIN, P_MAX, PSUM_F
 
 
+class _TokenTile(nl.NKIObject):
+    """A token tile: tokens [t0, t0 + nt) on the partitions, the whole sequences [b0, b0 + nb)."""
+
+    def __init__(self, t0, nt, b0, nb):
+        self.t0, self.nt, self.b0, self.nb = t0, nt, b0, nb
+
+
 def _token_tiles(cfg, b_lo, b_hi):
-    """Token tiles of this core: tuples (first token, token count, first batch, batch count); whole sequences."""
+    """Token tiles (_TokenTile) of sequences [b_lo, b_hi): whole sequences, at most cfg.tile_tok tokens each."""
     tiles = []
     per_tile = cfg.tile_tok // cfg.S
     b = b_lo
     while b < b_hi:
         nb = min(per_tile, b_hi - b)
-        tiles.append((b * cfg.S, nb * cfg.S, b, nb))
+        tiles.append(_TokenTile(b * cfg.S, nb * cfg.S, b, nb))
         b += nb
     return tuple(tiles)
 

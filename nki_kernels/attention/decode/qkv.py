@@ -31,7 +31,8 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale
             setattr(ins, name + "_inv", inv)
     X2 = X.reshape((cfg.B * cfg.S, cfg.H))
     xs = []
-    for t0, nt, _, _ in tiles:
+    for tl in tiles:
+        t0, nt = tl.t0, tl.nt
         x = nl.ndarray((P_MAX, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=x[:nt], src=X2[t0:t0 + nt, :])
         xs.append(x)
@@ -55,7 +56,8 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale
         cos2 = cos.reshape((cfg.B * cfg.S, h2))
         sin2 = sin.reshape((cfg.B * cfg.S, h2))
         cs, sn = [], []
-        for t0, nt, _, _ in tiles:
+        for tl in tiles:
+            t0, nt = tl.t0, tl.nt
             c = nl.ndarray((P_MAX, h2), dtype=cos.dtype, buffer=nl.sbuf)
             s = nl.ndarray((P_MAX, h2), dtype=sin.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=c[:nt], src=cos2[t0:t0 + nt, :])
@@ -71,7 +73,8 @@ def _quantize_kv(cfg, qkv, ins, tiles, cache_dtype):
     exactly what the cache stores, so the active step, the cached keys and the cache update agree), and q is
     multiplied by its KV head's k_scale (scores = q k). v_scale is applied to the final 1 / l."""
     d, nq, nkv, G = cfg.d, cfg.nq, cfg.nkv, cfg.group
-    for ti, (_t0, nt, _, _) in enumerate(tiles):
+    for ti, tl in enumerate(tiles):
+        nt = tl.nt
         t = qkv[ti]
         q = t[:nt, cfg.pad:cfg.pad + nq * d].reshape((nt, nkv, G * d))
         nisa.tensor_tensor(dst=q, data1=q, data2=ins.ks[:nt, :].expand_dim(2).broadcast(2, G * d), op=nl.multiply)
@@ -104,7 +107,8 @@ def _rmsnorm(cfg, consts, ins, tiles, eps):
     """
     KT = cfg.KT
     xTs = []
-    for ti, (_t0, nt, _, _) in enumerate(tiles):
+    for ti, tl in enumerate(tiles):
+        nt = tl.nt
         x = ins.x[ti]
         xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
         for c0 in range(0, KT, TRANSPOSE_GROUP):
@@ -162,7 +166,7 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
     for i in range(n_dma):
         k0, k1 = kt0 + i * (kt1 - kt0) // n_dma, kt0 + (i + 1) * (kt1 - kt0) // n_dma
         nisa.dma_copy(dst=wq[:, k0:k1, :], src=w3[:, k0:k1, :])
-    qkv = tuple(_qkv_tile(cfg, W_qkv.dtype, tiles[ti][1]) for ti in range(len(tiles)))
+    qkv = tuple(_qkv_tile(cfg, W_qkv.dtype, tiles[ti].nt) for ti in range(len(tiles)))
     part = ()
     if qsplit:
         part = tuple(nl.ndarray((P_MAX, C), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
@@ -174,16 +178,16 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
         accs = [nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in group]
         if bias is not None:
             for i, (ti, ch) in enumerate(group):
-                nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
+                nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
                 nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=_ones_row(consts, bias.dtype, nt),
                                moving=bias[:1, c0:c0 + cw], accumulate=False)
         for kt in range(kt0, kt1):
             for i, (ti, ch) in enumerate(group):
-                nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
+                nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
                 nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=xT[ti][:, kt, :nt], moving=wq[:, kt, c0:c0 + cw],
                                accumulate=(kt > kt0 or bias is not None))
         for i, (ti, ch) in enumerate(group):
-            nt, c0, cw = tiles[ti][1], ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
+            nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
             if qsplit:
                 _evict(n_ev, part[ti][:nt, c0:c0 + cw], accs[i][:nt, :cw])
             else:
@@ -191,7 +195,7 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
             n_ev += 1
         accs = None    # release the banks before the next group allocates
     for ti in range(len(part)):
-        nt = tiles[ti][1]
+        nt = tiles[ti].nt
         other = nl.ndarray((P_MAX, C), dtype=nl.float32, buffer=nl.sbuf)
         nisa.sendrecv(src=part[ti][:nt, :], dst=other[:nt, :], send_to_rank=1 - cfg.core, recv_from_rank=1 - cfg.core,
                       pipe_id=cfg.nkv + ti)
@@ -217,7 +221,8 @@ def _rope(cfg, qkv, ins, tiles):
     d, h2 = cfg.d, cfg.d // 2
     nh = cfg.nq + cfg.nkv
     out = []
-    for ti, (_t0, nt, _, _) in enumerate(tiles):
+    for ti, tl in enumerate(tiles):
+        nt = tl.nt
         src = qkv[ti]
         cb = ins.cos[ti][:nt].expand_dim(1).broadcast(1, nh)
         sb = ins.sin[ti][:nt].expand_dim(1).broadcast(1, nh)
@@ -247,12 +252,13 @@ def _transpose_qk(cfg, qkv, tiles):
     """qkT[:, u, token, head] = head^T on partitions u*d..(u+1)*d (u < kpp; d on partitions for QK^T), for the q
     heads 0..nq-1 and k heads nq..nq+nkv-1: TensorE transposes of 128-column windows (d columns when kpp = 1)."""
     d, kpp = cfg.d, cfg.kpp
-    n_tok = tiles[-1][0] + tiles[-1][1] - tiles[0][0]
+    n_tok = tiles[-1].t0 + tiles[-1].nt - tiles[0].t0
     nh = cfg.nq + cfg.nkv
     width = d if kpp == 1 else P_MAX
     qkT = nl.ndarray((P_MAX, kpp, n_tok, nh), dtype=qkv[0].dtype, buffer=nl.sbuf)
-    base = tiles[0][0]
-    for ti, (t0, nt, _, _) in enumerate(tiles):
+    base = tiles[0].t0
+    for ti, tl in enumerate(tiles):
+        t0, nt = tl.t0, tl.nt
         for u in range(kpp):
             for h0 in range(0, nh, TRANSPOSE_GROUP):
                 n = min(TRANSPOSE_GROUP, nh - h0)

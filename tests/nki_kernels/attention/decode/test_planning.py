@@ -71,5 +71,5 @@ def test_packs_and_token_tiles(B, lo, hi):
     assert packs[0][0] == lo and sum(nb for _, nb in packs) == hi - lo
     assert max(nb for _, nb in packs) - min(nb for _, nb in packs) <= 1 and max(nb for _, nb in packs) <= cfg.pack
     tiles = _token_tiles(cfg, lo, hi)
-    assert [t[2] for t in tiles][0] == lo and sum(t[3] for t in tiles) == hi - lo
-    assert all(t[1] == t[3] * cfg.S <= cfg.tile_tok for t in tiles)
+    assert tiles[0].b0 == lo and sum(t.nb for t in tiles) == hi - lo
+    assert all(t.nt == t.nb * cfg.S <= cfg.tile_tok and t.t0 == t.b0 * cfg.S for t in tiles)
