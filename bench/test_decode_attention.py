@@ -1,10 +1,12 @@
 """Modelled latency of the fused decode-attention kernel vs its roofline bound (nkisim cost model; NOT measured).
 
-Grid: batch x context for the GPT-OSS-20B TP=8 shard (8 q / 1 kv head, d 64, H 3072, sinks, biases) and the
-Llama-3.1-8B TP=8 shard (4 q / 1 kv head, d 128, H 4096), on trn2 and trn3, S_tkg = 1, LNC = 1.
-Extra rows (trn2): the paged KV layout (block table, block sizes 16 / 128) next to the contiguous one, and the
-GPT-OSS sliding-window layers (W = 128) whose cost must not grow with the context, and LNC=2 with a single
-sequence (context split between the two cores).
+Grid: batch x context (4K, 16K) for the GPT-OSS-20B TP=8 shard (8 q / 1 kv head, d 64, H 3072, sinks, biases) and
+the Llama-3.1-8B TP=8 shard (4 q / 1 kv head, d 128, H 4096), S_tkg = 1, LNC = 1, on trn2 (B 1, 8, 16, 64) and trn3
+(B 8, 16). Positions: one sequence at the end of the context, the others at random positions (ragged).
+Extra rows (trn2): the paged KV layout (block table, block sizes 16 / 128) next to the contiguous one, the GPT-OSS
+sliding-window layers (W = 128) whose cost must not grow with the context, LNC=2 with a single sequence (context
+split) and with a batch split (weights split between the cores), the fp8 KV cache, and a ragged batch (lengths
+128..16K, against the bound of the real lengths).
 bound = CostReport.roofline_s (the cost model's one roofline of what the kernel issued: max of the memory roof and
 every engine's roof); fraction = modelled latency / bound. FLOPs: the useful work (QKV, QK^T and PV over the keys each
 token really attends, O-projection; nki_kernels/attention/decode_work.py) is declared to the cost model, so MFU and
