@@ -39,8 +39,8 @@ from modules.moe.loaders import (
 )
 from modules.moe.router import MoERouter
 from modules.moe.shape import MoEShape
+from nki_kernels.entry import to_torch as as_torch
 from nki_kernels.moe import ACTIVATIONS, moe_cte, moe_tkg, rmsnorm_torch
-from nki_kernels.moe.entry import to_torch as as_torch
 from nki_kernels.moe.moe_tkg import MAX_TOKENS as TKG_MAX_TOKENS
 
 UNSELECTED = -1.0

@@ -8,9 +8,9 @@ from torch import nn
 from modules.loading.loaders import replicated_weight_loader, set_weight_loader
 from modules.moe.loaders import router_weight_loader
 from modules.moe.shape import MoEShape
+from nki_kernels.entry import to_torch as as_torch
 from nki_kernels.moe import ROUTER_MODES
 from nki_kernels.moe import router as router_entry
-from nki_kernels.moe.entry import to_torch as as_torch
 
 
 class MoERouter(nn.Module):

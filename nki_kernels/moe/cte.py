@@ -10,8 +10,8 @@ Every check runs before any work, whatever the backend.
 
 import numpy as np
 
+from ..entry import BACKENDS, resolve_backend, to_torch
 from .blockwise import BLOCK_MAX, blockwise_mapping, check_block_size
-from .entry import BACKENDS, resolve_backend, to_torch
 from .moe_torch import ACTIVATIONS
 
 H_ALIGN = 128          # H lives on the 128 SBUF partitions in 128-row tiles (the gate/up contraction)

@@ -8,7 +8,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from .entry import resolve_backend, shape_of, to_torch
+from ..entry import resolve_backend, shape_of, to_torch
 from .moe_torch import ACTIVATIONS, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT, moe_torch
 from .router import (
     H_TILE,

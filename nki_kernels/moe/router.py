@@ -9,7 +9,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from .entry import resolve_backend, shape_of, to_torch
+from ..entry import resolve_backend, shape_of, to_torch
 from .moe_torch import ROUTER_MODES, router_torch
 
 # ---- sizes ------------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Backend plumbing shared by the MoE functional entries (`router`, `moe_tkg`): backend names and resolution,
-host-side tensor conversion. The argument checks live beside each kernel (one source for each kernel's limits)."""
+"""Backend plumbing shared by every kernel's functional entry (decode attention, vision attention, MoE router / TKG /
+CTE): backend names and resolution, host-side tensor conversion. The argument checks live beside each kernel (one
+source for each kernel's limits)."""
 
 import numpy as np
 
@@ -33,6 +34,22 @@ def to_torch(x):
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(a)
+
+
+def as_int32(name, t):
+    """int32 / int64 index tensors (torch or NumPy; int64 is torch's default) as int32, after the host checks have
+    bounded their values; None stays None; any other dtype is an error naming the argument."""
+    if t is None:
+        return None
+    dtype = dtype_name(t)
+    if dtype == "int32":
+        return t
+    if dtype != "int64":
+        raise ValueError(f"{name} must be int32 or int64, got {dtype}")
+    if isinstance(t, np.ndarray):
+        return t.astype(np.int32)
+    import torch
+    return t.to(torch.int32)
 
 
 def shape_of(x):
