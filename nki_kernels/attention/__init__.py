@@ -13,16 +13,12 @@ block_table may be int64 (torch's default): they are checked on the host and pas
 
 import numpy as np
 
-import nkisim
-
+from ..entry import BACKENDS, as_int32, resolve_backend, to_torch
 from .decode_attention import P_MAX, argument_error, decode_attention_kernel, decode_attention_nki
 from .decode_attention_torch import decode_attention_torch
 
-__all__ = ["decode_attention", "decode_attention_kernel", "decode_attention_nki", "decode_attention_torch",
+__all__ = ["BACKENDS", "decode_attention", "decode_attention_kernel", "decode_attention_nki", "decode_attention_torch",
            "argument_error", "check_positions", "check_block_table"]
-
-BACKENDS = ("auto", "nki", "nkisim", "torch")
-
 
 def check_positions(position_ids, s_max, context_len=None):
     """Host-side checks of the runtime positions (the kernel sees them only as data): in range and consecutive."""
@@ -56,40 +52,11 @@ def check_block_table(block_table, num_blocks, block_size, position_ids, context
                          f"[{used.min()}, {used.max()}] (pad unused entries with any valid block id)")
 
 
-def _as_int32(name, t):
-    """int32 or int64 index tensors (torch / NumPy) as int32 (after the host checks bound their values); any other
-    dtype is an error naming the argument."""
-    if t is None:
-        return None
-    dtype = str(t.dtype).replace("torch.", "")
-    if dtype == "int32":
-        return t
-    if dtype != "int64":
-        raise ValueError(f"{name} must be int32 or int64, got {dtype}")
-    if isinstance(t, np.ndarray):
-        return t.astype(np.int32)
-    import torch
-    return t.to(torch.int32)
-
-
-def _to_torch(x):
-    if x is None:
-        return None
-    import torch
-    if isinstance(x, torch.Tensor):
-        return x
-    a = np.asarray(x)
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a)
-
-
 def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None, sinks=None,
                      bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0, sliding_window=0,
                      block_table=None, backend="auto", lnc=1, add_bias_o=True, k_scale=None, v_scale=None):
     """Fused decode attention for one TP rank. See `decode_attention_kernel` for shapes and semantics."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    backend = resolve_backend("decode_attention", backend)
     if lnc not in (1, 2):
         raise ValueError(f"lnc={lnc} must be 1 or 2")
     if not isinstance(add_bias_o, bool):
@@ -97,15 +64,13 @@ def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     err = argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table)
     if err is not None:      # before the position checks, which read S_max from the cache's shape
         raise ValueError(err)
-    position_ids = _as_int32("position_ids", position_ids)
-    block_table = _as_int32("block_table", block_table)
+    position_ids = as_int32("position_ids", position_ids)
+    block_table = as_int32("block_table", block_table)
     if block_table is None:
         check_positions(position_ids, K_cache.shape[2], context_len)
     else:
         check_positions(position_ids, block_table.shape[1] * K_cache.shape[2], context_len)
         check_block_table(block_table, K_cache.shape[0], K_cache.shape[2], position_ids, context_len)
-    if backend == "auto":
-        backend = "nkisim" if nkisim.active() else "nki"
     kwargs = dict(gamma=gamma, bias_qkv=bias_qkv, sinks=sinks, bias_o=bias_o, context_len=int(context_len),
                   softmax_scale=float(softmax_scale), eps=float(eps), hidden_actual=int(hidden_actual),
                   sliding_window=int(sliding_window), block_table=block_table, add_bias_o=add_bias_o,
@@ -113,8 +78,8 @@ def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     args = (X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o)
     if backend == "torch":
         is_np = isinstance(X, np.ndarray)
-        targs = [_to_torch(a) for a in args]
-        tkw = {k: (_to_torch(v) if k in ("gamma", "bias_qkv", "sinks", "bias_o", "block_table", "k_scale", "v_scale")
+        targs = [to_torch(a) for a in args]
+        tkw = {k: (to_torch(v) if k in ("gamma", "bias_qkv", "sinks", "bias_o", "block_table", "k_scale", "v_scale")
                    else v)
                for k, v in kwargs.items()}
         tkw["context_len"] = tkw["context_len"] or None
@@ -125,9 +90,5 @@ def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
                 orig[...] = t.float().numpy().astype(orig.dtype)
             return out.float().numpy().astype(X.dtype)
         return out
-    if backend == "nkisim" and not nkisim.active():
-        raise RuntimeError("backend='nkisim' needs nkisim to serve `import nki` (set NKISIM=1 before importing)")
-    if backend == "nki" and nkisim.active():
-        raise RuntimeError("backend='nki' needs AWS's real nki package; `import nki` is served by nkisim here")
     kernel = decode_attention_nki if lnc == 1 else decode_attention_nki[lnc]
     return kernel(*args, **kwargs)
