@@ -10,6 +10,7 @@ import nki.isa as nisa
 import nki.language as nl
 import numpy as np
 
+from ..common.tiles import evict
 from .blockwise import blockwise_mapping
 from .moe_torch import GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT
 
@@ -361,14 +362,6 @@ def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity):
                       dge_mode=DGE)
 
 
-def _evict(i, dst, src):
-    """PSUM -> SBUF copy, alternating VectorE and ScalarE so that evictions of independent banks overlap."""
-    if i % 2 == 0:
-        nisa.tensor_copy(dst=dst, src=src)
-    else:
-        nisa.activation(dst=dst, op=nl.copy, data=src)
-
-
 def _transpose_x(cfg, slot, psum):
     """xT[:, kt, :] = x tile columns {p * KT + kt} transposed (TensorE), TRANSPOSE_GROUP per PSUM bank."""
     KT = cfg.KT
@@ -378,7 +371,7 @@ def _transpose_x(cfg, slot, psum):
         for c in range(nc):
             kt = c0 + c
             nisa.nc_transpose(dst=ps[:, c, :], data=slot.xt[:, kt:kt + (P_MAX - 1) * KT + 1:KT])
-        _evict(gi + 1, slot.xT[:, c0:c0 + nc, :], ps[:, :nc, :])    # ScalarE first: VectorE has the activation
+        evict(gi + 1, slot.xT[:, c0:c0 + nc, :], ps[:, :nc, :])    # ScalarE first: VectorE has the activation
 
 
 def _gate_up_step(cfg, slot, psum, c):
@@ -424,10 +417,10 @@ def _transpose_act(cfg, slot, psum):
         nisa.nc_transpose(dst=ps[:w, k, :], data=slot.a[:, k * P_MAX:k * P_MAX + w])
     full = cfg.I_aug // P_MAX
     if full:
-        _evict(0, slot.aT[:, :full, :], ps[:, :full, :])
+        evict(0, slot.aT[:, :full, :], ps[:, :full, :])
     rem = cfg.I_aug - full * P_MAX
     if rem:
-        _evict(1, slot.aT[:rem, full, :], ps[:rem, full, :])
+        evict(1, slot.aT[:rem, full, :], ps[:rem, full, :])
 
 
 def _down_step(cfg, slot, psum):

@@ -8,6 +8,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
+from ..common.tiles import evict, transpose_tokens
 from ..entry import resolve_backend, shape_of, to_torch
 from .moe_torch import ACTIVATIONS, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT, moe_torch
 from .router import (
@@ -19,7 +20,6 @@ from .router import (
     router_argument_error,
     store_routing_step,
     topk_step,
-    transpose_tokens_step,
 )
 from .tkg_cost import choose_expert_mode
 
@@ -491,14 +491,6 @@ def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_ga
     ring.n += 1
 
 
-def _evict(i, dst, src):
-    """PSUM -> SBUF copy, alternating VectorE and ScalarE so that evictions of independent banks overlap."""
-    if i % 2 == 0:
-        nisa.tensor_copy(dst=dst, src=src)
-    else:
-        nisa.activation(dst=dst, op=nl.copy, data=src)
-
-
 def _store_out_step(cfg, acc, out):
     """out [T, H] (input dtype) = acc; LNC=2: each core sends the other core's H half of its partial sum, adds the
     half it receives to its own and stores that half."""
@@ -506,13 +498,13 @@ def _store_out_step(cfg, acc, out):
     if cfg.ncores == 1 and acc.psum:
         o = nl.ndarray((P_MAX, H), dtype=out.dtype, buffer=nl.sbuf)
         for i, (c0, cw) in enumerate(cfg.chunks):
-            _evict(i, o[:T, c0:c0 + cw], acc.banks[i][:T, :cw])
+            evict(i, o[:T, c0:c0 + cw], acc.banks[i][:T, :cw])
         nisa.dma_copy(dst=out, src=o[:T, :])
         return
     if acc.psum:
         full = nl.ndarray((P_MAX, H), dtype=nl.float32, buffer=nl.sbuf)
         for i, (c0, cw) in enumerate(cfg.chunks):
-            _evict(i, full[:T, c0:c0 + cw], acc.banks[i][:T, :cw])
+            evict(i, full[:T, c0:c0 + cw], acc.banks[i][:T, :cw])
     else:
         full = acc.sb
     if cfg.ncores > 1:
@@ -605,7 +597,7 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
     x_sb = nl.ndarray((P_MAX, H), dtype=x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=x_sb[:T, :], src=x)
     ring = _Ring(cfg)
-    hT = transpose_tokens_step(x_sb, T, cfg.KT)
+    hT = transpose_tokens(x_sb, T, cfg.KT)
     if gamma is not None:
         hT = _rmsnorm_step(cfg, consts, hT, gamma)
     idx, aff = _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize)

@@ -9,6 +9,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
+from ..common.tiles import transpose_tokens
 from ..entry import resolve_backend, shape_of, to_torch
 from .moe_torch import ROUTER_MODES, router_torch
 
@@ -92,20 +93,6 @@ def load_router_weights(w_router, b_router, KT, k0=0, k1=None):
         br = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=br, src=raw)
     return wr, br
-
-
-def transpose_tokens_step(x_sb, nt, KT):
-    """x [nt, H] (tokens on partitions) -> xT [128, KT, nt] with H index p * KT + kt: TensorE transposes of the
-    strided column sets x[:, kt::KT], TRANSPOSE_GROUP per PSUM bank, one eviction per bank."""
-    xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=x_sb.dtype, buffer=nl.sbuf)
-    for c0 in range(0, KT, TRANSPOSE_GROUP):
-        nc = min(TRANSPOSE_GROUP, KT - c0)
-        ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x_sb.dtype, buffer=nl.psum)
-        for c in range(nc):
-            kt = c0 + c
-            nisa.nc_transpose(dst=ps[:, c, :nt], data=x_sb[:nt, kt:kt + (P_MAX - 1) * KT + 1:KT])
-        nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, :nt])
-    return xT
 
 
 def logits_step(consts, xT, wr, br, nt, E, k0, k1):
@@ -222,7 +209,7 @@ def router_kernel(x, w_router, b_router=None, top_k=1, mode="gpt_oss", renormali
         nt = min(P_MAX, T - t0)
         x_sb = nl.ndarray((P_MAX, H), dtype=x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=x_sb[:nt, :], src=x[t0:t0 + nt, :])
-        xT = transpose_tokens_step(x_sb, nt, KT)
+        xT = transpose_tokens(x_sb, nt, KT)
         ps = logits_step(consts, xT, wr, br, nt, E, 0, KT)
         logits = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=logits[:nt, :], src=ps[:nt, :])

@@ -10,6 +10,7 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
+from ..common.tiles import evict
 from .limits import HEAD_GROUPS, KEY_PAD_TILES, argument_error
 
 # ---- tile sizes and constants ---------------------------------------------------------------------------------
@@ -219,12 +220,9 @@ def _key_ranges(cfg, bound_min, bound_max):
 # ---- QKV projection and rotary embedding ----------------------------------------------------------------------
 
 def _evict(i, dst, src):
-    """PSUM -> SBUF copies: one in EVICT_VECTOR_EVERY on VectorE, the others on ScalarE (both read PSUM; VectorE
-    carries the attention's range_select, the busiest stream)."""
-    if i % EVICT_VECTOR_EVERY == 0:
-        nisa.tensor_copy(dst=dst, src=src)
-    else:
-        nisa.activation(dst=dst, op=nl.copy, data=src)
+    """PSUM -> SBUF copies: one in EVICT_VECTOR_EVERY on VectorE, the others on ScalarE (VectorE carries the
+    attention's range_select, the busiest stream)."""
+    evict(i, dst, src, vector_every=EVICT_VECTOR_EVERY)
 
 
 def _x_transposed(cfg, x):

@@ -45,14 +45,6 @@ def _ones_row(consts, dtype, n):
     return t[:1, :n]
 
 
-def _evict(i, dst, src):
-    """PSUM -> SBUF copy, alternating VectorE and ScalarE so that evictions of independent banks overlap."""
-    if i % 2 == 0:
-        nisa.tensor_copy(dst=dst, src=src)
-    else:
-        nisa.activation(dst=dst, op=nl.copy, data=src)
-
-
 def _registers(t, n):
     """One register per element of the int32 row t[0:1, :n] (runtime trip counts)."""
     regs = []

@@ -6,7 +6,7 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 import nki.isa as nisa
 import nki.language as nl
 
-from .common import _evict
+from ...common.tiles import evict
 from .config import P_MAX, PSUM_F, TRANSPOSE_GROUP
 
 
@@ -163,7 +163,7 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
                 nisa.tensor_tensor(dst=dst, data1=ps[:, :ncb, :nt],
                                    data2=bias_T[:, c0:c0 + ncb].expand_dim(2).broadcast(2, nt), op=nl.add)
             else:
-                _evict(c0 // per_bank, dst, ps[:, :ncb, :nt])
+                evict(c0 // per_bank, dst, ps[:, :ncb, :nt])
             ps = None
         if packed:
             _store_packed(cfg, outP, out, t0, nt, cpt)
@@ -174,7 +174,7 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
             pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
             for c in range(nc):
                 nisa.nc_transpose(dst=pt[:nt, c, :], data=outT[:, c0 + c, :nt])
-            _evict((c0 - hc0) // TRANSPOSE_GROUP, res[:nt, c0 * P_MAX:(c0 + nc) * P_MAX].reshape((nt, nc, P_MAX)),
+            evict((c0 - hc0) // TRANSPOSE_GROUP, res[:nt, c0 * P_MAX:(c0 + nc) * P_MAX].reshape((nt, nc, P_MAX)),
                    pt[:nt, :nc, :])
             pt = None
         nisa.dma_copy(dst=out[t0:t0 + nt, hc0 * P_MAX:hc1 * P_MAX], src=res[:nt, hc0 * P_MAX:hc1 * P_MAX])
@@ -194,7 +194,7 @@ def _store_packed(cfg, outP, out, t0, nt, cpt):
         pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
         for qi in range(qn):
             nisa.nc_transpose(dst=pt[:rows, qi, :], data=outP[:, q_lo + q0 + qi, :, :].reshape((P_MAX, rows)))
-        _evict(q0 // TRANSPOSE_GROUP, res[:rows, q0:q0 + qn, :], pt[:rows, :qn, :])
+        evict(q0 // TRANSPOSE_GROUP, res[:rows, q0:q0 + qn, :], pt[:rows, :qn, :])
         pt = None
     for t in range(nt):
         nisa.dma_copy(dst=out.ap([[P_MAX, cpt], [cpt * P_MAX, n_g], [1, P_MAX]], offset=(t0 + t) * H + hc0 * P_MAX),

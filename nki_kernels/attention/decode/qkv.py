@@ -6,7 +6,8 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 import nki.isa as nisa
 import nki.language as nl
 
-from .common import _evict, _ones_row
+from ...common.tiles import evict, transpose_tokens
+from .common import _ones_row
 from .config import P_MAX, PSUM_F, QKV_BANKS, TRANSPOSE_GROUP, W_QKV_DMAS
 
 
@@ -110,14 +111,7 @@ def _rmsnorm(cfg, consts, ins, tiles, eps):
     for ti, tl in enumerate(tiles):
         nt = tl.nt
         x = ins.x[ti]
-        xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
-        for c0 in range(0, KT, TRANSPOSE_GROUP):
-            nc = min(TRANSPOSE_GROUP, KT - c0)
-            ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x.dtype, buffer=nl.psum)
-            for c in range(nc):
-                kt = c0 + c
-                nisa.nc_transpose(dst=ps[:, c, :nt], data=x[:nt, kt:kt + (P_MAX - 1) * KT + 1:KT])
-            nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, :nt])
+        xT = transpose_tokens(x, nt, KT)
         if ins.gamma is None:
             xTs.append(xT)
             continue
@@ -189,9 +183,9 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
         for i, (ti, ch) in enumerate(group):
             nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
             if qsplit:
-                _evict(n_ev, part[ti][:nt, c0:c0 + cw], accs[i][:nt, :cw])
+                evict(n_ev, part[ti][:nt, c0:c0 + cw], accs[i][:nt, :cw])
             else:
-                _evict(n_ev, qkv[ti][:nt, cfg.pad + c0:cfg.pad + c0 + cw], accs[i][:nt, :cw])
+                evict(n_ev, qkv[ti][:nt, cfg.pad + c0:cfg.pad + c0 + cw], accs[i][:nt, :cw])
             n_ev += 1
         accs = None    # release the banks before the next group allocates
     for ti in range(len(part)):

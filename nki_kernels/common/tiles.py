@@ -1,0 +1,34 @@
+"""Tile helpers shared by the kernels: PSUM evictions spread over two engines, token-tile transposes.
+
+Plain NKI 0.7 helpers called from inside `@nki.jit` kernels (as nki-library's kernels call their utils).
+"""
+
+import nki.isa as nisa
+import nki.language as nl
+
+P_MAX = nl.tile_size.pmax                                           # partitions per tile
+TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)  # 128-column bf16 transposes per PSUM bank
+
+
+def evict(i, dst, src, vector_every=2):
+    """PSUM -> SBUF copy number `i`: every `vector_every`-th on VectorE, the others on ScalarE (both read PSUM), so
+    evictions of independent banks overlap. The default alternates the two engines."""
+    if i % vector_every == 0:
+        nisa.tensor_copy(dst=dst, src=src)
+    else:
+        nisa.activation(dst=dst, op=nl.copy, data=src)
+
+
+def transpose_tokens(x_sb, nt, KT):
+    """x [nt, H] (tokens on partitions) -> xT [128, KT, nt] with H index p * KT + kt: TensorE transposes of the
+    strided column sets x[:, kt::KT] (each partition's H rows contiguous in the matching weight layout),
+    TRANSPOSE_GROUP per PSUM bank, one eviction per bank."""
+    xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=x_sb.dtype, buffer=nl.sbuf)
+    for c0 in range(0, KT, TRANSPOSE_GROUP):
+        nc = min(TRANSPOSE_GROUP, KT - c0)
+        ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x_sb.dtype, buffer=nl.psum)
+        for c in range(nc):
+            kt = c0 + c
+            nisa.nc_transpose(dst=ps[:, c, :nt], data=x_sb[:nt, kt:kt + (P_MAX - 1) * KT + 1:KT])
+        nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, :nt])
+    return xT
