@@ -18,6 +18,7 @@ from .decode.config import (
     _validate_inputs,
     argument_error,
 )
+from .decode.exchange import _decode_attention_dp, _validate_dp
 from .decode.flash import _attention_flash_decode
 from .decode.kv_io import _load_block_ids, _load_positions, _paged_rows, _update_cache, _window_starts
 from .decode.oproj import _exchange_oT, _output_projection
@@ -38,7 +39,8 @@ __all__ = ["decode_attention_kernel", "decode_attention_nki", "P_MAX", "PSUM_F",
 
 def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None,
                             sinks=None, bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0,
-                            sliding_window=0, block_table=None, add_bias_o=True, k_scale=None, v_scale=None):
+                            sliding_window=0, block_table=None, add_bias_o=True, k_scale=None, v_scale=None,
+                            attn_dp_groups=None, attn_dp_rank=0):
     """Fused decode attention block: out = O_proj(Attn(RoPE(QKV(RMSNorm(X)))), with in-place KV-cache update.
 
     Dimensions:
@@ -60,6 +62,13 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         add_bias_o (bool): whether THIS rank adds bias_o. The output is a partial sum over the tensor-parallel
             ranks, so under TP pass True on exactly one rank of the group (e.g. rank 0) and False on the others
             (or bias_o=None and add the bias after the all-reduce); True for a single rank.
+        attn_dp_groups (list of rank-lists), attn_dp_rank (int): attention data parallelism (decode/exchange.py):
+            the DP columns as a replica group (each rank-list = the attn_dp world ranks of one column, in DP order) and
+            this rank's index in its column. X is then the column's gathered batch [attn_dp * B_local, S, H]; W_qkv /
+            bias_qkv / W_o hold this rank's nq_e query heads (interleaved effective rank) and its TP position's K/V
+            heads; the caches, block_table, position_ids and cos / sin are this rank's own B_local sequences; sinks
+            are the column's attn_dp * nq_e heads. Two in-kernel all_to_alls swap heads <-> sequences; out is the
+            partial [attn_dp * B_local * S, H]. None = no attention DP. LNC=1, bf16 cache.
         k_scale, v_scale ([1] or [nkv] fp32 @ HBM): fp8 KV cache (K_cache / V_cache float8_e4m3 or float8_e4m3fn,
             contiguous layout): per-tensor or per-KV-head scales; a cached value means value * scale. Dequantised
             on load (the K/V loads cast to bf16; k_scale folds into q, v_scale into the final 1/l); the new
@@ -98,6 +107,14 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
             o = acc / (l + exp(sink - scale m))
         out = o @ W_o + b_o ; K_cache[b, :, pos[b]] = k ; V_cache[b, :, pos[b]] = v
     """
+    if attn_dp_groups is not None:
+        cfg, cfg_g, dp = _validate_dp(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks,
+                                      bias_o, context_len, softmax_scale, hidden_actual, sliding_window, block_table,
+                                      add_bias_o, k_scale, v_scale, nl.num_programs(), attn_dp_groups, attn_dp_rank)
+        out = nl.ndarray((cfg_g.B * cfg.S, cfg.H), dtype=X.dtype, buffer=nl.shared_hbm)
+        _decode_attention_dp(cfg, cfg_g, dp, X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv,
+                             sinks, bias_o if add_bias_o else None, eps, block_table, out)
+        return out
     cfg = _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
                            context_len, softmax_scale, hidden_actual, sliding_window, block_table, add_bias_o,
                            k_scale, v_scale, nl.num_programs(), nl.program_id(0))
