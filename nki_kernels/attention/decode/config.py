@@ -30,6 +30,12 @@ KV_SBUF_MAX = 128 * 1024   # bytes per partition for the K/V ring (less when the
 KV_SBUF_MIN = 32 * 1024    # ... but never less than this (the weights then stream through a smaller ring)
 SBUF_RESERVE = 24 * 1024   # bytes per partition kept for everything else (q, masks, P tiles, accumulators)
 W_QKV_DMAS = 4         # W_qkv is loaded in this many DMAs (>= 2 KiB contiguous per partition each)
+# Position-major steps (scores^T: cache positions on the partitions, query rows on the free axis) for packs of at
+# most this many rows (a tuning choice, modelled: B = 1 GPT-OSS / Llama-8B -3..-5 %, but 10..64 rows slower, e.g.
+# GPT-OSS B=8 4K +19 %: the per-128-position matmul floor and the per-step chain outweigh the saved row work).
+# A step's [128, FA_SUB / 128 tiles, rows] scores then fill at most one PSUM bank.
+PMAJOR_ROWS = 8
+assert PMAJOR_ROWS * (FA_SUB // P_MAX) <= PSUM_F
 MASK_NEG = -1.0e30     # additive mask value: exp underflows to 0; two of them still sum to a finite fp32
 MAX_S_TKG = 8          # new tokens per sequence
 MAX_BATCH = 64
@@ -157,6 +163,12 @@ class _Config(nl.NKIObject):
             _split_context(self, core)
         elif n_prog > 1 and _can_split_weights(self):
             _split_weights(self, core)
+        # Position-major steps (few query rows in this core's packs, contiguous bf16 cache, full attention, whole
+        # 128-position tiles): the score matmul puts 128 cache positions on the partitions (stationary = K^T
+        # columns, moving = the queries), so the softmax's elementwise work is tiles x rows per partition instead
+        # of the step's 1024 positions on `rows` partitions, and exp(scores^T) is P^T for the PV matmul.
+        self.pmajor = (not self.imajor and window == 0 and self.scan % P_MAX == 0
+                       and min(self.pack, self.b_hi - self.b_lo) * self.R <= PMAJOR_ROWS)
 
 
 def _slot_bytes(pack, ft, kpp, d, itemsize, fp8=False):

@@ -7,7 +7,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from .common import _run
-from .config import FA_SUB, MASK_NEG, MAX_S_TKG, P_MAX, PSUM_F, PV_COLS, TRANSPOSE_GROUP
+from .config import FA_SUB, MASK_NEG, MAX_S_TKG, P_MAX, PMAJOR_ROWS, PSUM_F, PV_COLS, TRANSPOSE_GROUP
 from .isolation import _scrub_slot, _scrub_v, _valid_ranges
 from .kv_io import _load_fp8, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
 from .oproj import _load_w_o, _rows_to_oT, _rows_to_tokens, _transpose_o
@@ -41,6 +41,17 @@ class _AttnState(nl.NKIObject):
         self.valid, self.cur_valid = {}, None     # per pack: _ValidRange of its sequences
         self.ramps, self.k_ramp = {}, (None, None)  # scrub position tables (see _scrub_slot)
         self.pos0, self.slot0 = None, None          # fp32 [1, steps / slots]: their starts (_step_gates)
+        self.pf_cols = None     # position-major: fp32 [128, rows] first new position of each row, every partition
+
+    def iota_pm(self, n, ni):
+        """Position-major steps: fp32 [128, ni] key offsets q*n + il of score tile il on partition q (relative to
+        the step's first position), built once per slot layout."""
+        key = f"t{n}_{ni}"
+        if key not in self.iotas:
+            t = nl.ndarray((P_MAX, ni), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.iota(dst=t, pattern=[[1, ni]], offset=0, channel_multiplier=n)
+            self.iotas[key] = t
+        return self.iotas[key]
 
     def scores(self):
         buf = self.ps_sc[self.n_scores % 2]
@@ -145,6 +156,10 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     # First new position of each row's sequence, and each row's own position (fp32, [rows, 1]).
     p_first = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=p_first[:rows], src=position_ids.ap([[S, nb], [0, S], [0, G]], offset=p0 * S))
+    if cfg.pmajor:
+        st.pf_cols = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=st.pf_cols[:, :rows].reshape((P_MAX, nb, S, G)),
+                      src=position_ids.ap([[0, P_MAX], [S, nb], [0, S], [0, G]], offset=p0 * S))
     q_pos = p_first
     if S > 1 or cfg.window > 0:
         q_pos = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -355,6 +370,11 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
         return
     # Per-step mask thresholds (tiny, all issued up front so the GpSimd masks never wait for VectorE).
     for step in steps:
+        if cfg.pmajor:      # per query row (free axis), the same on every partition
+            step.thr_hi = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=step.thr_hi[:, :rows], data=st.pf_cols[:, :rows], op0=nl.add,
+                               operand0=-1.0 - step.pos0)
+            continue
         step.thr_hi = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)   # invalid if j > pos[b, 0] - 1
         nisa.tensor_scalar(dst=step.thr_hi[:rows], data=p_first[:rows], op0=nl.add, operand0=-1.0 - step.pos0)
         if cfg.window > 0:                                                       # invalid if j <= pos - W
@@ -370,7 +390,10 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
             _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[k + 1], views,
                           gates[k + 1])
         step = steps[k]
-        _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks, gates[k])
+        if cfg.pmajor:
+            _online_step_pm(cfg, consts, st, sm, step.sc, rows, nb, views[step.slot][1], step.blocks, gates[k])
+        else:
+            _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks, gates[k])
         step.sc = None
         if k == 0 and cfg.ragged and sm.acc is None:
             # no accumulator yet (second core of a context split): a zero one, so every later flush is the same
@@ -421,8 +444,12 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
     kT = views[step.slot][0]
     j0, w = slots[step.slot]
     sc = st.scores()
-    key = st.iota(step.key_id, step.key_pattern, step.cols)
-    _run(gate, lambda _i: _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
+    if cfg.pmajor:
+        key = st.iota_pm(w // P_MAX, len(step.blocks))
+        _run(gate, lambda _i: _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
+    else:
+        key = st.iota(step.key_id, step.key_pattern, step.cols)
+        _run(gate, lambda _i: _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
     for v, j0, w, gates in fresh:      # V is needed by the PV, one step later
         _scrub_v(cfg, st, v, j0, w, nb, gates)
     step.sc = sc
@@ -532,6 +559,105 @@ def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks):
         for i, (_c0, _s, k, vb) in enumerate(blocks):
             nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:k, i, :rows],
                            moving=v[:k, h0:h0 + hn, vb, :], accumulate=(i > 0))
+
+
+def _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
+    """Position-major scores of one step: tile il of sc [128, ni, rows] holds position q*n + i0 + il on partition q
+    (V block i0 + il of the slot layout): matmul(stationary = the K^T columns of those positions (stride n),
+    moving = the pack's queries), over every K^T stack; the causal mask (key > the row's first new position - 1,
+    a per-column threshold here) is built on GpSimd and folded in by one MASK_NEG * I matmul over all tiles."""
+    n, ni = w // P_MAX, len(step.blocks)
+    i0 = step.pos0 - j0
+    s3 = sc[:, :ni * rows].reshape((P_MAX, ni, rows))
+    m = nl.ndarray((P_MAX, PSUM_F), dtype=nl.bfloat16, buffer=nl.sbuf)
+    m3 = m[:, :ni * rows].reshape((P_MAX, ni, rows))
+    nisa.tensor_tensor(dst=m3, data1=key[:, :ni].expand_dim(2).broadcast(2, rows),
+                       data2=step.thr_hi[:, :rows].expand_dim(1).broadcast(1, ni), op=nl.greater,
+                       engine=nisa.engine.gpsimd)
+    for il in range(ni):
+        for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
+            kp = min(cfg.kpp, nb - jj * cfg.kpp) * cfg.d
+            k3 = kT[:kp, jj, :n * P_MAX].reshape((kp, P_MAX, n))
+            nisa.nc_matmul(dst=s3[:, il, :], stationary=k3[:, :, i0 + il], moving=qm[:kp, jj, :rows],
+                           accumulate=(jj > 0))
+    # one fold for every tile of the step (ni * rows <= one PSUM bank; accumulation is per element)
+    nisa.nc_matmul(dst=s3, stationary=consts.neg_eye, moving=m3, accumulate=True)
+
+
+def _online_step_pm(cfg, consts, st, sm, sc, rows, nb, v, blocks, gate=None):
+    """One online-softmax update over position-major scores sc [128 positions, ni tiles, rows] (see
+    _step_scores_pm); the state (m, l [rows, 1], acc [rows, nb*d]) keeps the row layout. Row max: per-partition
+    max over the tiles, one fp32 TensorE transpose, a max over the 128 columns. The row bias -scale*m is broadcast
+    to every partition by one matmul (ones x diag(bias)); exp(scale*s + bias) is P^T itself (bf16), the row sums
+    are a per-partition sum over the tiles and one ones-matmul, and PV uses P^T tiles directly. The second PSUM
+    bank of the score buffer holds the transposed maxima, the broadcast bias and the row sums. With a runtime gate
+    (ragged contexts) the state is updated in place, as in _online_step_inplace."""
+    if gate is not None:
+        nl.fori_loop(0, gate, lambda _i: _online_step_pm_body(cfg, consts, st, sm, sc, rows, nb, v, blocks, True))
+        return
+    _online_step_pm_body(cfg, consts, st, sm, sc, rows, nb, v, blocks, False)
+
+
+def _online_step_pm_body(cfg, consts, st, sm, sc, rows, nb, v, blocks, inplace):
+    d, scale, ni = cfg.d, cfg.scale, len(blocks)
+    s3 = sc[:, :ni * rows].reshape((P_MAX, ni, rows))
+    aux = sc[:, PSUM_F:2 * PSUM_F]
+    cmax = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=cmax[:, :rows], op=nl.maximum, data=s3.permute((0, 2, 1)), axis=(2,))
+    nisa.nc_transpose(dst=aux[:rows, :P_MAX], data=cmax[:, :rows])
+    m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=aux[:rows, :P_MAX], axis=(1,))
+    nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if inplace:
+        nisa.tensor_scalar(dst=nbias[:rows], data=sm.m[:rows], op0=nl.maximum, operand0=m_t[:rows],
+                           op1=nl.multiply, operand1=-scale)
+    else:
+        m_new = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=m_new[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum)
+        nisa.tensor_scalar(dst=nbias[:rows], data=m_new[:rows], op0=nl.multiply, operand0=-scale)
+        alpha = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=alpha[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)
+    # bias broadcast: bT[q, r] = sum_k ones[k, q] * diag(nbias)[k, r] = nbias[r] on every partition q
+    diag = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=diag[:rows, :rows], data=consts.ident[:rows, :rows], op0=nl.multiply,
+                       operand0=nbias[:rows])
+    nisa.nc_matmul(dst=aux[:, P_MAX:P_MAX + rows], stationary=consts.ones_f32[:rows, :], moving=diag[:rows, :rows],
+                   accumulate=False)
+    bT = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)     # the scores are in PSUM too
+    nisa.tensor_copy(dst=bT[:, :rows], src=aux[:, P_MAX:P_MAX + rows])
+    t = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.sbuf)
+    t3 = t[:, :ni * rows].reshape((P_MAX, ni, rows))
+    nisa.scalar_tensor_tensor(dst=t3, data=s3, op0=nl.multiply, operand0=scale, op1=nl.add,
+                              operand1=bT[:, :rows].expand_dim(1).broadcast(1, ni))
+    pT = nl.ndarray((P_MAX, PSUM_F), dtype=nl.bfloat16, buffer=nl.sbuf)
+    p3 = pT[:, :ni * rows].reshape((P_MAX, ni, rows))
+    nisa.activation(dst=p3, op=nl.exp, data=t3)
+    # row sums: the tiles summed per partition (fp32), then one ones-matmul over the partitions
+    psum_q = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=psum_q[:, :rows], op=nl.add, data=p3.permute((0, 2, 1)), axis=(2,))
+    l_t = aux[:rows, 2 * P_MAX:2 * P_MAX + 1]
+    nisa.nc_matmul(dst=l_t, stationary=psum_q[:, :rows], moving=consts.ones_f32[:, :1], accumulate=False)
+    n = nb * d
+    if inplace:
+        nisa.scalar_tensor_tensor(dst=sm.acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,
+                                  operand0=sm.pending[:rows], op1=nl.add, operand1=st.ps_o[:rows, :n])
+        nisa.activation(dst=sm.pending[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)
+        nisa.scalar_tensor_tensor(dst=sm.l[:rows], data=sm.l[:rows], op0=nl.multiply, operand0=sm.pending[:rows],
+                                  op1=nl.add, operand1=l_t)
+        nisa.tensor_tensor(dst=sm.m[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum)
+    else:
+        l_new = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=l_new[:rows], data=sm.l[:rows], op0=nl.multiply, operand0=alpha[:rows],
+                                  op1=nl.add, operand1=l_t)
+        _flush_acc(cfg, st, sm, rows, nb)
+    half = max(1, PSUM_F // d)
+    for h0 in range(0, nb, half):
+        hn = min(half, nb - h0)
+        for i, (_c0, _s, k, vb) in enumerate(blocks):
+            nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=p3[:k, i, :],
+                           moving=v[:k, h0:h0 + hn, vb, :], accumulate=(i > 0))
+    if not inplace:
+        sm.m, sm.l, sm.pending = m_new, l_new, alpha
 
 
 def _flush_acc(cfg, st, sm, rows, nb):

@@ -395,6 +395,8 @@ def _same_bits(a, b):
     (LLAMA31_8B_TP8, 3, 1, 1024, 0, 64, 1, None),       # Llama paged
     (GPT_OSS_20B_TP8, 4, 1, 1024, 0, 0, 2, None),       # LNC=2, sequences split between the cores
     (GPT_OSS_20B_TP8, 1, 1, 2048, 0, 0, 2, 300),        # LNC=2 context split: core 1's half is all stale
+    (GPT_OSS_20B_TP8, 1, 1, 2048, 0, 0, 1, None),       # position-major steps (8 query rows), stacked K^T
+    (LLAMA31_8B_TP8, 2, 1, 4096, 0, 0, 1, None),        # position-major steps, two sequences in one pack
 ])
 def test_nan_in_stale_cache_rows_stays_isolated(shape, B, S, ctx, window, bs, lnc, pos0):
     """Rows a sequence never uses hold NaN: every output row stays finite, matches the reference (which excludes

@@ -7,7 +7,7 @@ import nkisim
 
 nkisim.install()
 
-from nki_kernels.attention.decode.config import FA_SUB, P_MAX, _Config  # noqa: E402
+from nki_kernels.attention.decode.config import FA_SUB, P_MAX, PSUM_F, _Config  # noqa: E402
 from nki_kernels.attention.decode.planning import (  # noqa: E402
     _load_pieces,
     _packs,
@@ -73,3 +73,18 @@ def test_packs_and_token_tiles(B, lo, hi):
     tiles = _token_tiles(cfg, lo, hi)
     assert tiles[0].b0 == lo and sum(t.nb for t in tiles) == hi - lo
     assert all(t.nt == t.nb * cfg.S <= cfg.tile_tok and t.t0 == t.b0 * cfg.S for t in tiles)
+
+
+@pytest.mark.parametrize("c,pmajor", [
+    ((1, 1, 3072, 64, 1, 8, 4096, 4096, 0), True),        # GPT-OSS B=1: 8 query rows
+    ((2, 1, 4096, 128, 1, 4, 4096, 4096, 0), True),       # Llama-8B B=2: 8 rows in one pack
+    ((8, 1, 3072, 64, 1, 8, 4096, 4096, 0), False),       # 64 rows: the row-major steps
+    ((1, 1, 4096, 128, 1, 4, 600, 600, 0), False),        # a remainder tile (S_max not a multiple of 128)
+    ((1, 1, 4096, 128, 1, 4, 32 * 64, 2048, 64), False),  # paged: the i-major layout
+])
+def test_position_major_steps_for_few_rows(c, pmajor):
+    cfg = _cfg(*c)
+    assert cfg.pmajor is pmajor
+    if pmajor:    # every step's position-major scores fit one PSUM bank of the score buffer
+        rows = min(cfg.pack, cfg.b_hi - cfg.b_lo) * cfg.R
+        assert all(len(s.blocks) * rows <= PSUM_F and s.cols % P_MAX == 0 for s in _plan(cfg)[1])
