@@ -58,3 +58,23 @@ def shape_of(x):
 
 def dtype_name(x):
     return str(x.dtype).replace("torch.", "")
+
+
+def distributed_world():
+    """Context of an nkisim launch whose collectives span torch.distributed workers: inside an initialised default
+    process group of several processes, this process's launches are rank dist.get_rank() of an nkisim world of
+    dist.get_world_size() ranks (nkisim.process_world; each collective's records travel by all_gather_object);
+    otherwise a plain launch."""
+    import contextlib
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return contextlib.nullcontext()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return contextlib.nullcontext()
+
+    def exchange(obj):
+        got = [None] * dist.get_world_size()
+        dist.all_gather_object(got, obj)
+        return got
+    return nkisim.process_world(dist.get_rank(), dist.get_world_size(), exchange)

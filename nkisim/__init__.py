@@ -5,7 +5,8 @@ cost model.
 `nkisim.install()` is the one place that registers the interpreter under the names `nki`, `nki.language`,
 `nki.isa`, `nki.isa.constants`, `nki.typing` and `nki.collectives`: when the real `nki` package is not importable,
 or when `NKISIM=1` forces it. An installed but unusable `nki` is reported, never silently replaced (see
-`install`). `nkisim.simulate_collective` / `nkisim.run_ranks` launch N ranks of a kernel that uses collectives.
+`install`). `nkisim.simulate_collective` / `nkisim.run_ranks` launch N ranks of a kernel that uses collectives
+(threads); `nkisim.process_world` makes each process's launches one rank of a world spread over processes.
 """
 
 import importlib.machinery
@@ -18,7 +19,14 @@ from .cost import profile  # noqa: F401,E402
 from .errors import NkiCapacityError, NkiValidationError  # noqa: F401
 from .jit import Kernel, RunResult, jit, run, simulate  # noqa: F401
 from .target import resolve_target  # noqa: F401
-from .world import NkiCollectiveError, WorldResult, per_rank, run_ranks, simulate_collective  # noqa: F401
+from .world import (  # noqa: F401
+    NkiCollectiveError,
+    WorldResult,
+    per_rank,
+    process_world,
+    run_ranks,
+    simulate_collective,
+)
 
 _NAMES = ("nki", "nki.language", "nki.isa", "nki.isa.constants", "nki.typing", "nki.collectives", "nki.compiler")
 _PLACEHOLDER_MARK = "WRONG PACKAGE"   # PyPI's `nki` 0.0.1 is a placeholder whose import raises this ImportError

@@ -19,7 +19,7 @@ from .memory import Allocation, hbm, shared_hbm
 from .runtime import CoreContext, LncShared, current, set_current
 from .target import resolve_target
 from .tensor import NkiTensor, np_view
-from .world import first_failure, one_rank_world
+from .world import ambient_world, first_failure, one_rank_world
 
 LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
 
@@ -257,8 +257,13 @@ def run(kernel, args, kwargs, target=None, record=True, numerics=True):
     binding = _Binding(shared_hbm if lnc == 2 else hbm)
     targs = binding.wrap(tuple(args), "args")
     tkwargs = {k: binding.wrap(v, k) for k, v in kwargs.items()}
+    pw = ambient_world()      # a rank of a multi-process world (nkisim.process_world)
+    if pw is not None and lnc != 1:
+        raise NkiValidationError(f"process_world: a kernel[{lnc}] launch; ranks spread over processes run at LNC=1")
     if lnc == 1:
         ctx = CoreContext(0, 1, tgt, record=record)
+        if pw is not None:
+            ctx.world, ctx.rank = pw, pw.rank
         ctx.jit_options = kernel.options
         ctx.numerics = numerics
         outputs = _run_core(kernel.func, ctx, targs, tkwargs)

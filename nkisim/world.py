@@ -331,3 +331,100 @@ def one_rank_world(shared, contexts):
     for ctx in contexts:
         ctx.world = world
     return world
+
+
+# ---- ranks in separate processes -----------------------------------------------------------------------------------
+
+class _Detached:
+    """A tensor's values sent to another process: rebuilt there as a fresh HBM tensor (collectives only read the
+    sources of other ranks; what they write into another rank's rebuilt destination is dropped)."""
+
+    def __init__(self, t, op):
+        from .tensor import read
+        self.values = np.array(read(t, op), copy=True)
+        self.dtype, self.shape, self.name = t.dtype.name, tuple(t.shape), t.name
+
+    def tensor(self):
+        from . import dtypes as dt
+        from .memory import Allocation, hbm
+        from .tensor import NkiTensor
+        d = dt.as_dtype(self.dtype)
+        storage = self.values.reshape(-1).astype(dt.storage_dtype(d), copy=True)
+        alloc = Allocation(self.shape, d, hbm, name=f"remote:{self.name}", storage=storage)
+        strides = [1] * len(self.shape)
+        for i in range(len(self.shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * self.shape[i + 1]
+        alloc.written = True
+        return NkiTensor(alloc, self.shape, strides, 0, d)
+
+
+def _portable(x, op):
+    from .tensor import NkiTensor
+    if isinstance(x, NkiTensor):
+        return _Detached(x, op)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_portable(v, op) for v in x)
+    return x
+
+
+def _rebuilt(x):
+    if isinstance(x, _Detached):
+        return x.tensor()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_rebuilt(v) for v in x)
+    return x
+
+
+class ProcessWorld(World):
+    """A world whose ranks are separate processes (e.g. torch.distributed workers): this process runs rank `rank`
+    of `size` at LNC=1, and every process launches the same kernels in the same order (SPMD). At each collective,
+    `exchange(obj)` -- an all-gather of picklable objects over all `size` processes, returning the list in rank
+    order (e.g. torch.distributed.all_gather_object) -- carries every rank's call record with its source values;
+    each process then runs the same exact data movement and keeps its own destinations."""
+
+    def __init__(self, rank, size, exchange, target):
+        super().__init__(size, 1, target)
+        if not 0 <= rank < size:
+            raise NkiValidationError(f"process_world: rank={rank} must be in 0..{size - 1}")
+        self.rank, self.exchange = int(rank), exchange
+
+    def rendezvous(self, ctx, record, execute):
+        k = ctx.cc_count
+        ctx.cc_count += 1
+        mine = CallRecord(record.op, record.rank, record.core, record.site, record.signature,
+                          _portable(record.payload, record.op))
+        gathered = self.exchange((k, mine))
+        records = {}
+        for r, (kr, rec) in enumerate(gathered):
+            if kr != k or rec.op != record.op:
+                raise NkiCollectiveError(f"{record.op}: ranks diverge: rank {self.rank} is at collective #{k} "
+                                         f"({record.site}) but rank {r} at #{kr} ({rec.op} at {rec.site})")
+            records[(r, 0)] = record if r == self.rank else CallRecord(
+                rec.op, rec.rank, rec.core, rec.site, rec.signature, _rebuilt(rec.payload))
+        return (execute(records) or {}).get((self.rank, 0))
+
+
+_AMBIENT = threading.local()
+
+
+class process_world:  # noqa: N801 - used as a context manager, like a function
+    """`with nkisim.process_world(rank, size, exchange): kernel(...)`: the LNC=1 launches made inside by this
+    thread are rank `rank` of a `size`-rank world spread over processes (see ProcessWorld)."""
+
+    def __init__(self, rank, size, exchange, target=None):
+        from .target import resolve_target
+        self.world = ProcessWorld(rank, size, exchange, resolve_target(target))
+
+    def __enter__(self):
+        self.prev = getattr(_AMBIENT, "world", None)
+        _AMBIENT.world = self.world
+        return self.world
+
+    def __exit__(self, *exc):
+        _AMBIENT.world = self.prev
+        return False
+
+
+def ambient_world():
+    """The ProcessWorld of an enclosing `process_world` block of this thread, or None."""
+    return getattr(_AMBIENT, "world", None)

@@ -20,11 +20,11 @@ cache of its own replica's B_local sequences. Per step:
   5. O-projection shard → partial [B_gathered, H]; the caller's one all-reduce over the attention component TP
      group sums the TP and DP partials (the O bias is added by member 0 only).
 
-On Trainium the two all-to-alls are meant to live inside the decode megakernel (nki.collectives). That kernel is
-not ours to change here, so they run in the module through torch.distributed (the collective log shows them on
-the DP column). With attn_dp == 1 there is no swap and the fused decode kernel (`nki_kernels.attention
-.decode_attention`) can run the whole block: backend "nki" / "nkisim" / "auto" calls it; "torch" runs steps 1-5
-above in torch.
+Backends: "torch" runs steps 1-5 above in torch, the two all-to-alls through torch.distributed on the DP column
+(the collective log shows them). "nki" / "nkisim" / "auto" run steps 1-5 in the fused decode megakernel
+(`nki_kernels.attention.decode_attention`), with attn_dp > 1 the two swaps as in-kernel all-to-alls
+(nki.collectives over the DP columns' world ranks; nki_kernels/attention/decode/exchange.py): no host collective
+but the caller's all-reduce. nkisim runs them across the gloo processes through nkisim.process_world.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class DecodeAttentionDP(nn.Module):
 
     Args:
         groups: the attention ``ComponentGroups`` (``tp``: tp × attn_dp ranks; ``dp``: the DP column).
-        backend: "torch", or a kernel backend ("auto" | "nki" | "nkisim", attn_dp == 1 only).
+        backend: "torch", or a kernel backend ("auto" | "nki" | "nkisim"; attention DP swaps in the kernel).
     """
 
     def __init__(self, spec: TextModelSpec, layer: int, groups, eps: float, rope_theta: float, dtype: torch.dtype,
@@ -118,9 +118,6 @@ class DecodeAttentionDP(nn.Module):
         if comp.world_size % self.attn_dp:
             raise ValueError(f"attention component group size {comp.world_size} is not a multiple of its DP column "
                              f"size {self.attn_dp}")
-        if backend != "torch" and self.attn_dp > 1:
-            raise ValueError(f"DecodeAttentionDP: backend={backend!r} runs the fused decode kernel, which has no "
-                             f"in-kernel all-to-all for attention_dp_size={self.attn_dp} > 1; use backend='torch'")
         self.tp_size = comp.world_size // self.attn_dp
         self.tp_pos, self.dp_pos = comp.rank_in_group % self.tp_size, comp.rank_in_group // self.tp_size
         if self.dp_pos != col.rank_in_group:
@@ -197,7 +194,7 @@ class DecodeAttentionDP(nn.Module):
             partial = partial + self.o_bias  # summed once by the group's all-reduce
         return partial
 
-    # ---- fused kernel (attn_dp == 1) ---------------------------------------------------------------------------
+    # ---- fused kernel (any attn_dp) ---------------------------------------------------------------------------
     def _kernel_weights(self) -> dict:
         if self._kernel_args is None:
             w_qkv = torch.cat([self.q_weight, self.k_weight, self.v_weight]).t().contiguous()
@@ -212,14 +209,20 @@ class DecodeAttentionDP(nn.Module):
     def _kernel_partial(self, x, k_cache, v_cache, positions):
         from nki_kernels.attention import decode_attention
         w = self._kernel_weights()
-        b = x.shape[0]
-        cos, sin = rope_tables(positions.view(b, 1), self.head_dim, self.rope_theta)
-        out = decode_attention(x.view(b, 1, -1), w["W_qkv"], k_cache, v_cache, positions.view(b, 1), cos.to(x.dtype),
+        b, bl = x.shape[0], positions.shape[0]          # gathered batch, own sequences (equal without DP)
+        cos, sin = rope_tables(positions.view(bl, 1), self.head_dim, self.rope_theta)
+        out = decode_attention(x.view(b, 1, -1), w["W_qkv"], k_cache, v_cache, positions.view(bl, 1), cos.to(x.dtype),
                                sin.to(x.dtype), w["W_o"], gamma=w["gamma"], bias_qkv=w.get("bias_qkv"),
                                sinks=None if self.sinks is None else self.sinks.detach(), bias_o=w.get("bias_o"),
                                eps=self.eps, sliding_window=self.window, backend=self.backend,
-                               add_bias_o=self.groups.tp.rank_in_group == 0)
+                               add_bias_o=self.groups.tp.rank_in_group == 0, **self._dp_kernel_args())
         return out.view(b, -1)
+
+    def _dp_kernel_args(self) -> dict:
+        """Attention DP in the kernel: the DP columns (world ranks, DP order) and this rank's DP index."""
+        if self.attn_dp == 1:
+            return {}
+        return {"attn_dp_groups": self.groups.dp.group_ranks, "attn_dp_rank": self.groups.dp.rank_in_group}
 
     def partial(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:

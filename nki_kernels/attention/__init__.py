@@ -13,7 +13,7 @@ block_table may be int64 (torch's default): they are checked on the host and pas
 
 import numpy as np
 
-from ..entry import BACKENDS, as_int32, resolve_backend, to_torch
+from ..entry import BACKENDS, as_int32, distributed_world, resolve_backend, to_torch
 from .decode_attention import P_MAX, argument_error, decode_attention_kernel, decode_attention_nki
 from .decode_attention_torch import decode_attention_torch
 
@@ -54,14 +54,27 @@ def check_block_table(block_table, num_blocks, block_size, position_ids, context
 
 def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None, sinks=None,
                      bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0, sliding_window=0,
-                     block_table=None, backend="auto", lnc=1, add_bias_o=True, k_scale=None, v_scale=None):
-    """Fused decode attention for one TP rank. See `decode_attention_kernel` for shapes and semantics."""
+                     block_table=None, backend="auto", lnc=1, add_bias_o=True, k_scale=None, v_scale=None,
+                     attn_dp_groups=None, attn_dp_rank=0):
+    """Fused decode attention for one TP rank. See `decode_attention_kernel` for shapes and semantics.
+
+    attn_dp_groups / attn_dp_rank: attention DP with in-kernel all-to-alls (kernel backends only; every rank of the
+    groups calls this at once). On "nkisim" inside torch.distributed workers each process is one rank of the kernel's
+    world (nkisim.process_world over the default process group; group ranks = torch.distributed ranks)."""
     backend = resolve_backend("decode_attention", backend)
+    if attn_dp_groups is not None and backend == "torch":
+        raise ValueError("decode_attention: attn_dp_groups needs a kernel backend (the in-kernel all-to-alls); the "
+                         "torch reference has no collectives (modules.models.attention_blocks runs attention DP in "
+                         "torch)")
     if lnc not in (1, 2):
         raise ValueError(f"lnc={lnc} must be 1 or 2")
     if not isinstance(add_bias_o, bool):
         raise ValueError(f"add_bias_o={add_bias_o!r} must be a bool")
-    err = argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table)
+    # attention DP: a rank's W_qkv holds its share of the query heads (maybe fewer than the KV heads); the layout
+    # check reads the column's width
+    w_qkv = W_qkv if attn_dp_groups is None else _column_qkv(W_qkv, K_cache.shape[3], len(attn_dp_groups[0]),
+                                                             K_cache.shape[1])
+    err = argument_error(X, w_qkv, K_cache, V_cache, cos, sin, block_table)
     if err is not None:      # before the position checks, which read S_max from the cache's shape
         raise ValueError(err)
     position_ids = as_int32("position_ids", position_ids)
@@ -75,6 +88,8 @@ def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
                   softmax_scale=float(softmax_scale), eps=float(eps), hidden_actual=int(hidden_actual),
                   sliding_window=int(sliding_window), block_table=block_table, add_bias_o=add_bias_o,
                   k_scale=k_scale, v_scale=v_scale)
+    if attn_dp_groups is not None:
+        kwargs.update(attn_dp_groups=[list(g) for g in attn_dp_groups], attn_dp_rank=int(attn_dp_rank))
     args = (X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o)
     if backend == "torch":
         is_np = isinstance(X, np.ndarray)
@@ -91,4 +106,20 @@ def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
             return out.float().numpy().astype(X.dtype)
         return out
     kernel = decode_attention_nki if lnc == 1 else decode_attention_nki[lnc]
+    if attn_dp_groups is not None and backend == "nkisim":
+        with distributed_world():
+            return kernel(*args, **kwargs)
     return kernel(*args, **kwargs)
+
+
+class _Shape:
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+def _column_qkv(W_qkv, d, a, nkv):
+    """W_qkv's shape as the DP column sees it: attn_dp x this rank's query heads, then the K/V heads."""
+    if len(W_qkv.shape) != 2 or d < 1 or W_qkv.shape[1] % d:
+        return W_qkv
+    nq_e = W_qkv.shape[1] // d - 2 * nkv
+    return _Shape((W_qkv.shape[0], (a * nq_e + 2 * nkv) * d))

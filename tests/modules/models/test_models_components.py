@@ -1,9 +1,9 @@
 """Model components on gloo ranks: the LM head's padded-vocab mask, the prefill SP length rule, and the decode
-kernel path against the torch path within bf16."""
+kernel path (attention DP's swaps inside the kernel) against the torch path within bf16."""
 
 import pytest
 import torch
-from models_case import TINY_LLAMA, serve
+from models_case import TINY_LLAMA, by_replica, serve
 
 from modules.model_specs import TextModelSpec
 from modules.models.hf_layout import random_dense_state, random_gpt_oss_state, write_checkpoint
@@ -58,45 +58,64 @@ GPT_OSS_KERNEL_SPEC = TextModelSpec("tiny-gpt-oss-kernel", layers=2, hidden=128,
                                     head_dim=32, vocab=64, experts=4, top_k=2, sliding_window=4, attention_bias=True)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("spec", [KERNEL_SPEC, GPT_OSS_KERNEL_SPEC], ids=["llama", "gpt_oss"])
-def test_decode_kernel_path_matches_torch_path(tmp_path, spec):
-    """backend="nkisim" runs the fused decode-attention kernel on the interpreter (tp 2, bf16; for GPT-OSS also the
-    MoE's router / CTE / TKG kernels through modules.moe) against the torch path.
+# Layouts of the kernel-vs-torch comparison: plain tp 2, and attention DP 2 (in-kernel all-to-alls) both with a
+# TP position of 2 ranks per DP column (world 4: columns [0, 2] and [1, 3]) and as pure DP (tp 1, world 2).
+KERNEL_LAYOUTS = {
+    "tp2": (2, dict(tp_size=2)),
+    "tp2_attn_dp2": (4, dict(tp_size=2, dp_size=2, attention_dp_size=2, mlp_dp_size=2, embedding_dp_size=2,
+                             lm_head_dp_size=2)),
+    "tp1_attn_dp2": (2, dict(tp_size=1, dp_size=2, attention_dp_size=2, mlp_dp_size=1, embedding_dp_size=1,
+                             lm_head_dp_size=1)),
+}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("spec, layout", [(KERNEL_SPEC, "tp2"), (GPT_OSS_KERNEL_SPEC, "tp2"),
+                                          (KERNEL_SPEC, "tp2_attn_dp2"), (GPT_OSS_KERNEL_SPEC, "tp1_attn_dp2")],
+                         ids=["llama-tp2", "gpt_oss-tp2", "llama-tp2_attn_dp2", "gpt_oss-tp1_attn_dp2"])
+def test_decode_kernel_path_matches_torch_path(tmp_path, spec, layout):
+    """backend="nkisim" runs the fused decode-attention kernel on the interpreter (bf16; for GPT-OSS also the
+    MoE's router / CTE / TKG kernels through modules.moe) against the torch path; with attention DP the kernel swaps
+    heads <-> sequences with its in-kernel all-to-alls across the gloo processes, the torch path with
+    torch.distributed.
 
     Per sequence, step by step while both paths have emitted the same tokens: logits agree within bf16
     (|diff| <= 2e-2 max|logit|), and a token may differ only where the torch path's top-2 margin is within that
     tolerance (a bf16 near-tie; the sequence is compared no further, its inputs now differ)."""
+    world, cfg = KERNEL_LAYOUTS[layout]
     state = (random_gpt_oss_state if spec.is_moe else random_dense_state)(spec, seed=3, dtype=torch.bfloat16)
     path = str(write_checkpoint(state, tmp_path))
-    runs = {be: run_distributed(serve, 2, spec, dict(tp_size=2), path, steps=3, attn_backend=be, mlp_backend=be,
-                                dtype=torch.bfloat16, timeout=100)[0] for be in ("torch", "nkisim")}
-    t, k = runs["torch"], runs["nkisim"]
-    tol = 2e-2 * t["logits"].abs().max()
-    top2 = t["logits"].topk(2, dim=-1).values
+    runs = {be: by_replica(run_distributed(serve, world, spec, cfg, path, steps=3, attn_backend=be, mlp_backend=be,
+                                           dtype=torch.bfloat16, timeout=180), cfg["tp_size"])
+            for be in ("torch", "nkisim")}
+    (t_tokens, t_logits), (k_tokens, k_logits) = runs["torch"], runs["nkisim"]
+    tol = 2e-2 * t_logits.abs().max()
+    top2 = t_logits.topk(2, dim=-1).values
     margin = top2[..., 0] - top2[..., 1]
     compared = 0
-    for b in range(t["tokens"].shape[1]):
-        for step in range(t["tokens"].shape[0]):
-            assert (t["logits"][step, b] - k["logits"][step, b]).abs().max() <= tol, (step, b)
+    for b in range(t_tokens.shape[1]):
+        for step in range(t_tokens.shape[0]):
+            assert (t_logits[step, b] - k_logits[step, b]).abs().max() <= tol, (step, b)
             compared += 1
-            if t["tokens"][step, b] != k["tokens"][step, b]:
+            if t_tokens[step, b] != k_tokens[step, b]:
                 assert margin[step, b] <= 2 * tol, (step, b, margin[step, b])
                 break
-    assert compared >= t["tokens"].shape[1] * 2  # prefill and at least one decode step per sequence on average
+    assert compared >= t_tokens.shape[1] * 2  # prefill and at least one decode step per sequence on average
 
 
-def _kernel_backend_with_attention_dp(rank, world_size):
-    from modules.config import NeuronConfig
-    from modules.models.attention_blocks import DecodeAttentionDP
-    from modules.parallel.state import initialize_parallel_state
-    state = initialize_parallel_state(NeuronConfig(dp_size=2, attention_dp_size=2))
-    DecodeAttentionDP(KERNEL_SPEC, 0, state.attention, 1e-5, 1e4, torch.bfloat16, backend="nkisim")
+def _kernel_dp_layer_log(rank, world_size, path):
+    return serve(rank, world_size, KERNEL_SPEC, KERNEL_LAYOUTS["tp2_attn_dp2"][1], path, steps=1,
+                 attn_backend="nkisim", dtype=torch.bfloat16, log_layer_step=0)
 
 
-def test_kernel_backend_refuses_attention_dp():
-    with pytest.raises(RankFailedError, match="no in-kernel all-to-all for attention_dp_size=2"):
-        run_distributed(_kernel_backend_with_attention_dp, 2)
+@pytest.mark.timeout(120)
+def test_kernel_attention_dp_has_no_host_all_to_all(tmp_path):
+    """On the kernel backend the head <-> sequence swaps are inside the megakernel: a decode layer's host collectives
+    are the attention component group's all-reduce and the MLP's, nothing on the attention DP column."""
+    path = str(write_checkpoint(random_dense_state(KERNEL_SPEC, seed=3, dtype=torch.bfloat16), tmp_path))
+    for r in run_distributed(_kernel_dp_layer_log, 4, path, timeout=100):
+        g = r["groups"]
+        assert r["layer_log"] == [("all_reduce", g["attention"]), ("all_reduce", g["mlp"])], r["layer_log"]
 
 
 @pytest.mark.timeout(120)
