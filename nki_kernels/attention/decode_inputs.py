@@ -63,3 +63,32 @@ def to_paged(args, kw, block_size, extra_blocks=3, seed=0):
         paged.append(p)
     kw = dict(kw, block_table=table)
     return (args[0], args[1], paged[0], paged[1]) + tuple(args[4:]), kw
+
+
+def dp_rank_inputs(args, kw, columns, rank):
+    """Attention DP (attn_dp_groups): the kernel arguments of world rank `rank` from one column's whole-batch inputs
+    (make_inputs with the column's query heads). Its DP index j in its rank-list of `columns` picks query heads
+    j*nq_e.. (the interleaved effective rank's contiguous slice) of W_qkv / bias_qkv / W_o, the column's K/V heads,
+    and sequences j*B_local.. for the caches, positions and RoPE tables; X stays the gathered batch; bias_o is
+    added by DP index 0. Paged: every rank keeps the whole block pool and its own sequences' table rows.
+    Returns (args, kwargs)."""
+    X, W_qkv, K, V, pos, cos, sin, W_o = args
+    col = next(c for c in columns if rank in c)
+    a, j = len(col), col.index(rank)
+    B, d, nkv = X.shape[0], K.shape[3], K.shape[1]
+    nq = W_o.shape[0] // d
+    qe, bl = nq // a * d, B // a
+    own = slice(j * bl, (j + 1) * bl)
+    cols = torch.cat([torch.arange(j * qe, (j + 1) * qe), torch.arange(nq * d, (nq + 2 * nkv) * d)])
+    table = kw.get("block_table")
+    rk = dict(kw, attn_dp_groups=[list(c) for c in columns], attn_dp_rank=j, add_bias_o=j == 0,
+              bias_qkv=None if kw.get("bias_qkv") is None else kw["bias_qkv"][:, cols].contiguous())
+    if table is not None:
+        rk["block_table"] = table[own].contiguous()
+        caches = (K.clone(), V.clone())
+    else:
+        caches = (K[own].clone(), V[own].clone())
+    rargs = (X.clone(), W_qkv[:, cols].contiguous(), *caches, pos[own].contiguous(),
+             None if cos is None else cos[own].contiguous(), None if sin is None else sin[own].contiguous(),
+             W_o[j * qe:(j + 1) * qe].contiguous())
+    return rargs, rk

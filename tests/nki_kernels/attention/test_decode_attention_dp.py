@@ -10,7 +10,7 @@ import nki_kernels  # noqa: F401 - registers the nki layer
 import nkisim
 from nki_kernels.attention import decode_attention, decode_attention_torch
 from nki_kernels.attention.decode_attention import decode_attention_nki
-from nki_kernels.attention.decode_inputs import make_inputs, to_paged
+from nki_kernels.attention.decode_inputs import dp_rank_inputs, make_inputs, to_paged
 
 RTOL, MIN_COS = 1.5e-2, 0.99
 TINY = dict(H=256, d=64, nkv=1, gamma=True, bias=True, sinks=True)     # the column's shard: nq query heads
@@ -19,33 +19,6 @@ TINY = dict(H=256, d=64, nkv=1, gamma=True, bias=True, sinks=True)     # the col
 @pytest.fixture(autouse=True)
 def _short_timeout(monkeypatch):
     monkeypatch.setenv("NKISIM_COLLECTIVE_TIMEOUT_S", "60")
-
-
-def _rank_inputs(args, kw, columns, a, rank):
-    """Kernel arguments of world rank `rank`: DP index j in its column, query heads j*nq_e.. of the column (the
-    interleaved effective rank's contiguous slice), the column's K/V heads, sequences j*B_local.. of the batch."""
-    X, W_qkv, K, V, pos, cos, sin, W_o = args
-    col = next(c for c in columns if rank in c)
-    j = col.index(rank)
-    B, d, nkv = X.shape[0], K.shape[3], K.shape[1]
-    nq = W_o.shape[0] // d
-    qe, bl = nq // a * d, B // a
-    own = slice(j * bl, (j + 1) * bl)
-    q_cols = torch.arange(j * qe, (j + 1) * qe)
-    kv_cols = torch.arange(nq * d, (nq + 2 * nkv) * d)
-    cols = torch.cat([q_cols, kv_cols])
-    table = kw.get("block_table")
-    rk = dict(kw, attn_dp_groups=[list(c) for c in columns], attn_dp_rank=j, add_bias_o=j == 0,
-              bias_qkv=None if kw["bias_qkv"] is None else kw["bias_qkv"][:, cols].contiguous())
-    if table is not None:       # paged: every rank keeps the whole block pool, its own sequences' table rows
-        rk["block_table"] = table[own].contiguous()
-        caches = (K.clone(), V.clone())
-    else:
-        caches = (K[own].clone(), V[own].clone())
-    rargs = (X.clone(), W_qkv[:, cols].contiguous(), *caches, pos[own].contiguous(),
-             None if cos is None else cos[own].contiguous(), None if sin is None else sin[own].contiguous(),
-             W_o[j * qe:(j + 1) * qe].contiguous())
-    return rargs, rk
 
 
 def _check_close(got, want, what):
@@ -66,7 +39,7 @@ def run_dp(world, columns, B, nq, s_max=256, ctx=200, window=0, block_size=0, se
     ref = decode_attention_torch(*ref_args, **kw)
     single_args = [t.clone() if t is not None else None for t in args]
     single = decode_attention(*single_args, **kw, backend="nkisim")
-    inputs = [_rank_inputs(args, kw, columns, a, r) for r in range(world)]
+    inputs = [dp_rank_inputs(args, kw, columns, r) for r in range(world)]
     outs = nkisim.run_ranks(decode_attention_nki, world, inputs).outputs
     bl = B // a
     for col in columns:
