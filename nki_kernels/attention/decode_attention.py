@@ -19,7 +19,7 @@ from .decode.config import (
     argument_error,
 )
 from .decode.exchange import _decode_attention_dp, _validate_dp
-from .decode.flash import _attention_flash_decode
+from .decode.flash import _attention_flash_decode, _prefetch_packs
 from .decode.kv_io import _load_block_ids, _load_positions, _paged_rows, _update_cache, _window_starts
 from .decode.oproj import _exchange_oT, _output_projection
 from .decode.planning import _token_tiles
@@ -138,6 +138,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         rows = _paged_rows(cfg, position_ids, block_table, tiles)
         starts = _window_starts(cfg, position_ids, b_lo, b_hi)
         block_ids = _load_block_ids(cfg, block_table, b_lo, b_hi, starts)
+        pre = _prefetch_packs(cfg, position_ids, sinks, b_lo, b_hi)     # the packs' position tables, before W_qkv
         consts = _Constants(cfg, X.dtype)
         _transpose_bias_o(cfg, ins)
         xT = _rmsnorm(cfg, consts, ins, tiles, eps)
@@ -148,7 +149,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
             consts.vs = ins.vs
         qkT = _transpose_qk(cfg, qkv, tiles)
         oT, wo = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles,
-                                         b_lo, b_hi, W_o, block_ids, starts)
+                                         b_lo, b_hi, W_o, block_ids, starts, pre)
         if cfg.wsplit and not cfg.split:
             _exchange_oT(cfg, oT[0], b_lo, b_hi, cfg.per_core)
         if cfg.core == 0:

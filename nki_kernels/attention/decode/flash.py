@@ -38,7 +38,7 @@ class _AttnState(nl.NKIObject):
         self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
         self.block_ids, self.starts = None, None
         self.iotas = {}
-        self.valid, self.cur_valid = {}, None     # per pack: _ValidRange of its sequences
+        self.pre, self.cur_valid = {}, None       # per pack: _PackInputs; the current pack's _ValidRange
         self.ramps, self.k_ramp = {}, (None, None)  # scrub position tables (see _scrub_slot)
         self.pos0, self.slot0 = None, None          # fp32 [1, steps / slots]: their starts (_step_gates)
         self.pf_cols = None     # position-major: fp32 [128, rows] first new position of each row, every partition
@@ -74,15 +74,56 @@ class _Softmax(nl.NKIObject):
         self.m, self.l, self.acc, self.pending = None, None, None, None
 
 
+class _PackInputs(nl.NKIObject):
+    """Position-derived tables of one batch pack (fp32): each row's first new position (p_first [rows, 1]) and own
+    position (q_pos), p_first per column on every partition (pf_cols [128, rows], position-major steps), the
+    sequences' valid ranges (isolation) and the sink logits of each KV head's rows (sinks[g] [rows, 1])."""
+
+    def __init__(self, cfg, position_ids, sinks, p0, nb):
+        S, G = cfg.S, cfg.group
+        rows = nb * cfg.R
+        self.p_first = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.p_first[:rows], src=position_ids.ap([[S, nb], [0, S], [0, G]], offset=p0 * S))
+        self.pf_cols = None
+        if cfg.pmajor:
+            self.pf_cols = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=self.pf_cols[:, :rows].reshape((P_MAX, nb, S, G)),
+                          src=position_ids.ap([[0, P_MAX], [S, nb], [0, S], [0, G]], offset=p0 * S))
+        self.q_pos = self.p_first
+        if S > 1 or cfg.window > 0:
+            self.q_pos = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=self.q_pos[:rows], src=position_ids.ap([[S, nb], [1, S], [0, G]], offset=p0 * S))
+        self.valid = _valid_ranges(cfg, position_ids, p0, nb)
+        self.sinks = ()
+        if sinks is not None:
+            sk = []
+            for g in range(cfg.nkv):
+                t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=t[:rows], src=sinks.ap([[0, nb], [0, S], [1, G]], offset=g * G))
+                sk.append(t)
+            self.sinks = tuple(sk)
+
+
+def _prefetch_packs(cfg, position_ids, sinks, b_lo, b_hi):
+    """_PackInputs of every pack of this core, keyed by its first batch. Called before the weights are loaded: the
+    DMA engines serve transfers in program order, so these small loads (and the K/V loads' runtime gates computed
+    from them) would otherwise wait behind W_qkv, and the cache stream would start late (B = 1: ~2 us)."""
+    return {p0: _PackInputs(cfg, position_ids, sinks, p0, nb) for p0, nb in _packs(cfg, b_lo, b_hi)}
+
+
 def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi, W_o,
-                            block_ids=None, starts=None):
+                            block_ids=None, starts=None, pre=None):
     """Flash-decoding for every (KV head, batch pack); returns (oT[tile] = [128 (head, dim), K chunk, tokens] bf16,
     the O-projection's stationaries, and the resident W_o).
 
     Packs are balanced (ceil(batches / packs) each). W_o's load is issued after every K/V load (the K/V ring has
     enough slots that it does not stall the DMA queue on compute, so W_o only has to arrive before the O-projection).
+    pre: the packs' _PackInputs (_prefetch_packs, issued before the weights); loaded here when None.
     """
+    if pre is None:
+        pre = _prefetch_packs(cfg, position_ids, sinks, b_lo, b_hi)
     st = _AttnState(cfg, qkT.dtype, consts.qm)
+    st.pre = pre
     st.block_ids, st.starts = block_ids, starts
     # bmask[r, j] = 1.0 iff row r belongs to the pack's batch j (j*R <= r < (j+1)*R).
     lo = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
@@ -154,16 +195,8 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         nisa.tensor_copy(dst=kact[u0:u0 + d, jj, :S], src=qkT[u0:u0 + d, u, t:t + S, cfg.nq + g],
                          engine=nisa.engine.gpsimd)
     # First new position of each row's sequence, and each row's own position (fp32, [rows, 1]).
-    p_first = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=p_first[:rows], src=position_ids.ap([[S, nb], [0, S], [0, G]], offset=p0 * S))
-    if cfg.pmajor:
-        st.pf_cols = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=st.pf_cols[:, :rows].reshape((P_MAX, nb, S, G)),
-                      src=position_ids.ap([[0, P_MAX], [S, nb], [0, S], [0, G]], offset=p0 * S))
-    q_pos = p_first
-    if S > 1 or cfg.window > 0:
-        q_pos = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=q_pos[:rows], src=position_ids.ap([[S, nb], [1, S], [0, G]], offset=p0 * S))
+    pk = st.pre[p0]
+    p_first, q_pos, st.pf_cols = pk.p_first, pk.q_pos, pk.pf_cols
     sm = _Softmax()
     if cfg.core == 0 or not cfg.split:
         _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, q_pos)
@@ -179,9 +212,7 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         qp_rel = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=qp_rel[:rows], data1=q_pos[:rows], data2=start[:rows], op=nl.subtract)
         p_first, q_pos = pf_rel, qp_rel
-    if p0 not in st.valid:      # per pack, shared by the KV heads
-        st.valid[p0] = _valid_ranges(cfg, position_ids, p0, nb)
-    st.cur_valid = st.valid[p0]
+    st.cur_valid = pk.valid     # per pack, shared by the KV heads
     _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
     if cfg.split:
         _flush_acc(cfg, st, sm, rows, nb)
@@ -189,8 +220,7 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     # Final normalisation; sinks join the denominator only.
     l_fin = sm.l
     if sinks is not None:
-        sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=sk[:rows], src=sinks.ap([[0, nb], [0, S], [1, G]], offset=g * G))
+        sk = pk.sinks[g]
         nb_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=nb_f[:rows], data=sm.m[:rows], op0=nl.multiply, operand0=-cfg.scale)
         e_sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
