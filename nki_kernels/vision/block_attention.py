@@ -11,7 +11,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ..common.tiles import evict
-from .limits import HEAD_GROUPS, KEY_PAD_TILES, argument_error
+from .limits import HEAD_GROUPS, KEY_PAD_TILES, SCORE_BUFFERS, argument_error
 
 # ---- tile sizes and constants ---------------------------------------------------------------------------------
 P_MAX = nl.tile_size.pmax                # partitions: query / key / token tile, contraction tile
@@ -20,7 +20,7 @@ PSUM_F = nl.tile_size.psum_bank_fmax     # fp32 elements per PSUM bank: one matm
 TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
 # Key tiles per step of the runtime key loops, widest first: a query tile's range [klo, khi) is walked in 2048-key
 # steps (4 PSUM banks of fp32 scores), then at most one 1024-key step, then 512-key steps (one bank) to the end. Wide
-# steps pay the per-step work (running max, rescale of the accumulator) once per more keys; the narrow tail keeps
+# steps pay the per-step work (state updates, fixed instruction costs) once per more keys; the narrow tail keeps
 # the work following the image sizes (at most 3 key tiles past the range end).
 STEPS = (4 * PSUM_F // P_MAX, 2 * PSUM_F // P_MAX, PSUM_F // P_MAX)
 PAD_TILES = STEPS[-1] - 1                # zero key tiles after the block: a tail step may run past the range end
@@ -74,10 +74,10 @@ def vision_block_attention_kernel(x, w_qkv, b_qkv, cos, sin, bound_min, bound_ma
         after the tensor-parallel all-reduce).
 
     Pseudocode (per query tile qt of 128 rows, per head h):
-        [klo, khi) = key tiles covering the union of the rows' ranges (padding rows excluded); m = -1e30, l = 0, acc = 0
-        for key step c in [klo, khi) (2048-key steps, then 1024, then 512): s = q_h k_h[c]^T ; s = range_select(s, rows'
-            bounds) with row max mt ; m' = max(m, mt) ; p = exp(scale (s - m')) ; alpha = exp(scale (m - m'))
-            l = l alpha + sum p ; acc = acc alpha + p v_h[c] ; m = m'
+        [klo, khi) = key tiles covering the union of the rows' ranges (padding rows excluded); m = -1e30, l = 0
+        pass 1, for key step c in [klo, khi) (2048-key steps, then 1024, then 512): s = q_h k_h[c]^T (PSUM) ;
+            sc[c] = range_select(s, rows' bounds) (SBUF, fp32) with row max mt ; m = max(m, mt)
+        pass 2, for the same steps: p = exp(scale (sc[c] - m)) ; l += sum p ; acc += p v_h[c] (one PSUM tile)
         o[qt, h] = acc / max(l, 2^-40) ;   out[qt] = o[qt] @ W_o
     LNC=2: query tiles alternate between the cores; each core loads half of each weight and receives the other half,
     and each computes Q, K, V of its own tiles and receives the other core's K and V (nisa.sendrecv).
@@ -102,7 +102,12 @@ def vision_block_attention_kernel(x, w_qkv, b_qkv, cos, sin, bound_min, bound_ma
     o_all = nl.ndarray((P_MAX, len(cfg.mine), cfg.hd), dtype=x.dtype, buffer=nl.sbuf)
     xT = _x_transposed(cfg, x)
     rb0, kreg = _key_ranges(cfg, bound_min, bound_max)     # first used by the first attention step
-    dec = _step_constants(cfg)
+    consts = _Consts(cfg, x.dtype)
+    state = _State(cfg, rb0)
+    # the masked scores of one (query tile, head) over its whole key range (absolute key tiles, with the padding a
+    # tail step may reach), SCORE_BUFFERS of them round-robin so that one pair's pass 1 overlaps another's pass 2
+    sc_bufs = tuple(nl.ndarray((P_MAX, cfg.n_pad, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+                    for _ in range(SCORE_BUFFERS))
     wo = _load_weights(cfg, w_o, cfg.hd, cfg.H, 64)
     # The key loops' bounds of a query tile live in registers (64 per engine sequencer): REG_SETS sets reused
     # round-robin, so the loops of REG_SETS consecutive query tiles can overlap.
@@ -117,7 +122,9 @@ def vision_block_attention_kernel(x, w_qkv, b_qkv, cos, sin, bound_min, bound_ma
             for j, r in enumerate(regs):
                 nisa.register_load(dst=r, src=kreg[qt:qt + 1, j:j + 1])
             for h in range(g0, g1):
-                _attend(cfg, qkT, v, rb0, dec, regs, qt, h - g0, g1 - g0, o_all[:, i, h * cfg.d:(h + 1) * cfg.d])
+                sc = sc_bufs[(i * (g1 - g0) + h - g0) % SCORE_BUFFERS]
+                _attend(cfg, qkT, v, state, consts, regs, i, h - g0, h, g1 - g0, o_all[:, i, h * cfg.d:(h + 1) * cfg.d],
+                        sc)
             if g1 == cfg.nh:
                 _project(cfg, o_all[:, i, :], wo, out, qt)
     return out
@@ -335,51 +342,96 @@ def _exchange_kv(cfg, qkT, v, nh, g0):
 
 # ---- attention ------------------------------------------------------------------------------------------------
 
-def _step_constants(cfg):
-    """Constants of the GpSimd state updates (GpSimd has no tensor_scalar): dec [128, i, :] = the key count of a
-    step of STEPS[i] tiles (the bounds' decrement), dec[128, len(STEPS), :] = (-scale, L_MIN)."""
-    dec = nl.ndarray((P_MAX, len(STEPS) + 1, 2), dtype=nl.float32, buffer=nl.sbuf)
-    for i, w in enumerate(STEPS):
-        nisa.memset(dst=dec[:, i, :], value=float(w * P_MAX), engine=nisa.engine.gpsimd)
-    nisa.memset(dst=dec[:, len(STEPS), 0:1], value=-cfg.scale, engine=nisa.engine.gpsimd)
-    nisa.memset(dst=dec[:, len(STEPS), 1:2], value=L_MIN, engine=nisa.engine.gpsimd)
-    return dec
+class _Consts(nl.NKIObject):
+    """Constants of the attention's GpSimd state updates (GpSimd has no tensor_scalar) and of its PSUM start."""
+
+    def __init__(self, cfg, dtype):
+        # dec [128, i, :] = the key count of a step of STEPS[i] tiles (the bounds' decrement); dec[:, ns, :] =
+        # (-scale, L_MIN); dec[:, ns + 1, 0] = 1 (the numerator of the row sum's reciprocal)
+        ns = len(STEPS)
+        self.dec = nl.ndarray((P_MAX, ns + 2, 2), dtype=nl.float32, buffer=nl.sbuf)
+        for i, w in enumerate(STEPS):
+            nisa.memset(dst=self.dec[:, i, :], value=float(w * P_MAX), engine=nisa.engine.gpsimd)
+        nisa.memset(dst=self.dec[:, ns, 0:1], value=-cfg.scale, engine=nisa.engine.gpsimd)
+        nisa.memset(dst=self.dec[:, ns, 1:2], value=L_MIN, engine=nisa.engine.gpsimd)
+        nisa.memset(dst=self.dec[:, ns + 1, :], value=1.0, engine=nisa.engine.gpsimd)
+        # a K=1 zero row: stationary [1, 128] and moving [1, d] of the matmul that zeroes an accumulator
+        self.zero = nl.ndarray((1, P_MAX), dtype=dtype, buffer=nl.sbuf)
+        nisa.memset(dst=self.zero, value=0.0, engine=nisa.engine.gpsimd)
 
 
-def _attend(cfg, qkT, v, rb0, dec, regs, qt, h, nh, o_h):
-    """o_h [128, d] = softmax-attention of query tile qt, head h of a group of nh (qkT, v from _qkv_rope), over
-    the tile's key range (online softmax in runtime loops of STEPS key tiles per step)."""
+class _State(nl.NKIObject):
+    """The softmax state of every (query tile, head) pair of this core, initialised by three GpSimd instructions
+    (one per pair each would queue hundreds of fixed-cost instructions ahead of the prologue's rotary work):
+    m [128, tiles, nh] running row max, l the row sums, rb [128, tiles, nh, 2] each row's key bounds relative to
+    the current step (range_select's bounds; moved by every step)."""
+
+    def __init__(self, cfg, rb0):
+        f32 = nl.float32
+        n = len(cfg.mine)
+        self.m = nl.ndarray((P_MAX, n, cfg.nh), dtype=f32, buffer=nl.sbuf)
+        nisa.memset(dst=self.m, value=M_INIT, engine=nisa.engine.gpsimd)
+        self.l = nl.ndarray((P_MAX, n, cfg.nh), dtype=f32, buffer=nl.sbuf)
+        nisa.memset(dst=self.l, value=0.0, engine=nisa.engine.gpsimd)
+        self.rb = nl.ndarray((P_MAX, n, cfg.nh, 2), dtype=f32, buffer=nl.sbuf)
+        mine = rb0[:, cfg.core:cfg.n_kt:cfg.n_prog, :]
+        nisa.tensor_copy(dst=self.rb, src=mine.expand_dim(2).broadcast(2, cfg.nh), engine=nisa.engine.gpsimd)
+
+
+def _attend(cfg, qkT, v, state, consts, regs, i, h, hg, nh, o_h, sc):
+    """o_h [128, d] = softmax-attention of this core's query tile i (qt), head h of a group of nh (hg of all heads;
+    qkT, v from _qkv_rope) over the tile's key range, in two passes over runtime loops of STEPS key tiles per step:
+    pass 1 writes the masked scores of the whole range to `sc` (SBUF, fp32) and takes the row max; pass 2
+    exponentiates them against that final max and accumulates P V in one PSUM tile over the whole range. Against
+    an online softmax this drops the per-step rescale of the accumulator (a VectorE op reading PSUM) and the per-step
+    correction exponential: the row max is exact before the first exponential, so nothing needs rescaling."""
     d = cfg.d
     f32 = nl.float32
-    nb = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)       # -scale * running max
-    nisa.memset(dst=nb, value=-cfg.scale * M_INIT, engine=nisa.engine.gpsimd)
-    l_sum = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.memset(dst=l_sum, value=0.0, engine=nisa.engine.gpsimd)
-    acc = nl.ndarray((P_MAX, d), dtype=f32, buffer=nl.sbuf)
-    nisa.memset(dst=acc, value=0.0, engine=nisa.engine.gpsimd)
-    rb = nl.ndarray((P_MAX, 2), dtype=f32, buffer=nl.sbuf)       # the rows' bounds relative to this step's keys
-    nisa.tensor_copy(dst=rb, src=rb0[:, qt, :], engine=nisa.engine.gpsimd)
+    gp = nisa.engine.gpsimd
+    ns = len(STEPS)
+    qt = cfg.mine[i]
+    m, l_sum, rb = state.m[:, i, hg:hg + 1], state.l[:, i, hg:hg + 1], state.rb[:, i, hg, :]
     stat = qkT[:d, qt, h, :]
-    st = (nb, l_sum, acc, rb, dec)
 
-    def step(width):
+    def scores(width):
         def body(c):
-            _key_step(cfg, st, stat, qkT, v, c, h, nh, width)
+            _score_step(cfg, stat, qkT, sc, m, rb, consts.dec, c, h, nh, width)
         return body
-    for i, w in enumerate(STEPS):
-        nl.fori_loop(regs[i], regs[i + 1], step(w), step=w)
+    for j, w in enumerate(STEPS):
+        nl.fori_loop(regs[j], regs[j + 1], scores(w), step=w)
+    nb = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)       # -scale * row max: the exponential's bias
+    nisa.tensor_tensor(dst=nb, data1=m, data2=consts.dec[:, ns, 0:1], op=nl.multiply, engine=gp)
+    # P V of every step accumulates into one PSUM tile; which loop runs first is known only at run time, so the
+    # tile starts from a zero K=1 matmul (TensorE has slack) and every PV matmul accumulates
+    po = nl.ndarray((P_MAX, d), dtype=f32, buffer=nl.psum)
+    nisa.nc_matmul(dst=po, stationary=consts.zero, moving=consts.zero[:, :d], accumulate=False)
+    st = (nb, l_sum)
+
+    def probs(width):
+        def body(c):
+            _pv_step(cfg, st, sc, v, po, c, h, nh, width)
+        return body
+    for j, w in enumerate(STEPS):
+        nl.fori_loop(regs[j], regs[j + 1], probs(w), step=w)
+    # o = P V / max(l, 2^-40): padding rows have l = 0 and P V = 0, so 0, never 0 / 0
     lg = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=lg, data1=l_sum, data2=dec[:, len(STEPS), 1:2], op=nl.maximum, engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=lg, data1=l_sum, data2=consts.dec[:, ns, 1:2], op=nl.maximum, engine=gp)
     rl = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=rl, data=lg)
-    nisa.activation(dst=o_h, op=nl.copy, data=acc, scale=rl)
+    nisa.tensor_tensor(dst=rl, data1=consts.dec[:, ns + 1, 0:1], data2=lg, op=nl.divide, engine=gp)
+    nisa.activation(dst=o_h, op=nl.copy, data=po, scale=rl)
 
 
-def _key_step(cfg, st, stat, qkT, v, c, h, nh, width):
-    """One online-softmax step over key tiles [c, c + width) (c: a runtime register), head h of a group of nh."""
-    nb, l_sum, acc, rb, dec = st
+def _window(cfg, t, c, width):
+    """The [128, width, 128] window of key tiles [c, c + width) of a per-key-tile tensor t [128, n_pad, 128] (c: a
+    runtime register)."""
+    return t.ap([[cfg.n_pad * P_MAX, P_MAX], [P_MAX, width], [1, P_MAX]], offset=0, scalar_offset=c,
+                indirect_dim=1)
+
+
+def _score_step(cfg, stat, qkT, sc, m, rb, dec, c, h, nh, width):
+    """Pass 1, key tiles [c, c + width): s = Q K^T (PSUM), masked to each row's [lo, hi) by range_select into sc
+    with the step's row max in the same pass; m = max(m, step max); the bounds move to the next step."""
     d = cfg.d
-    hd = nh * d
     f32 = nl.float32
     gp = nisa.engine.gpsimd
     kb = PSUM_F // P_MAX                                          # key tiles per matmul (one PSUM bank)
@@ -392,31 +444,33 @@ def _key_step(cfg, st, stat, qkT, v, c, h, nh, width):
                     indirect_dim=1)
         nisa.nc_matmul(dst=ps[:, b * kb:(b + 1) * kb, :], stationary=stat, moving=mv, accumulate=False)
     mt = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.range_select(dst=ps, on_true_tile=ps, comp_op0=nl.greater_equal, comp_op1=nl.less, bound0=rb[:, 0:1],
-                      bound1=rb[:, 1:2], reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=mt,
-                      reduce_op=nl.maximum, range_start=0, on_false_value=FP32_MIN)
-    nbn = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)      # -scale * max(m, mt) = min(nb, -scale * mt)
-    nisa.tensor_tensor(dst=nbn, data1=mt, data2=dec[:, len(STEPS), 0:1], op=nl.multiply, engine=gp)
-    nisa.tensor_tensor(dst=nbn, data1=nbn, data2=nb, op=nl.minimum, engine=gp)
-    alpha = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)    # exp(scale * (m - m'))
-    nisa.activation(dst=alpha, op=nl.exp, data=nb, bias=nbn, scale=-1.0)
+    nisa.range_select(dst=_window(cfg, sc, c, width), on_true_tile=ps, comp_op0=nl.greater_equal,
+                      comp_op1=nl.less, bound0=rb[:, 0:1], bound1=rb[:, 1:2],
+                      reduce_cmd=nisa.reduce_cmd.reset_reduce, reduce_res=mt, reduce_op=nl.maximum, range_start=0,
+                      on_false_value=FP32_MIN)
+    # loop-carried state on GpSimd (idle otherwise)
+    nisa.tensor_tensor(dst=m, data1=m, data2=mt, op=nl.maximum, engine=gp)
+    nisa.tensor_tensor(dst=rb, data1=rb, data2=dec[:, STEPS.index(width), :], op=nl.subtract, engine=gp)
+
+
+def _pv_step(cfg, st, sc, v, po, c, h, nh, width):
+    """Pass 2, key tiles [c, c + width): p = exp(scale s - scale m) (ScalarE, bf16, fp32 row sum), l += row sum,
+    P^T by a DMA transpose, po += P^T-stationary matmuls with V moving."""
+    nb, l_sum = st
+    d = cfg.d
+    hd = nh * d
+    f32 = nl.float32
     p = nl.ndarray((P_MAX, width, P_MAX), dtype=v.dtype, buffer=nl.sbuf)
     rs = nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=p, op=nl.exp, data=ps, bias=nbn, scale=cfg.scale, reduce_op=nl.add, reduce_res=rs,
-                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    # loop-carried state on GpSimd (idle otherwise): l = l * alpha + rs ; m = m' ; bounds move to the next step
-    nisa.tensor_tensor(dst=l_sum, data1=l_sum, data2=alpha, op=nl.multiply, engine=gp)
-    nisa.tensor_tensor(dst=l_sum, data1=l_sum, data2=rs, op=nl.add, engine=gp)
-    nisa.tensor_copy(dst=nb, src=nbn, engine=gp)
-    nisa.tensor_tensor(dst=rb, data1=rb, data2=dec[:, STEPS.index(width), :], op=nl.subtract, engine=gp)
+    nisa.activation(dst=p, op=nl.exp, data=_window(cfg, sc, c, width), bias=nb, scale=cfg.scale,
+                    reduce_op=nl.add, reduce_res=rs, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    nisa.tensor_tensor(dst=l_sum, data1=l_sum, data2=rs, op=nl.add, engine=nisa.engine.gpsimd)
     # P^T by a DMA transpose (the DMA queues are idle during the attention; TensorE and VectorE are not)
     pT = nl.ndarray((P_MAX, width, P_MAX), dtype=v.dtype, buffer=nl.sbuf)
     nisa.dma_transpose(dst=pT, src=p)
-    po = nl.ndarray((P_MAX, d), dtype=f32, buffer=nl.psum)
     for j in range(width):
         vj = v.ap([[cfg.n_pad * hd, P_MAX], [1, d]], offset=j * hd + h * d, scalar_offset=c, indirect_dim=1)
-        nisa.nc_matmul(dst=po, stationary=pT[:, j, :], moving=vj, accumulate=(j > 0))
-    nisa.scalar_tensor_tensor(dst=acc, data=acc, op0=nl.multiply, operand0=alpha, op1=nl.add, operand1=po)
+        nisa.nc_matmul(dst=po, stationary=pT[:, j, :], moving=vj, accumulate=True)
 
 
 # ---- O-projection ---------------------------------------------------------------------------------------------

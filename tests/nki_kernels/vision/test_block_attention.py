@@ -128,3 +128,22 @@ def test_lnc2_needs_even_tile_count():
     args = make_inputs(384, 128, 1, 8, (10,))
     with pytest.raises(ValueError, match="block size S=384 must be a multiple of 256 at LNC=2"):
         vision_block_attention_nki[2](*args, num_heads=1, head_dim=8)
+
+
+@pytest.mark.parametrize("tp,S,fits", [(4, 4096, True), (2, 2048, True), (1, 1024, True), (2, 4096, False),
+                                       (1, 2048, False)])
+def test_sbuf_budget_of_qwen3_vl_shards(tp, S, fits):
+    """The resident SBUF budget (limits.resident_bytes, the two-pass softmax's fp32 score buffers included) admits
+    the Qwen3-VL rank shards DESIGN.md promises (TP 4 up to 4096, TP 2 up to 2048, TP 1 up to 1024) and refuses the
+    next block size, with the limit in the message."""
+    from nki_kernels.vision.limits import RESIDENT_MAX, argument_error, resident_bytes
+    nh, d, H = QWEN3_VL_VIT.heads // tp, QWEN3_VL_VIT.head_dim, QWEN3_VL_VIT.hidden
+    assert (resident_bytes(S, H, nh, d) <= RESIDENT_MAX) == fits
+    shaped = [torch.empty(S, H, dtype=torch.bfloat16), torch.empty(H, 3 * nh * d, dtype=torch.bfloat16),
+              torch.empty(3 * nh * d, dtype=torch.bfloat16), torch.empty(S, d), torch.empty(S, d),
+              torch.empty(S, dtype=torch.int32), torch.empty(S, dtype=torch.int32),
+              torch.empty(nh * d, H, dtype=torch.bfloat16)]
+    err = argument_error(*shaped, nh, d)
+    assert (err is None) == fits, err
+    if not fits:
+        assert f"more than {RESIDENT_MAX}" in err
