@@ -21,12 +21,15 @@ def _check_positive_int(name: str, value: object) -> int:
     return value
 
 
-def _check_buckets(name: str, buckets: tuple[int, ...], multiple_of: int = 1) -> tuple[int, ...]:
+def _check_buckets(name: str, buckets: tuple[int, ...], multiple_of: int = 1, above: int = 0) -> tuple[int, ...]:
     buckets = tuple(buckets)
     for b in buckets:
         _check_positive_int(f"{name} entry", b)
         if b % multiple_of:
             raise ValueError(f"{name} entry {b} must be divisible by tp_size={multiple_of} (sequence parallel)")
+        if b <= above:
+            raise ValueError(f"{name} entry {b} must be > tp_size={above}: sequence parallel splits the padded "
+                             f"prefill tokens T over the TP group and needs T > tp_size and T % tp_size == 0")
     if list(buckets) != sorted(set(buckets)):
         raise ValueError(f"{name} must be strictly increasing, got {buckets!r}")
     return buckets
@@ -70,8 +73,9 @@ class NeuronConfig:
             raise ValueError(
                 f"mlp_dp_size={self.mlp_dp_size} > 1 is incompatible with ep_degree={self.ep_degree} > 1"
             )
-        # SP splits the prefill token dim over the TP group, so prefill buckets must divide evenly.
-        self.prefill_buckets = _check_buckets("prefill_buckets", self.prefill_buckets, self.tp_size)
+        # SP splits the prefill token dim over the TP group: every prefill bucket T > tp_size, T % tp_size == 0
+        # (the TP seed's rule; the prefill model checks it again for an explicit bucket).
+        self.prefill_buckets = _check_buckets("prefill_buckets", self.prefill_buckets, self.tp_size, self.tp_size)
         self.decode_buckets = _check_buckets("decode_buckets", self.decode_buckets)
 
     @property

@@ -54,6 +54,12 @@ class TestNeuronConfig:
         with pytest.raises(ValueError, match=r"prefill_buckets entry 100 must be divisible by tp_size=8"):
             NeuronConfig(tp_size=8, prefill_buckets=(64, 100))
 
+    @pytest.mark.parametrize("tp, bucket", [(8, 8), (2, 2), (1, 1)])
+    def test_prefill_bucket_must_exceed_tp(self, tp, bucket):
+        with pytest.raises(ValueError, match=rf"prefill_buckets entry {bucket} must be > tp_size={tp}"):
+            NeuronConfig(tp_size=tp, prefill_buckets=(bucket, 4 * tp))
+        assert NeuronConfig(tp_size=tp, prefill_buckets=(2 * tp,)).prefill_buckets == (2 * tp,)
+
     def test_buckets_sorted_unique(self):
         with pytest.raises(ValueError, match=r"decode_buckets must be strictly increasing"):
             NeuronConfig(decode_buckets=(4, 4))

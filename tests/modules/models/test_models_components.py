@@ -36,7 +36,8 @@ def test_padded_vocab_is_masked_where_padding_would_win():
 
 
 def test_prefill_rejects_padded_length_not_above_tp():
-    """Sequence parallel needs T > tp world_size: a bucket equal to tp is refused with the rule in the message."""
+    """Sequence parallel needs T > tp world_size: the config refuses such a bucket at construction
+    (tests/modules/test_modules_config.py); an explicit bucket equal to tp is refused by the prefill model."""
     spec = TextModelSpec("tiny", layers=1, hidden=16, intermediate=16, heads=2, kv_heads=2, head_dim=8, vocab=11)
     with pytest.raises(RankFailedError, match=r"T=2 must satisfy T > tp world_size=2"):
         run_distributed(_prefill_bucket_rank, 2, spec)
@@ -46,9 +47,9 @@ def _prefill_bucket_rank(rank, world_size, spec):
     from modules.config import NeuronConfig
     from modules.models import ModelRunner, llama_mlp, llama_mlp_mappings
     from modules.parallel.state import initialize_parallel_state
-    state = initialize_parallel_state(NeuronConfig(tp_size=2, prefill_buckets=(2, 4), decode_buckets=(1,)))
+    state = initialize_parallel_state(NeuronConfig(tp_size=2, prefill_buckets=(4,), decode_buckets=(1,)))
     runner = ModelRunner(spec, state, llama_mlp, llama_mlp_mappings, s_max=8, dtype=torch.float32)
-    runner.prefill(0, torch.tensor([1, 2]))
+    runner.prefill_model(torch.tensor([1, 2]), runner.cache, 0, bucket=2)
 
 
 KERNEL_SPEC = TextModelSpec("tiny-kernel", layers=1, hidden=128, intermediate=128, heads=4, kv_heads=2, head_dim=32,
