@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import queue
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,27 @@ def _fault_in(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@dataclass
+class LoadTimings:
+    """Measured host times of the last load (seconds). read_s: the read stage summed over parameters (with several
+    readers it runs concurrently, so it can exceed wall_s); place_s: the placing; wait_s: how long placing waited
+    for a read (pipelined only). readers=0 is the sequential loader."""
+
+    readers: int
+    wall_s: float = 0.0
+    read_s: float = 0.0
+    place_s: float = 0.0
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Skipped:
+    why: str
+
+
+_COUNT_LOCK = threading.Lock()  # readers of two parameters can read the same tensor (tied embeddings)
+
+
 class _CountingSlice:
     """A PySafeSlice that records how many bytes each read returned (to prove sharded reads are partial)."""
 
@@ -46,7 +68,8 @@ class _CountingSlice:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         out = self.inner[index]
-        self.counter[self.key] = self.counter.get(self.key, 0) + out.numel() * out.element_size()
+        with _COUNT_LOCK:
+            self.counter[self.key] = self.counter.get(self.key, 0) + out.numel() * out.element_size()
         return out
 
 
@@ -77,6 +100,7 @@ class SafetensorsCheckpoint:
                             raise ValueError(f"tensor {k!r} appears in both {self._file_of[k].name} and {f.name}")
                         self._file_of[k] = f
         self.bytes_read: dict[str, int] = {}
+        self.last_load_timings: LoadTimings | None = None
 
     def keys(self) -> list[str]:
         return sorted(self._file_of)
@@ -107,61 +131,112 @@ class SafetensorsCheckpoint:
         mappings: param name → checkpoint key (or role → key); unmapped params use their own name.
         strict=False skips parameters whose tensors are missing instead of raising (one warning names them all;
         they keep their initial values and are absent from the returned dict).
-        Returns the rank's sharded state {param name: tensor}.
+        Returns the rank's sharded state {param name: tensor}. ``last_load_timings`` then holds the measured stage
+        times (see LoadTimings).
         """
         params = self._check_load_args(rank, world_size, model, mappings)
+        mappings = dict(mappings or {})
         out: dict[str, torch.Tensor] = {}
         skipped: list[str] = []
+        timings = LoadTimings(readers=0)
+        t_start = time.perf_counter()
         with self.open() as h:
-            for item in self._read_all(h, rank, params, dict(mappings or {}), strict, skipped):
-                out[item[0]] = self._place(*item, device)
+            for name, param in params.items():
+                t0 = time.perf_counter()
+                item = self._read_one(h, rank, name, param, mappings, strict)
+                t1 = time.perf_counter()
+                timings.read_s += t1 - t0
+                if isinstance(item, _Skipped):
+                    skipped.append(item.why)
+                    continue
+                out[name] = self._place(*item, device)
+                timings.place_s += time.perf_counter() - t1
+        timings.wall_s = time.perf_counter() - t_start
+        self.last_load_timings = timings
         self._warn_skipped(skipped)
         return out
 
     def load_sharded_pipelined(self, rank: int, world_size: int, model: torch.nn.Module,
                                mappings: Mappings | None = None, device: str | torch.device = "cpu",
-                               strict: bool = True, depth: int = 4) -> dict[str, torch.Tensor]:
-        """``load_sharded`` as a two-stage pipeline: a reader thread reads the rank's slices of the next parameters
-        (safetensors slicing, up to ``depth`` parameters ahead) while this thread places the previous ones (dtype
-        conversion, host→device copy into the parameter). Same arguments, results and errors as load_sharded."""
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"load_sharded_pipelined: depth must be a positive integer, got {depth!r}")
+                               strict: bool = True, depth: int = 4, readers: int = 2) -> dict[str, torch.Tensor]:
+        """``load_sharded`` as a pipeline: ``readers`` threads run the read stage of the next parameters (the
+        weight loader: slice reads from the memory-mapped files, i.e. the page-ins, and the loader's CPU work:
+        MXFP4 dequantisation, de-interleaving, transposes, padding) while this thread places the finished ones in
+        parameter order (dtype conversion, host→device copy into the parameter).
+
+        Why several readers: a read stage is both I/O (page faults of a cold file) and CPU (a loader's transforms);
+        torch ops and page faults run without the GIL, so one reader's I/O overlaps another's compute, and the
+        compute of two parameters spreads over two cores. ``depth`` bounds the memory: a parameter is read only
+        when fewer than ``depth`` parameters are read (or being read) but not yet placed.
+        Same arguments, results and errors as load_sharded (an error is raised when placing reaches the failing
+        parameter, so it is the one the sequential loader raises)."""
+        for what, v in (("depth", depth), ("readers", readers)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"load_sharded_pipelined: {what} must be a positive integer, got {v!r}")
         params = self._check_load_args(rank, world_size, model, mappings)
+        mappings = dict(mappings or {})
+        jobs = list(params.items())
         out: dict[str, torch.Tensor] = {}
         skipped: list[str] = []
-        ready: queue.Queue = queue.Queue(maxsize=depth)
-        stop = threading.Event()
-        done = object()
-
-        def put(item) -> bool:
-            while not stop.is_set():  # the placing side may have failed: never block forever on a full queue
-                try:
-                    ready.put(item, timeout=0.05)
-                    return True
-                except queue.Full:
-                    continue
-            return False
+        timings = LoadTimings(readers=readers)
+        ready: dict[int, Any] = {}              # job index → read item, _Skipped or the exception it raised
+        cond = threading.Condition()
+        state = {"next": 0, "placed": 0, "stop": False, "read_s": 0.0}
 
         def reader() -> None:
-            try:
-                with self.open() as h:
-                    for item in self._read_all(h, rank, params, dict(mappings or {}), strict, skipped):
-                        if not put(item):
+            with self.open() as h:
+                while True:
+                    with cond:
+                        while not state["stop"] and state["next"] < len(jobs) and \
+                                state["next"] >= state["placed"] + depth:
+                            cond.wait()
+                        if state["stop"] or state["next"] >= len(jobs):
                             return
-                put(done)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                put(e)
+                        i = state["next"]
+                        state["next"] += 1
+                    t0 = time.perf_counter()
+                    try:
+                        item = self._read_one(h, rank, *jobs[i], mappings, strict)
+                    except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread, in order
+                        item = e
+                    with cond:
+                        state["read_s"] += time.perf_counter() - t0
+                        ready[i] = item
+                        cond.notify_all()
 
-        thread = threading.Thread(target=reader, name="load_sharded_pipelined-reader", daemon=True)
-        thread.start()
+        t_start = time.perf_counter()
+        threads = [threading.Thread(target=reader, name=f"load_sharded_pipelined-reader{k}", daemon=True)
+                   for k in range(readers)]
+        for t in threads:
+            t.start()
         try:
-            while (item := ready.get()) is not done:
+            for i in range(len(jobs)):
+                t0 = time.perf_counter()
+                with cond:
+                    while i not in ready:
+                        cond.wait()
+                    item = ready.pop(i)
+                t1 = time.perf_counter()
+                timings.wait_s += t1 - t0
                 if isinstance(item, BaseException):
                     raise item
-                out[item[0]] = self._place(*item, device)
+                if isinstance(item, _Skipped):
+                    skipped.append(item.why)
+                else:
+                    out[item[0]] = self._place(*item, device)
+                timings.place_s += time.perf_counter() - t1
+                with cond:
+                    state["placed"] = i + 1
+                    cond.notify_all()
         finally:
-            stop.set()
-            thread.join()
+            with cond:
+                state["stop"] = True
+                cond.notify_all()
+            for t in threads:
+                t.join()
+        timings.wall_s = time.perf_counter() - t_start
+        timings.read_s = state["read_s"]
+        self.last_load_timings = timings
         self._warn_skipped(skipped)
         return out
 
@@ -176,26 +251,25 @@ class SafetensorsCheckpoint:
             raise KeyError(f"mappings name parameters the model does not have: {unknown}")
         return params
 
-    def _read_all(self, h, rank, params, mappings, strict, skipped) -> Iterator[tuple]:
-        """Read stage: yield (name, param, target, tensor) with the rank's slices of each parameter's tensors."""
-        for name, param in params.items():
-            target = mappings.get(name, name)
-            keys = {"": target} if isinstance(target, str) else dict(target)
-            missing = [k for k in keys.values() if k not in self]
-            if missing:
-                if not strict:
-                    skipped.append(f"{name} (no {missing[0]!r})")
-                    continue
-                raise KeyError(f"checkpoint {str(self.path)!r} has no tensor {missing[0]!r} "
-                               f"(needed by parameter {name!r})")
-            sources = {role: h.get_slice(key, name) for role, key in keys.items()}
-            if isinstance(target, str):
-                sources = sources[""]
-            try:
-                tensor = get_weight_loader(param)(sources, rank)
-            except ValueError as e:
-                raise ValueError(f"parameter {name!r} from {target!r}: {e}") from e
-            yield name, param, target, _fault_in(tensor)
+    def _read_one(self, h, rank, name, param, mappings, strict) -> tuple | _Skipped:
+        """Read stage of one parameter: (name, param, target, tensor) with the rank's slices of its tensors passed
+        through its weight loader and made resident, or _Skipped (strict=False, a tensor is missing)."""
+        target = mappings.get(name, name)
+        keys = {"": target} if isinstance(target, str) else dict(target)
+        missing = [k for k in keys.values() if k not in self]
+        if missing:
+            if not strict:
+                return _Skipped(f"{name} (no {missing[0]!r})")
+            raise KeyError(f"checkpoint {str(self.path)!r} has no tensor {missing[0]!r} "
+                           f"(needed by parameter {name!r})")
+        sources = {role: h.get_slice(key, name) for role, key in keys.items()}
+        if isinstance(target, str):
+            sources = sources[""]
+        try:
+            tensor = get_weight_loader(param)(sources, rank)
+        except ValueError as e:
+            raise ValueError(f"parameter {name!r} from {target!r}: {e}") from e
+        return name, param, target, _fault_in(tensor)
 
     @staticmethod
     def _place(name, param, target, tensor, device) -> torch.Tensor:

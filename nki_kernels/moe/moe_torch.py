@@ -28,6 +28,7 @@ GPT_OSS_SWIGLU_ALPHA = 1.702
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MX_BLOCK = 32          # elements sharing one E8M0 scale (OCP MX spec)
 E8M0_BIAS = 127
+E8M0_NAN = 0xFF        # the E8M0 code for NaN (OCP MX spec)
 
 
 def router_torch(x, w_router, b_router=None, *, top_k, mode="gpt_oss", renormalize=False):
@@ -138,11 +139,26 @@ def moe_torch(x, w_router, w_gate_up, w_down, *, top_k, b_router=None, b_gate_up
     return out, index, aff
 
 
+def _fp4_byte_pairs() -> torch.Tensor:
+    """[256, 2] fp32: the two E2M1 values of every byte (low nibble first)."""
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    byte = torch.arange(256)
+    return torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1)
+
+
+_FP4_BYTE_PAIRS = _fp4_byte_pairs()
+
+
 def dequant_mxfp4(blocks, scales):
     """MXFP4 → fp32. blocks uint8 [..., G, 16] (two E2M1 nibbles per byte, low nibble first), scales uint8 [..., G]
-    (E8M0: 2^(s − 127)) → [..., G·32]. This is how GPT-OSS ships its expert weights (`*_blocks`, `*_scales`)."""
-    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
-    b = blocks.to(torch.int64)
-    vals = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).flatten(-2)          # [..., G, 32]
-    vals = torch.ldexp(vals, scales.to(torch.int64)[..., None] - E8M0_BIAS)
-    return vals.flatten(-2)
+    (E8M0: 2^(s − 127); 0xFF is NaN) → [..., G·32]. This is how GPT-OSS ships its expert weights (`*_blocks`,
+    `*_scales`).
+
+    One gather of a byte → value-pair table (a row lookup, several times faster than two nibble lookups through
+    int64 indices) and one in-place multiply by the block scale, built on the 32× smaller scale tensor: the
+    loaders dequantise hundreds of MB of experts with it."""
+    vals = torch.nn.functional.embedding(blocks.to(torch.int32), _FP4_BYTE_PAIRS).flatten(-2)   # [..., G, 32]
+    exp = scales.to(torch.int32) - E8M0_BIAS
+    scale = torch.ldexp(torch.ones(exp.shape, dtype=torch.float32), exp)                      # exact powers of two
+    scale.masked_fill_(scales == E8M0_NAN, float("nan"))
+    return vals.mul_(scale[..., None]).flatten(-2)

@@ -274,3 +274,21 @@ def test_load_gpt_oss_from_a_sharded_checkpoint_directory(tmp_path):
     assert set(state) == {n for n, _ in layer.named_parameters()}
     assert torch.equal(layer.w_down[:, :, :H], ref["w_down"][:, 80:])
     assert torch.equal(layer.gamma[:H], ref["gamma"])
+
+
+def test_rows_last_dequant_is_dequant_mxfp4_transposed_bit_for_bit():
+    """The loaders' layout-aware MXFP4 decode against moe_torch.dequant_mxfp4 followed by the transpose, every byte
+    and scale code (NaN and the subnormal 2^-127 included), one and two row axes, strided inputs."""
+    from modules.moe.loaders import dequant_mxfp4_rows_last
+    from nki_kernels.moe.moe_torch import dequant_mxfp4
+
+    g = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, 256, (2, 12, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 256, (2, 12, 4), dtype=torch.uint8, generator=g)
+    scales[0, :2] = torch.tensor([0, 255, 1, 254])
+    want = dequant_mxfp4(blocks, scales)                                       # [E, R, 128]
+    same = lambda a, b: torch.equal(a.view(torch.int32), b.contiguous().view(torch.int32))  # noqa: E731 - NaN-safe
+    assert same(dequant_mxfp4_rows_last(blocks, scales), want.transpose(1, 2))
+    # Rows 2i + j viewed as [j, i] (the gate/up interleave): a strided two-row-axis input.
+    got = dequant_mxfp4_rows_last(blocks.view(2, 6, 2, 4, 16).transpose(1, 2), scales.view(2, 6, 2, 4).transpose(1, 2))
+    assert same(got, want.view(2, 6, 2, 128).permute(0, 3, 2, 1))

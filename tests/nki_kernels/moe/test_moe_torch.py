@@ -94,6 +94,21 @@ def test_moe_torch_tp_partials_sum_to_the_unsharded_layer():
     assert torch.allclose(parts[0] + parts[1], full, atol=1e-5)
 
 
+def test_dequant_mxfp4_every_byte_and_scale_code_matches_ml_dtypes():
+    """Every byte (both nibbles) under every E8M0 code, the NaN code 0xFF and the subnormal 2^-127 included."""
+    byte = np.arange(256, dtype=np.uint8)
+    blocks = np.broadcast_to(np.resize(byte, 256)[None, :].reshape(1, 16, 16), (256, 16, 16)).copy()  # [s, G, 16]
+    scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 16, axis=1)                          # [s, G]
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(256, 16, 32)
+    fp4 = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    scale = scales.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    with np.errstate(over="ignore"):  # 6 × 2^127 overflows to inf, in both
+        want = (fp4 * scale[..., None]).reshape(256, 512)
+    assert np.isnan(want[255]).all() and not np.isnan(want[:255]).any()
+    got = dequant_mxfp4(torch.from_numpy(blocks), torch.from_numpy(scales))
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
 def test_dequant_mxfp4_matches_ml_dtypes():
     rng = np.random.default_rng(4)
     codes = rng.integers(0, 16, size=(3, 2, 32), dtype=np.uint8)            # [rows, G, 32] nibbles
