@@ -33,7 +33,7 @@ class _Constants(nl.NKIObject):
         self.qm = tuple(nl.ndarray((P_MAX, cfg.nst, cfg.pack * cfg.R), dtype=dtype, buffer=nl.sbuf)
                         for _ in range(2))
         for q in self.qm:
-            nisa.memset(dst=q[:cfg.kpp * cfg.d], value=0.0)
+            nisa.memset(dst=q[:cfg.kpp * cfg.kd], value=0.0)
 
 
 def _ones_row(consts, dtype, n):

@@ -24,6 +24,7 @@ PV_COLS = 2 * PSUM_F   # PV output columns (pack batches x d): 2 PSUM banks
 ATTN_PSUM_BANKS = 2 * (FA_SUB // PSUM_F) + PV_COLS // PSUM_F + 2
 FA_TILE_MAX = 4096     # context positions per K/V load (one DMA per batch and K/V): >= 4 KiB per partition
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
+PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
 PACK_MIN = 4           # smallest batch pack the K/V ring sizing may shrink to (for longer, more efficient DMAs)
 KV_SBUF_MAX = 128 * 1024   # bytes per partition for the K/V ring (less when the resident weights are large)
@@ -85,10 +86,11 @@ class _Config(nl.NKIObject):
                  n_prog=1, core=0):
         self.B, self.S, self.H, self.d, self.nkv, self.nq = B, S, H, d, nkv, nq
         self.paged, self.bs, self.mb = bs > 0, bs, mb    # paged cache: block size, block-table columns
-        # fp8 KV cache: K rows are cast on load into a staging slot and DMA-transposed from SBUF, which gives the
-        # i-major K^T layout of the paged path (column i*128 + q <-> position q*n + i)
+        # fp8 KV cache: K^T comes from a DMA transpose of the fp8 rows read as 2-byte pairs (dims 2i, 2i + 1 of a
+        # position in one element; the DMA transpose moves 2-byte elements only), cast to bf16 on an engine as two
+        # half-dim stacks (even dims, odd dims): see _load_piece / _cast_pairs. V is cast by its DMA.
         self.fp8 = fp8
-        self.imajor = self.paged or fp8
+        self.imajor = self.paged      # i-major K^T / score layout (column i*128 + q <-> position q*n + i)
         self.s_max, self.L, self.scale, self.h_actual, self.window = s_max, L, scale, h_actual, window
         self.group = nq // nkv                 # query heads per KV head
         self.R = self.group * S                # query rows of one (batch, KV head): (s, h) order
@@ -120,8 +122,15 @@ class _Config(nl.NKIObject):
         self.ragged = not self.dyn
         # d <= 64: kpp = 128 // d batches share the partitions of one K^T / query stack (batch j on partitions
         # (j % kpp) * d ..), so one score matmul contracts over 128 partitions and covers kpp batches.
-        self.kpp = P_MAX // d if (2 * d <= P_MAX and P_MAX % d == 0) else 1
-        self.pad = P_MAX - d if self.kpp > 1 else 0      # qkv tile column padding for the stacked transposes
+        kpp_d = P_MAX // d if (2 * d <= P_MAX and P_MAX % d == 0) else 1
+        self.pad = P_MAX - d if kpp_d > 1 else 0      # qkv tile column padding for the stacked transposes
+        # fp8 cache: a stack holds one half of the head dims (kd = d / 2 partitions per batch: the even dims in
+        # one stack, the odd dims in the next), so twice as many batches share a stack's partitions (the same
+        # number of score matmuls as bf16). Several batches per stack only when their partition starts are legal
+        # for the engines that copy them (multiples of 32: kd in {32, 64}).
+        self.halves = 2 if fp8 else 1
+        self.kd = d // self.halves             # partitions of one batch in a K^T / query stack
+        self.kpp = kpp_d if not fp8 else (P_MAX // self.kd if self.kd in (32, 64) else 1)
         self.pack = max(1, min(B, P_MAX // self.R, PV_COLS // d))   # batches sharing one score tile
         # K/V ring: KV_BUFS slots of pack x FT positions (K^T stacks [128, FT] + V [128, FT/128, d] per batch).
         n_k = (nq * d + P_MAX - 1) // P_MAX
@@ -132,10 +141,10 @@ class _Config(nl.NKIObject):
         self.kv_bufs = KV_BUFS if d <= 64 else KV_BUFS + 1
         ft_target = min(FA_TILE_MAX, max(2 * FA_SUB, V_RUN_BYTES * P_MAX // (d * itemsize) // FA_SUB * FA_SUB))
         while self.pack > PACK_MIN and self.kv_bufs * _slot_bytes(self.pack, ft_target, self.kpp, d, itemsize,
-                                                                   fp8) > budget:
+                                                                   self.halves) > budget:
             self.pack -= 1
         ft = FA_TILE_MAX
-        while ft > FA_SUB and self.kv_bufs * _slot_bytes(self.pack, ft, self.kpp, d, itemsize, fp8) > budget:
+        while ft > FA_SUB and _ring_bytes(self.kv_bufs, self.pack, ft, self.kpp, d, itemsize, self.halves) > budget:
             ft -= FA_SUB
         if self.kv_bufs == KV_BUFS and ft >= 2 * FA_SUB:
             # Same SBUF as KV_BUFS slots of ft positions, as up to twice as many half-size slots: the first steps
@@ -143,7 +152,8 @@ class _Config(nl.NKIObject):
             half = ft // 2 // FA_SUB * FA_SUB
             self.kv_bufs = min(2 * KV_BUFS, KV_BUFS * ft // half)
             ft = half
-        self.nst = (self.pack + self.kpp - 1) // self.kpp          # K^T / query stacks per pack
+        self.ngroups = (self.pack + self.kpp - 1) // self.kpp      # K^T load groups per pack (kpp batches each)
+        self.nst = self.halves * self.ngroups                       # K^T / query stacks: (group, half) pairs
         self.fa_tile = max(P_MAX, min(ft, (self.scan + P_MAX - 1) // P_MAX * P_MAX))
         # Context split between the two cores of an LNC=2 launch (B < 2; see _split_context): defaults = no split.
         self.split, self.core, self.lo, self.hi, self.hc = False, 0, 0, self.scan, (0, H // P_MAX)
@@ -171,10 +181,17 @@ class _Config(nl.NKIObject):
                        and min(self.pack, self.b_hi - self.b_lo) * self.R <= PMAJOR_ROWS)
 
 
-def _slot_bytes(pack, ft, kpp, d, itemsize, fp8=False):
-    """Bytes per partition of one K/V load slot: K^T stacks [128, ft] and V [128, ft / 128, d] per batch (fp8
-    cache: and the K rows' staging, the size of V)."""
-    return ((pack + kpp - 1) // kpp * ft + (2 if fp8 else 1) * pack * ft * d // P_MAX) * itemsize
+def _slot_bytes(pack, ft, kpp, d, itemsize, halves=1):
+    """Bytes per partition of one K/V load slot: K^T stacks [128, ft] (halves per load group) and V
+    [128, ft / 128, d] per batch."""
+    return (halves * ((pack + kpp - 1) // kpp) * ft + pack * ft * d // P_MAX) * itemsize
+
+
+def _ring_bytes(bufs, pack, ft, kpp, d, itemsize, halves=1):
+    """Bytes per partition of the K/V ring: bufs slots, and with an fp8 cache (halves = 2) PAIR_BUFS tiles of the
+    fp8 pairs as loaded (one 2-byte element per position of each load group; cast into a slot right after)."""
+    pairs = PAIR_BUFS * ((pack + kpp - 1) // kpp) * ft * 2 if halves == 2 else 0
+    return bufs * _slot_bytes(pack, ft, kpp, d, itemsize, halves) + pairs
 
 
 def argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table=None):
@@ -247,7 +264,6 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     if fp8:
         assert V_cache.dtype == K_cache.dtype, f"V_cache dtype {V_cache.dtype} must match K_cache dtype {K_cache.dtype}"
         assert not paged, "K_cache: an fp8 cache is supported in the contiguous layout only (no block_table)"
-        assert s_max % P_MAX == 0, f"K_cache: an fp8 cache needs S_max={s_max} to be a multiple of {P_MAX}"
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
             assert t is not None, f"{name} is required with an fp8 cache ({K_cache.dtype})"
             assert tuple(t.shape) in ((1,), (nkv,)) and t.dtype == nl.float32, \

@@ -7,9 +7,9 @@ import nki.isa as nisa
 import nki.language as nl
 
 from .common import _run
-from .config import FA_SUB, MASK_NEG, MAX_S_TKG, P_MAX, PMAJOR_ROWS, PSUM_F, PV_COLS, TRANSPOSE_GROUP
+from .config import FA_SUB, MASK_NEG, MAX_S_TKG, P_MAX, PAIR_BUFS, PMAJOR_ROWS, PSUM_F, PV_COLS, TRANSPOSE_GROUP
 from .isolation import _scrub_slot, _scrub_v, _valid_ranges
-from .kv_io import _load_fp8, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
+from .kv_io import _cast_pairs, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
 from .oproj import _load_w_o, _rows_to_oT, _rows_to_tokens, _transpose_o
 from .planning import _load_pieces, _packs, _plan, _slot_split
 from .ragged import _load_gates, _step_gates
@@ -30,11 +30,13 @@ class _AttnState(nl.NKIObject):
                         for _ in range(cfg.kv_bufs))
         self.v = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX + 1, d), dtype=dtype, buffer=nl.sbuf)
                        for _ in range(cfg.kv_bufs))
-        # fp8 cache: K rows cast to bf16 (V's layout), DMA-transposed from SBUF into K^T
-        self.stage = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX, d), dtype=dtype, buffer=nl.sbuf)
-                           for _ in range(cfg.kv_bufs)) if cfg.fp8 else ()
+        # fp8 cache: the K^T load groups as loaded, fp8 pairs (dims 2i, 2i + 1) in 2-byte elements (_load_piece),
+        # scrubbed, then cast into the even / odd stacks of kT (_cast_pairs); a bf16 cache loads into kT directly
+        self.kg = tuple(nl.ndarray((P_MAX, cfg.ngroups, cfg.fa_tile), dtype=nl.uint16, buffer=nl.sbuf)
+                        for _ in range(PAIR_BUFS)) if cfg.fp8 else self.kT
         self.qm = qm
-        self.ring_w = [0] * cfg.kv_bufs     # per ring buffer: positions scrubbed or loaded in every lane so far
+        # per K^T load buffer (kg): positions scrubbed or loaded in every lane so far
+        self.ring_w = [0] * len(self.kg)
         self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
         self.block_ids, self.starts = None, None
         self.iotas = {}
@@ -186,14 +188,17 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     qm = st.qm[st.n_packs % 2]
     st.n_packs += 1
     kact = nl.ndarray((P_MAX, cfg.nst, MAX_S_TKG), dtype=qkT.dtype, buffer=nl.sbuf)   # new keys, stacked
+    kd = cfg.kd
     for j in range(nb):
         t = (p0 + j) * S - base
-        jj, u0 = j // cfg.kpp, (j % cfg.kpp) * d
         u = j % cfg.kpp
-        nisa.tensor_copy(dst=qm[u0:u0 + d, jj, j * R:(j + 1) * R].reshape((d, S, G)),
-                         src=qkT[u0:u0 + d, u, t:t + S, g * G:(g + 1) * G], engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=kact[u0:u0 + d, jj, :S], src=qkT[u0:u0 + d, u, t:t + S, cfg.nq + g],
-                         engine=nisa.engine.gpsimd)
+        u0 = u * kd
+        for hf in range(cfg.halves):     # stack (group, half): see _Config.halves
+            jj = j // cfg.kpp * cfg.halves + hf
+            nisa.tensor_copy(dst=qm[u0:u0 + kd, jj, j * R:(j + 1) * R].reshape((kd, S, G)),
+                             src=qkT[u0:u0 + kd, u, t:t + S, g * G:(g + 1) * G, hf], engine=nisa.engine.gpsimd)
+            nisa.tensor_copy(dst=kact[u0:u0 + kd, jj, :S], src=qkT[u0:u0 + kd, u, t:t + S, cfg.nq + g, hf],
+                             engine=nisa.engine.gpsimd)
     # First new position of each row's sequence, and each row's own position (fp32, [rows, 1]).
     pk = st.pre[p0]
     p_first, q_pos, st.pf_cols = pk.p_first, pk.q_pos, pk.pf_cols
@@ -310,8 +315,8 @@ def _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, 
     rows = nb * R
     base = tiles[0].t0
     sc = st.scores()
-    for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
-        kp = min(cfg.kpp, nb - jj * cfg.kpp) * d
+    for jj in range(_stacks(cfg, nb)):
+        kp = _stack_rows(cfg, jj, nb)
         nisa.nc_matmul(dst=sc[:rows, :S], stationary=qm[:kp, jj, :rows], moving=kact[:kp, jj, :S],
                        accumulate=(jj > 0))
     if S > 1:
@@ -435,13 +440,13 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
 def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step, views, gate=None):
     """Loads of the step's slot (when first needed), then its scores and masks into the next score buffer (inside
     the step's runtime gate when ragged contexts skip it)."""
-    d, rows = cfg.d, nb * cfg.R
+    rows = nb * cfg.R
     fresh = []
     while len(views) <= step.slot:
         j0, w = slots[len(views)]
         kT = st.kT[st.n_slots % cfg.kv_bufs]
+        kg = st.kg[st.n_slots % len(st.kg)]     # = kT unless fp8
         v = st.v[st.n_slots % cfg.kv_bufs]
-        stage = st.stage[st.n_slots % cfg.kv_bufs] if cfg.fp8 else None
         st.n_slots += 1
         if cfg.paged:
             lg = st.load_gates[j0] if cfg.ragged else (None,) * nb
@@ -449,26 +454,22 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         else:
             for j in range(nb):
                 b = p0 + j
-                u0 = (j % cfg.kpp) * d
+                u0 = (j % cfg.kpp) * cfg.kd
                 if cfg.dyn:     # windowed scan: positions start[b] + j0 .. (register-addressed)
-                    _load_slot_window(cfg, st.starts[b], K_cache, V_cache, kT[u0:u0 + d, j // cfg.kpp, :w],
+                    _load_slot_window(cfg, st.starts[b], K_cache, V_cache, kg[u0:u0 + cfg.kd, j // cfg.kpp, :w],
                                       v[:, j], b, g, j0, w)
                     continue
-
-                if cfg.fp8:
-                    _run(st.load_gates[j0][j] if cfg.ragged else None,
-                         lambda _i, b=b, j=j, j0=j0, w=w, kT=kT, v=v, stage=stage:
-                         _load_fp8(cfg, K_cache, V_cache, kT, v, stage, b, g, j, j0, w))
-                    continue
                 if not cfg.ragged:
-                    _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, j0, w)
+                    _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, j0, w)
                     continue
                 for a, size in _load_pieces(cfg, j0, w):    # a sequence's loads stop at its length
-                    _run(st.load_gates[a][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kT=kT, v=v:
-                         _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size))
-        buf = (st.n_slots - 1) % cfg.kv_bufs
-        _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=w > st.ring_w[buf])    # beyond what the buffer held
+                    _run(st.load_gates[a][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v:
+                         _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size))
+        buf = (st.n_slots - 1) % len(st.kg)
+        _scrub_slot(cfg, st, kg, j0, w, nb, fresh_ring=w > st.ring_w[buf])    # beyond what the buffer held
         st.ring_w[buf] = max(st.ring_w[buf], w)
+        if cfg.fp8:     # after the scrub: every lane of the pairs is finite, so is the cast
+            _cast_pairs(cfg, kg, kT, w, nb, K_cache.dtype, st.n_slots)
         views.append((kT, v))
         fresh.append((v, j0, w, st.gates[1]))
     kT = views[step.slot][0]
@@ -487,13 +488,13 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
 
 def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
     """Scores of one step (every K^T stack of the pack) with its masks folded in, chunk by chunk."""
-    d, n = cfg.d, w // P_MAX
+    n = w // P_MAX
     masks = [_build_mask(cfg, rows, step.cols, key, step.thr_hi, nl.greater, 0.0)]
     if step.thr_lo is not None:
         masks.append(_build_mask(cfg, rows, step.cols, key, step.thr_lo, nl.less_equal, 0.0))
     for c0, c1, inner in step.chunks:
-        for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
-            kp = min(cfg.kpp, nb - jj * cfg.kpp) * d
+        for jj in range(_stacks(cfg, nb)):
+            kp = _stack_rows(cfg, jj, nb)
             if inner < 0:                   # paged, i-major: columns (il, q') of K^T, q' = r*T + t
                 i0, K = step.pos0 - j0, _slot_split(cfg, w)
                 il0, il1 = i0 + c0 // P_MAX, i0 + c1 // P_MAX
@@ -510,6 +511,16 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
                            accumulate=(jj > 0))
         for m in masks:          # each chunk's masks right after its scores: its row max can start early
             _fold_chunk(consts, sc, rows, m, (c0, c1, inner))
+
+
+def _stacks(cfg, nb):
+    """K^T / query stacks holding the pack's nb batches: (load group, half) pairs, see _Config.halves."""
+    return (nb + cfg.kpp - 1) // cfg.kpp * cfg.halves
+
+
+def _stack_rows(cfg, jj, nb):
+    """Partitions of stack jj holding data: kd per batch of its load group."""
+    return min(cfg.kpp, nb - jj // cfg.halves * cfg.kpp) * cfg.kd
 
 
 def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None):
@@ -605,8 +616,8 @@ def _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
                        data2=step.thr_hi[:, :rows].expand_dim(1).broadcast(1, ni), op=nl.greater,
                        engine=nisa.engine.gpsimd)
     for il in range(ni):
-        for jj in range((nb + cfg.kpp - 1) // cfg.kpp):
-            kp = min(cfg.kpp, nb - jj * cfg.kpp) * cfg.d
+        for jj in range(_stacks(cfg, nb)):
+            kp = _stack_rows(cfg, jj, nb)
             k3 = kT[:kp, jj, :n * P_MAX].reshape((kp, P_MAX, n))
             nisa.nc_matmul(dst=s3[:, il, :], stationary=k3[:, :, i0 + il], moving=qm[:kp, jj, :rows],
                            accumulate=(jj > 0))

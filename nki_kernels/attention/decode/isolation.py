@@ -14,7 +14,7 @@ class _ValidRange(nl.NKIObject):
     """Scan positions holding data of each sequence of a pack: key k (scan coordinates: relative to the sequence's
     window start when the scan is windowed) is valid iff lo <= k < hi, hi = the first new position, lo = hi - W + 1
     (sliding window; None = no lower bound). fp32 per-partition tables in the two slot layouts: _k [128, stacks]
-    (partition u*d + e of stack jj <-> batch jj*kpp + u of the K^T slot) and _v [128, batches] (same on every
+    (partition u*kd + e of load group jj <-> batch jj*kpp + u of the K^T slot) and _v [128, batches] (same on every
     partition)."""
 
     def __init__(self):
@@ -25,11 +25,11 @@ class _ValidRange(nl.NKIObject):
 
 
 def _valid_ranges(cfg, position_ids, p0, nb):
-    S, d, kpp = cfg.S, cfg.d, cfg.kpp
+    S, d, kpp = cfg.S, cfg.kd, cfg.kpp
     nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
     pv = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=pv[:, :nb], src=position_ids.ap([[0, P_MAX], [S, nb]], offset=p0 * S))
-    pk = nl.ndarray((P_MAX, cfg.nst), dtype=nl.float32, buffer=nl.sbuf)
+    pk = nl.ndarray((P_MAX, cfg.ngroups), dtype=nl.float32, buffer=nl.sbuf)
     if nb % kpp:       # the last stack's missing batches: any finite value (their partitions are never read)
         nisa.memset(dst=pk[:npk, nst - 1:nst], value=0.0)
     for u in range(min(kpp, nb)):
@@ -131,7 +131,7 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True):
     GpSimd; V in _scrub_v. Each stack's / batch's scrub runs only when the slot holds one of its invalid rows (a
     runtime trip count, see _slot_gates)."""
     vr = st.cur_valid
-    d, kpp = cfg.d, cfg.kpp
+    d, kpp = cfg.kd, cfg.kpp       # kT: the load groups (fp8: the pairs before their cast)
     nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
     # K^T mask = sign(key - hi + 1/2) as int16: 0xFFFF (-1) keeps a valid key's bits, 0x0001 (+1) leaves at most
     # the lowest mantissa bit of an invalid one (0 or a subnormal: finite, and masked anyway). On ScalarE (idle
@@ -165,7 +165,7 @@ def _slot_gates(cfg, vr, j0, w, nb, fresh_ring=True):
         # not, so from then on a lane whose load is skipped holds finite data (a scrubbed or valid earlier slot).
         f = vr.scrub[j0]
     else:
-        f = nl.ndarray((1, cfg.nst * kpp), dtype=nl.float32, buffer=nl.sbuf)
+        f = nl.ndarray((1, cfg.ngroups * kpp), dtype=nl.float32, buffer=nl.sbuf)
         if nb < nst * kpp:
             nisa.memset(dst=f[:, nb:nst * kpp], value=0.0)
         nisa.tensor_scalar(dst=f[:, :nb], data=vr.hi_v[0:1, :nb], op0=nl.less, operand0=float(j0 + w))
@@ -175,7 +175,7 @@ def _slot_gates(cfg, vr, j0, w, nb, fresh_ring=True):
         nisa.tensor_tensor(dst=f[:, :nb], data1=f[:, :nb], data2=g[:, :nb], op=nl.maximum)
     fv = nl.ndarray((1, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=fv[:, :nb], src=f[:, :nb])
-    fk = nl.ndarray((1, cfg.nst), dtype=nl.int32, buffer=nl.sbuf)
+    fk = nl.ndarray((1, cfg.ngroups), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=fk[:, :nst], op=nl.maximum, data=f[:, :nst * kpp].reshape((1, nst, kpp)), axis=(2,))
     regs = []
     for t, n in ((fk, nst), (fv, nb)):

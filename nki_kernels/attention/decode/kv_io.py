@@ -10,24 +10,32 @@ from .config import P_MAX
 from .planning import _packs, _plan, _slot_split
 
 
-def _load_fp8(cfg, K_cache, V_cache, kT, v, stage, b, g, j, j0, w):
-    """fp8 cache, slot [j0, j0 + w) of batch j: dequantised on load -- K rows and V cast to bf16 by the DMAs
-    (partition q holds positions q*n .. q*n + n - 1), then K^T by a DMA transpose from SBUF in the i-major order
-    (column i*128 + q <-> position q*n + i, the paged layout's K = 1 case). w is a multiple of 128 (S_max is)."""
-    d, n = cfg.d, w // P_MAX
-    u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
-    nisa.dma_copy(dst=stage[:, j, :n, :], src=K_cache[b, g, j0:j0 + w, :].reshape((P_MAX, n * d)))
-    nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, n, P_MAX)), src=stage[:, j, :n, :])
-    nisa.dma_copy(dst=v[:, j, :n, :], src=V_cache[b, g, j0:j0 + w, :].reshape((P_MAX, n * d)))
+def _cast_pairs(cfg, kg, kT, w, nb, dtype, k):
+    """fp8 cache: K^T load groups kg [128, group, w] of fp8 pairs (2-byte elements; see _load_piece) -> the bf16
+    stacks kT[:, 2 * group + half, :w] (half 0: the even dims, 1: the odd dims; see _Config.halves), one cast per
+    group over all its batches. The cast is the one extra pass of the fp8 path (the DMA moves fp8 bytes only);
+    GpSimd casts 16-bit lanes at twice its fp32 rate, ScalarE takes one group in three (k: the slot count)."""
+    for jg in range((nb + cfg.kpp - 1) // cfg.kpp):
+        kp = min(cfg.kpp, nb - jg * cfg.kpp) * cfg.kd
+        pairs = kg[:kp, jg, :w].view(dtype).reshape((kp, w, 2)).permute((0, 2, 1))
+        eng = nisa.engine.scalar if (k + jg) % 3 == 2 else nisa.engine.gpsimd
+        nisa.tensor_copy(dst=kT[:kp, 2 * jg:2 * jg + 2, :w], src=pairs, engine=eng)
 
 
 def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size):
     """Contiguous cache: K^T / V of positions [a, a + size) of the slot [j0, j0 + w) for batch j of the pack (the
-    whole slot, or a piece of it: whole V partitions of the slot layout, or its remainder block)."""
+    whole slot, or a piece of it: whole V partitions of the slot layout, or its remainder block).
+
+    fp8 cache: K rows are read as 2-byte pairs [size, d / 2] (a DMA transpose moves 2-byte elements only), so
+    kT (the load group tile, uint16) gets partition i <-> dims (2i, 2i + 1) of each position; _cast_pairs splits
+    them into the even / odd stacks. V is cast to bf16 by its DMA (same layout as bf16)."""
     d, n = cfg.d, w // P_MAX
-    u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
+    u0, jj = (j % cfg.kpp) * cfg.kd, j // cfg.kpp
     off = a - j0
-    nisa.dma_transpose(dst=kT[u0:u0 + d, jj, off:off + size], src=K_cache[b, g, a:a + size, :])
+    k_rows = K_cache[b, g, a:a + size, :]
+    if cfg.fp8:
+        k_rows = k_rows.view(nl.uint16)
+    nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, off:off + size], src=k_rows)
     body = max(0, min(size, n * P_MAX - off))        # positions of the piece in the n-per-partition layout
     if body:
         nisa.dma_copy(dst=v[off // n:(off + body) // n, j, :n, :],

@@ -243,23 +243,35 @@ def _rope(cfg, qkv, ins, tiles):
 
 
 def _transpose_qk(cfg, qkv, tiles):
-    """qkT[:, u, token, head] = head^T on partitions u*d..(u+1)*d (u < kpp; d on partitions for QK^T), for the q
-    heads 0..nq-1 and k heads nq..nq+nkv-1: TensorE transposes of 128-column windows (d columns when kpp = 1)."""
-    d, kpp = cfg.d, cfg.kpp
+    """qkT[:, u, token, head, half] = head^T on partitions u*kd..(u+1)*kd (u < kpp; dims on partitions for QK^T),
+    for the q heads 0..nq-1 and k heads nq..nq+nkv-1: TensorE transposes of 128-column windows (d columns when
+    kpp = 1). bf16 cache: one half, all d dims in order. fp8 cache (see _Config.halves): half 0 holds the even
+    dims, half 1 the odd dims (the layout of the K^T stacks, see _cast_pairs), transposed from a copy of the
+    q / k columns with each head's dims reordered [even | odd] and 128 - kd zero columns on both sides."""
+    d, kd, kpp, halves = cfg.d, cfg.kd, cfg.kpp, cfg.halves
     n_tok = tiles[-1].t0 + tiles[-1].nt - tiles[0].t0
     nh = cfg.nq + cfg.nkv
-    width = d if kpp == 1 else P_MAX
-    qkT = nl.ndarray((P_MAX, kpp, n_tok, nh), dtype=qkv[0].dtype, buffer=nl.sbuf)
+    width = kd if kpp == 1 else P_MAX
+    qkT = nl.ndarray((P_MAX, kpp, n_tok, nh, halves), dtype=qkv[0].dtype, buffer=nl.sbuf)
     base = tiles[0].t0
     for ti, tl in enumerate(tiles):
         t0, nt = tl.t0, tl.nt
+        src, pad = qkv[ti], cfg.pad
+        if halves == 2:
+            pad = P_MAX - kd
+            src = nl.ndarray((P_MAX, 2 * pad + nh * d), dtype=qkv[ti].dtype, buffer=nl.sbuf)
+            nisa.memset(dst=src[:nt, :pad], value=0.0)
+            nisa.memset(dst=src[:nt, pad + nh * d:], value=0.0)
+            heads = qkv[ti][:nt, cfg.pad:cfg.pad + nh * d].reshape((nt, nh, kd, 2))
+            nisa.tensor_copy(dst=src[:nt, pad:pad + nh * d].reshape((nt, nh, 2, kd)), src=heads.permute((0, 1, 3, 2)))
         for u in range(kpp):
-            for h0 in range(0, nh, TRANSPOSE_GROUP):
-                n = min(TRANSPOSE_GROUP, nh - h0)
-                ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=qkv[ti].dtype, buffer=nl.psum)
-                for h in range(n):
-                    c0 = cfg.pad + (h0 + h - u) * d
-                    nisa.nc_transpose(dst=ps[:width, h, :nt], data=qkv[ti][:nt, c0:c0 + width])
-                nisa.tensor_copy(dst=qkT[u * d:(u + 1) * d, u, t0 - base:t0 - base + nt, h0:h0 + n].permute((0, 2, 1)),
-                                 src=ps[u * d:(u + 1) * d, :n, :nt])
+            for hf in range(halves):
+                for h0 in range(0, nh, TRANSPOSE_GROUP):
+                    n = min(TRANSPOSE_GROUP, nh - h0)
+                    ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=qkv[ti].dtype, buffer=nl.psum)
+                    for h in range(n):
+                        c0 = pad + (h0 + h) * d + hf * kd - u * kd
+                        nisa.nc_transpose(dst=ps[:width, h, :nt], data=src[:nt, c0:c0 + width])
+                    nisa.tensor_copy(dst=qkT[u * kd:(u + 1) * kd, u, t0 - base:t0 - base + nt, h0:h0 + n, hf]
+                                     .permute((0, 2, 1)), src=ps[u * kd:(u + 1) * kd, :n, :nt])
     return qkT

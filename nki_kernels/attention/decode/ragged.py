@@ -52,7 +52,7 @@ def _load_gates(cfg, st, slots, nb):
                            data2=st.slot0[:, 2 * ns:].expand_dim(2).broadcast(2, nb), op=nl.greater)
         fi = nl.ndarray((1, npc, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=fi[:, :, :nb], src=f[:, :, :nb])
-        w_pad = cfg.nst * cfg.kpp
+        w_pad = cfg.ngroups * cfg.kpp
         hi = vr.hi_v[0:1, :nb].expand_dim(1).broadcast(1, ns)
         inside = nl.ndarray((1, ns, w_pad), dtype=nl.float32, buffer=nl.sbuf)   # j0 < hi < j0 + w
         if nb < w_pad:
