@@ -552,6 +552,7 @@ def test_ragged_contexts_read_only_real_rows():
     (GPT_OSS_20B_TP8, 4, 1, 1024, False, 1, False),     # per-tensor scales, stacked K^T (d = 64)
     (LLAMA31_8B_TP8, 3, 2, 512, True, 1, False),        # per-head scales, d = 128, S_tkg 2
     (MULTI_KV, 2, 1, 2048, True, 2, True),              # 2 KV heads with their own scales, LNC=2, NaN tails
+    (LLAMA31_8B_TP8, 1, 1, 1000, True, 1, True),        # position-major steps, S_max not a multiple of 128
 ])
 def test_fp8_kv_cache(shape, B, S, ctx, per_head, lnc, ragged):
     args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=41, **shape)
