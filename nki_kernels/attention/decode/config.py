@@ -31,6 +31,7 @@ KV_SBUF_MAX = 128 * 1024   # bytes per partition for the K/V ring (less when the
 KV_SBUF_MIN = 32 * 1024    # ... but never less than this (the weights then stream through a smaller ring)
 SBUF_RESERVE = 24 * 1024   # bytes per partition kept for everything else (q, masks, P tiles, accumulators)
 W_QKV_DMAS = 4         # W_qkv is loaded in this many DMAs (>= 2 KiB contiguous per partition each)
+W_O_DMAS = 4           # ... and W_o in up to this many column pieces per 128-row chunk (>= 2 KiB runs)
 # Position-major steps (scores^T: cache positions on the partitions, query rows on the free axis) for packs of at
 # most this many rows (a tuning choice, modelled: B = 1 GPT-OSS / Llama-8B -3..-5 %, but 10..64 rows slower, e.g.
 # GPT-OSS B=8 4K +19 %: the per-128-position matmul floor and the per-step chain outweigh the saved row work).

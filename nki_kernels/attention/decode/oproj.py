@@ -7,7 +7,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...common.tiles import evict
-from .config import P_MAX, PSUM_F, TRANSPOSE_GROUP
+from .config import P_MAX, PSUM_F, TRANSPOSE_GROUP, W_O_DMAS
 
 
 def _exchange_oT(cfg, oT, b_lo, b_hi, per_core):
@@ -93,10 +93,16 @@ def _load_w_o(cfg, W_o):
     K = cfg.nq * cfg.d
     n_k = (K + P_MAX - 1) // P_MAX
     wo = nl.ndarray((P_MAX, n_k, cfg.H), dtype=W_o.dtype, buffer=nl.sbuf)
-    h0, h1 = cfg.hc[0] * P_MAX, cfg.hc[1] * P_MAX      # this core's output columns (all of H unless split)
+    hc0, hc1 = cfg.hc                                  # this core's output chunks (all of H unless split)
+    # W_o arrives last: in column pieces (>= 2 KiB runs), so the O-projection's first chunks start on the first
+    # pieces while the last one streams, instead of after the whole load.
+    n_pc = max(1, min(W_O_DMAS, (hc1 - hc0) * P_MAX * W_o.dtype.itemsize // (2 * 1024)))
     for k in range(n_k):
         kn = min(P_MAX, K - k * P_MAX)
-        nisa.dma_copy(dst=wo[:kn, k, h0:h1], src=W_o[k * P_MAX:k * P_MAX + kn, h0:h1])
+        for i in range(n_pc):
+            c0, c1 = hc0 + i * (hc1 - hc0) // n_pc, hc0 + (i + 1) * (hc1 - hc0) // n_pc
+            nisa.dma_copy(dst=wo[:kn, k, c0 * P_MAX:c1 * P_MAX],
+                          src=W_o[k * P_MAX:k * P_MAX + kn, c0 * P_MAX:c1 * P_MAX])
     return wo
 
 
@@ -140,7 +146,7 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
     hc0, hc1 = cfg.hc                                        # this core's 128-column chunks of H
     for ti, tl in enumerate(tiles):
         t0, nt = tl.t0, tl.nt
-        per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, nt <= 128] fp32 per bank
+        per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, 128] fp32 per bank
         outT = nl.ndarray((P_MAX, n_c, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
         cpt = P_MAX // nt // per_bank * per_bank       # chunks per packed group: whole banks, dividing the range
         while cpt > 0 and ((hc1 - hc0) % cpt != 0 or hc0 % cpt != 0):
@@ -148,22 +154,33 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
         packed = cpt > 0
         if packed:        # [128, group, token, chunk of the group]: see _store_packed
             outP = nl.ndarray((P_MAX, n_c // cpt, nt, cpt), dtype=out.dtype, buffer=nl.sbuf)
-        for c0 in range(hc0, hc1, per_bank):
-            ncb = min(per_bank, hc1 - c0)
-            ps = nl.ndarray((P_MAX, per_bank, P_MAX), dtype=nl.float32, buffer=nl.psum)
+        # Chunks per eviction: a bank holds PSUM_F // nt chunks of [128, nt] (few tokens: many chunks per
+        # eviction instead of one small eviction per 4 chunks, whose fixed costs paced the tail), but at most half
+        # of the range, so two evictions alternate engines while TensorE works; packed: whole groups.
+        ev = max(per_bank, min(PSUM_F // nt, (hc1 - hc0 + 1) // 2))
+        if packed:
+            ev = max(cpt, ev // cpt * cpt)
+        for c0 in range(hc0, hc1, ev):
+            ncb = min(ev, hc1 - c0)
+            ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
+            pv = ps[:, :ncb * nt].reshape((P_MAX, ncb, nt))
             for c in range(c0, c0 + ncb):                   # one accumulation group at a time per bank
                 for k in range(n_k):
                     kn = min(P_MAX, K - k * P_MAX)
-                    nisa.nc_matmul(dst=ps[:, c - c0, :nt], stationary=wo[:kn, k, c * P_MAX:(c + 1) * P_MAX],
+                    nisa.nc_matmul(dst=pv[:, c - c0, :], stationary=wo[:kn, k, c * P_MAX:(c + 1) * P_MAX],
                                    moving=oTs[ti][:kn, k, :nt], accumulate=(k > 0))
-            dst = outT[:, c0:c0 + ncb, :nt]
-            if packed:
-                dst = outP[:, c0 // cpt, :, c0 % cpt:c0 % cpt + ncb].permute((0, 2, 1))
-            if bias_T is not None:
-                nisa.tensor_tensor(dst=dst, data1=ps[:, :ncb, :nt],
-                                   data2=bias_T[:, c0:c0 + ncb].expand_dim(2).broadcast(2, nt), op=nl.add)
+            dst, src = outT[:, c0:c0 + ncb, :nt], pv
+            bias = None if bias_T is None else bias_T[:, c0:c0 + ncb].expand_dim(2).broadcast(2, nt)
+            if packed:      # whole groups: [128, groups, chunk, token] views of both sides
+                ng = ncb // cpt
+                dst = outP[:, c0 // cpt:c0 // cpt + ng, :, :].permute((0, 1, 3, 2))
+                src = ps[:, :ncb * nt].reshape((P_MAX, ng, cpt, nt))
+                if bias_T is not None:
+                    bias = bias_T[:, c0:c0 + ncb].reshape((P_MAX, ng, cpt)).expand_dim(3).broadcast(3, nt)
+            if bias is not None:
+                nisa.tensor_tensor(dst=dst, data1=src, data2=bias, op=nl.add)
             else:
-                evict(c0 // per_bank, dst, ps[:, :ncb, :nt])
+                evict((c0 - hc0) // ev, dst, src)
             ps = None
         if packed:
             _store_packed(cfg, outP, out, t0, nt, cpt)
