@@ -21,8 +21,21 @@ PSUM_F = nl.tile_size.psum_bank_fmax   # fp32 elements per PSUM bank: the widest
 TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
 DOWN_BANKS = 3         # PSUM banks the down projection rotates through (evictions overlap the next chunk's matmuls)
 W_GU_DMAS = 4          # the gate/up weights of one expert arrive in this many DMAs (matmuls start on the first)
-# per scheduled expert: expert id, first row, pairs of 128-row tiles, odd last tile (0/1), weights-needed flag (0/1)
-SCHED_FIELDS = 5
+# per scheduled expert: expert id, first row, pairs of 128-row tiles, odd 128-row tile (0/1), weights-needed flag
+# (0/1), half last tile (0/1: the expert's last HALF_ROWS rows or fewer, see _half_tile)
+SCHED_FIELDS = 6
+# rows of the narrow last tile: an expert whose last tile has at most this many rows serves it with the weights
+# stationary and the tokens moving (gate/up in max(n, 64) TensorE cycles per I chunk instead of 2I per H tile) and
+# gathers / scatters only these rows (64: the TensorE minimum of 64 cycles per matmul makes narrower ones no faster)
+HALF_ROWS = 64
+# rows per expert from which the narrow tile is used (below, a flagged last tile runs as a full 128-row tile): it
+# saves TensorE time and gather / scatter bytes, but its 64-row DMAs load half of the DMA engines; with few rows per
+# expert the kernel is DMA bound and that imbalance costs more (modelled, GPT-OSS-20B TP8 trn3: T 512 (64 rows per
+# expert) 657 -> 672 us with it, T 2048 (256 rows) 989 -> 940 us)
+NARROW_MIN_ROWS = 256
+# schedule header per core: expert pairs, prologue flag (0/1: the first expert's weights load before out is zeroed,
+# so that the first matmuls do not wait behind the zero-fill in the DMA queues; its own load flag is then 0)
+SCHED_HEADER = 2
 COMBINE_ROWS = 256     # rows per DMA when the LNC=2 partial is added into out (>= 1.5 MiB per transfer)
 # shortest per-partition weight DMA run worth the natural H tiling of DMA transposes: run / (run + 256 B) >= 80%
 # (AWS DMA bandwidth guide: < 256 B per descriptor severely overhead-bound, >= 2 KiB near peak; nkisim.cost rule 6)
@@ -67,15 +80,18 @@ class _Config(nl.NKIObject):
         self.n_ich = (inter + self.I_CH - 1) // self.I_CH
         self.H_CH = PSUM_F                     # output columns per down-projection PSUM bank
         self.n_hch = (H + self.H_CH - 1) // self.H_CH
+        self.n_ic = (inter + P_MAX - 1) // P_MAX   # 128-row I chunks of the narrow tile (gate in one PSUM bank)
+        self.half_rows = HALF_ROWS if rows_per_expert >= NARROW_MIN_ROWS else P_MAX   # narrow-flagged tile's rows
 
     def weight_bytes(self):
         """SBUF bytes per partition of one expert's resident weights (gate/up, down, gate/up bias)."""
-        return 2 * (self.KT * 2 * self.I + self.KD * self.H + (2 * self.I if self.bias_gu else 0))
+        return 2 * (self.KT * 2 * self.I + self.KD * self.H + (2 * self.I if self.bias_gu else 0)) + (
+            4 * 2 * self.n_ic if self.bias_gu else 0)
 
     def tile_bytes(self):
         """SBUF bytes per partition of one token tile's working set."""
         return (2 * self.H * 3 + 2 * self.KD * P_MAX + 2 * self.I_aug + 4 * 4 * min(self.I, self.I_CH)
-                + 4 * 3)
+                + 4 * 3 + 2 * self.KD * HALF_ROWS + 4 * 3 * HALF_ROWS)
 
 
 def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up=None,
@@ -93,7 +109,8 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         gather_ids ([R, 1] uint32 @ HBM): token of each mapping row; padding rows name any valid token.
         scatter_ids ([R, 1] int32 @ HBM): token of each mapping row, -1 for padding (its output is dropped).
         row_affinity ([R, 1] fp32 @ HBM): affinity of each mapping row, 0 for padding.
-        schedule ([n_cores, 1 + 5 S] int32 @ HBM): per core: the number of expert pairs it serves, then S (even)
+        schedule ([n_cores, 2 + 5 S] int32 @ HBM): per core: the number of expert pairs it serves, the prologue
+            flag (1: the first entry's weights are loaded before the loop, and its own load flag is 0), then S (even)
             entries (expert id, first row, pairs of 128-row tiles, odd last tile 0/1, load flag 0/1); the entries
             past a core's experts have no tiles and flag 0.
         b_gate_up ([E, 2, I] @ HBM): optional gate/up bias.
@@ -134,17 +151,26 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
     if cfg.n_cores > 1:
         part = nl.ndarray((cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
         acc = out if core == 0 else part
-    _zero_rows(cfg, acc, 0, cfg.T)
     sched = _load_schedule(cfg, schedule, core)
     weights = [_Weights(cfg) for _ in range(2)]
     tiles = [_Tiles(cfg) for _ in range(2)]
     psum = _Psum(cfg)
+    # acc is zeroed before the first scatter-add, but in program order (the DMA engines' priority) after the first
+    # expert's weights and its first tile's rows, so that those do not wait behind the T x H zero-fill: the
+    # weights in this prologue, the zero-fill inside the first expert's tile loop (_serve_expert); a core with no
+    # expert zeroes here
+    e0 = _field(cfg, sched, SCHED_HEADER, 0)
+    prologue = nisa.scalar_load(sched[0:1, 1:2])
+    nl.fori_loop(0, prologue,
+                 lambda _: _load_weights(cfg, weights[0], psum, e0, w_gate_up, w_down, b_gate_up, b_down))
+    nl.fori_loop(0, 1 - prologue, lambda _: _zero_rows(cfg, acc, 0, cfg.T))
 
     def pair(p):
         for s in range(2):
-            base = p * (2 * SCHED_FIELDS) + s * SCHED_FIELDS + 1
-            _serve_expert(cfg, [_Slot(weights[s], t) for t in tiles], psum, sched, base, x, w_gate_up, w_down,
-                          b_gate_up, b_down, gather_ids, scatter_ids, row_affinity, acc)
+            base = p * (2 * SCHED_FIELDS) + s * SCHED_FIELDS + SCHED_HEADER
+            slots = [_Slot(weights[s], t, psum, i) for i, t in enumerate(tiles)]
+            _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids,
+                          scatter_ids, row_affinity, acc)
 
     n_pairs = nisa.scalar_load(sched[0:1, 0:1])
     nl.fori_loop(0, n_pairs, pair)
@@ -177,9 +203,9 @@ def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity
     assert tuple(scatter_ids.shape) == (R, 1) and tuple(row_affinity.shape) == (R, 1), \
         f"scatter_ids and row_affinity must be [R={R}, 1], got {tuple(scatter_ids.shape)}, {tuple(row_affinity.shape)}"
     n_cores = nl.num_programs()
-    assert len(schedule.shape) == 2 and schedule.shape[0] == n_cores and (schedule.shape[1] - 1) % (
+    assert len(schedule.shape) == 2 and schedule.shape[0] == n_cores and (schedule.shape[1] - SCHED_HEADER) % (
         2 * SCHED_FIELDS) == 0, \
-        f"schedule must be [n_cores={n_cores}, 1 + {2 * SCHED_FIELDS} p], got shape {tuple(schedule.shape)}"
+        f"schedule must be [n_cores={n_cores}, {SCHED_HEADER} + {2 * SCHED_FIELDS} p], got {tuple(schedule.shape)}"
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down), ("b_gate_up", b_gate_up), ("b_down", b_down)):
         assert w is None or w.dtype == x.dtype, f"{name} dtype {w.dtype} must equal x's ({x.dtype})"
     cfg = _Config(T, H, E, inter, R, schedule.shape[1], x.dtype, x.dtype.itemsize, activation,
@@ -202,6 +228,8 @@ class _Weights(nl.NKIObject):
         self.wd = nl.ndarray((P_MAX, KD, H), dtype=dt, buffer=nl.sbuf)
         self.bgu = nl.ndarray((P_MAX, 2 * inter), dtype=dt, buffer=nl.sbuf) if cfg.bias_gu else None
         self.brow = nl.ndarray((1, 2 * inter), dtype=dt, buffer=nl.sbuf) if cfg.bias_gu else None
+        # the bias with I on the partitions (the narrow tile's layout): column j = gate chunk j, n_ic + j = up chunk j
+        self.bcol = nl.ndarray((P_MAX, 2 * cfg.n_ic), dtype=nl.float32, buffer=nl.sbuf) if cfg.bias_gu else None
 
 
 class _Tiles(nl.NKIObject):
@@ -224,27 +252,39 @@ class _Tiles(nl.NKIObject):
         self.y = nl.ndarray((P_MAX, H), dtype=dt, buffer=nl.sbuf)
         if cfg.bias_d:   # column I of the activations is the constant input of the down-bias row, set once
             nisa.memset(dst=self.a[:, inter:inter + 1], value=1.0)
+        # narrow tile: act^T straight from the gate/up layout (I on the partitions), fp32 activation scratch
+        self.aTh = nl.ndarray((P_MAX, KD, HALF_ROWS), dtype=dt, buffer=nl.sbuf)
+        self.gh = nl.ndarray((P_MAX, HALF_ROWS), dtype=nl.float32, buffer=nl.sbuf)
+        self.uh = nl.ndarray((P_MAX, HALF_ROWS), dtype=nl.float32, buffer=nl.sbuf)
+        self.sh = nl.ndarray((P_MAX, HALF_ROWS), dtype=nl.float32, buffer=nl.sbuf)
+        if cfg.bias_d:   # row I of act^T is the down-bias row's input: the I chunks overwrite the rows above it
+            nisa.memset(dst=self.aTh[:, inter // P_MAX, :], value=1.0)
 
 
 class _Slot(nl.NKIObject):
-    """The weights and the tile buffers one token tile uses (views, no memory of its own)."""
+    """The weights, the tile buffers and the gate/up PSUM pair one token tile uses (views, no memory of its own)."""
 
-    def __init__(self, w, t):
+    def __init__(self, w, t, psum, i):
         self.wgu, self.wd, self.bgu, self.brow = w.wgu, w.wd, w.bgu, w.brow
         self.gid, self.sid, self.aff, self.xt, self.xT = t.gid, t.sid, t.aff, t.xt, t.xT
         self.g, self.u, self.s, self.a, self.aT, self.y = t.g, t.u, t.s, t.a, t.aT, t.y
+        self.bcol, self.aTh, self.gh, self.uh, self.sh = w.bcol, t.aTh, t.gh, t.uh, t.sh
+        self.pg, self.pu = psum.gs[i % len(psum.gs)], psum.us[i % len(psum.us)]
 
 
 class _Psum(nl.NKIObject):
-    """PSUM: two banks for the x transposes, one for the activation transposes (its own, so that the next tile's x
-    transposes never wait for this tile's activation), gate and up accumulators, DOWN_BANKS down-projection banks
-    (8 banks)."""
+    """PSUM (8 banks): two banks for the x transposes, one for the activation transposes (its own, so that the next
+    tile's x transposes never wait for this tile's activation), gate and up accumulators, DOWN_BANKS down-projection
+    banks. With DMA transposes the two x-transpose banks hold a second gate/up pair instead: the tile sets
+    alternate between the pairs, so the next tile's gate/up never waits for this tile's activation to read PSUM."""
 
     def __init__(self, cfg):
-        self.t = [nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=cfg.dtype, buffer=nl.psum) for _ in range(2)]
+        self.t = None if cfg.dma_transpose else [nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=cfg.dtype,
+                                                            buffer=nl.psum) for _ in range(2)]
         self.at = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=cfg.dtype, buffer=nl.psum)
-        self.g = nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum)
-        self.u = nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum)
+        pairs = 2 if cfg.dma_transpose else 1
+        self.gs = [nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(pairs)]
+        self.us = [nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(pairs)]
         self.d = [nl.ndarray((P_MAX, cfg.H_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(DOWN_BANKS)]
         # a row of ones: the stationary of the matmul that copies the gate/up bias row to all 128 partitions
         self.ones = nl.ndarray((1, P_MAX), dtype=cfg.dtype, buffer=nl.sbuf)
@@ -261,7 +301,7 @@ def _zero_rows(cfg, dst, r0, r1):
 
 
 def _load_schedule(cfg, schedule, core):
-    """This core's schedule row → SBUF [1, 1 + 4 S] (scalar loads then cost an SBUF access, not a DMA each)."""
+    """This core's schedule row → SBUF [1, 2 + 5 S] (scalar loads then cost an SBUF access, not a DMA each)."""
     sched = nl.ndarray((1, cfg.sched_len), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=sched, src=schedule[core:core + 1, :])
     return sched
@@ -275,23 +315,32 @@ def _field(cfg, sched, base, k):
 def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids,
                   row_affinity, acc):
     """One scheduled expert: its weights (if it has rows), then its 128-row tiles, two at a time (alternate tile
-    buffers), and an odd last one."""
+    buffers), and an odd last one. The first entry of a core (load flag 0: its weights came in the prologue) zeroes
+    acc after its first tile's rows are in, before that tile's scatter-add: trip count 1 - load - (tiles before), 1
+    once, else <= 0."""
     e = _field(cfg, sched, base, 0)
     row0 = _field(cfg, sched, base, 1)
     n_pairs = _field(cfg, sched, base, 2)
     odd = _field(cfg, sched, base, 3)
     load = _field(cfg, sched, base, 4)
+    half = _field(cfg, sched, base, 5)
     nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], psum, e, w_gate_up, w_down, b_gate_up, b_down))
 
-    def tile(slot, row):
-        _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc)
+    def tile(slot, row, zero_trips=0, n=P_MAX):
+        _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc,
+                    lambda: nl.fori_loop(0, zero_trips, lambda _: _zero_rows(cfg, acc, 0, cfg.T)), n)
 
     def two(i):
-        tile(slots[0], row0 + i * (2 * P_MAX))
+        tile(slots[0], row0 + i * (2 * P_MAX), 1 - load - i)
         tile(slots[1], row0 + i * (2 * P_MAX) + P_MAX)
 
     nl.fori_loop(0, n_pairs, two)
-    nl.fori_loop(0, odd, lambda _: tile(slots[0], row0 + n_pairs * (2 * P_MAX)))
+    nl.fori_loop(0, odd, lambda _: tile(slots[0], row0 + n_pairs * (2 * P_MAX), 1 - load - n_pairs))
+    # the narrow last tile on the buffer set the previous tile did not use
+    row_h = row0 + (n_pairs * 2 + odd) * P_MAX
+    zero_h = 1 - load - n_pairs - odd
+    nl.fori_loop(0, half * odd, lambda _: tile(slots[1], row_h, zero_h, cfg.half_rows))
+    nl.fori_loop(0, half * (1 - odd), lambda _: tile(slots[0], row_h, zero_h, cfg.half_rows))
 
 
 def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down):
@@ -322,6 +371,17 @@ def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down):
         nisa.dma_copy(dst=slot.wd[rem:rem + 1, full, :], src=b_down.ap([[H, 1], [1, H]], offset=0, scalar_offset=e,
                                                                       indirect_dim=0))
     if cfg.bias_gu:
+        # the bias with I on the partitions for the narrow tile: one small DMA per gate/up and chunk shape, cast
+        full = inter // P_MAX
+        rem = inter - full * P_MAX
+        for gu in range(2):
+            c = gu * cfg.n_ic
+            if full:
+                nisa.dma_copy(dst=slot.bcol[:, c:c + full], src=b_gate_up.ap(
+                    [[1, P_MAX], [P_MAX, full]], offset=gu * inter, scalar_offset=e, indirect_dim=0))
+            if rem:
+                nisa.dma_copy(dst=slot.bcol[:rem, c + full:c + full + 1], src=b_gate_up.ap(
+                    [[1, rem], [1, 1]], offset=gu * inter + full * P_MAX, scalar_offset=e, indirect_dim=0))
         # the bias row, read once, goes to all 128 token partitions by a ones-matmul (a partition-stride-0 DMA
         # would read it from HBM 128 times): added to each token's gate/up row
         nisa.dma_copy(dst=slot.brow, src=b_gate_up.ap([[row, 1], [1, row]], offset=0, scalar_offset=e,
@@ -333,45 +393,101 @@ def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down):
             nisa.tensor_copy(dst=slot.bgu[:, c0:c0 + cw], src=ps[:, :cw])
 
 
-def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc):
-    """One 128-row tile of an expert's rows: gather, gate/up, activation, down, scale, scatter-add."""
-    _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity)
+def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc, after_inputs, n=P_MAX):
+    """One tile of an expert's rows (n = 128, or HALF_ROWS for a narrow last tile): gather, gate/up, activation,
+    down, scale, scatter-add (after_inputs() runs in program order after the tile's input DMAs: the core's
+    zero-fill, once)."""
+    _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n)
+    after_inputs()
     if not cfg.dma_transpose:
-        _transpose_x(cfg, slot, psum)
-    for c in range(cfg.n_ich):
-        _gate_up_step(cfg, slot, psum, c)
-        _activation_step(cfg, slot, psum, c)
-    _transpose_act(cfg, slot, psum)
-    _down_step(cfg, slot, psum)
+        _transpose_x(cfg, slot, psum, n)
+    if n == P_MAX:
+        for c in range(cfg.n_ich):
+            _gate_up_step(cfg, slot, psum, c)
+            _activation_step(cfg, slot, psum, c)
+        _transpose_act(cfg, slot, psum)
+        _down_step(cfg, slot, psum, slot.aT, n)
+    else:
+        _half_gate_up_act(cfg, slot)
+        _down_step(cfg, slot, psum, slot.aTh, n)
     # scatter-add: out[ids] = out[ids] + y in the DMA engine (fp32 add, x's dtype stored); padding rows (-1) skipped.
     # (acc: out, or core 1's partial under LNC=2)
-    view = acc.ap([[cfg.H, P_MAX], [1, cfg.H]], offset=0, vector_offset=slot.sid)
-    nisa.dma_compute(dst=view, srcs=[view, slot.y], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+    view = acc.ap([[cfg.H, n], [1, cfg.H]], offset=0, vector_offset=slot.sid[:n, :])
+    nisa.dma_compute(dst=view, srcs=[view, slot.y[:n, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
 
 
-def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity):
-    nisa.dma_copy(dst=slot.gid, src=gather_ids[nl.ds(row, P_MAX), :])
-    nisa.dma_copy(dst=slot.sid, src=scatter_ids[nl.ds(row, P_MAX), :])
-    nisa.dma_copy(dst=slot.aff, src=row_affinity[nl.ds(row, P_MAX), :])
+def _gather_base(cfg, n):
+    """First partition of a tile's gathered rows (xt, gid): a narrow tile's rows go to the upper partitions, so its
+    gather loads the other half of the 16 DMA engines (each serves 8 partitions) than its scatter (partitions 0..n,
+    where the down projection's output rows are)."""
+    return P_MAX - n if not cfg.dma_transpose else 0
+
+
+def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n):
+    b = _gather_base(cfg, n)
+    nisa.dma_copy(dst=slot.gid[b:b + n, :], src=gather_ids[nl.ds(row, n), :])
+    nisa.dma_copy(dst=slot.sid[:n, :], src=scatter_ids[nl.ds(row, n), :])
+    nisa.dma_copy(dst=slot.aff[:n, :], src=row_affinity[nl.ds(row, n), :])
     if cfg.dma_transpose:
         # xT[p, kt, j] = x[ids[j], kt * 128 + p]: one gather-transpose of the tile's rows
-        nisa.dma_transpose(dst=slot.xT, src=x.ap([[cfg.H, P_MAX], [P_MAX, cfg.KT], [1, P_MAX]], offset=0,
-                                                  vector_offset=slot.gid), dge_mode=DGE)
+        nisa.dma_transpose(dst=slot.xT[:, :, :n], src=x.ap([[cfg.H, n], [P_MAX, cfg.KT], [1, P_MAX]], offset=0,
+                                                            vector_offset=slot.gid[:n, :]), dge_mode=DGE)
     else:
-        nisa.dma_copy(dst=slot.xt, src=x.ap([[cfg.H, P_MAX], [1, cfg.H]], offset=0, vector_offset=slot.gid),
-                      dge_mode=DGE)
+        nisa.dma_copy(dst=slot.xt[b:b + n, :], src=x.ap([[cfg.H, n], [1, cfg.H]], offset=0,
+                                                        vector_offset=slot.gid[b:b + n, :]), dge_mode=DGE)
 
 
-def _transpose_x(cfg, slot, psum):
-    """xT[:, kt, :] = x tile columns {p * KT + kt} transposed (TensorE), TRANSPOSE_GROUP per PSUM bank."""
+def _half_gate_up_act(cfg, slot):
+    """Narrow tile (HALF_ROWS tokens): gate/up with the weights stationary ([128 H, <=128 I] per chunk) and the
+    tokens moving, so each matmul takes max(HALF_ROWS, 64) cycles instead of the 2I-column stream of a full tile;
+    the result has I on the partitions, so the activation writes act^T (the down projection's stationary) with no
+    transposes; the bias is a per-partition operand."""
+    n, KT, inter = HALF_ROWS, cfg.KT, cfg.I
+    for j in range(cfg.n_ic):
+        i0 = j * P_MAX
+        w = min(P_MAX, inter - i0)
+        pg, pu = slot.pg[:w, j * n:(j + 1) * n], slot.pu[:w, j * n:(j + 1) * n]
+        for kt in range(KT):
+            nisa.nc_matmul(dst=pg, stationary=slot.wgu[:, kt, i0:i0 + w], moving=slot.xT[:, kt, :n],
+                           accumulate=kt > 0)
+            nisa.nc_matmul(dst=pu, stationary=slot.wgu[:, kt, inter + i0:inter + i0 + w], moving=slot.xT[:, kt, :n],
+                           accumulate=kt > 0)
+        g, u, sg = slot.gh[:w, :], slot.uh[:w, :], slot.sh[:w, :]
+        a = slot.aTh[:w, j, :]
+        if cfg.bias_gu:
+            nisa.tensor_scalar(dst=g, data=pg, op0=nl.add, operand0=slot.bcol[:w, j:j + 1])
+            nisa.tensor_scalar(dst=u, data=pu, op0=nl.add, operand0=slot.bcol[:w, cfg.n_ic + j:cfg.n_ic + j + 1])
+            pg, pu = g, u
+        _act(cfg, pg, pu, g, u, sg, a)
+
+
+def _act(cfg, g_in, u_in, g, u, sg, a):
+    """a = act(g_in, u_in) in x's dtype (fp32 math; g, u, sg: fp32 scratch of the same shape)."""
+    if cfg.activation == "swiglu":
+        nisa.activation(dst=sg, op=nl.silu, data=g_in)
+        nisa.tensor_tensor(dst=a, data1=sg, data2=u_in, op=nl.multiply)
+        return
+    # GPT-OSS: gate <= L, -L <= up <= L, out = (up + 1) * gate * sigmoid(alpha * gate)
+    lim = GPT_OSS_SWIGLU_LIMIT
+    nisa.tensor_scalar(dst=g, data=g_in, op0=nl.minimum, operand0=lim)
+    nisa.tensor_scalar(dst=u, data=u_in, op0=nl.maximum, operand0=-lim, op1=nl.minimum, operand1=lim)
+    nisa.activation(dst=sg, op=nl.sigmoid, data=g, scale=GPT_OSS_SWIGLU_ALPHA)
+    nisa.tensor_tensor(dst=sg, data1=sg, data2=g, op=nl.multiply)
+    nisa.scalar_tensor_tensor(dst=a, data=u, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=sg)
+
+
+def _transpose_x(cfg, slot, psum, n):
+    """xT[:, kt, :n] = x tile columns {p * KT + kt} of the n rows transposed (TensorE), TRANSPOSE_GROUP per PSUM
+    bank."""
     KT = cfg.KT
+    b = _gather_base(cfg, n)
     for gi, c0 in enumerate(range(0, KT, TRANSPOSE_GROUP)):
         nc = min(TRANSPOSE_GROUP, KT - c0)
         ps = psum.t[gi % 2]
         for c in range(nc):
             kt = c0 + c
-            nisa.nc_transpose(dst=ps[:, c, :], data=slot.xt[:, kt:kt + (P_MAX - 1) * KT + 1:KT])
-        evict(gi + 1, slot.xT[:, c0:c0 + nc, :], ps[:, :nc, :])    # ScalarE first: VectorE has the activation
+            nisa.nc_transpose(dst=ps[:, c, :n], data=slot.xt[b:b + n, kt:kt + (P_MAX - 1) * KT + 1:KT])
+        evict(gi + 1, slot.xT[:, c0:c0 + nc, :n], ps[:, :nc, :n])    # ScalarE first: VectorE has the activation
 
 
 def _gate_up_step(cfg, slot, psum, c):
@@ -379,9 +495,9 @@ def _gate_up_step(cfg, slot, psum, c):
     c0 = c * cfg.I_CH
     cw = min(cfg.I_CH, cfg.I - c0)
     for kt in range(cfg.KT):
-        nisa.nc_matmul(dst=psum.g[:, :cw], stationary=slot.xT[:, kt, :], moving=slot.wgu[:, kt, c0:c0 + cw],
+        nisa.nc_matmul(dst=slot.pg[:, :cw], stationary=slot.xT[:, kt, :], moving=slot.wgu[:, kt, c0:c0 + cw],
                        accumulate=kt > 0)
-        nisa.nc_matmul(dst=psum.u[:, :cw], stationary=slot.xT[:, kt, :],
+        nisa.nc_matmul(dst=slot.pu[:, :cw], stationary=slot.xT[:, kt, :],
                        moving=slot.wgu[:, kt, cfg.I + c0:cfg.I + c0 + cw], accumulate=kt > 0)
 
 
@@ -389,24 +505,12 @@ def _activation_step(cfg, slot, psum, c):
     """a[:, chunk] = act(gate + bg, up + bu) in x's dtype (fp32 math)."""
     c0 = c * cfg.I_CH
     cw = min(cfg.I_CH, cfg.I - c0)
-    g, u = psum.g[:, :cw], psum.u[:, :cw]
+    g, u = slot.pg[:, :cw], slot.pu[:, :cw]
     if cfg.bias_gu:
         nisa.tensor_tensor(dst=slot.g[:, :cw], data1=g, data2=slot.bgu[:, c0:c0 + cw], op=nl.add)
         nisa.tensor_tensor(dst=slot.u[:, :cw], data1=u, data2=slot.bgu[:, cfg.I + c0:cfg.I + c0 + cw], op=nl.add)
         g, u = slot.g[:, :cw], slot.u[:, :cw]
-    a = slot.a[:, c0:c0 + cw]
-    if cfg.activation == "swiglu":
-        nisa.activation(dst=slot.s[:, :cw], op=nl.silu, data=g)
-        nisa.tensor_tensor(dst=a, data1=slot.s[:, :cw], data2=u, op=nl.multiply)
-        return
-    # GPT-OSS: gate <= L, -L <= up <= L, out = (up + 1) * gate * sigmoid(alpha * gate)
-    lim = GPT_OSS_SWIGLU_LIMIT
-    nisa.tensor_scalar(dst=slot.g[:, :cw], data=g, op0=nl.minimum, operand0=lim)
-    nisa.tensor_scalar(dst=slot.u[:, :cw], data=u, op0=nl.maximum, operand0=-lim, op1=nl.minimum, operand1=lim)
-    nisa.activation(dst=slot.s[:, :cw], op=nl.sigmoid, data=slot.g[:, :cw], scale=GPT_OSS_SWIGLU_ALPHA)
-    nisa.tensor_tensor(dst=slot.s[:, :cw], data1=slot.s[:, :cw], data2=slot.g[:, :cw], op=nl.multiply)
-    nisa.scalar_tensor_tensor(dst=a, data=slot.u[:, :cw], op0=nl.add, operand0=1.0, op1=nl.multiply,
-                              operand1=slot.s[:, :cw])
+    _act(cfg, g, u, slot.g[:, :cw], slot.u[:, :cw], slot.s[:, :cw], slot.a[:, c0:c0 + cw])
 
 
 def _transpose_act(cfg, slot, psum):
@@ -423,20 +527,22 @@ def _transpose_act(cfg, slot, psum):
         evict(1, slot.aT[:rem, full, :], ps[:rem, full, :])
 
 
-def _down_step(cfg, slot, psum):
-    """y[:, chunk] = affinity * (a @ Wd (+ bd)) rounded to x's dtype, chunk by chunk over DOWN_BANKS PSUM banks."""
+def _down_step(cfg, slot, psum, aT, n):
+    """y[:n, chunk] = affinity * (a @ Wd (+ bd)) rounded to x's dtype, chunk by chunk over DOWN_BANKS PSUM banks
+    (aT: act^T [I_aug, n] in KD partition tiles, the stationary)."""
     for h in range(cfg.n_hch):
         h0 = h * cfg.H_CH
         hw = min(cfg.H_CH, cfg.H - h0)
         ps = psum.d[h % DOWN_BANKS]
         for k in range(cfg.KD):
             w = min(P_MAX, cfg.I_aug - k * P_MAX)
-            nisa.nc_matmul(dst=ps[:, :hw], stationary=slot.aT[:w, k, :], moving=slot.wd[:w, k, h0:h0 + hw],
+            nisa.nc_matmul(dst=ps[:n, :hw], stationary=aT[:w, k, :n], moving=slot.wd[:w, k, h0:h0 + hw],
                            accumulate=k > 0)
         if h % 2 == 0:
-            nisa.activation(dst=slot.y[:, h0:h0 + hw], op=nl.copy, data=ps[:, :hw], scale=slot.aff)
+            nisa.activation(dst=slot.y[:n, h0:h0 + hw], op=nl.copy, data=ps[:n, :hw], scale=slot.aff[:n, :])
         else:
-            nisa.tensor_scalar(dst=slot.y[:, h0:h0 + hw], data=ps[:, :hw], op0=nl.multiply, operand0=slot.aff)
+            nisa.tensor_scalar(dst=slot.y[:n, h0:h0 + hw], data=ps[:n, :hw], op0=nl.multiply,
+                               operand0=slot.aff[:n, :])
 
 
 def _add_partial(cfg, part, out, core):
@@ -467,11 +573,12 @@ def kernel_inputs(expert_index, affinities, num_experts, block_size, n_cores=1):
 
 
 def expert_schedule(m, n_cores=1):
-    """[n_cores, 1 + 5 S] int32: each core's expert pairs and its (expert, first row, tile pairs, odd tile, load)
-    entries. Experts
+    """[n_cores, 2 + 5 S] int32: each core's expert pairs, prologue flag, and its (expert, first row, tile pairs,
+    odd tile, load) entries (the first entry's weights load in the prologue). Experts
     go to the core with fewer tiles so far, largest first (LPT), then each core serves its experts in id order."""
     n = m.num_active
-    tiles = -(-m.tokens_per_expert[m.active_experts[:n]] // P_MAX_HOST)
+    rows = m.tokens_per_expert[m.active_experts[:n]]
+    tiles = -(-rows // P_MAX_HOST)
     firsts = m.expert_first_block[:n] * m.block_size
     cores = [[] for _ in range(n_cores)]
     load = [0] * n_cores
@@ -480,13 +587,18 @@ def expert_schedule(m, n_cores=1):
         cores[c].append(j)
         load[c] += int(tiles[j])
     S = max(2, max(len(c) + len(c) % 2 for c in cores))
-    out = np.zeros((n_cores, 1 + SCHED_FIELDS * S), np.int32)
+    H0 = SCHED_HEADER
+    out = np.zeros((n_cores, H0 + SCHED_FIELDS * S), np.int32)
     for c, js in enumerate(cores):
         js = sorted(js)
         out[c, 0] = (len(js) + 1) // 2
+        out[c, 1] = 1 if js else 0
         for i, j in enumerate(js):
-            out[c, 1 + SCHED_FIELDS * i:1 + SCHED_FIELDS * (i + 1)] = (m.active_experts[j], firsts[j], tiles[j] // 2,
-                                                                       tiles[j] % 2, 1)
+            # an expert whose last tile has <= HALF_ROWS rows serves it as a narrow tile after its 128-row tiles
+            half = int(rows[j] - P_MAX_HOST * (tiles[j] - 1) <= HALF_ROWS)
+            full = tiles[j] - half
+            out[c, H0 + SCHED_FIELDS * i:H0 + SCHED_FIELDS * (i + 1)] = (m.active_experts[j], firsts[j], full // 2,
+                                                                         full % 2, int(i > 0), half)
     return out
 
 

@@ -150,6 +150,24 @@ def test_kernel_trn3_dma_transposes(T, lnc, skew, bias, monkeypatch):
     run_and_check(T, 256, 8, 256, 3, lnc=lnc, skew=skew, biases=bias, block_size=128)
 
 
+@pytest.mark.parametrize("target", ["trn2", "trn3"])
+def test_kernel_narrow_last_tiles(target, monkeypatch):
+    """Experts whose last tile has <= 64 rows serve it as a narrow tile (weights stationary, tokens moving; gather
+    and scatter of 64 rows), after full tiles or alone: TensorE transposes (trn2) and DMA transposes (trn3, I 256)."""
+    from nki_kernels.moe.moe_cte import HALF_ROWS, SCHED_FIELDS, SCHED_HEADER, kernel_inputs
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+    x, idx, aff, *_ = make_inputs(300, 256, 2, 256, 2)
+    m, *_, sched = kernel_inputs(idx, aff, 2, 128)
+    entries = sched[0, SCHED_HEADER:].reshape(-1, SCHED_FIELDS)[:m.num_active]
+    rows = m.tokens_per_expert[entries[:, 0]]
+    # both experts have all 300 rows (>= NARROW_MIN_ROWS per expert): two full tiles + a narrow 44-row tile
+    assert entries[:, 2:4].tolist() == [[1, 0], [1, 0]] and entries[:, 5].tolist() == [1, 1]
+    rest = rows - 128 * (2 * entries[:, 2] + entries[:, 3])      # rows left after the full tiles
+    assert (rest <= HALF_ROWS).all() and ((rest > 0) == (entries[:, 5] == 1)).all()
+    run_and_check(300, 256, 2, 256, 2, block_size=128)
+    run_and_check(390, 256, 3, 256, 2, activation="swiglu", biases=False, block_size=256, skew="one")
+
+
 def test_kernel_trn3_tensor_transposes_for_short_weight_rows(monkeypatch):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
     run_and_check(100, 256, 4, 96, 2)
