@@ -14,21 +14,6 @@ from modules.model_specs import TextModelSpec
 from modules.moe import MoELayer, MoEShape, gpt_oss_moe_mappings
 
 
-class _DeferredAllReduce:
-    """A view of a group whose all_reduce returns its input: `MoELayer.decode` then returns this rank's partial,
-    and the decoder layer's one all-reduce over the same MLP component group sums it (`decoder_layer_decode`).
-    Every other attribute and collective is the wrapped group's."""
-
-    def __init__(self, group) -> None:
-        self._group = group
-
-    def __getattr__(self, name):
-        return getattr(self._group, name)
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-
 class GptOssMoEMLP(nn.Module):
     """The MLP slot of a GPT-OSS decoder layer: ``partial`` (decode) and ``forward_sp`` (prefill, SP)."""
 
@@ -38,10 +23,12 @@ class GptOssMoEMLP(nn.Module):
         if not spec.is_moe:
             raise ValueError(f"GptOssMoEMLP: {spec.name} is dense (experts=0); GPT-OSS needs a MoE spec")
         shape = MoEShape.from_spec(spec, tp_group.world_size)
-        self.moe = MoELayer(shape, _DeferredAllReduce(tp_group), norm_eps=eps, dtype=dtype, backend=backend)
+        self.moe = MoELayer(shape, tp_group, norm_eps=eps, dtype=dtype, backend=backend)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return self.moe.decode(x)
+        # No collective: the decoder layer's one all-reduce over the MLP component group sums these partials
+        # (`decoder_layer_decode`).
+        return self.moe.decode_partial(x)
 
     def forward_sp(self, x_sp: torch.Tensor) -> torch.Tensor:
         return self.moe.prefill(x_sp)  # all-gather of hidden and affinities … reduce-scatter, inside the layer

@@ -10,7 +10,8 @@ Prefill (sequence parallel), input [T/tp, H] on each rank — collectives, in or
     all_gather(dim 0) affinities [T/tp, E] → [T, E]   (dense: routing needs the full sequence)
     CTE on all T tokens → partial [T, Hp]
     reduce_scatter(dim 0) → [T/tp, Hp]                 (sums the TP partials and returns to the SP layout)
-Decode, input [T, H] on every rank: TKG (fused RMSNorm + router + experts) → partial [T, Hp]; all_reduce.
+Decode, input [T, H] on every rank: TKG (fused RMSNorm + router + experts) → partial [T, Hp]; all_reduce
+(``decode_partial`` stops before the all-reduce, for callers that fuse it with their own).
 Every rank must pass the same T/tp in prefill (the seed's SP constraint: the scheduler pads T to a bucket divisible by
 tp); the layer cannot see the other ranks' counts without a collective, and a mismatched all-gather aborts the group.
 
@@ -131,10 +132,9 @@ class MoELayer(nn.Module):
         out = g.reduce_scatter(partial.to(x.dtype), dim=0)
         return out[:, :width]
 
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] (all tokens on every rank) → [T, H]. A batch above the TKG kernel's token limit runs as several
-        kernel calls (tokens are independent) and still one all-reduce."""
-        width = x.shape[-1] if x.dim() == 2 else None
+    def _tkg_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's TKG output for x [T, H or Hp], padded width [T, Hp], in x's dtype. A batch above the TKG
+        kernel's token limit runs as several kernel calls (tokens are independent)."""
         h = self._padded(x, "decode")
         r = self.router
         partials = []
@@ -146,7 +146,19 @@ class MoELayer(nn.Module):
                 activation=self.activation, add_down_bias=self.add_down_bias, expert_mode=self.expert_mode,
                 backend=self.backend, lnc=self.lnc)
             partials.append(as_torch(out).to(x.dtype))
-        return self.tp_group.all_reduce(torch.cat(partials))[:, :width]
+        return torch.cat(partials)
+
+    def decode_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (all tokens on every rank) → this rank's partial [T, H] (x's width), no collective: the sum
+        over ``tp_group`` of every rank's partial is ``decode(x)``. For callers that fuse this reduction with
+        others over the same group (the decoder layer's one MLP all-reduce over the TP and DP weight shards)."""
+        width = x.shape[-1] if x.dim() == 2 else None
+        return self._tkg_partial(x)[:, :width]
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (all tokens on every rank) → [T, H]: the TKG partial and one all-reduce over ``tp_group``."""
+        width = x.shape[-1] if x.dim() == 2 else None
+        return self.tp_group.all_reduce(self._tkg_partial(x))[:, :width]
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         return self.prefill(x) if sequence_parallel else self.decode(x)

@@ -1,6 +1,7 @@
 """The TP-without-EP MoE layer on real gloo groups at world 2/4/8, loaded from real GPT-OSS-layout safetensors files
 (bf16 and MXFP4 forms), equals the unsharded layer (moe_torch on the full weights) in prefill (SP) and decode; the
-collective log is the seed's; each rank read only its slice of the expert tensors."""
+collective log is the seed's; decode is the all-reduce of decode_partial; each rank read only its slice of the expert
+tensors."""
 
 import pytest
 import torch
@@ -67,6 +68,14 @@ def _check_moe(rank, world_size, paths):
             want = _reference(ref, x_decode, norm)
             assert_close_global(got[:, :H], want, msg=f"{form} decode")
             assert torch.equal(got[:, H:], torch.zeros(T_DECODE, Hp - H))
+            # decode_partial: no collective, and the all-reduce of the partials is decode, bit for bit (same
+            # buffer, same collective); at the real width H it is the first H columns of it.
+            with log.capture() as cap:
+                part, part_h = layer.decode_partial(xd), layer.decode_partial(x_decode)
+            assert cap.records == [] and part.shape == (T_DECODE, Hp) and part_h.shape == (T_DECODE, H)
+            assert torch.equal(part_h, part[:, :H])
+            assert torch.equal(group.all_reduce(part), got)
+            assert not torch.allclose(part[:, :H], want, atol=1e-3)  # a partial sum, not the output
             if form == "bf16":
                 # bf16 activations and weights: bf16 collectives, bf16 rounding of partials before the sum.
                 layer16 = MoELayer(shape, group, dtype=torch.bfloat16, norm_eps=EPS, backend="torch")
