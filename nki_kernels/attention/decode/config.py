@@ -93,7 +93,9 @@ class _Config(nl.NKIObject):
         self.fp8 = fp8
         self.imajor = self.paged      # i-major K^T / score layout (column i*128 + q <-> position q*n + i)
         self.s_max, self.L, self.scale, self.h_actual, self.window = s_max, L, scale, h_actual, window
-        self.group = nq // nkv                 # query heads per KV head
+        # query heads per KV head (>= 1: the attention-DP config of the gathered tokens may hold fewer query heads
+        # than KV heads; it never attends, see decode/exchange.py)
+        self.group = max(1, nq // nkv)
         self.R = self.group * S                # query rows of one (batch, KV head): (s, h) order
         self.C = (nq + 2 * nkv) * d            # fused QKV columns
         self.KT = H // P_MAX                   # contraction tiles over H (H index p * KT + kt on partition p)

@@ -59,21 +59,26 @@ GPT_OSS_KERNEL_SPEC = TextModelSpec("tiny-gpt-oss-kernel", layers=2, hidden=128,
                                     head_dim=32, vocab=64, experts=4, top_k=2, sliding_window=4, attention_bias=True)
 
 
-# Layouts of the kernel-vs-torch comparison: plain tp 2, and attention DP 2 (in-kernel all-to-alls) both with a
-# TP position of 2 ranks per DP column (world 4: columns [0, 2] and [1, 3]) and as pure DP (tp 1, world 2).
+# Layouts of the kernel-vs-torch comparison: plain tp 2, and attention DP (in-kernel all-to-alls) with 2 TP
+# positions of 2-rank DP columns (world 4: columns [0, 2] and [1, 3]) and as pure DP (tp 1, world 2 and 4).
 KERNEL_LAYOUTS = {
     "tp2": (2, dict(tp_size=2)),
     "tp2_attn_dp2": (4, dict(tp_size=2, dp_size=2, attention_dp_size=2, mlp_dp_size=2, embedding_dp_size=2,
                              lm_head_dp_size=2)),
     "tp1_attn_dp2": (2, dict(tp_size=1, dp_size=2, attention_dp_size=2, mlp_dp_size=1, embedding_dp_size=1,
                              lm_head_dp_size=1)),
+    # one query head per rank, two KV heads: every rank of the column attends 4 heads after the swap
+    "tp1_attn_dp4": (4, dict(tp_size=1, dp_size=4, attention_dp_size=4, mlp_dp_size=2, embedding_dp_size=1,
+                             lm_head_dp_size=4)),
 }
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("spec, layout", [(KERNEL_SPEC, "tp2"), (GPT_OSS_KERNEL_SPEC, "tp2"),
-                                          (KERNEL_SPEC, "tp2_attn_dp2"), (GPT_OSS_KERNEL_SPEC, "tp1_attn_dp2")],
-                         ids=["llama-tp2", "gpt_oss-tp2", "llama-tp2_attn_dp2", "gpt_oss-tp1_attn_dp2"])
+                                          (KERNEL_SPEC, "tp2_attn_dp2"), (GPT_OSS_KERNEL_SPEC, "tp1_attn_dp2"),
+                                          (KERNEL_SPEC, "tp1_attn_dp4")],
+                         ids=["llama-tp2", "gpt_oss-tp2", "llama-tp2_attn_dp2", "gpt_oss-tp1_attn_dp2",
+                              "llama-tp1_attn_dp4"])
 def test_decode_kernel_path_matches_torch_path(tmp_path, spec, layout):
     """backend="nkisim" runs the fused decode-attention kernel on the interpreter (bf16; for GPT-OSS also the
     MoE's router / CTE / TKG kernels through modules.moe) against the torch path; with attention DP the kernel swaps

@@ -29,9 +29,9 @@ def _check_close(got, want, what):
     assert cos >= MIN_COS, f"{what}: cosine {cos}"
 
 
-def run_dp(world, columns, B, nq, s_max=256, ctx=200, window=0, block_size=0, seed=0, S=1):
+def run_dp(world, columns, B, nq, s_max=256, ctx=200, window=0, block_size=0, seed=0, S=1, nkv=1):
     a = len(columns[0])
-    args, kw = make_inputs(B, S, s_max=s_max, ctx=ctx, nq=nq, seed=seed, **TINY)
+    args, kw = make_inputs(B, S, s_max=s_max, ctx=ctx, nq=nq, seed=seed, **dict(TINY, nkv=nkv))
     if block_size:
         args, kw = to_paged(args, kw, block_size, seed=seed)
     kw["sliding_window"] = window
@@ -72,6 +72,11 @@ def test_two_strided_columns_of_two():
     """World 4 as tp 2 x attention DP 2: columns [0, 2] and [1, 3] (rank-list order != rank order), a sliding window
     and GQA (2 query heads per rank over one KV head)."""
     run_dp(4, [[0, 2], [1, 3]], B=4, nq=4, window=64, seed=1)
+
+
+def test_dp4_fewer_query_heads_per_rank_than_kv_heads():
+    """GQA 2 over 2 KV heads, 4 ranks: each rank projects 1 query head but attends 4 against 2 KV heads."""
+    run_dp(4, [[0, 1, 2, 3]], B=4, nq=4, nkv=2, seed=4)
 
 
 def test_dp2_two_new_tokens():
