@@ -147,3 +147,13 @@ def test_sbuf_budget_of_qwen3_vl_shards(tp, S, fits):
     assert (err is None) == fits, err
     if not fits:
         assert f"more than {RESIDENT_MAX}" in err
+
+
+def test_long_ranges_use_every_key_step():
+    """Ranges long enough for every key loop (2048-, 1024- and 512-key steps, kernel's STEPS) and a query tile that
+    straddles two images: the two-pass softmax keeps one row max and one accumulator over all of a range's steps.
+    (No other case reaches a 2048-key step.)"""
+    S, H, nh, d, sizes = 4096, 128, 1, 16, (3000, 700, 300)
+    args = make_inputs(S, H, nh, d, sizes)
+    out = vision_block_attention(*args, num_heads=nh, head_dim=d, backend="nkisim")
+    _check(out, vision_block_attention_torch(*args, num_heads=nh, head_dim=d), sum(sizes))
