@@ -28,11 +28,6 @@ SCHED_FIELDS = 6
 # stationary and the tokens moving (gate/up in max(n, 64) TensorE cycles per I chunk instead of 2I per H tile) and
 # gathers / scatters only these rows (64: the TensorE minimum of 64 cycles per matmul makes narrower ones no faster)
 HALF_ROWS = 64
-# rows per expert from which the narrow tile is used (below, a flagged last tile runs as a full 128-row tile): it
-# saves TensorE time and gather / scatter bytes, but its 64-row DMAs load half of the DMA engines; with few rows per
-# expert the kernel is DMA bound and that imbalance costs more (modelled, GPT-OSS-20B TP8 trn3: T 512 (64 rows per
-# expert) 657 -> 672 us with it, T 2048 (256 rows) 989 -> 940 us)
-NARROW_MIN_ROWS = 256
 # schedule header per core: expert pairs, prologue flag (0/1: the first expert's weights load before out is zeroed,
 # so that the first matmuls do not wait behind the zero-fill in the DMA queues; its own load flag is then 0)
 SCHED_HEADER = 2
@@ -81,7 +76,6 @@ class _Config(nl.NKIObject):
         self.H_CH = PSUM_F                     # output columns per down-projection PSUM bank
         self.n_hch = (H + self.H_CH - 1) // self.H_CH
         self.n_ic = (inter + P_MAX - 1) // P_MAX   # 128-row I chunks of the narrow tile (gate in one PSUM bank)
-        self.half_rows = HALF_ROWS if rows_per_expert >= NARROW_MIN_ROWS else P_MAX   # narrow-flagged tile's rows
 
     def weight_bytes(self):
         """SBUF bytes per partition of one expert's resident weights (gate/up, down, gate/up bias)."""
@@ -339,8 +333,8 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
     # the narrow last tile on the buffer set the previous tile did not use
     row_h = row0 + (n_pairs * 2 + odd) * P_MAX
     zero_h = 1 - load - n_pairs - odd
-    nl.fori_loop(0, half * odd, lambda _: tile(slots[1], row_h, zero_h, cfg.half_rows))
-    nl.fori_loop(0, half * (1 - odd), lambda _: tile(slots[0], row_h, zero_h, cfg.half_rows))
+    nl.fori_loop(0, half * odd, lambda _: tile(slots[1], row_h, zero_h, HALF_ROWS))
+    nl.fori_loop(0, half * (1 - odd), lambda _: tile(slots[0], row_h, zero_h, HALF_ROWS))
 
 
 def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down):

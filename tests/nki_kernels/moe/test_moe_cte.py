@@ -160,7 +160,7 @@ def test_kernel_narrow_last_tiles(target, monkeypatch):
     m, *_, sched = kernel_inputs(idx, aff, 2, 128)
     entries = sched[0, SCHED_HEADER:].reshape(-1, SCHED_FIELDS)[:m.num_active]
     rows = m.tokens_per_expert[entries[:, 0]]
-    # both experts have all 300 rows (>= NARROW_MIN_ROWS per expert): two full tiles + a narrow 44-row tile
+    # both experts have all 300 rows: two full tiles + a narrow 44-row tile
     assert entries[:, 2:4].tolist() == [[1, 0], [1, 0]] and entries[:, 5].tolist() == [1, 1]
     rest = rows - 128 * (2 * entries[:, 2] + entries[:, 3])      # rows left after the full tiles
     assert (rest <= HALF_ROWS).all() and ((rest > 0) == (entries[:, 5] == 1)).all()
