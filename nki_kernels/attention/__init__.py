@@ -7,8 +7,8 @@
   - "auto":   "nki" when the real package serves `import nki`, else "nkisim".
 It returns out [B*S_tkg, H] (the partial O-projection, before the TP all-reduce; bias_o is added iff add_bias_o, which
 under TP must be True on exactly one rank of the group) and updates K_cache / V_cache in place. An fp8 cache
-(float8_e4m3fn / float8_e4m3, contiguous) takes k_scale / v_scale ([1] or [kv_heads] float32). position_ids and
-block_table may be int64 (torch's default): they are checked on the host and passed to the kernel as int32.
+(float8_e4m3fn / float8_e4m3, contiguous or paged) takes k_scale / v_scale ([1] or [kv_heads] float32). position_ids
+and block_table may be int64 (torch's default): they are checked on the host and passed to the kernel as int32.
 """
 
 import numpy as np

@@ -70,8 +70,9 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
             are the column's attn_dp * nq_e heads. Two in-kernel all_to_alls swap heads <-> sequences; out is the
             partial [attn_dp * B_local * S, H]. None = no attention DP. LNC=1, bf16 cache.
         k_scale, v_scale ([1] or [nkv] fp32 @ HBM): fp8 KV cache (K_cache / V_cache float8_e4m3 or float8_e4m3fn,
-            contiguous layout): per-tensor or per-KV-head scales; a cached value means value * scale. Dequantised
-            on load (the K/V loads cast to bf16; k_scale folds into q, v_scale into the final 1/l); the new
+            contiguous or paged layout): per-tensor or per-KV-head scales; a cached value means value * scale.
+            Dequantised on load (K read as fp8 pairs and cast to bf16 on an engine, V cast by its DMA; k_scale
+            folds into q, v_scale into the final 1/l); the new
             tokens' K/V are quantised (value / scale, rounded to fp8) before use, as the cache stores them.
         sinks ([nq] @ HBM): optional per-head sink logits (scaled-logit units); join the softmax denominator only.
         context_len (int): static number of cache positions scanned (L); 0 = S_max. Every position must be < L.

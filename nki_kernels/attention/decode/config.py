@@ -266,7 +266,6 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
         assert t.dtype == X.dtype, f"{name} dtype {t.dtype} must match X dtype {X.dtype}"
     if fp8:
         assert V_cache.dtype == K_cache.dtype, f"V_cache dtype {V_cache.dtype} must match K_cache dtype {K_cache.dtype}"
-        assert not paged, "K_cache: an fp8 cache is supported in the contiguous layout only (no block_table)"
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
             assert t is not None, f"{name} is required with an fp8 cache ({K_cache.dtype})"
             assert tuple(t.shape) in ((1,), (nkv,)) and t.dtype == nl.float32, \

@@ -450,7 +450,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         st.n_slots += 1
         if cfg.paged:
             lg = st.load_gates[j0] if cfg.ragged else (None,) * nb
-            _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w, lg)
+            _load_slot_paged(cfg, st, K_cache, V_cache, kg, v, g, p0, nb, j0, w, lg)
         else:
             for j in range(nb):
                 b = p0 + j

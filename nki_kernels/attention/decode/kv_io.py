@@ -14,11 +14,12 @@ def _cast_pairs(cfg, kg, kT, w, nb, dtype, k):
     """fp8 cache: K^T load groups kg [128, group, w] of fp8 pairs (2-byte elements; see _load_piece) -> the bf16
     stacks kT[:, 2 * group + half, :w] (half 0: the even dims, 1: the odd dims; see _Config.halves), one cast per
     group over all its batches. The cast is the one extra pass of the fp8 path (the DMA moves fp8 bytes only);
-    GpSimd casts 16-bit lanes at twice its fp32 rate, ScalarE takes one group in three (k: the slot count)."""
+    GpSimd casts 16-bit lanes at twice its fp32 rate, ScalarE takes one group in four (k: the slot count; modelled
+    trn2 GPT-OSS B=16 16K: one in three 168.6 us, one in two 170.4, all ScalarE 199.7, one in four 166.6)."""
     for jg in range((nb + cfg.kpp - 1) // cfg.kpp):
         kp = min(cfg.kpp, nb - jg * cfg.kpp) * cfg.kd
         pairs = kg[:kp, jg, :w].view(dtype).reshape((kp, w, 2)).permute((0, 2, 1))
-        eng = nisa.engine.scalar if (k + jg) % 3 == 2 else nisa.engine.gpsimd
+        eng = nisa.engine.scalar if (k + jg) % 4 == 3 else nisa.engine.gpsimd
         nisa.tensor_copy(dst=kT[:kp, 2 * jg:2 * jg + 2, :w], src=pairs, engine=eng)
 
 
@@ -51,7 +52,9 @@ def _load_slot_window(cfg, start, K_cache, V_cache, kT, v, b, g, j0, w):
     d, s_max = cfg.d, cfg.s_max
     n = w // P_MAX
     base = ((b * cfg.nkv + g) * s_max + j0) * d
-    nisa.dma_transpose(dst=kT, src=K_cache.ap([[d, w], [1, d]], offset=base, scalar_offset=start, indirect_dim=2))
+    kd, hv = cfg.kd, cfg.halves      # fp8: K rows as 2-byte pairs (see _load_piece)
+    nisa.dma_transpose(dst=kT, src=K_cache.ap([[kd, w], [1, kd]], offset=base // hv, scalar_offset=start,
+                                              indirect_dim=2, dtype=nl.uint16 if cfg.fp8 else None))
     nisa.dma_copy(dst=v[:, :n, :], src=V_cache.ap([[n * d, P_MAX], [1, n * d]], offset=base, scalar_offset=start,
                                                  indirect_dim=2))
 
@@ -156,15 +159,20 @@ def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w, gates):
 
 
 def _gather_batch(cfg, K_cache, V_cache, kT, v, idx, K, off, row, j, n, w):
-    """The paged gathers of batch j of the pack for one slot (see _load_slot_paged)."""
-    d, bs = cfg.d, cfg.bs
+    """The paged gathers of batch j of the pack for one slot (see _load_slot_paged). fp8 cache: the K rows are
+    gathered as 2-byte pairs (`.ap(dtype=uint16)`, every K element count halved: the indirect transpose takes
+    2-byte data only) into the load group tile, as in _load_piece; V is cast to bf16 by its gathers."""
+    d, bs, hv = cfg.d, cfg.bs, cfg.halves
+    kd = cfg.kd                                  # K elements per position in the gathers (d, or d / 2 pairs)
     swdge = nisa.dge_mode.swdge
-    u0, jj = (j % cfg.kpp) * d, j // cfg.kpp
+    kdt = nl.uint16 if cfg.fp8 else None
+    u0, jj = (j % cfg.kpp) * kd, j // cfg.kpp
     if K == 1:
         for i in range(n // bs):
             vo = idx[:, j, i]
-            nisa.dma_transpose(dst=kT[u0:u0 + d, jj, i * bs * P_MAX:(i + 1) * bs * P_MAX].reshape((d, bs, P_MAX)),
-                               src=K_cache.ap([[row, P_MAX], [d, bs], [1, d]], offset=off, vector_offset=vo),
+            nisa.dma_transpose(dst=kT[u0:u0 + kd, jj, i * bs * P_MAX:(i + 1) * bs * P_MAX].reshape((kd, bs, P_MAX)),
+                               src=K_cache.ap([[row // hv, P_MAX], [kd, bs], [1, kd]], offset=off // hv,
+                                              vector_offset=vo, dtype=kdt),
                                dge_mode=swdge)
             nisa.dma_copy(dst=v[:, j, i * bs:(i + 1) * bs, :],
                           src=V_cache.ap([[row, P_MAX], [1, bs * d]], offset=off, vector_offset=vo),
@@ -177,8 +185,9 @@ def _gather_batch(cfg, K_cache, V_cache, kT, v, idx, K, off, row, j, n, w):
             kc, vc, rm = K_cache.reshape((nsub, m * d)), V_cache.reshape((nsub, m * d)), m * d
         vo = idx[:T, j, 0]
         # (K, n) merged into one level (stride d): a 4-D indirect transpose needs src.shape[1] or [2] == 1
-        nisa.dma_transpose(dst=kT[u0:u0 + d, jj, :w].reshape((d, K * n, T)),
-                           src=kc.ap([[rm, T], [d, K * n], [1, d]], offset=off, vector_offset=vo),
+        nisa.dma_transpose(dst=kT[u0:u0 + kd, jj, :w].reshape((kd, K * n, T)),
+                           src=kc.ap([[rm // hv, T], [kd, K * n], [1, kd]], offset=off // hv, vector_offset=vo,
+                                     dtype=kdt),
                            dge_mode=swdge)
         for r in range(K):
             nisa.dma_copy(dst=v[r * T:(r + 1) * T, j, :n, :],

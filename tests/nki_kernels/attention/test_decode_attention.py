@@ -585,6 +585,33 @@ def test_fp8_kv_cache(shape, B, S, ctx, per_head, lnc, ragged):
         assert (diff <= 0.07 * want[sel].float().abs() + 1e-3).float().mean() >= 0.99   # one fp8 step at most
 
 
+@pytest.mark.parametrize("shape,B,ctx,block_size,window", [
+    (GPT_OSS_20B_TP8, 3, 2048, 32, 0),     # gathered rows of whole blocks
+    (LLAMA31_8B_TP8, 2, 1024, 256, 0),     # blocks larger than 16 gathered rows: sub-blocks
+    (GPT_OSS_20B_TP8, 2, 1024, 32, 128),   # sliding window: windowed gathers
+    (GPT_OSS_20B_TP8, 2, 1024, 0, 128),    # contiguous, sliding window: register-addressed pair transposes
+])
+def test_fp8_paged_kv_cache(shape, B, ctx, block_size, window):
+    """Paged fp8 cache: K gathered as 2-byte pairs (the indirect transpose takes 2-byte data only), V cast by its
+    gathers; NaN bytes past each sequence stay out of every output row. Also the windowed scans' fp8 loads."""
+    args, kw = make_inputs(B, 1, s_max=ctx, ctx=ctx, seed=43, **shape)
+    kw = dict(kw, sliding_window=window)
+    ks, vs = torch.tensor([1 / 64]), torch.tensor([1 / 80])
+    f8 = torch.float8_e4m3fn
+    K8, V8 = (args[2].float() / ks).to(f8), (args[3].float() / vs).to(f8)
+    for b in range(B):
+        for c in (K8, V8):
+            c.view(torch.uint8)[b, :, int(args[4][b, 0]):] = 0x7F
+    args, kw = args[:2] + (K8, V8) + args[4:], dict(kw, k_scale=ks, v_scale=vs)
+    if block_size:
+        args, kw = to_paged(args, kw, block_size, seed=5)
+    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
+    out = decode_attention(*args, **kw, backend="nkisim").float()
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    assert torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item() >= MIN_COS
+
+
 def test_fp8_cache_halves_the_kv_bytes():
     """The modelled HBM traffic of the cache scan halves with an fp8 cache (1 byte per element instead of 2)."""
     import nkisim
