@@ -68,7 +68,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
             bias_qkv / W_o hold this rank's nq_e query heads (interleaved effective rank) and its TP position's K/V
             heads; the caches, block_table, position_ids and cos / sin are this rank's own B_local sequences; sinks
             are the column's attn_dp * nq_e heads. Two in-kernel all_to_alls swap heads <-> sequences; out is the
-            partial [attn_dp * B_local * S, H]. None = no attention DP. LNC=1, bf16 cache.
+            partial [attn_dp * B_local * S, H]. None = no attention DP. LNC=1.
         k_scale, v_scale ([1] or [nkv] fp32 @ HBM): fp8 KV cache (K_cache / V_cache float8_e4m3 or float8_e4m3fn,
             contiguous or paged layout): per-tensor or per-KV-head scales; a cached value means value * scale.
             Dequantised on load (K read as fp8 pairs and cast to bf16 on an engine, V cast by its DMA; k_scale
@@ -114,7 +114,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
                                       add_bias_o, k_scale, v_scale, nl.num_programs(), attn_dp_groups, attn_dp_rank)
         out = nl.ndarray((cfg_g.B * cfg.S, cfg.H), dtype=X.dtype, buffer=nl.shared_hbm)
         _decode_attention_dp(cfg, cfg_g, dp, X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv,
-                             sinks, bias_o if add_bias_o else None, eps, block_table, out)
+                             sinks, bias_o if add_bias_o else None, eps, block_table, out, k_scale, v_scale)
         return out
     cfg = _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
                            context_len, softmax_scale, hidden_actual, sliding_window, block_table, add_bias_o,

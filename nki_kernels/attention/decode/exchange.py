@@ -19,8 +19,9 @@ heads of its TP position (replicated down the column), and the KV cache of its o
   4. the O-projection shard gives this rank's partial [attn_dp * B_local * S, H]; the caller's one all-reduce over
      the attention component TP group sums the TP and DP partials.
 
-The collectives stage through private HBM (all_to_all takes HBM tensors only, AWS's stub). Limits of this path
-(checked in _validate_dp): LNC=1, a bf16/fp32 cache (fp8 quantisation happens per rank after the swap: not wired).
+The collectives stage through private HBM (all_to_all takes HBM tensors only, AWS's stub). An fp8 cache: the own
+tokens' k / v are quantised after the swap, as in the plain launch. Limit of this path (checked in _validate_dp):
+LNC=1.
 
 Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
 
@@ -36,9 +37,11 @@ from .oproj import _load_w_o, _output_projection
 from .planning import _token_tiles
 from .qkv import (
     _Inputs,
+    _load_kv_scales,
     _load_small_inputs,
     _qkv_projection,
     _qkv_tile,
+    _quantize_kv,
     _rmsnorm,
     _rope,
     _transpose_bias_o,
@@ -83,8 +86,6 @@ def _validate_dp(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma,
         f"X: gathered batch {B} x S_tkg {S} must be <= {MAX_BATCH} sequences and <= {MAX_TOKENS} tokens"
     assert len(K_cache.shape) == 4, f"K_cache must be 4-D, got shape {K_cache.shape}"
     nkv, d = K_cache.shape[1], K_cache.shape[3]
-    assert K_cache.dtype not in (nl.float8_e4m3, nl.float8_e4m3fn), \
-        "K_cache: an fp8 cache is not supported with attention DP (attn_dp_groups)"
     if block_table is None:
         assert K_cache.shape[0] == bl, (f"K_cache: batch {K_cache.shape[0]} must be this rank's own B_local = "
                                         f"{B} / attn_dp={a} = {bl} sequences (attention DP keeps own caches)")
@@ -107,9 +108,12 @@ def _validate_dp(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma,
     return cfg, cfg_g, _DP(lists, dp_rank, a, nq_e * d)
 
 
-def _load_rope(cfg, cos, sin, tiles):
-    """_Inputs holding the RoPE tables of the own tokens (the gathered phases need none)."""
+def _load_own_inputs(cfg, cos, sin, tiles, k_scale, v_scale):
+    """_Inputs of the own tokens' phases: the RoPE tables and an fp8 cache's scales (the gathered phases need
+    neither)."""
     ins = _Inputs()
+    if cfg.fp8:
+        _load_kv_scales(cfg, ins, k_scale, v_scale)
     if cos is None:
         return ins
     h2 = cfg.d // 2
@@ -189,12 +193,12 @@ def _swap_sequences_for_heads(cfg, cfg_g, dp, oT, own, gath):
 
 
 def _decode_attention_dp(cfg, cfg_g, dp, X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv,
-                         sinks, bias_o, eps, block_table, out):
+                         sinks, bias_o, eps, block_table, out, k_scale=None, v_scale=None):
     """The attention-DP launch (module docstring, steps 1-4): the phases of the fused kernel on the gathered tokens
     (cfg_g: this rank's query heads) and on the own sequences (cfg: the column's query heads), joined by the swaps."""
     gath, own = _token_tiles(cfg_g, 0, cfg_g.B), _token_tiles(cfg, 0, cfg.B)
     ins = _load_small_inputs(cfg_g, X, gamma, bias_qkv, bias_o, None, None, gath)
-    rope = _load_rope(cfg, cos, sin, own)
+    own_ins = _load_own_inputs(cfg, cos, sin, own, k_scale, v_scale)
     pos_sb = _load_positions(cfg, position_ids)
     rows = _paged_rows(cfg, position_ids, block_table, own)
     starts = _window_starts(cfg, position_ids, 0, cfg.B)
@@ -204,7 +208,10 @@ def _decode_attention_dp(cfg, cfg_g, dp, X, W_qkv, K_cache, V_cache, position_id
     xT = _rmsnorm(cfg_g, consts, ins, gath, eps)
     qkv_g = _qkv_projection(cfg_g, consts, xT, W_qkv, ins.bias_qkv, gath)
     qkv = _swap_heads_for_sequences(cfg, cfg_g, dp, qkv_g, gath, own)
-    qkv = _rope(cfg, qkv, rope, own)
+    qkv = _rope(cfg, qkv, own_ins, own)
+    if cfg.fp8:
+        _quantize_kv(cfg, qkv, own_ins, own, K_cache.dtype)
+        consts.vs = own_ins.vs
     qkT = _transpose_qk(cfg, qkv, own)
     oT, _ = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, own, 0, cfg.B,
                                     None, block_ids, starts)

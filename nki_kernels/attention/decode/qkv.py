@@ -20,16 +20,22 @@ class _Inputs(nl.NKIObject):
         self.ks, self.vs, self.ks_inv, self.vs_inv = None, None, None, None   # fp8 cache scales [128, nkv] fp32
 
 
+def _load_kv_scales(cfg, ins, k_scale, v_scale):
+    """fp8 cache: ins.ks / ins.vs = the KV heads' scales on every partition (per tensor: one value repeated) and
+    ins.ks_inv / ins.vs_inv = 1 / scale, [128, nkv] fp32."""
+    for name, t in (("ks", k_scale), ("vs", v_scale)):
+        sc = nl.ndarray((P_MAX, cfg.nkv), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sc, src=t.ap([[0, P_MAX], [1 if t.shape[0] == cfg.nkv else 0, cfg.nkv]]))
+        inv = nl.ndarray((P_MAX, cfg.nkv), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=inv, data=sc)
+        setattr(ins, name, sc)
+        setattr(ins, name + "_inv", inv)
+
+
 def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale=None, v_scale=None):
     ins = _Inputs()
-    if cfg.fp8:     # scales of the KV heads on every partition (per tensor: one value repeated), and 1 / scale
-        for name, t in (("ks", k_scale), ("vs", v_scale)):
-            sc = nl.ndarray((P_MAX, cfg.nkv), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=sc, src=t.ap([[0, P_MAX], [1 if t.shape[0] == cfg.nkv else 0, cfg.nkv]]))
-            inv = nl.ndarray((P_MAX, cfg.nkv), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.reciprocal(dst=inv, data=sc)
-            setattr(ins, name, sc)
-            setattr(ins, name + "_inv", inv)
+    if cfg.fp8:
+        _load_kv_scales(cfg, ins, k_scale, v_scale)
     X2 = X.reshape((cfg.B * cfg.S, cfg.H))
     xs = []
     for tl in tiles:

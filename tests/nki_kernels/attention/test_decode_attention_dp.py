@@ -29,9 +29,12 @@ def _check_close(got, want, what):
     assert cos >= MIN_COS, f"{what}: cosine {cos}"
 
 
-def run_dp(world, columns, B, nq, s_max=256, ctx=200, window=0, block_size=0, seed=0, S=1, nkv=1):
+def run_dp(world, columns, B, nq, s_max=256, ctx=200, window=0, block_size=0, seed=0, S=1, nkv=1, fp8=False):
     a = len(columns[0])
     args, kw = make_inputs(B, S, s_max=s_max, ctx=ctx, nq=nq, seed=seed, **dict(TINY, nkv=nkv))
+    if fp8:      # e4m3fn cache, per-head scales
+        args = args[:2] + tuple(c.float().mul(4.0).to(torch.float8_e4m3fn) for c in args[2:4]) + args[4:]
+        kw = dict(kw, k_scale=torch.full((nkv,), 0.25), v_scale=torch.linspace(0.2, 0.3, nkv))
     if block_size:
         args, kw = to_paged(args, kw, block_size, seed=seed)
     kw["sliding_window"] = window
@@ -77,6 +80,11 @@ def test_two_strided_columns_of_two():
 def test_dp4_fewer_query_heads_per_rank_than_kv_heads():
     """GQA 2 over 2 KV heads, 4 ranks: each rank projects 1 query head but attends 4 against 2 KV heads."""
     run_dp(4, [[0, 1, 2, 3]], B=4, nq=4, nkv=2, seed=4)
+
+
+def test_dp2_fp8_cache():
+    """fp8 cache: each rank quantises its own tokens' k / v after the swap (scales per KV head)."""
+    run_dp(2, [[0, 1]], B=4, nq=4, nkv=2, fp8=True, seed=5)
 
 
 def test_dp2_two_new_tokens():
