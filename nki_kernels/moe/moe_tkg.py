@@ -29,7 +29,8 @@ EXPERT_MODES = ("auto", "selective", "all")
 PSUM_F = nl.tile_size.psum_bank_fmax     # fp32 per PSUM bank: the down projection's output columns per matmul
 I_TILE = P_MAX         # the expert intermediate dimension is tiled on partitions (gate/up output rows, down K)
 MAX_I_TILES = 6        # gate/up accumulators of one expert (2 * I tiles of <= 512 B) in <= 3 PSUM banks
-WGU_DMAS = 4           # one expert's gate/up rows are loaded in this many DMAs (the matmuls start on the first)
+OUTT_MAX_TOKENS = 64   # up to this T the output accumulates transposed (H on partitions): see _Acc
+HALF_P = P_MAX // 2    # a partial I tile of <= 64 rows may sit at partition 0 or 64 (engine start rule, C13)
 W_BUFS = 3             # expert weight slots (ring): the next experts' DMAs run while one is computed ...
 W_BUFS_MIN = 2         # ... at least double-buffered, or the expert is refused as too large for SBUF
 SBUF_RESERVE = 48 * 1024   # bytes per partition kept for everything but the weight ring
@@ -147,8 +148,14 @@ class _Cfg(nl.NKIObject):
         # the gate/up accumulators (+ the broadcast affinities); the gate/up set is double-buffered if room is left
         banks = nl.tile_size.psum_num_banks
         gu_banks = -(-(self.n_acc + 1) * self.GS * 4 // nl.tile_size.psum_bank_fmax_bytes)
-        self.psum_acc = len(self.chunks) + gu_banks <= banks
-        out_banks = len(self.chunks) if self.psum_acc else 2
+        # small T: out^T [128, KT, T] (H row p * KT + kt on partition p, as hT): GS-strided kt groups, kt_bank per
+        # bank; the LNC=2 exchange splits the kt range in halves, so KT must then be even
+        self.kt_bank = PSUM_F // self.GS
+        self.t_banks = -(-self.KT // self.kt_bank)
+        self.outT = self.T <= OUTT_MAX_TOKENS and (self.ncores == 1 or self.KT % 2 == 0) and \
+            self.t_banks + gu_banks <= banks
+        self.psum_acc = self.outT or len(self.chunks) + gu_banks <= banks
+        out_banks = self.t_banks if self.outT else len(self.chunks) if self.psum_acc else 2
         self.n_gu = 2 if out_banks + 2 * gu_banks <= banks else 1
         self.psum_ok = out_banks + gu_banks <= banks
         slot = (self.KT * 2 * self.inter + self.MT * self.H + 2 * self.inter) * self.dtype.itemsize
@@ -315,18 +322,35 @@ def _schedule_step(cfg, consts, dense, denseT):
 
 
 class _Acc(nl.NKIObject):
-    """The output accumulator [T, H] fp32 across experts: one PSUM bank per 512 columns when they fit beside the
-    gate/up accumulators (cfg.psum_acc: no per-expert eviction at all), else SBUF with one add per chunk and
-    expert (a PSUM bank ring)."""
+    """The output accumulator [T, H] fp32 across experts, one of three layouts:
+    - cfg.outT (T <= OUTT_MAX_TOKENS): out^T [128, KT, T] in PSUM, H row p * KT + kt on partition p (hT's order).
+      The down projection runs with the weights stationary (128 H columns) and act^T moving (T columns): at small
+      T that is fewer TensorE cycles than 512-column moving chunks, the eviction and the LNC=2 exchange move
+      KT * T elements per partition instead of H per token row, and the store writes KT-element runs per token.
+    - cfg.psum_acc: out [T, H] in one PSUM bank per 512 columns (no per-expert eviction at all).
+    - else SBUF with one add per chunk and expert (a PSUM bank ring)."""
 
     def __init__(self, cfg):
+        self.T = cfg.outT
         self.psum = cfg.psum_acc
-        if self.psum:
+        if self.T:
+            self.banks = tuple(nl.ndarray((P_MAX, cfg.kt_bank, cfg.GS), dtype=nl.float32, buffer=nl.psum)
+                               for _ in range(cfg.t_banks))
+        elif self.psum:
             self.banks = tuple(nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in cfg.chunks)
         else:
             self.sb = nl.ndarray((P_MAX, cfg.H), dtype=nl.float32, buffer=nl.sbuf)
             self.ring = tuple(nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in range(2))
             self.nd = 0
+
+    def col(self, cfg, kt):
+        """out^T [128, T] of H tile kt (outT layout)."""
+        return self.banks[kt // cfg.kt_bank][:, kt % cfg.kt_bank, :cfg.T]
+
+
+def _h_cols(t, kt, KT):
+    """The 128 columns h = p * KT + kt (p = 0..127) of an SBUF tile t [rows, H]: out^T tile kt's H rows."""
+    return t[:, kt:kt + (P_MAX - 1) * KT + 1:KT]
 
 
 def _init_acc_step(cfg, consts, denseT, b_down, add_bias):
@@ -345,6 +369,17 @@ def _init_acc_step(cfg, consts, denseT, b_down, add_bias):
         lo = nl.ndarray((P_MAX, cfg.GS), dtype=b_down.dtype, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=lo[:E, :T], data1=denseT[:E, :T], data2=hi[:E, :T], op=nl.subtract)
         parts = (hi, lo)
+    if acc.T:
+        for kt in range(cfg.KT):
+            for j, part in enumerate(parts):
+                nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_h_cols(bd[:E, :], kt, cfg.KT),
+                               moving=part[:E, :T], accumulate=j > 0)
+        if not parts:       # open the accumulation groups with zeros (a K=1 matmul per bank)
+            for i in range(cfg.t_banks):
+                n = min(cfg.kt_bank, cfg.KT - i * cfg.kt_bank)
+                nisa.nc_matmul(dst=acc.banks[i][:, :n, :T], stationary=consts.ones_bf[0:1, :],
+                               moving=consts.zeros_bf[0:1, :n * T], accumulate=False)
+        return acc
     for i, (c0, cw) in enumerate(cfg.chunks):
         ps = acc.banks[i] if acc.psum else acc.ring[i % 2]
         for j, part in enumerate(parts):
@@ -377,6 +412,14 @@ class _Ring(nl.NKIObject):
                          for _ in range(2))
         self.n = 0      # experts issued so far (ring position)
 
+    def tile_off(self, cfg, m):
+        """First partition of I tile m for the expert now issued. A partial tile of <= 64 rows sits at partition 64
+        on every other expert: a DMA engine serves 8 partitions, so a tile at partition 0 always loads through the
+        low engines (GPT-OSS-120B TP16: 52 rows, engines 0-6); alternating spreads the down rows over the 16."""
+        if m > 0 and cfg.rows[m] <= HALF_P and self.n % 2 == 1:
+            return HALF_P
+        return 0
+
 
 def _expert_src(w, e, pattern, offset, stride):
     """Access pattern of expert e's rows of w: e is a Python int (all-expert mode) or a register (selective: the
@@ -387,26 +430,26 @@ def _expert_src(w, e, pattern, offset, stride):
 
 
 def _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up):
-    """Expert e's weights into slot b: gate/up [128, KT, 2I] (H row p * KT + kt on partition p: KT * 2I contiguous
-    elements per partition, WGU_DMAS DMAs), down [rows, MT, H] (I row m * 128 + p: rows of H contiguous elements),
-    the gate/up bias row."""
+    """Expert e's weights into slot b: gate/up [128, KT, 2I] in ONE DMA (H row p * KT + kt on partition p: KT * 2I
+    contiguous elements per partition, the longest run the layout has: DMA efficiency run / (run + 256 B)), down
+    [rows, MT, H] per I tile m (I row m * 128 + p at partition tile_off + p: rows of H contiguous elements), the
+    gate/up bias row."""
     KT, I2, H, inter = cfg.KT, 2 * cfg.inter, cfg.H, cfg.inter
     if b_gate_up is not None:
         nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, e, [[I2, 1], [1, I2]], 0, I2))
-    n = min(WGU_DMAS, KT)
-    for i in range(n):
-        k0, k1 = i * KT // n, (i + 1) * KT // n
-        src = _expert_src(w_gate_up, e, [[KT * I2, P_MAX], [I2, k1 - k0], [1, I2]], k0 * I2, H * I2)
-        nisa.dma_copy(dst=ring.wgu[b][:, k0:k1, :], src=src)
+    src = _expert_src(w_gate_up, e, [[KT * I2, P_MAX], [1, KT * I2]], 0, H * I2)
+    nisa.dma_copy(dst=ring.wgu[b], src=src)
     for m in range(cfg.MT):
-        rows = cfg.rows[m]
+        rows, o = cfg.rows[m], ring.tile_off(cfg, m)
         src = _expert_src(w_down, e, [[H, rows], [1, H]], m * I_TILE * H, inter * H)
-        nisa.dma_copy(dst=ring.wd[b][:rows, m, :], src=src)
+        nisa.dma_copy(dst=ring.wd[b][o:o + rows, m, :], src=src)
 
 
 def _gate_up_step(cfg, consts, ring, b, hT, aff_col, has_bias):
     """gate^T / up^T [rows, T] per I tile, fp32 in PSUM: weights stationary (128 H x rows of I), the tokens moving
     (T columns), contracted over the KT H tiles; the bias is a K=1 matmul (bias row x ones) opening each group.
+    A tile placed at partition o = tile_off (> 0) takes the o columns before it too (recomputed, unused): the
+    matmul's output partition is the stationary column, so its rows land on partitions o .. o + rows.
     Group n_acc gets the slot's affinities broadcast to all partitions, aff[p, t] = aff_col[t] (a ones matmul
     over diag(aff_col): exact in fp32)."""
     T, inter = cfg.T, cfg.inter
@@ -415,16 +458,18 @@ def _gate_up_step(cfg, consts, ring, b, hT, aff_col, has_bias):
     nisa.tensor_scalar(dst=diag[:T, :T], data=consts.ident[:T, :T], op0=nl.multiply, operand0=aff_col)
     nisa.nc_matmul(dst=ps[:, cfg.n_acc, :T], stationary=consts.ones_f32[:T, :], moving=diag[:T, :T],
                    accumulate=False)
-    groups = [(c, m) for c in range(2) for m in range(cfg.MT)]
+    groups = []
+    for c in range(2):
+        for m in range(cfg.MT):
+            o = ring.tile_off(cfg, m)
+            groups.append((c * inter + m * I_TILE - o, o + cfg.rows[m]))
     if has_bias:
-        for g, (c, m) in enumerate(groups):
-            c0, rows = c * inter + m * I_TILE, cfg.rows[m]
-            nisa.nc_matmul(dst=ps[:rows, g, :T], stationary=ring.bgu[b][0:1, c0:c0 + rows],
+        for g, (c0, n) in enumerate(groups):
+            nisa.nc_matmul(dst=ps[:n, g, :T], stationary=ring.bgu[b][0:1, c0:c0 + n],
                            moving=consts.ones_bf[0:1, :T], accumulate=False)
     for kt in range(cfg.KT):
-        for g, (c, m) in enumerate(groups):
-            c0, rows = c * inter + m * I_TILE, cfg.rows[m]
-            nisa.nc_matmul(dst=ps[:rows, g, :T], stationary=ring.wgu[b][:, kt, c0:c0 + rows],
+        for g, (c0, n) in enumerate(groups):
+            nisa.nc_matmul(dst=ps[:n, g, :T], stationary=ring.wgu[b][:, kt, c0:c0 + n],
                            moving=hT[:, kt, :T], accumulate=(kt > 0 or has_bias))
     return ps
 
@@ -438,45 +483,57 @@ def _activation_step(cfg, ring, ps):
     T, MT = cfg.T, cfg.MT
     act = ring.act[ring.n % 2]
     g, sg, glu, u, _ = ring.tmp[ring.n % 2]
-    aff = ps[:, cfg.n_acc, :T]
     for m in range(MT):
-        rows = cfg.rows[m]
-        gate, up = ps[:rows, m, :T], ps[:rows, MT + m, :T]
+        o = ring.tile_off(cfg, m)
+        r = slice(o, o + cfg.rows[m])
+        aff = ps[r, cfg.n_acc, :T]
+        gate, up = ps[r, m, :T], ps[r, MT + m, :T]
         if cfg.activation == "clamped_swiglu":
-            nisa.tensor_scalar(dst=g[:rows, :T], data=gate, op0=nl.minimum, operand0=GPT_OSS_SWIGLU_LIMIT)
-            nisa.activation(dst=sg[:rows, :T], op=nl.sigmoid, data=g[:rows, :T], scale=GPT_OSS_SWIGLU_ALPHA)
-            nisa.tensor_tensor(dst=glu[:rows, :T], data1=g[:rows, :T], data2=sg[:rows, :T], op=nl.multiply,
+            nisa.tensor_scalar(dst=g[r, :T], data=gate, op0=nl.minimum, operand0=GPT_OSS_SWIGLU_LIMIT)
+            nisa.activation(dst=sg[r, :T], op=nl.sigmoid, data=g[r, :T], scale=GPT_OSS_SWIGLU_ALPHA)
+            nisa.tensor_tensor(dst=glu[r, :T], data1=g[r, :T], data2=sg[r, :T], op=nl.multiply,
                                engine=nisa.engine.gpsimd)
-            nisa.tensor_scalar(dst=u[:rows, :T], data=up, op0=nl.maximum, operand0=-GPT_OSS_SWIGLU_LIMIT,
+            nisa.tensor_scalar(dst=u[r, :T], data=up, op0=nl.maximum, operand0=-GPT_OSS_SWIGLU_LIMIT,
                                op1=nl.minimum, operand1=GPT_OSS_SWIGLU_LIMIT)
-            nisa.scalar_tensor_tensor(dst=u[:rows, :T], data=u[:rows, :T], op0=nl.add, operand0=1.0,
-                                      op1=nl.multiply, operand1=aff[:rows])
-            nisa.tensor_tensor(dst=act[:rows, m, :T], data1=u[:rows, :T], data2=glu[:rows, :T], op=nl.multiply)
+            nisa.scalar_tensor_tensor(dst=u[r, :T], data=u[r, :T], op0=nl.add, operand0=1.0,
+                                      op1=nl.multiply, operand1=aff)
+            nisa.tensor_tensor(dst=act[r, m, :T], data1=u[r, :T], data2=glu[r, :T], op=nl.multiply)
         else:
-            nisa.activation(dst=sg[:rows, :T], op=nl.silu, data=gate)
-            nisa.tensor_tensor(dst=u[:rows, :T], data1=sg[:rows, :T], data2=up, op=nl.multiply)
-            nisa.tensor_tensor(dst=act[:rows, m, :T], data1=u[:rows, :T], data2=aff[:rows], op=nl.multiply)
+            nisa.activation(dst=sg[r, :T], op=nl.silu, data=gate)
+            nisa.tensor_tensor(dst=u[r, :T], data1=sg[r, :T], data2=up, op=nl.multiply)
+            nisa.tensor_tensor(dst=act[r, m, :T], data1=u[r, :T], data2=aff, op=nl.multiply)
     return act
 
 
 def _down_step(cfg, ring, b, act, acc):
-    """acc[:, chunk] += act @ W_down (the affinity is already in act): the tokens' activations stationary (M = T),
-    the down rows moving (512 H columns per PSUM bank), contracted over the I tiles (tile m as soon as its rows
-    arrived). PSUM accumulator: straight into the bank; SBUF accumulator: a ring bank, then one add."""
+    """acc += act @ W_down (the affinity is already in act), contracted over the I tiles (tile m as soon as its rows
+    arrived). outT: the down rows stationary (128 H columns h = p * KT + kt), act^T moving (T columns) into
+    out^T tile kt. Else the tokens' activations stationary (M = T), the down rows moving (512 H columns per PSUM
+    bank): PSUM accumulator straight into the bank; SBUF accumulator via a ring bank, then one add."""
     T = cfg.T
+    if acc.T:
+        for m in range(cfg.MT):
+            o = ring.tile_off(cfg, m)
+            r = slice(o, o + cfg.rows[m])
+            for kt in range(cfg.KT):
+                nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_h_cols(ring.wd[b][r, m, :], kt, cfg.KT),
+                               moving=act[r, m, :T], accumulate=True)
+        return
     if acc.psum:
         for m in range(cfg.MT):
-            rows = cfg.rows[m]
+            o = ring.tile_off(cfg, m)
+            r = slice(o, o + cfg.rows[m])
             for i, (c0, cw) in enumerate(cfg.chunks):
-                nisa.nc_matmul(dst=acc.banks[i][:T, :cw], stationary=act[:rows, m, :T],
-                               moving=ring.wd[b][:rows, m, c0:c0 + cw], accumulate=True)
+                nisa.nc_matmul(dst=acc.banks[i][:T, :cw], stationary=act[r, m, :T],
+                               moving=ring.wd[b][r, m, c0:c0 + cw], accumulate=True)
         return
     for c0, cw in cfg.chunks:
         pd = acc.ring[acc.nd % 2]
         acc.nd += 1
         for m in range(cfg.MT):
-            rows = cfg.rows[m]
-            nisa.nc_matmul(dst=pd[:T, :cw], stationary=act[:rows, m, :T], moving=ring.wd[b][:rows, m, c0:c0 + cw],
+            o = ring.tile_off(cfg, m)
+            r = slice(o, o + cfg.rows[m])
+            nisa.nc_matmul(dst=pd[:T, :cw], stationary=act[r, m, :T], moving=ring.wd[b][r, m, c0:c0 + cw],
                            accumulate=m > 0)
         nisa.tensor_tensor(dst=acc.sb[:T, c0:c0 + cw], data1=pd[:T, :cw], data2=acc.sb[:T, c0:c0 + cw], op=nl.add)
 
@@ -491,10 +548,44 @@ def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_ga
     ring.n += 1
 
 
+def _store_outT_step(cfg, acc, out):
+    """outT layout: out[t, p * KT + kt] = acc^T[p, kt, t]; each partition writes KT-element runs per token. LNC=2:
+    core c owns kt in [c * KT/2, (c + 1) * KT/2): it evicts the other half first and sends it, adds the half it
+    receives to its own (rounding straight to the output dtype) and stores its half."""
+    T, KT, H = cfg.T, cfg.KT, cfg.H
+    if cfg.ncores == 1:
+        o = nl.ndarray((P_MAX, cfg.GS, KT), dtype=out.dtype, buffer=nl.sbuf)
+        for i in range(cfg.t_banks):
+            k0 = i * cfg.kt_bank
+            n = min(cfg.kt_bank, KT - k0)
+            evict(i, o[:, :T, k0:k0 + n].permute((0, 2, 1)), acc.banks[i][:, :n, :T])
+        nisa.dma_copy(dst=out.ap([[KT, P_MAX], [H, T], [1, KT]], offset=0), src=o[:, :T, :])
+        return
+    half = KT // 2
+    lo, olo = cfg.core * half, (1 - cfg.core) * half
+    full = nl.ndarray((P_MAX, KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+    for j, k0 in enumerate((olo, lo)):
+        for kt in range(k0, k0 + half):
+            i = kt // cfg.kt_bank
+            if kt == k0 or kt % cfg.kt_bank == 0:       # one eviction per (half, bank) run of kt
+                n = min(k0 + half, (i + 1) * cfg.kt_bank) - kt
+                evict(j, full[:, kt:kt + n, :T], acc.banks[i][:, kt % cfg.kt_bank:kt % cfg.kt_bank + n, :T])
+    other = nl.ndarray((P_MAX, half, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.sendrecv(src=full[:, olo:olo + half, :T], dst=other[:, :, :T], send_to_rank=1 - cfg.core,
+                  recv_from_rank=1 - cfg.core, pipe_id=1)
+    o = nl.ndarray((P_MAX, cfg.GS, half), dtype=out.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=o[:, :T, :].permute((0, 2, 1)), data1=full[:, lo:lo + half, :T], data2=other[:, :, :T],
+                       op=nl.add)
+    nisa.dma_copy(dst=out.ap([[KT, P_MAX], [H, T], [1, half]], offset=lo), src=o[:, :T, :])
+
+
 def _store_out_step(cfg, acc, out):
     """out [T, H] (input dtype) = acc; LNC=2: each core sends the other core's H half of its partial sum, adds the
     half it receives to its own and stores that half."""
     T, H = cfg.T, cfg.H
+    if acc.T:
+        _store_outT_step(cfg, acc, out)
+        return
     if cfg.ncores == 1 and acc.psum:
         o = nl.ndarray((P_MAX, H), dtype=out.dtype, buffer=nl.sbuf)
         for i, (c0, cw) in enumerate(cfg.chunks):
