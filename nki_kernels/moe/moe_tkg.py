@@ -13,7 +13,9 @@ from ..entry import resolve_backend, shape_of, to_torch
 from .moe_torch import ACTIVATIONS, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT, moe_torch
 from .router import (
     H_TILE,
+    MAX_TOP_K,
     P_MAX,
+    RESET,
     RouterConsts,
     load_router_weights,
     logits_step,
@@ -31,6 +33,7 @@ I_TILE = P_MAX         # the expert intermediate dimension is tiled on partition
 MAX_I_TILES = 6        # gate/up accumulators of one expert (2 * I tiles of <= 512 B) in <= 3 PSUM banks
 OUTT_MAX_TOKENS = 64   # up to this T the output accumulates transposed (H on partitions): see _Acc
 HALF_P = P_MAX // 2    # a partial I tile of <= 64 rows may sit at partition 0 or 64 (engine start rule, C13)
+XT_DMA_MAX_TOKENS = 8  # up to this T, x is loaded straight into the transposed layout (see _load_x_step)
 W_BUFS = 3             # expert weight slots (ring): the next experts' DMAs run while one is computed ...
 W_BUFS_MIN = 2         # ... at least double-buffered, or the expert is refused as too large for SBUF
 SBUF_RESERVE = 48 * 1024   # bytes per partition kept for everything but the weight ring
@@ -178,12 +181,15 @@ def tkg_kernel_error(cfg):
 
 
 class _Consts(RouterConsts):
-    """Routing constants plus bf16 ones (K=1 bias matmuls), the partition index and an fp32 identity."""
+    """Routing constants plus bf16 ones (K=1 bias matmuls), the partition index, an fp32 identity and the RMSNorm
+    epsilon as a [128, 1] bias."""
 
-    def __init__(self, E, T):
+    def __init__(self, E, T, eps):
         super().__init__(E)
         self.ones_bf = nl.ndarray((1, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
         nisa.memset(dst=self.ones_bf, value=1.0)
+        self.eps = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=self.eps, value=eps)
         self.part_idx = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=self.part_idx, pattern=[[0, 1]], offset=0, channel_multiplier=1)
         cols = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
@@ -194,26 +200,46 @@ class _Consts(RouterConsts):
         nisa.memset(dst=self.zeros_bf, value=0.0)
 
 
+def _load_x_step(cfg, x):
+    """x^T [128, KT, T] (a view), H index p * KT + kt. Small T (<= XT_DMA_MAX_TOKENS): one DMA straight into
+    [128, T, KT] (partition p reads KT contiguous elements per token: short runs, but T * KT * 2 bytes per
+    partition is little), viewed permuted -- no x row load, TensorE transposes and PSUM eviction on the routing's
+    critical path. Else the rows and TensorE transposes (transpose_tokens)."""
+    T, KT = cfg.T, cfg.KT
+    if T <= XT_DMA_MAX_TOKENS:
+        xs = nl.ndarray((P_MAX, cfg.GS, KT), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=xs[:, :T, :], src=x.ap([[KT, P_MAX], [cfg.H, T], [1, KT]], offset=0))
+        return xs[:, :T, :].permute((0, 2, 1))
+    x_sb = nl.ndarray((P_MAX, cfg.H), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x_sb[:T, :], src=x)
+    return transpose_tokens(x_sb, T, KT)[:, :, :T]
+
+
 def _rmsnorm_step(cfg, consts, xT, gamma):
-    """hT = rmsnorm(x)^T [128, KT, T] bf16 in the transposed layout (H index p * KT + kt): the sum of squares over
-    the first h_actual columns is a ones-matmul over the partitions (fp32, broadcast to all 128), so every
-    elementwise step runs on KT * T elements."""
+    """hT = rmsnorm(x)^T [128, KT, T] bf16 in the transposed layout (H index p * KT + kt) from the view xT
+    [128, KT, T]: the sum of squares over the first h_actual columns is a ones-matmul over the partitions (fp32,
+    broadcast to all 128), so every elementwise step runs on KT * T elements; rstd = rsqrt(ss / n + eps) in one
+    ScalarE pass from PSUM; at T = 1 the squares are summed by the same instruction and x * rstd * gamma is one."""
     T, KT = cfg.T, cfg.KT
     g_sb = nl.ndarray((P_MAX, KT), dtype=gamma.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=g_sb, src=gamma.reshape((P_MAX, KT)))
     ss = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.psum)
     if cfg.h_actual % KT == 0:
-        # the real columns are exactly partitions p < h_actual / KT (e.g. 2880 = 120 x 24): squares written
-        # [p, t, kt] and summed over kt on VectorE, then ONE fp32 ones-matmul over those partitions
+        # the real columns are exactly partitions p < h_actual / KT (e.g. 2880 = 120 x 24): squares summed over kt,
+        # then ONE fp32 ones-matmul over those partitions
         n_p = cfg.h_actual // KT
         sq = nl.ndarray((P_MAX, cfg.GS, KT), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=sq[:n_p, :T, :].permute((0, 2, 1)), op=nl.square, data=xT[:n_p, :, :T])
         part = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=part[:n_p, :T], op=nl.add, data=sq[:n_p, :T, :], axis=2)
+        if T == 1:
+            nisa.activation(dst=sq[:n_p, 0, :], op=nl.square, data=xT[:n_p, :, 0], reduce_op=nl.add,
+                            reduce_res=part[:n_p, 0:1], reduce_cmd=RESET)
+        else:
+            nisa.activation(dst=sq[:n_p, :T, :].permute((0, 2, 1)), op=nl.square, data=xT[:n_p])
+            nisa.tensor_reduce(dst=part[:n_p, :T], op=nl.add, data=sq[:n_p, :T, :], axis=2)
         nisa.nc_matmul(dst=ss[:, :T], stationary=consts.ones_f32[:n_p, :], moving=part[:n_p, :T], accumulate=False)
     else:
         sq = nl.ndarray((P_MAX, KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=sq[:, :, :T], op=nl.square, data=xT[:, :, :T])
+        nisa.activation(dst=sq[:, :, :T], op=nl.square, data=xT)
         first = True
         for kt in range(KT):
             n_p = min(P_MAX, max(0, (cfg.h_actual - kt + KT - 1) // KT))   # partitions p: p * KT + kt < h_actual
@@ -221,15 +247,16 @@ def _rmsnorm_step(cfg, consts, xT, gamma):
                 nisa.nc_matmul(dst=ss[:, :T], stationary=consts.ones_f32[:n_p, :], moving=sq[:n_p, kt, :T],
                                accumulate=not first)
                 first = False
-    ms = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=ms[:, :T], data=ss[:, :T], op0=nl.multiply, operand0=1.0 / cfg.h_actual,
-                       op1=nl.add, operand1=cfg.eps)
     rstd = nl.ndarray((P_MAX, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=rstd[:, :T], op=nl.rsqrt, data=ms[:, :T])
-    xr = nl.ndarray((P_MAX, KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=xr[:, :, :T], data1=xT[:, :, :T], data2=rstd[:, :T].expand_dim(1).broadcast(1, KT),
-                       op=nl.multiply)
+    nisa.activation(dst=rstd[:, :T], op=nl.rsqrt, data=ss[:, :T], scale=1.0 / cfg.h_actual, bias=consts.eps)
     hT = nl.ndarray((P_MAX, KT, P_MAX), dtype=xT.dtype, buffer=nl.sbuf)
+    if T == 1:
+        nisa.scalar_tensor_tensor(dst=hT[:, :, 0], data=xT[:, :, 0], op0=nl.multiply, operand0=rstd[:, 0:1],
+                                  op1=nl.multiply, operand1=g_sb)
+        return hT
+    xr = nl.ndarray((P_MAX, KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=xr[:, :, :T], data1=xT, data2=rstd[:, :T].expand_dim(1).broadcast(1, KT),
+                       op=nl.multiply)
     nisa.tensor_tensor(dst=hT[:, :, :T], data1=xr[:, :, :T], data2=g_sb.expand_dim(2).broadcast(2, T),
                        op=nl.multiply)
     return hT
@@ -546,19 +573,65 @@ def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_ga
     act = _activation_step(cfg, ring, ps)
     _down_step(cfg, ring, b, act, acc)
     ring.n += 1
+    return ps
 
 
-def _store_outT_step(cfg, acc, out):
+def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate_up, b_down, out):
+    """T = 1, selective: the token's k experts are distinct (max8 picks k positions), so slot s IS idx[0, s] --
+    registers straight from the top-k, no dense affinities, compaction or gate on the critical path to the first
+    weight DMA; every slot runs (LNC=2: the cores take alternate slots).
+
+    Down biases: slot s's row b_down[e] is loaded in the out^T layout ([128, KT], h = p * KT + kt: KT-element runs
+    over all 16 DMA engines, instead of all E rows up front on the low engines ahead of the first weights) and
+    bsum += aff_s * row in fp32 (aff_s broadcast to the partitions by a ones matmul: exact); bsum is added to this
+    core's partial at the eviction."""
+    KT = cfg.KT
+    slots = [s for s in range(cfg.k) if s % cfg.ncores == cfg.core]
+    regs = []
+    for s in slots:
+        r = nisa.register_alloc()
+        nisa.register_load(dst=r, src=idx[0:1, s:s + 1])
+        regs.append(r)
+    acc = _init_acc_step(cfg, consts, None, None, False)
+    for j, s in enumerate(slots):
+        _expert_step(cfg, consts, ring, regs[j], aff[0:1, s:s + 1], hT, acc, w_gate_up, w_down, b_gate_up)
+    bsum = None
+    if b_down is not None:
+        # after every weight DMA in program order: the DMA engines serve these last, off the weight stream, and
+        # the bias arithmetic hides under the last expert's down projection
+        affb_ps = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=affb_ps[:, :cfg.k], stationary=consts.ones_f32[0:1, :], moving=aff[0:1, :cfg.k],
+                       accumulate=False)
+        affb = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=affb[:, :cfg.k], src=affb_ps[:, :cfg.k])
+        rows = nl.ndarray((P_MAX, len(slots), KT), dtype=b_down.dtype, buffer=nl.sbuf)
+        bsum = nl.ndarray((P_MAX, KT), dtype=nl.float32, buffer=nl.sbuf)
+        for j, s in enumerate(slots):
+            nisa.dma_copy(dst=rows[:, j, :], src=_expert_src(b_down, regs[j], [[KT, P_MAX], [1, KT]], 0, cfg.H))
+            if j == 0:
+                nisa.tensor_scalar(dst=bsum, data=rows[:, j, :], op0=nl.multiply, operand0=affb[:, s:s + 1])
+            else:
+                nisa.scalar_tensor_tensor(dst=bsum, data=rows[:, j, :], op0=nl.multiply, operand0=affb[:, s:s + 1],
+                                          op1=nl.add, operand1=bsum)
+    _store_out_step(cfg, acc, out, bsum)
+
+
+def _store_outT_step(cfg, acc, out, bsum=None):
     """outT layout: out[t, p * KT + kt] = acc^T[p, kt, t]; each partition writes KT-element runs per token. LNC=2:
     core c owns kt in [c * KT/2, (c + 1) * KT/2): it evicts the other half first and sends it, adds the half it
-    receives to its own (rounding straight to the output dtype) and stores its half."""
+    receives to its own (rounding straight to the output dtype) and stores its half. bsum [128, KT] fp32 (T = 1
+    only): this core's down biases, added at the eviction."""
     T, KT, H = cfg.T, cfg.KT, cfg.H
     if cfg.ncores == 1:
         o = nl.ndarray((P_MAX, cfg.GS, KT), dtype=out.dtype, buffer=nl.sbuf)
         for i in range(cfg.t_banks):
             k0 = i * cfg.kt_bank
             n = min(cfg.kt_bank, KT - k0)
-            evict(i, o[:, :T, k0:k0 + n].permute((0, 2, 1)), acc.banks[i][:, :n, :T])
+            if bsum is None:
+                evict(i, o[:, :T, k0:k0 + n].permute((0, 2, 1)), acc.banks[i][:, :n, :T])
+            else:
+                nisa.tensor_tensor(dst=o[:, 0, k0:k0 + n], data1=acc.banks[i][:, :n, 0], data2=bsum[:, k0:k0 + n],
+                                   op=nl.add)
         nisa.dma_copy(dst=out.ap([[KT, P_MAX], [H, T], [1, KT]], offset=0), src=o[:, :T, :])
         return
     half = KT // 2
@@ -569,7 +642,12 @@ def _store_outT_step(cfg, acc, out):
             i = kt // cfg.kt_bank
             if kt == k0 or kt % cfg.kt_bank == 0:       # one eviction per (half, bank) run of kt
                 n = min(k0 + half, (i + 1) * cfg.kt_bank) - kt
-                evict(j, full[:, kt:kt + n, :T], acc.banks[i][:, kt % cfg.kt_bank:kt % cfg.kt_bank + n, :T])
+                src = acc.banks[i][:, kt % cfg.kt_bank:kt % cfg.kt_bank + n, :T]
+                if bsum is None:
+                    evict(j, full[:, kt:kt + n, :T], src)
+                else:
+                    nisa.tensor_tensor(dst=full[:, kt:kt + n, 0], data1=src[:, :, 0], data2=bsum[:, kt:kt + n],
+                                       op=nl.add)
     other = nl.ndarray((P_MAX, half, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
     nisa.sendrecv(src=full[:, olo:olo + half, :T], dst=other[:, :, :T], send_to_rank=1 - cfg.core,
                   recv_from_rank=1 - cfg.core, pipe_id=1)
@@ -579,12 +657,12 @@ def _store_outT_step(cfg, acc, out):
     nisa.dma_copy(dst=out.ap([[KT, P_MAX], [H, T], [1, half]], offset=lo), src=o[:, :T, :])
 
 
-def _store_out_step(cfg, acc, out):
+def _store_out_step(cfg, acc, out, bsum=None):
     """out [T, H] (input dtype) = acc; LNC=2: each core sends the other core's H half of its partial sum, adds the
-    half it receives to its own and stores that half."""
+    half it receives to its own and stores that half. bsum: see _store_outT_step."""
     T, H = cfg.T, cfg.H
     if acc.T:
-        _store_outT_step(cfg, acc, out)
+        _store_outT_step(cfg, acc, out, bsum)
         return
     if cfg.ncores == 1 and acc.psum:
         o = nl.ndarray((P_MAX, H), dtype=out.dtype, buffer=nl.sbuf)
@@ -684,14 +762,21 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
     index_out = nl.ndarray((T, top_k), dtype=nl.int32, buffer=nl.shared_hbm)
     aff_out = nl.ndarray((T, top_k), dtype=nl.float32, buffer=nl.shared_hbm)
 
-    consts = _Consts(cfg.E, T)
-    x_sb = nl.ndarray((P_MAX, H), dtype=x.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=x_sb[:T, :], src=x)
+    consts = _Consts(cfg.E, T, cfg.eps)
+    xT = _load_x_step(cfg, x)
     ring = _Ring(cfg)
-    hT = transpose_tokens(x_sb, T, cfg.KT)
     if gamma is not None:
-        hT = _rmsnorm_step(cfg, consts, hT, gamma)
+        hT = _rmsnorm_step(cfg, consts, xT, gamma)
+    else:
+        hT = nl.ndarray((P_MAX, cfg.KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=hT[:, :, :T], src=xT)
     idx, aff = _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize)
+    if cfg.mode == "selective" and T == 1 and cfg.outT:
+        _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate_up,
+                           b_down if add_down_bias else None, out)
+        if cfg.core == 0:
+            store_routing_step(idx, aff, T, top_k, index_out, aff_out)
+        return out, index_out, aff_out
     dense, denseT = _dense_step(cfg, consts, idx, aff)
     if cfg.mode == "all":
         acc = _init_acc_step(cfg, consts, denseT, b_down, add_down_bias)

@@ -122,14 +122,15 @@ def topk_step(consts, logits, nt, E, top_k, mode, renormalize):
         nisa.tensor_copy(dst=src[:nt, :E], src=logits[:nt, :E])
     top = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.sbuf)
     nisa.max8(dst=top[:nt, :], src=src[:nt, :])
+    idx = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.uint32, buffer=nl.sbuf)
+    if mode == "gpt_oss":     # the indices first: the expert weight DMAs wait for them, the affinities come later
+        nisa.nc_find_index8(dst=idx[:nt, :], data=src[:nt, :], vals=top[:nt, :])
     neg_max = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=neg_max[:nt, :], data=top[:nt, 0:1], op0=nl.multiply, operand0=-1.0)
     total = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     rinv = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     aff = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.sbuf)
-    idx = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.uint32, buffer=nl.sbuf)
     if mode == "gpt_oss":
-        nisa.nc_find_index8(dst=idx[:nt, :], data=src[:nt, :], vals=top[:nt, :])
         ex = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=ex[:nt, :top_k], op=nl.exp, data=top[:nt, :top_k], bias=neg_max[:nt, :],
                         reduce_op=nl.add, reduce_res=total[:nt, :], reduce_cmd=RESET)
