@@ -6,10 +6,10 @@ nki_kernels/moe/tkg_inputs.py), random routing, T = 1, 4, 8, 32, 128, trn2 and t
 cost rule of nki_kernels/moe/tkg_cost.py).
 bound = (distinct experts in the routing) x (one expert's weight bytes) / (the cores' memory roof,
 hw.core.memory_bytes_per_s x LNC): reading the touched experts once is the least any kernel must do.
-Target (issue 13): modelled latency <= 1.3 x bound at every T; asserted where met (LNC=1, both targets). GPT-OSS-120B
-TP=16 rows (trn2, LNC=1) are reported only (not met at every T: see the test's docstring). LNC=2 rows
-are reported (`modelled_meets_target`), not asserted: at T = 1 the fixed prologue (router) and the cross-core
-exchange weigh against a halved bound.
+Target (issue 13): modelled latency <= 1.3 x bound at every T; asserted where met: LNC=1 on both targets, GPT-OSS-120B
+TP=16 (trn2, LNC=1), LNC=2 except the cells of `LNC2_NOT_MET` (reported through `modelled_meets_target`): at T = 1 the
+routing prologue (two DMA start latencies and the cross-core logits exchange) and the output exchange do not halve
+with the bound.
 Side by side (needs NKILIB_SRC, else skipped with that reason): the library's `moe_tkg` at LNC=2 (as its tests run
 it) on the same weights, the same normalised hidden states and the same routing (bench/peers/moe_tkg.py; its mode by
 NxD's rule: all-expert iff T·k/E >= 1), against ours at LNC=2. The library's figure excludes the RMSNorm and router
@@ -34,6 +34,9 @@ SHAPE = tkg_shard(GPT_OSS_20B, 8)
 SHAPE_120B = tkg_shard(GPT_OSS_120B, 16)
 TOKENS = (1, 4, 8, 32, 128)
 TARGET_RATIO = 1.3
+# (T, target) of the LNC=2 rows above the target (modelled, GPT-OSS-20B TP8): T = 1 trn2 1.31, trn3 1.41; T = 4 trn3
+# 1.34 (11 touched experts: one core streams 6, the bound counts 5.5)
+LNC2_NOT_MET = {(1, "trn2"), (1, "trn3"), (4, "trn3")}
 _OURS = {}
 
 
@@ -85,13 +88,12 @@ def test_moe_tkg_modelled(benchmark, T, target):
 
 @pytest.mark.parametrize("T", TOKENS)
 def test_moe_tkg_gpt_oss_120b_modelled(benchmark, T):
-    """GPT-OSS-120B TP=16 rank (E 128, I 180) on trn2, LNC=1: reported (`modelled_meets_target`), not asserted --
-    the 52-row second I tile loads through 7 of the 16 DMA engines, so the weight stream runs at ~87% of the roof,
-    and at T = 1 the 128-expert router and down-bias loads lengthen the prologue."""
+    """GPT-OSS-120B TP=16 rank (E 128, I 180) on trn2, LNC=1: <= 1.3 x the touched-expert bound at every T (T = 1
+    is the tightest, ~1.30: the 786 KB router weight load is on the routing's critical path)."""
     rep = benchmark.pedantic(ours, args=(T, "trn2"), kwargs=dict(shape=SHAPE_120B), rounds=1, iterations=1)
-    _record(benchmark, rep, T, "trn2", 1, model="gpt-oss-120b-tp16")
-    benchmark.extra_info["modelled_target_ratio"] = None
+    ratio = _record(benchmark, rep, T, "trn2", 1, model="gpt-oss-120b-tp16")
     assert rep.latency_s >= rep.roofline_s * 0.999
+    assert ratio <= TARGET_RATIO, f"120B T={T}: {ratio:.3f} x the touched-expert bound"
 
 
 # ---- side by side with nki-library's moe_tkg (LNC=2) -----------------------------------------------------------
@@ -117,7 +119,9 @@ def library(T, target):
 def test_moe_tkg_vs_nkilib_modelled(benchmark, impl, T, target):
     fn = (lambda: ours(T, target, 2)) if impl == "ours" else (lambda: library(T, target))
     rep = benchmark.pedantic(fn, rounds=1, iterations=1)
-    _record(benchmark, rep, T, target, 2, impl)
+    ratio = _record(benchmark, rep, T, target, 2, impl)
+    if impl == "ours" and (T, target) not in LNC2_NOT_MET:
+        assert ratio <= TARGET_RATIO, f"T={T} {target} LNC=2: {ratio:.3f} x the touched-expert bound"
     mine = _OURS.get((T, target, 2))
     if impl == "nkilib" and mine is not None:
         speedup = rep.latency_s / mine.latency_s

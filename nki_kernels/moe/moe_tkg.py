@@ -456,16 +456,20 @@ def _expert_src(w, e, pattern, offset, stride):
     return w.ap(pattern, offset=offset, scalar_offset=e, indirect_dim=0)
 
 
-def _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up):
+def _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up, last=False):
     """Expert e's weights into slot b: gate/up [128, KT, 2I] in ONE DMA (H row p * KT + kt on partition p: KT * 2I
     contiguous elements per partition, the longest run the layout has: DMA efficiency run / (run + 256 B)), down
     [rows, MT, H] per I tile m (I row m * 128 + p at partition tile_off + p: rows of H contiguous elements), the
-    gate/up bias row."""
+    gate/up bias row. The last expert of a static schedule (`last`) loads gate/up in two kt halves instead: nothing
+    streams behind it, so its gate/up matmuls on the first half overlap the second half's load (the tail)."""
     KT, I2, H, inter = cfg.KT, 2 * cfg.inter, cfg.H, cfg.inter
     if b_gate_up is not None:
         nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, e, [[I2, 1], [1, I2]], 0, I2))
-    src = _expert_src(w_gate_up, e, [[KT * I2, P_MAX], [1, KT * I2]], 0, H * I2)
-    nisa.dma_copy(dst=ring.wgu[b], src=src)
+    n = 2 if last and KT >= 2 else 1
+    for i in range(n):
+        k0, k1 = i * KT // n, (i + 1) * KT // n
+        src = _expert_src(w_gate_up, e, [[KT * I2, P_MAX], [1, (k1 - k0) * I2]], k0 * I2, H * I2)
+        nisa.dma_copy(dst=ring.wgu[b][:, k0:k1, :], src=src)
     for m in range(cfg.MT):
         rows, o = cfg.rows[m], ring.tile_off(cfg, m)
         src = _expert_src(w_down, e, [[H, rows], [1, H]], m * I_TILE * H, inter * H)
@@ -565,10 +569,10 @@ def _down_step(cfg, ring, b, act, acc):
         nisa.tensor_tensor(dst=acc.sb[:T, c0:c0 + cw], data1=pd[:T, :cw], data2=acc.sb[:T, c0:c0 + cw], op=nl.add)
 
 
-def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_gate_up):
+def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_gate_up, last=False):
     """One expert on all T tokens: load (slot n % nbuf), gate/up, activation (× affinity), down into acc."""
     b = ring.n % cfg.nbuf
-    _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up)
+    _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up, last)
     ps = _gate_up_step(cfg, consts, ring, b, hT, aff_col, b_gate_up is not None)
     act = _activation_step(cfg, ring, ps)
     _down_step(cfg, ring, b, act, acc)
@@ -594,7 +598,8 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
         regs.append(r)
     acc = _init_acc_step(cfg, consts, None, None, False)
     for j, s in enumerate(slots):
-        _expert_step(cfg, consts, ring, regs[j], aff[0:1, s:s + 1], hT, acc, w_gate_up, w_down, b_gate_up)
+        _expert_step(cfg, consts, ring, regs[j], aff[0:1, s:s + 1], hT, acc, w_gate_up, w_down, b_gate_up,
+                     last=j == len(slots) - 1)
     bsum = None
     if b_down is not None:
         # after every weight DMA in program order: the DMA engines serve these last, off the weight stream, and
@@ -780,8 +785,10 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
     dense, denseT = _dense_step(cfg, consts, idx, aff)
     if cfg.mode == "all":
         acc = _init_acc_step(cfg, consts, denseT, b_down, add_down_bias)
-        for e in range(cfg.core, cfg.E, cfg.ncores):
-            _expert_step(cfg, consts, ring, e, dense[:T, e:e + 1], hT, acc, w_gate_up, w_down, b_gate_up)
+        mine = list(range(cfg.core, cfg.E, cfg.ncores))
+        for e in mine:
+            _expert_step(cfg, consts, ring, e, dense[:T, e:e + 1], hT, acc, w_gate_up, w_down, b_gate_up,
+                         last=e == mine[-1])
     else:
         affc, experts, gates = _schedule_step(cfg, consts, dense, denseT)
         acc = _init_acc_step(cfg, consts, denseT, b_down, add_down_bias)

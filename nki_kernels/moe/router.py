@@ -22,6 +22,8 @@ MAX_EXPERTS = 128                    # E <= 128: the dense affinities' transpose
 # TensorE transposes of [tokens, 128] bf16 column sets batched into one PSUM bank before one eviction
 TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
 RESET = nisa.reduce_cmd.reset_reduce   # accumulate-reduce into a fresh register (not onto its old value)
+ROUTER_W_PIECES = 4                  # W_r loads in at most this many DMAs ...
+ROUTER_W_MIN_RUN = 2048              # ... of at least this many contiguous bytes per partition (DMA efficiency ~89%)
 NEG_PAD = -3.0e38                    # logits of padding columns (E < 8): below every real fp32 logit
 
 
@@ -80,18 +82,24 @@ class RouterConsts(nl.NKIObject):
 
 def load_router_weights(w_router, b_router, KT, k0=0, k1=None):
     """W_r as [128, KT, E] bf16 (H row p * KT + kt on partition p: KT * E contiguous elements per partition, the H
-    order of the transposed activations); rows of the kt range [k0, k1) only (LNC=2 splits them). b_r as fp32
-    [1, E] (None stays None)."""
+    order of the transposed activations); rows of the kt range [k0, k1) only (LNC=2 splits them), in pieces of
+    >= ROUTER_W_MIN_RUN bytes per partition (up to ROUTER_W_PIECES) so the logits matmuls start on the first piece
+    (GPT-OSS-120B: E = 128, 786 KB, the longest load of the routing). b_r as fp32 [1, E] (None stays None), loaded
+    first: its K=1 matmul opens the logits."""
     E = w_router.shape[1]
     k1 = KT if k1 is None else k1
-    wr = nl.ndarray((P_MAX, KT, E), dtype=w_router.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=wr[:, k0:k1, :], src=w_router.reshape((P_MAX, KT, E))[:, k0:k1, :])
     br = None
     if b_router is not None:
         raw = nl.ndarray((1, E), dtype=b_router.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=raw, src=b_router.reshape((1, E)))
         br = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=br, src=raw)
+    wr = nl.ndarray((P_MAX, KT, E), dtype=w_router.dtype, buffer=nl.sbuf)
+    src = w_router.reshape((P_MAX, KT, E))
+    n = max(1, min(ROUTER_W_PIECES, k1 - k0, (k1 - k0) * E * w_router.dtype.itemsize // ROUTER_W_MIN_RUN))
+    for i in range(n):
+        a, b = k0 + i * (k1 - k0) // n, k0 + (i + 1) * (k1 - k0) // n
+        nisa.dma_copy(dst=wr[:, a:b, :], src=src[:, a:b, :])
     return wr, br
 
 

@@ -119,6 +119,17 @@ def test_variants(over, mode):
     run_and_check(6, SMALL, mode, **over)
 
 
+@pytest.mark.parametrize("over,lnc", [
+    (dict(activation="swiglu", router_mode="softmax_topk", renormalize=True), 2),
+    (dict(add_down_bias=False, hidden_actual=501), 1),
+    (dict(gamma=None, b_gate_up=None, b_down=None, b_router=None), 2),
+])
+def test_one_token_variants(over, lnc):
+    """T = 1 takes its own selective path (slots straight from the top-k, per-slot down-bias rows, x loaded
+    transposed, fused RMSNorm steps): the options it must honour."""
+    run_and_check(1, SMALL, "selective", lnc=lnc, **over)
+
+
 def test_expert_mode_rule():
     """Selective while the expected touched experts (plus the routing on its critical path) cost less than E."""
     from nki_kernels.moe.tkg_cost import choose_expert_mode, expected_touched
