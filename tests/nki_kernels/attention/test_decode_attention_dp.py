@@ -100,3 +100,9 @@ def test_dp_limits_are_named():
     with pytest.raises(AssertionError, match="attn_dp=2 x B_local"):
         nkisim.run_ranks(decode_attention_nki, 2, [(args, dict(kw, attn_dp_groups=[[0, 1]], attn_dp_rank=r))
                                                   for r in range(2)])
+    args, kw = make_inputs(4, 1, s_max=256, ctx=200, nq=4, **TINY)
+    inputs = [dp_rank_inputs(args, kw, [[0, 1]], r) for r in range(2)]
+    with pytest.raises(AssertionError, match="attention DP runs at LNC=1"):
+        nkisim.run_ranks(decode_attention_nki[2], 2, inputs)
+    with pytest.raises(ValueError, match="attn_dp_groups needs a kernel backend"):
+        decode_attention(*inputs[0][0], **inputs[0][1], backend="torch")
