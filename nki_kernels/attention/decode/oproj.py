@@ -148,16 +148,26 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
         t0, nt = tl.t0, tl.nt
         per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, 128] fp32 per bank
         outT = nl.ndarray((P_MAX, n_c, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
-        cpt = P_MAX // nt // per_bank * per_bank       # chunks per packed group: whole banks, dividing the range
-        while cpt > 0 and ((hc1 - hc0) % cpt != 0 or hc0 % cpt != 0):
+        nr = hc1 - hc0
+        # chunks per packed group (<= 128 / tokens: whole banks, dividing the range when possible; otherwise the
+        # last group is partial)
+        cmax = P_MAX // nt // per_bank * per_bank
+        cpt = cmax
+        while cpt > 0 and nr % cpt != 0:
             cpt -= per_bank
+        if cpt == 0 and cmax > 0:
+            cpt = min(cmax, nr)
         packed = cpt > 0
-        if packed:        # [128, group, token, chunk of the group]: see _store_packed
-            outP = nl.ndarray((P_MAX, n_c // cpt, nt, cpt), dtype=out.dtype, buffer=nl.sbuf)
+        if packed:        # [128, group, token, chunk of the group] (groups relative to hc0): see _store_packed
+            n_g = (nr + cpt - 1) // cpt
+            rem = nr - (n_g - 1) * cpt
+            outP = nl.ndarray((P_MAX, n_g, nt, cpt), dtype=out.dtype, buffer=nl.sbuf)
+            if rem < cpt:     # the partial group's unused chunks: finite (they are transposed, never stored)
+                nisa.memset(dst=outP[:, n_g - 1, :, rem:], value=0.0)
         # Chunks per eviction: a bank holds PSUM_F // nt chunks of [128, nt] (few tokens: many chunks per
         # eviction instead of one small eviction per 4 chunks, whose fixed costs paced the tail), but at most half
         # of the range, so two evictions alternate engines while TensorE works; packed: whole groups.
-        ev = max(per_bank, min(PSUM_F // nt, (hc1 - hc0 + 1) // 2))
+        ev = max(per_bank, min(PSUM_F // nt, (nr + 1) // 2))
         if packed:
             ev = max(cpt, ev // cpt * cpt)
         for c0 in range(hc0, hc1, ev):
@@ -169,21 +179,21 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
                     kn = min(P_MAX, K - k * P_MAX)
                     nisa.nc_matmul(dst=pv[:, c - c0, :], stationary=wo[:kn, k, c * P_MAX:(c + 1) * P_MAX],
                                    moving=oTs[ti][:kn, k, :nt], accumulate=(k > 0))
-            dst, src = outT[:, c0:c0 + ncb, :nt], pv
-            bias = None if bias_T is None else bias_T[:, c0:c0 + ncb].expand_dim(2).broadcast(2, nt)
-            if packed:      # whole groups: [128, groups, chunk, token] views of both sides
-                ng = ncb // cpt
-                dst = outP[:, c0 // cpt:c0 // cpt + ng, :, :].permute((0, 1, 3, 2))
-                src = ps[:, :ncb * nt].reshape((P_MAX, ng, cpt, nt))
-                if bias_T is not None:
-                    bias = bias_T[:, c0:c0 + ncb].reshape((P_MAX, ng, cpt)).expand_dim(3).broadcast(3, nt)
-            if bias is not None:
-                nisa.tensor_tensor(dst=dst, data1=src, data2=bias, op=nl.add)
-            else:
-                evict((c0 - hc0) // ev, dst, src)
+            n_ev = (c0 - hc0) // ev
+            if not packed:
+                _evict_out(n_ev, outT[:, c0:c0 + ncb, :nt], pv, bias_T, c0, ncb, nt)
+            else:     # whole groups as [128, groups, chunk, token] views of both sides, then a partial group
+                g0, nfull, part = (c0 - hc0) // cpt, ncb // cpt, ncb % cpt
+                if nfull:
+                    _evict_out(n_ev, outP[:, g0:g0 + nfull, :, :].permute((0, 1, 3, 2)),
+                               ps[:, :nfull * cpt * nt].reshape((P_MAX, nfull, cpt, nt)), bias_T, c0, nfull * cpt,
+                               nt, cpt)
+                if part:
+                    _evict_out(n_ev + 1, outP[:, g0 + nfull, :, :part].permute((0, 2, 1)), pv[:, nfull * cpt:, :],
+                               bias_T, c0 + nfull * cpt, part, nt)
             ps = None
         if packed:
-            _store_packed(cfg, outP, out, t0, nt, cpt)
+            _store_packed(cfg, outP, out, t0, nt, cpt, rem)
             continue
         res = nl.ndarray((P_MAX, cfg.H), dtype=out.dtype, buffer=nl.sbuf)
         for c0 in range(hc0, hc1, TRANSPOSE_GROUP):
@@ -197,22 +207,41 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
         nisa.dma_copy(dst=out[t0:t0 + nt, hc0 * P_MAX:hc1 * P_MAX], src=res[:nt, hc0 * P_MAX:hc1 * P_MAX])
 
 
-def _store_packed(cfg, outP, out, t0, nt, cpt):
+def _evict_out(i, dst, src, bias_T, c0, n, nt, cpt=0):
+    """out^T chunks [c0, c0 + n) from PSUM (src) to dst (+ the bias, a per-partition scalar of chunk c), viewed
+    [128, n, nt], or [128, n / cpt, cpt, nt] when cpt > 0."""
+    if bias_T is None:
+        evict(i, dst, src)
+        return
+    b = bias_T[:, c0:c0 + n]
+    b = b.expand_dim(2).broadcast(2, nt) if cpt == 0 else b.reshape((P_MAX, n // cpt, cpt)).expand_dim(3).broadcast(
+        3, nt)
+    nisa.tensor_tensor(dst=dst, data1=src, data2=b, op=nl.add)
+
+
+def _store_packed(cfg, outP, out, t0, nt, cpt, rem):
     """Few tokens (nt <= 32): out^T held as outP [128 (H), group q, token t, chunk c of the group] (cpt <= 128 / nt
-    chunks per group) goes back to [tokens, H] with ONE TensorE transpose per group: partition t * cpt + c of group
-    q holds out[t, (q * cpt + c) * 128 + p]. The transposes and evictions handle 128 rows instead of nt; one store
-    per token (disjoint rows, 256 B runs)."""
-    hc0, hc1 = cfg.hc
+    chunks per group, groups from hc0, the last one holding rem chunks) goes back to [tokens, H] with ONE TensorE
+    transpose per group: partition t * cpt + c of group q holds out[t, (hc0 + q * cpt + c) * 128 + p]. The
+    transposes and evictions handle 128 rows instead of nt; per token one store of the whole groups and one of
+    the partial group (disjoint rows, 256 B runs, spread over the DMA engines of cpt partitions each)."""
+    hc0 = cfg.hc[0]
     H = cfg.H
-    q_lo, n_g, rows = hc0 // cpt, (hc1 - hc0) // cpt, cpt * nt
+    n_g, rows = outP.shape[1], cpt * nt
     res = nl.ndarray((P_MAX, n_g, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
     for q0 in range(0, n_g, TRANSPOSE_GROUP):
         qn = min(TRANSPOSE_GROUP, n_g - q0)
         pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
         for qi in range(qn):
-            nisa.nc_transpose(dst=pt[:rows, qi, :], data=outP[:, q_lo + q0 + qi, :, :].reshape((P_MAX, rows)))
+            nisa.nc_transpose(dst=pt[:rows, qi, :], data=outP[:, q0 + qi, :, :].reshape((P_MAX, rows)))
         evict(q0 // TRANSPOSE_GROUP, res[:rows, q0:q0 + qn, :], pt[:rows, :qn, :])
         pt = None
+    n_full = n_g if rem == cpt else n_g - 1
     for t in range(nt):
-        nisa.dma_copy(dst=out.ap([[P_MAX, cpt], [cpt * P_MAX, n_g], [1, P_MAX]], offset=(t0 + t) * H + hc0 * P_MAX),
-                      src=res[t * cpt:(t + 1) * cpt, :, :])
+        base = (t0 + t) * H + hc0 * P_MAX
+        if n_full:
+            nisa.dma_copy(dst=out.ap([[P_MAX, cpt], [cpt * P_MAX, n_full], [1, P_MAX]], offset=base),
+                          src=res[t * cpt:(t + 1) * cpt, :n_full, :])
+        if n_full < n_g:
+            nisa.dma_copy(dst=out.ap([[P_MAX, rem], [1, P_MAX]], offset=base + n_full * cpt * P_MAX),
+                          src=res[t * cpt:t * cpt + rem, n_full, :])

@@ -108,6 +108,14 @@ def test_several_kv_heads_per_rank(B, S, ctx, window):
     run_and_check(B, S, s_max=ctx + 24, ctx=ctx, window=window, shape=MULTI_KV)
 
 
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_output_chunks_not_a_multiple_of_the_packed_group(lnc):
+    """H = 42 * 128 (nki-library's q2 / H5376 shape) with 8 tokens: the packed O-projection store has groups of 16
+    chunks and a partial last group of 10 (LNC=2: 21 chunks per core, 16 + 5), with bias_o added by the evictions."""
+    run_and_check(8, 1, s_max=256, ctx=256, shape=dict(H=5376, d=128, nkv=1, nq=2, gamma=True, bias=True,
+                                                        sinks=False), lnc=lnc)
+
+
 def test_odd_shapes_no_norm_no_rope():
     run_and_check(5, 3, s_max=200, ctx=130, shape=SMALL_D, rope=False)
     run_and_check(2, 8, s_max=129, ctx=129, shape=SMALL_D)
