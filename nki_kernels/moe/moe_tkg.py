@@ -126,6 +126,15 @@ def _pow2_at_least(n):
     return p
 
 
+class _Part(nl.NKIObject):
+    """A range of an expert's I columns [col0, col0 + inter) as this core processes it: I tiles of <= 128 rows."""
+
+    def __init__(self, col0, inter):
+        self.col0, self.inter = col0, inter
+        self.MT = (inter + I_TILE - 1) // I_TILE
+        self.rows = tuple(min(I_TILE, inter - m * I_TILE) for m in range(self.MT))
+
+
 class _Cfg(nl.NKIObject):
     """Trace-time sizes of one launch (every loop bound below is one of these Python ints)."""
 
@@ -137,6 +146,7 @@ class _Cfg(nl.NKIObject):
         self.KT = self.H // H_TILE
         self.MT = (self.inter + I_TILE - 1) // I_TILE
         self.rows = tuple(min(I_TILE, self.inter - m * I_TILE) for m in range(self.MT))
+        self.part = _Part(0, self.inter)
         # accumulator stride: a power of two >= T, so no accumulator [rows, T] straddles a 2 KiB PSUM bank
         self.GS = _pow2_at_least(self.T)
         self.n_acc = 2 * self.MT                       # gate tiles 0..MT-1, up tiles MT..2MT-1
@@ -312,7 +322,8 @@ def _schedule_step(cfg, consts, dense, denseT):
     choice contributes nothing and is skipped); nonzero_with_count compacts them into list[0..n) and n. Slot s
     (static, s < min(E, T·k)) gets a register with list[s] and a gate register (1 iff s < n): the slot's loop runs
     once or not at all. affc [T, S] = dense gathered by the list (a one-hot fp32 matmul: exact), so slot s scales
-    by a static column."""
+    by a static column. LNC=2 also returns `half` = (expert register, gate register, affinities [T, 1]) of an odd
+    count's last expert, which both cores serve by halves of I (else None)."""
     T, E = cfg.T, cfg.E
     S = min(E, T * cfg.k)
     cnt = nl.ndarray((1, P_MAX), dtype=nl.float32, buffer=nl.psum)
@@ -323,8 +334,37 @@ def _schedule_step(cfg, consts, dense, denseT):
     nisa.nonzero_with_count(dst=lst, src=touched, index_offset=0, padding_val=-1)
     lst_f = nl.ndarray((1, E + 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=lst_f, src=lst)
+    n_run = lst_f[0:1, E:E + 1]
+    half = None
+    if cfg.ncores > 1:
+        # LNC=2: the cores take slot pairs; an odd count's last expert (list[n - 1] = the largest id listed, the
+        # list being ascending with -1 padding) is split by I columns between the cores instead of loading on one
+        odd = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=odd, data=n_run, op0=nl.mod, operand0=2.0)
+        n_even = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=n_even, data1=n_run, data2=odd, op=nl.subtract)
+        n_run = n_even
+        last_f = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=last_f, op=nl.maximum, data=lst_f[0:1, :E], axis=1)
+        hx = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=hx[0:1, 0:1], src=last_f)
+        nisa.tensor_copy(dst=hx[0:1, 1:2], src=odd)
+        he, hg = nisa.register_alloc(), nisa.register_alloc()
+        nisa.register_load(dst=he, src=hx[0:1, 0:1])
+        nisa.register_load(dst=hg, src=hx[0:1, 1:2])
+        # its affinities dense[:, last]: a one-hot of `last` over E (broadcast by a ones matmul), gathered by an
+        # fp32 matmul (exact)
+        bl = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=bl[:E, :], stationary=consts.ones_f32[0:1, :E], moving=last_f, accumulate=False)
+        oh = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=oh[:E, :], data=bl[:E, :], op0=nl.equal, operand0=consts.part_idx[:E, :])
+        pa = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=pa[:T, :], stationary=denseT[:E, :T], moving=oh[:E, :], accumulate=False)
+        affh = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=affh[:T, :], src=pa[:T, :])
+        half = (he, hg, affh)
     gate = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=gate, data=consts.col_idx[0:1, :S], op0=nl.less, operand0=lst_f[0:1, E:E + 1])
+    nisa.tensor_scalar(dst=gate, data=consts.col_idx[0:1, :S], op0=nl.less, operand0=n_run)
     bc = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=bc[:E, :S], stationary=consts.ones_f32[0:1, :E], moving=lst_f[0:1, :S], accumulate=False)
     onehot = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
@@ -345,7 +385,7 @@ def _schedule_step(cfg, consts, dense, denseT):
         nisa.register_load(dst=g, src=gate[0:1, s:s + 1])
         experts.append(r)
         gates.append(g)
-    return affc, experts, gates
+    return affc, experts, gates, half
 
 
 class _Acc(nl.NKIObject):
@@ -439,11 +479,11 @@ class _Ring(nl.NKIObject):
                          for _ in range(2))
         self.n = 0      # experts issued so far (ring position)
 
-    def tile_off(self, cfg, m):
+    def tile_off(self, pt, m):
         """First partition of I tile m for the expert now issued. A partial tile of <= 64 rows sits at partition 64
         on every other expert: a DMA engine serves 8 partitions, so a tile at partition 0 always loads through the
         low engines (GPT-OSS-120B TP16: 52 rows, engines 0-6); alternating spreads the down rows over the 16."""
-        if m > 0 and cfg.rows[m] <= HALF_P and self.n % 2 == 1:
+        if m > 0 and pt.rows[m] <= HALF_P and self.n % 2 == 1:
             return HALF_P
         return 0
 
@@ -456,34 +496,45 @@ def _expert_src(w, e, pattern, offset, stride):
     return w.ap(pattern, offset=offset, scalar_offset=e, indirect_dim=0)
 
 
-def _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up, last=False):
-    """Expert e's weights into slot b: gate/up [128, KT, 2I] in ONE DMA (H row p * KT + kt on partition p: KT * 2I
-    contiguous elements per partition, the longest run the layout has: DMA efficiency run / (run + 256 B)), down
-    [rows, MT, H] per I tile m (I row m * 128 + p at partition tile_off + p: rows of H contiguous elements), the
+def _load_expert_step(cfg, pt, ring, b, e, w_gate_up, w_down, b_gate_up, last=False):
+    """Expert e's weights (I columns pt.col0 .. + pt.inter: all of them, or this core's half of a split expert)
+    into slot b: gate/up [128, KT, 2 * pt.inter] in ONE DMA (H row p * KT + kt on partition p: KT * 2I contiguous
+    elements per partition for a whole expert, the longest run the layout has: DMA efficiency run / (run + 256 B)),
+    down [rows, MT, H] per I tile m (I row m * 128 + p at partition tile_off + p: rows of H contiguous elements), the
     gate/up bias row. The last expert of a static schedule (`last`) loads gate/up in two kt halves instead: nothing
     streams behind it, so its gate/up matmuls on the first half overlap the second half's load (the tail)."""
-    KT, I2, H, inter = cfg.KT, 2 * cfg.inter, cfg.H, cfg.inter
+    KT, inter, H, n, c0 = cfg.KT, cfg.inter, cfg.H, pt.inter, pt.col0
+    I2 = 2 * inter
     if b_gate_up is not None:
-        nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, e, [[I2, 1], [1, I2]], 0, I2))
-    n = 2 if last and KT >= 2 else 1
-    for i in range(n):
-        k0, k1 = i * KT // n, (i + 1) * KT // n
-        src = _expert_src(w_gate_up, e, [[KT * I2, P_MAX], [1, (k1 - k0) * I2]], k0 * I2, H * I2)
-        nisa.dma_copy(dst=ring.wgu[b][:, k0:k1, :], src=src)
-    for m in range(cfg.MT):
-        rows, o = cfg.rows[m], ring.tile_off(cfg, m)
-        src = _expert_src(w_down, e, [[H, rows], [1, H]], m * I_TILE * H, inter * H)
+        if n == inter:
+            nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, e, [[I2, 1], [1, I2]], 0, I2))
+        else:
+            nisa.dma_copy(dst=ring.bgu[b].ap([[I2, 1], [n, 2], [1, n]], offset=0),
+                          src=_expert_src(b_gate_up, e, [[I2, 1], [inter, 2], [1, n]], c0, I2))
+    halves = 2 if last and KT >= 2 else 1
+    for i in range(halves):
+        k0, k1 = i * KT // halves, (i + 1) * KT // halves
+        if n == inter:
+            src = _expert_src(w_gate_up, e, [[KT * I2, P_MAX], [1, (k1 - k0) * I2]], k0 * I2, H * I2)
+            nisa.dma_copy(dst=ring.wgu[b][:, k0:k1, :], src=src)
+        else:       # this core's columns of gate and of up: two runs of n elements per H row
+            src = _expert_src(w_gate_up, e, [[KT * I2, P_MAX], [I2, k1 - k0], [inter, 2], [1, n]], k0 * I2 + c0, H * I2)
+            dst = ring.wgu[b].ap([[KT * I2, P_MAX], [I2, k1 - k0], [n, 2], [1, n]], offset=k0 * I2)
+            nisa.dma_copy(dst=dst, src=src)
+    for m in range(pt.MT):
+        rows, o = pt.rows[m], ring.tile_off(pt, m)
+        src = _expert_src(w_down, e, [[H, rows], [1, H]], (c0 + m * I_TILE) * H, inter * H)
         nisa.dma_copy(dst=ring.wd[b][o:o + rows, m, :], src=src)
 
 
-def _gate_up_step(cfg, consts, ring, b, hT, aff_col, has_bias):
+def _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, has_bias):
     """gate^T / up^T [rows, T] per I tile, fp32 in PSUM: weights stationary (128 H x rows of I), the tokens moving
     (T columns), contracted over the KT H tiles; the bias is a K=1 matmul (bias row x ones) opening each group.
     A tile placed at partition o = tile_off (> 0) takes the o columns before it too (recomputed, unused): the
     matmul's output partition is the stationary column, so its rows land on partitions o .. o + rows.
     Group n_acc gets the slot's affinities broadcast to all partitions, aff[p, t] = aff_col[t] (a ones matmul
     over diag(aff_col): exact in fp32)."""
-    T, inter = cfg.T, cfg.inter
+    T, inter = cfg.T, pt.inter
     ps = ring.ps_gu[ring.n % cfg.n_gu]
     diag = ring.tmp[ring.n % 2][4]
     nisa.tensor_scalar(dst=diag[:T, :T], data=consts.ident[:T, :T], op0=nl.multiply, operand0=aff_col)
@@ -491,9 +542,9 @@ def _gate_up_step(cfg, consts, ring, b, hT, aff_col, has_bias):
                    accumulate=False)
     groups = []
     for c in range(2):
-        for m in range(cfg.MT):
-            o = ring.tile_off(cfg, m)
-            groups.append((c * inter + m * I_TILE - o, o + cfg.rows[m]))
+        for m in range(pt.MT):
+            o = ring.tile_off(pt, m)
+            groups.append((c * inter + m * I_TILE - o, o + pt.rows[m]))
     if has_bias:
         for g, (c0, n) in enumerate(groups):
             nisa.nc_matmul(dst=ps[:n, g, :T], stationary=ring.bgu[b][0:1, c0:c0 + n],
@@ -505,18 +556,18 @@ def _gate_up_step(cfg, consts, ring, b, hT, aff_col, has_bias):
     return ps
 
 
-def _activation_step(cfg, ring, ps):
+def _activation_step(cfg, pt, ring, ps):
     """act^T [rows, T] = aff · act(gate, up) (I on partitions: the down projection's contraction), the weights'
     dtype; fp32 until that rounding.
 
     clamped_swiglu (GPT-OSS): g = min(gate, L); act = (clip(up, −L, L) + 1) · aff · g · sigmoid(α g).
     swiglu: act = silu(gate) · up · aff."""
-    T, MT = cfg.T, cfg.MT
+    T, MT = cfg.T, pt.MT
     act = ring.act[ring.n % 2]
     g, sg, glu, u, _ = ring.tmp[ring.n % 2]
     for m in range(MT):
-        o = ring.tile_off(cfg, m)
-        r = slice(o, o + cfg.rows[m])
+        o = ring.tile_off(pt, m)
+        r = slice(o, o + pt.rows[m])
         aff = ps[r, cfg.n_acc, :T]
         gate, up = ps[r, m, :T], ps[r, MT + m, :T]
         if cfg.activation == "clamped_swiglu":
@@ -536,24 +587,24 @@ def _activation_step(cfg, ring, ps):
     return act
 
 
-def _down_step(cfg, ring, b, act, acc):
+def _down_step(cfg, pt, ring, b, act, acc):
     """acc += act @ W_down (the affinity is already in act), contracted over the I tiles (tile m as soon as its rows
     arrived). outT: the down rows stationary (128 H columns h = p * KT + kt), act^T moving (T columns) into
     out^T tile kt. Else the tokens' activations stationary (M = T), the down rows moving (512 H columns per PSUM
     bank): PSUM accumulator straight into the bank; SBUF accumulator via a ring bank, then one add."""
     T = cfg.T
     if acc.T:
-        for m in range(cfg.MT):
-            o = ring.tile_off(cfg, m)
-            r = slice(o, o + cfg.rows[m])
+        for m in range(pt.MT):
+            o = ring.tile_off(pt, m)
+            r = slice(o, o + pt.rows[m])
             for kt in range(cfg.KT):
                 nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_h_cols(ring.wd[b][r, m, :], kt, cfg.KT),
                                moving=act[r, m, :T], accumulate=True)
         return
     if acc.psum:
-        for m in range(cfg.MT):
-            o = ring.tile_off(cfg, m)
-            r = slice(o, o + cfg.rows[m])
+        for m in range(pt.MT):
+            o = ring.tile_off(pt, m)
+            r = slice(o, o + pt.rows[m])
             for i, (c0, cw) in enumerate(cfg.chunks):
                 nisa.nc_matmul(dst=acc.banks[i][:T, :cw], stationary=act[r, m, :T],
                                moving=ring.wd[b][r, m, c0:c0 + cw], accumulate=True)
@@ -561,21 +612,23 @@ def _down_step(cfg, ring, b, act, acc):
     for c0, cw in cfg.chunks:
         pd = acc.ring[acc.nd % 2]
         acc.nd += 1
-        for m in range(cfg.MT):
-            o = ring.tile_off(cfg, m)
-            r = slice(o, o + cfg.rows[m])
+        for m in range(pt.MT):
+            o = ring.tile_off(pt, m)
+            r = slice(o, o + pt.rows[m])
             nisa.nc_matmul(dst=pd[:T, :cw], stationary=act[r, m, :T], moving=ring.wd[b][r, m, c0:c0 + cw],
                            accumulate=m > 0)
         nisa.tensor_tensor(dst=acc.sb[:T, c0:c0 + cw], data1=pd[:T, :cw], data2=acc.sb[:T, c0:c0 + cw], op=nl.add)
 
 
-def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_gate_up, last=False):
-    """One expert on all T tokens: load (slot n % nbuf), gate/up, activation (× affinity), down into acc."""
+def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_gate_up, last=False, pt=None):
+    """One expert on all T tokens: load (slot n % nbuf), gate/up, activation (× affinity), down into acc. pt: the
+    part of the expert's I columns (default: all, cfg.part)."""
+    pt = cfg.part if pt is None else pt
     b = ring.n % cfg.nbuf
-    _load_expert_step(cfg, ring, b, e, w_gate_up, w_down, b_gate_up, last)
-    ps = _gate_up_step(cfg, consts, ring, b, hT, aff_col, b_gate_up is not None)
-    act = _activation_step(cfg, ring, ps)
-    _down_step(cfg, ring, b, act, acc)
+    _load_expert_step(cfg, pt, ring, b, e, w_gate_up, w_down, b_gate_up, last)
+    ps = _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, b_gate_up is not None)
+    act = _activation_step(cfg, pt, ring, ps)
+    _down_step(cfg, pt, ring, b, act, acc)
     ring.n += 1
     return ps
 
@@ -790,7 +843,7 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
             _expert_step(cfg, consts, ring, e, dense[:T, e:e + 1], hT, acc, w_gate_up, w_down, b_gate_up,
                          last=e == mine[-1])
     else:
-        affc, experts, gates = _schedule_step(cfg, consts, dense, denseT)
+        affc, experts, gates, half = _schedule_step(cfg, consts, dense, denseT)
         acc = _init_acc_step(cfg, consts, denseT, b_down, add_down_bias)
         for s in range(len(experts)):
             if experts[s] is None:
@@ -801,6 +854,15 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
                              b_gate_up)
 
             nl.fori_loop(0, gates[s], body)
+        if half is not None:
+            he, hg, affh = half
+            n0 = cfg.inter // 2
+            pt = _Part(0, n0) if cfg.core == 0 else _Part(n0, cfg.inter - n0)
+
+            def hbody(_i):
+                _expert_step(cfg, consts, ring, he, affh[:T, 0:1], hT, acc, w_gate_up, w_down, b_gate_up, pt=pt)
+
+            nl.fori_loop(0, hg, hbody)
     _store_out_step(cfg, acc, out)
     if cfg.core == 0:
         store_routing_step(idx, aff, T, top_k, index_out, aff_out)

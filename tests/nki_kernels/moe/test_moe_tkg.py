@@ -106,6 +106,13 @@ def test_skewed_routing(skew, mode, lnc, shape):
         assert (idx[:, 0] == shape["E"] - 1).all()
 
 
+def test_one_expert_split_across_cores():
+    """LNC=2, every token on ONE expert (k = 1): an odd count's last expert is served by both cores, each on half of
+    its I columns (here the only expert: without the split one core would idle)."""
+    idx = run_and_check(8, dict(MID, top_k=1), "selective", lnc=2, skew="one")
+    assert idx.flatten().tolist() == [0] * 8
+
+
 SMALL = dict(H=512, E=8, top_k=2, inter=200, hidden_actual=None)
 
 
