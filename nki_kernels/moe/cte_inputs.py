@@ -37,3 +37,21 @@ def make_cte_inputs(T, H, E, top_k, inter, seed=0, biases=True, skew=None, hidde
         idx = torch.cat([torch.zeros(T, 1, dtype=torch.long), rest], dim=-1)
     aff = torch.softmax(torch.randn(T, top_k, generator=g), dim=-1)
     return x, idx, aff, w_gu, w_d, b_gu, b_d
+
+
+def make_cte_mx_weights(E, H, inter, seed=0):
+    """Random MXFP4 experts (mx_weights.random_mxfp4, O(1) projections) → (reference weights: w_gate_up [E, H, 2, I]
+    and w_down [E, I, H] fp32, the dequantised values; kernel kwargs: the packed x4 words as float4_e2m1fn_x4 arrays
+    and their scales, mx_weights.pack's layout)."""
+    from nkisim import mx as nkmx  # the NumPy form of x4 packed arrays (what the interpreter's kernels take)
+
+    from .mx_weights import dequantize, pack, random_mxfp4
+    c_gu, s_gu = random_mxfp4(E, H, 2 * inter, seed)
+    c_d, s_d = random_mxfp4(E, inter, H, seed + 1)
+    w_gu = dequantize(c_gu, s_gu).reshape(E, H, 2, inter)
+    w_d = dequantize(c_d, s_d)
+    (wgu, sgu), (wd, sd) = pack(c_gu, s_gu), pack(c_d, s_d)
+    fp4 = "float4_e2m1fn_x4"
+    kw = dict(w_gate_up=nkmx.PackedArray(wgu, nkmx.dt.as_dtype(fp4)), w_gate_up_scale=sgu,
+              w_down=nkmx.PackedArray(wd, nkmx.dt.as_dtype(fp4)), w_down_scale=sd)
+    return w_gu, w_d, kw

@@ -43,13 +43,15 @@ WEIGHT_RUN_MIN = 1024
 DMA_TRANSPOSE_MIN_ROWS = {"gen3": 3 * 128, "gen4": 0}
 SBUF_RESERVE = 8 * 1024    # bytes per partition left for the small tiles (ids, affinities, schedule, constants)
 DGE = nisa.dge_mode.swdge   # indirect (vector_offset) DMAs are software-DGE transfers
+MX_CHUNK = 512         # contraction elements per nc_matmul_mx (128 partitions x 4 lanes); MXFP4 layout: mx_weights.py
+MX_GROUPS = 16         # scale groups (8 partitions each) of a 128-partition MX tile: 4 per SBUF quadrant
 
 
 class _Config(nl.NKIObject):
     """Static shapes and options of one launch."""
 
     def __init__(self, T, H, E, inter, rows, sched_len, dtype, itemsize, activation, bias_gu, bias_d, n_cores,
-                 routed_rows):
+                 routed_rows, mx=False, KDm=0):
         self.T, self.H, self.E, self.I, self.rows, self.sched_len = T, H, E, inter, rows, sched_len
         self.dtype, self.activation, self.bias_gu, self.bias_d, self.n_cores = (dtype, activation, bias_gu, bias_d,
                                                                                 n_cores)
@@ -67,9 +69,15 @@ class _Config(nl.NKIObject):
         rows_per_expert = (routed_rows or rows) / E
         self.dma_transpose = (min_rows is not None and rows_per_expert >= min_rows
                               and 2 * inter * itemsize >= WEIGHT_RUN_MIN)
+        # MXFP4 weights (trn3): x^T and act^T are quantised to MXFP8 on chip in the MX element order, which the
+        # TensorE transposes produce (column sets), so no DMA transposes; the down bias is a K=1 matmul (it is not
+        # part of the MX contraction)
+        self.mx, self.KC, self.KDm = mx, H // MX_CHUNK, KDm
+        if mx:
+            self.dma_transpose = False
         # down contraction: I rows, plus one row of ones (activations) / b_down (weights) when the bias is added,
         # so the bias is a free extra contraction row instead of a separate matmul
-        self.I_aug = inter + (1 if bias_d else 0)
+        self.I_aug = inter + (1 if bias_d and not mx else 0)
         self.KD = (self.I_aug + P_MAX - 1) // P_MAX
         self.I_CH = PSUM_F                     # gate (and up) columns per PSUM bank
         self.n_ich = (inter + self.I_CH - 1) // self.I_CH
@@ -79,17 +87,21 @@ class _Config(nl.NKIObject):
 
     def weight_bytes(self):
         """SBUF bytes per partition of one expert's resident weights (gate/up, down, gate/up bias)."""
+        if self.mx:   # x4 words (2 B per 4 elements) + one scale byte per word, b_down row, gate/up bias
+            return (3 * (self.KC * 2 * self.I + self.KDm * self.H) + 2 * self.H
+                    + (2 * 2 * self.I + 4 * 2 * self.n_ic if self.bias_gu else 0))
         return 2 * (self.KT * 2 * self.I + self.KD * self.H + (2 * self.I if self.bias_gu else 0)) + (
             4 * 2 * self.n_ic if self.bias_gu else 0)
 
     def tile_bytes(self):
         """SBUF bytes per partition of one token tile's working set."""
-        return (2 * self.H * 3 + 2 * self.KD * P_MAX + 2 * self.I_aug + 4 * 4 * min(self.I, self.I_CH)
+        mx = (2 * self.H + 5 * self.KC * P_MAX + 4 * self.KDm * MX_CHUNK + 5 * self.KDm * P_MAX) if self.mx else 0
+        return mx + (2 * self.H * 3 + 2 * self.KD * P_MAX + 2 * self.I_aug + 4 * 4 * min(self.I, self.I_CH)
                 + 4 * 3 + 2 * self.KD * HALF_ROWS + 4 * 3 * HALF_ROWS)
 
 
 def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up=None,
-                   b_down=None, activation="clamped_swiglu", routed_rows=0):
+                   b_down=None, activation="clamped_swiglu", routed_rows=0, w_gate_up_scale=None, w_down_scale=None):
     """Blockwise MoE experts (prefill): out[t] = Σ_rows of t  affinity · down(act(gate_up(x[t]))) for one TP rank.
 
     Dimensions:
@@ -111,6 +123,10 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         b_down ([E, H] @ HBM): optional down bias (pass None on the TP ranks that must not add it).
         activation (str): "clamped_swiglu" (GPT-OSS) or "swiglu".
         routed_rows (int): T * k, the real mapping rows (0: R, an upper bound); only sizes the x^T choice.
+        w_gate_up_scale, w_down_scale: given, the weights are MXFP4 (trn3 only) in mx_weights.py's layout:
+            w_gate_up [E, 128, H/512, 2I] float4_e2m1fn_x4 with scales [E, 16, H/512, 2I] uint8, w_down
+            [E, 128, KDm, H] with scales [E, 16, KDm, H] (I zero-padded to KDm * 512); x^T and the activations are
+            quantised to MXFP8 (e4m3) on chip and every projection is an nc_matmul_mx.
 
     Returns:
         out ([T, H] @ HBM, shared_hbm): the rank's partial output in x's dtype; each row's expert outputs are
@@ -136,7 +152,7 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
                 y = aT^T @ [Wd[e] ; bd[e]]  ;  out[ids] += bf16(affinity * y)
     """
     cfg = _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up,
-                           b_down, activation, routed_rows)
+                           b_down, activation, routed_rows, w_gate_up_scale, w_down_scale)
     out = nl.ndarray((cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
     core = nl.program_id(0) if cfg.n_cores > 1 else 0
     # LNC=2: core 0 accumulates into out, core 1 into a partial of its own (two cores' read-modify-writes of one
@@ -155,8 +171,8 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
     # expert zeroes here
     e0 = _field(cfg, sched, SCHED_HEADER, 0)
     prologue = nisa.scalar_load(sched[0:1, 1:2])
-    nl.fori_loop(0, prologue,
-                 lambda _: _load_weights(cfg, weights[0], psum, e0, w_gate_up, w_down, b_gate_up, b_down))
+    nl.fori_loop(0, prologue, lambda _: _load_weights(cfg, weights[0], psum, e0, w_gate_up, w_down, b_gate_up,
+                                                      b_down, (w_gate_up_scale, w_down_scale)))
     nl.fori_loop(0, 1 - prologue, lambda _: _zero_rows(cfg, acc, 0, cfg.T))
 
     def pair(p):
@@ -164,7 +180,7 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
             base = p * (2 * SCHED_FIELDS) + s * SCHED_FIELDS + SCHED_HEADER
             slots = [_Slot(weights[s], t, psum, i) for i, t in enumerate(tiles)]
             _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids,
-                          scatter_ids, row_affinity, acc)
+                          scatter_ids, row_affinity, acc, (w_gate_up_scale, w_down_scale))
 
     n_pairs = nisa.scalar_load(sched[0:1, 0:1])
     nl.fori_loop(0, n_pairs, pair)
@@ -174,19 +190,47 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
     return out
 
 
+def _validate_mx(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale):
+    """MXFP4 weights: shapes, dtypes and the target; returns (E, I, KDm)."""
+    assert nisa.get_nc_version() >= nisa.nc_version.gen4, \
+        ("w_gate_up_scale: MXFP4 weights need nisa.nc_matmul_mx, which only NeuronCore-v4 (trn3) has; on trn2 "
+         "pass bf16 weights (dequantised)")
+    assert w_down_scale is not None, "w_down_scale: MXFP4 needs both projections' scales"
+    T, H = x.shape
+    assert H % MX_CHUNK == 0, f"x: H={H} must be a multiple of {MX_CHUNK} with MXFP4 weights"
+    KC = H // MX_CHUNK
+    assert len(w_gate_up.shape) == 4 and tuple(w_gate_up.shape[1:3]) == (P_MAX, KC) and w_gate_up.shape[3] % 2 == 0, \
+        f"w_gate_up (MXFP4) must be [E, {P_MAX}, H/512={KC}, 2I], got shape {tuple(w_gate_up.shape)}"
+    E, inter = w_gate_up.shape[0], w_gate_up.shape[3] // 2
+    assert len(w_down.shape) == 4 and w_down.shape[0] == E and w_down.shape[1] == P_MAX and w_down.shape[3] == H \
+        and w_down.shape[2] * MX_CHUNK >= inter, \
+        f"w_down (MXFP4) must be [E={E}, {P_MAX}, KDm >= I/512, H={H}], got shape {tuple(w_down.shape)}"
+    for name, w, sc in (("w_gate_up", w_gate_up, w_gate_up_scale), ("w_down", w_down, w_down_scale)):
+        assert w.dtype == nl.float4_e2m1fn_x4, f"{name} dtype {w.dtype} must be float4_e2m1fn_x4 (MXFP4)"
+        want = (w.shape[0], MX_GROUPS, w.shape[2], w.shape[3])
+        assert tuple(sc.shape) == want and sc.dtype == nl.uint8, \
+            f"{name}_scale must be uint8 {want}, got {sc.dtype} {tuple(sc.shape)}"
+    return E, inter, w_down.shape[2]
+
+
 def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up, b_down,
-                     activation, routed_rows):
+                     activation, routed_rows, w_gate_up_scale=None, w_down_scale=None):
     """Every static limit, before any work; messages name the argument and the limit."""
     assert activation in ("clamped_swiglu", "swiglu"), \
         f"activation={activation!r} must be 'clamped_swiglu' or 'swiglu'"
     assert len(x.shape) == 2, f"x must be [T, H], got shape {tuple(x.shape)}"
     T, H = x.shape
     assert H % P_MAX == 0, f"x: H={H} must be a multiple of {P_MAX}"
-    assert len(w_gate_up.shape) == 4 and tuple(w_gate_up.shape[1:3]) == (H, 2), \
-        f"w_gate_up must be [E, H={H}, 2, I], got shape {tuple(w_gate_up.shape)}"
-    E, inter = w_gate_up.shape[0], w_gate_up.shape[3]
-    assert tuple(w_down.shape) == (E, inter, H), \
-        f"w_down must be [E={E}, I={inter}, H={H}], got shape {tuple(w_down.shape)}"
+    mx = w_gate_up_scale is not None
+    KDm = 0
+    if mx:
+        E, inter, KDm = _validate_mx(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+    else:
+        assert len(w_gate_up.shape) == 4 and tuple(w_gate_up.shape[1:3]) == (H, 2), \
+            f"w_gate_up must be [E, H={H}, 2, I], got shape {tuple(w_gate_up.shape)}"
+        E, inter = w_gate_up.shape[0], w_gate_up.shape[3]
+        assert tuple(w_down.shape) == (E, inter, H), \
+            f"w_down must be [E={E}, I={inter}, H={H}], got shape {tuple(w_down.shape)}"
     assert b_gate_up is None or tuple(b_gate_up.shape) == (E, 2, inter), \
         f"b_gate_up must be [E={E}, 2, I={inter}], got shape {tuple(b_gate_up.shape)}"
     assert b_down is None or tuple(b_down.shape) == (E, H), \
@@ -200,10 +244,12 @@ def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity
     assert len(schedule.shape) == 2 and schedule.shape[0] == n_cores and (schedule.shape[1] - SCHED_HEADER) % (
         2 * SCHED_FIELDS) == 0, \
         f"schedule must be [n_cores={n_cores}, {SCHED_HEADER} + {2 * SCHED_FIELDS} p], got {tuple(schedule.shape)}"
-    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down), ("b_gate_up", b_gate_up), ("b_down", b_down)):
+    weights = (("b_gate_up", b_gate_up), ("b_down", b_down)) + (() if mx else (("w_gate_up", w_gate_up),
+                                                                               ("w_down", w_down)))
+    for name, w in weights:
         assert w is None or w.dtype == x.dtype, f"{name} dtype {w.dtype} must equal x's ({x.dtype})"
     cfg = _Config(T, H, E, inter, R, schedule.shape[1], x.dtype, x.dtype.itemsize, activation,
-                  b_gate_up is not None, b_down is not None, n_cores, routed_rows)
+                  b_gate_up is not None, b_down is not None, n_cores, routed_rows, mx, KDm)
     assert cfg.KD * P_MAX * 2 <= nl.tile_size.psum_bank_fmax_bytes, \
         f"w_down: I={inter} too large: the transposed activations must fit one PSUM bank (I <= 1023)"
     need = 2 * (cfg.weight_bytes() + cfg.tile_bytes()) + SBUF_RESERVE
@@ -218,8 +264,16 @@ class _Weights(nl.NKIObject):
 
     def __init__(self, cfg):
         dt, KT, KD, H, inter = cfg.dtype, cfg.KT, cfg.KD, cfg.H, cfg.I
-        self.wgu = nl.ndarray((P_MAX, KT, 2 * inter), dtype=dt, buffer=nl.sbuf)
-        self.wd = nl.ndarray((P_MAX, KD, H), dtype=dt, buffer=nl.sbuf)
+        if cfg.mx:   # MXFP4 x4 words and their scale tiles (quadrant layout: group g at partition 32 (g//4) + g%4)
+            self.wgu = nl.ndarray((P_MAX, cfg.KC, 2 * inter), dtype=nl.float4_e2m1fn_x4, buffer=nl.sbuf)
+            self.sgu = nl.ndarray((P_MAX, cfg.KC, 2 * inter), dtype=nl.uint8, buffer=nl.sbuf)
+            self.wd = nl.ndarray((P_MAX, cfg.KDm, H), dtype=nl.float4_e2m1fn_x4, buffer=nl.sbuf)
+            self.sd = nl.ndarray((P_MAX, cfg.KDm, H), dtype=nl.uint8, buffer=nl.sbuf)
+            self.bdrow = nl.ndarray((1, H), dtype=dt, buffer=nl.sbuf) if cfg.bias_d else None
+        else:
+            self.wgu = nl.ndarray((P_MAX, KT, 2 * inter), dtype=dt, buffer=nl.sbuf)
+            self.wd = nl.ndarray((P_MAX, KD, H), dtype=dt, buffer=nl.sbuf)
+            self.sgu = self.sd = self.bdrow = None
         self.bgu = nl.ndarray((P_MAX, 2 * inter), dtype=dt, buffer=nl.sbuf) if cfg.bias_gu else None
         self.brow = nl.ndarray((1, 2 * inter), dtype=dt, buffer=nl.sbuf) if cfg.bias_gu else None
         # the bias with I on the partitions (the narrow tile's layout): column j = gate chunk j, n_ic + j = up chunk j
@@ -241,10 +295,22 @@ class _Tiles(nl.NKIObject):
         self.g = nl.ndarray((P_MAX, cw), dtype=nl.float32, buffer=nl.sbuf)
         self.u = nl.ndarray((P_MAX, cw), dtype=nl.float32, buffer=nl.sbuf)
         self.s = nl.ndarray((P_MAX, cw), dtype=nl.float32, buffer=nl.sbuf)
-        self.a = nl.ndarray((P_MAX, cfg.I_aug), dtype=dt, buffer=nl.sbuf)
+        if cfg.mx:   # activations zero-padded to the MX contraction chunks (the padding stays 0)
+            self.a = nl.ndarray((P_MAX, cfg.KDm * MX_CHUNK), dtype=dt, buffer=nl.sbuf)
+            nisa.memset(dst=self.a, value=0.0)
+            # bf16 x^T / act^T in MX element order (partition, chunk, token, lane), their MXFP8 words and scales
+            self.xTm = nl.ndarray((P_MAX, cfg.KC, P_MAX, 4), dtype=dt, buffer=nl.sbuf)
+            self.xq = nl.ndarray((P_MAX, cfg.KC, P_MAX), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+            self.xs = nl.ndarray((P_MAX, cfg.KC, P_MAX), dtype=nl.uint8, buffer=nl.sbuf)
+            self.aTm = nl.ndarray((P_MAX, cfg.KDm, P_MAX, 4), dtype=dt, buffer=nl.sbuf)
+            self.aq = nl.ndarray((P_MAX, cfg.KDm, P_MAX), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+            self.as_ = nl.ndarray((P_MAX, cfg.KDm, P_MAX), dtype=nl.uint8, buffer=nl.sbuf)
+        else:
+            self.a = nl.ndarray((P_MAX, cfg.I_aug), dtype=dt, buffer=nl.sbuf)
+            self.xTm = self.xq = self.xs = self.aTm = self.aq = self.as_ = None
         self.aT = nl.ndarray((P_MAX, KD, P_MAX), dtype=dt, buffer=nl.sbuf)
         self.y = nl.ndarray((P_MAX, H), dtype=dt, buffer=nl.sbuf)
-        if cfg.bias_d:   # column I of the activations is the constant input of the down-bias row, set once
+        if cfg.bias_d and not cfg.mx:   # column I of the activations: the down-bias row's input, set once
             nisa.memset(dst=self.a[:, inter:inter + 1], value=1.0)
         # narrow tile: act^T straight from the gate/up layout (I on the partitions), fp32 activation scratch
         self.aTh = nl.ndarray((P_MAX, KD, HALF_ROWS), dtype=dt, buffer=nl.sbuf)
@@ -263,6 +329,8 @@ class _Slot(nl.NKIObject):
         self.gid, self.sid, self.aff, self.xt, self.xT = t.gid, t.sid, t.aff, t.xt, t.xT
         self.g, self.u, self.s, self.a, self.aT, self.y = t.g, t.u, t.s, t.a, t.aT, t.y
         self.bcol, self.aTh, self.gh, self.uh, self.sh = w.bcol, t.aTh, t.gh, t.uh, t.sh
+        self.sgu, self.sd, self.bdrow = w.sgu, w.sd, w.bdrow
+        self.xTm, self.xq, self.xs, self.aTm, self.aq, self.as_ = t.xTm, t.xq, t.xs, t.aTm, t.aq, t.as_
         self.pg, self.pu = psum.gs[i % len(psum.gs)], psum.us[i % len(psum.us)]
 
 
@@ -307,7 +375,7 @@ def _field(cfg, sched, base, k):
 
 
 def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids,
-                  row_affinity, acc):
+                  row_affinity, acc, scales):
     """One scheduled expert: its weights (if it has rows), then its 128-row tiles, two at a time (alternate tile
     buffers), and an odd last one. The first entry of a core (load flag 0: its weights came in the prologue) zeroes
     acc after its first tile's rows are in, before that tile's scatter-add: trip count 1 - load - (tiles before), 1
@@ -318,7 +386,8 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
     odd = _field(cfg, sched, base, 3)
     load = _field(cfg, sched, base, 4)
     half = _field(cfg, sched, base, 5)
-    nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], psum, e, w_gate_up, w_down, b_gate_up, b_down))
+    nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], psum, e, w_gate_up, w_down, b_gate_up, b_down,
+                                                  scales))
 
     def tile(slot, row, zero_trips=0, n=P_MAX):
         _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc,
@@ -333,13 +402,28 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
     # the narrow last tile on the buffer set the previous tile did not use
     row_h = row0 + (n_pairs * 2 + odd) * P_MAX
     zero_h = 1 - load - n_pairs - odd
-    nl.fori_loop(0, half * odd, lambda _: tile(slots[1], row_h, zero_h, HALF_ROWS))
-    nl.fori_loop(0, half * (1 - odd), lambda _: tile(slots[0], row_h, zero_h, HALF_ROWS))
+    nh = P_MAX if cfg.mx else HALF_ROWS      # (the MX path has no narrow tile: a full one serves those rows)
+    nl.fori_loop(0, half * odd, lambda _: tile(slots[1], row_h, zero_h, nh))
+    nl.fori_loop(0, half * (1 - odd), lambda _: tile(slots[0], row_h, zero_h, nh))
 
 
-def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down):
-    """Expert e's weights → the slot. Gate/up in the contraction tiles' H order (_Config.dma_transpose); down:
-    partition p of tile k holds I row k*128 + p; b_down is row I of the down weights."""
+def _load_mx_weights(cfg, slot, e, w_gate_up, w_down, b_down, scales):
+    """MXFP4 expert e → the slot: x4 words one contiguous run per partition; the 16 scale rows of each projection
+    into the quadrant layout (4 DMAs: groups 4Q..4Q+3 → partitions 32Q..32Q+3); b_down as a row (a K=1 matmul)."""
+    for w, sc, dw, ds in ((w_gate_up, scales[0], slot.wgu, slot.sgu), (w_down, scales[1], slot.wd, slot.sd)):
+        row = w.shape[2] * w.shape[3]
+        nisa.dma_copy(dst=dw, src=w.ap([[row, P_MAX], [1, row]], offset=0, scalar_offset=e, indirect_dim=0))
+        for q in range(MX_GROUPS // 4):
+            nisa.dma_copy(dst=ds[32 * q:32 * q + 4], src=sc.ap([[row, 4], [1, row]], offset=4 * q * row,
+                                                                scalar_offset=e, indirect_dim=0))
+    if cfg.bias_d:
+        nisa.dma_copy(dst=slot.bdrow, src=b_down.ap([[cfg.H, 1], [1, cfg.H]], offset=0, scalar_offset=e,
+                                                    indirect_dim=0))
+
+
+def _load_bf16_weights(cfg, slot, e, w_gate_up, w_down, b_down):
+    """Gate/up in the contraction tiles' H order (_Config.dma_transpose); down: partition p of tile k holds I row
+    k*128 + p; b_down is row I of the down weights."""
     KT, inter, H = cfg.KT, cfg.I, cfg.H
     row = 2 * inter
     step = (KT + W_GU_DMAS - 1) // W_GU_DMAS
@@ -364,6 +448,16 @@ def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down):
     if cfg.bias_d:
         nisa.dma_copy(dst=slot.wd[rem:rem + 1, full, :], src=b_down.ap([[H, 1], [1, H]], offset=0, scalar_offset=e,
                                                                       indirect_dim=0))
+
+
+def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down, scales=(None, None)):
+    """Expert e's weights → the slot (bf16 or MXFP4), and its gate/up bias in the two layouts the tiles use."""
+    inter = cfg.I
+    row = 2 * inter
+    if cfg.mx:
+        _load_mx_weights(cfg, slot, e, w_gate_up, w_down, b_down, scales)
+    else:
+        _load_bf16_weights(cfg, slot, e, w_gate_up, w_down, b_down)
     if cfg.bias_gu:
         # the bias with I on the partitions for the narrow tile: one small DMA per gate/up and chunk shape, cast
         full = inter // P_MAX
@@ -393,15 +487,24 @@ def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, 
     zero-fill, once)."""
     _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n)
     after_inputs()
-    if not cfg.dma_transpose:
-        _transpose_x(cfg, slot, psum, n)
-    if n == P_MAX:
+    if cfg.mx:
+        _mx_operand(cfg, slot.xt, cfg.H, cfg.KC, slot.xTm, slot.xq, slot.xs, psum.t, 1)
+        for c in range(cfg.n_ich):
+            _gate_up_mx(cfg, slot, c)
+            _activation_step(cfg, slot, psum, c)
+        _mx_operand(cfg, slot.a, cfg.KDm * MX_CHUNK, cfg.KDm, slot.aTm, slot.aq, slot.as_, [psum.at], 0)
+        _down_mx(cfg, slot, psum)
+    elif n == P_MAX:
+        if not cfg.dma_transpose:
+            _transpose_x(cfg, slot, psum, n)
         for c in range(cfg.n_ich):
             _gate_up_step(cfg, slot, psum, c)
             _activation_step(cfg, slot, psum, c)
         _transpose_act(cfg, slot, psum)
         _down_step(cfg, slot, psum, slot.aT, n)
     else:
+        if not cfg.dma_transpose:
+            _transpose_x(cfg, slot, psum, n)
         _half_gate_up_act(cfg, slot)
         _down_step(cfg, slot, psum, slot.aTh, n)
     # scatter-add: out[ids] = out[ids] + y in the DMA engine (fp32 add, x's dtype stored); padding rows (-1) skipped.
@@ -429,6 +532,49 @@ def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, 
     else:
         nisa.dma_copy(dst=slot.xt[b:b + n, :], src=x.ap([[cfg.H, n], [1, cfg.H]], offset=0,
                                                         vector_offset=slot.gid[b:b + n, :]), dge_mode=DGE)
+
+
+def _mx_operand(cfg, src, width, chunks, dstT, q, scale, banks, engine):
+    """src [128 tokens, width] (x's dtype, width = chunks x 512) → MXFP8 words q [128, chunks, 128 tokens] and
+    scales in MX element order (mx_weights.py: element j of chunk c on partition 8 (j // 32) + j % 8, lane
+    (j % 32) // 8): per chunk and lane one TensorE transpose of the column set {512 c + 8 lane + 32 g + r}, evicted
+    into dstT [128, chunk, token, lane], then one nisa.quantize_mx per chunk (VectorE)."""
+    for c in range(chunks):
+        ps = banks[c % len(banks)]
+        for ln in range(4):
+            nisa.nc_transpose(dst=ps[:, ln, :], data=src.ap([[width, P_MAX], [32, 16], [1, 8]],
+                                                             offset=c * MX_CHUNK + 8 * ln))
+        view = dstT.ap([[chunks * MX_CHUNK, P_MAX], [1, 4], [4, P_MAX]], offset=c * MX_CHUNK)
+        evict(c + engine, view, ps[:, :4, :])
+        nisa.quantize_mx(dst=q[:, c, :], src=dstT[:, c, :, :], dst_scale=scale[:, c, :])
+
+
+def _gate_up_mx(cfg, slot, c):
+    """Gate and up columns of chunk c with MXFP4 weights: nc_matmul_mx over the H/512 contraction chunks (x^T
+    MXFP8 stationary, the weights moving)."""
+    c0 = c * cfg.I_CH
+    cw = min(cfg.I_CH, cfg.I - c0)
+    for k in range(cfg.KC):
+        for dst, off in ((slot.pg, c0), (slot.pu, cfg.I + c0)):
+            nisa.nc_matmul_mx(dst=dst[:, :cw], stationary=slot.xq[:, k, :], moving=slot.wgu[:, k, off:off + cw],
+                              stationary_scale=slot.xs[:, k, :], moving_scale=slot.sgu[:, k, off:off + cw],
+                              accumulate=k > 0)
+
+
+def _down_mx(cfg, slot, psum):
+    """y = affinity * (a @ Wd + bd) with MXFP4 down weights: nc_matmul_mx over the I chunks (act^T MXFP8
+    stationary), the bias a K=1 matmul (ones x b_down row) into the same PSUM bank."""
+    for h in range(cfg.n_hch):
+        h0 = h * cfg.H_CH
+        hw = min(cfg.H_CH, cfg.H - h0)
+        ps = psum.d[h % DOWN_BANKS]
+        for k in range(cfg.KDm):
+            nisa.nc_matmul_mx(dst=ps[:, :hw], stationary=slot.aq[:, k, :], moving=slot.wd[:, k, h0:h0 + hw],
+                              stationary_scale=slot.as_[:, k, :], moving_scale=slot.sd[:, k, h0:h0 + hw],
+                              accumulate=k > 0)
+        if cfg.bias_d:
+            nisa.nc_matmul(dst=ps[:, :hw], stationary=psum.ones, moving=slot.bdrow[:, h0:h0 + hw], accumulate=True)
+        _scale_rows(slot, ps, h, h0, hw, P_MAX)
 
 
 def _half_gate_up_act(cfg, slot):
@@ -532,11 +678,15 @@ def _down_step(cfg, slot, psum, aT, n):
             w = min(P_MAX, cfg.I_aug - k * P_MAX)
             nisa.nc_matmul(dst=ps[:n, :hw], stationary=aT[:w, k, :n], moving=slot.wd[:w, k, h0:h0 + hw],
                            accumulate=k > 0)
-        if h % 2 == 0:
-            nisa.activation(dst=slot.y[:n, h0:h0 + hw], op=nl.copy, data=ps[:n, :hw], scale=slot.aff[:n, :])
-        else:
-            nisa.tensor_scalar(dst=slot.y[:n, h0:h0 + hw], data=ps[:n, :hw], op0=nl.multiply,
-                               operand0=slot.aff[:n, :])
+        _scale_rows(slot, ps, h, h0, hw, n)
+
+
+def _scale_rows(slot, ps, h, h0, hw, n):
+    """y[:n, h0:h0+hw] = affinity * PSUM chunk h, in x's dtype (ScalarE / VectorE alternating by chunk)."""
+    if h % 2 == 0:
+        nisa.activation(dst=slot.y[:n, h0:h0 + hw], op=nl.copy, data=ps[:n, :hw], scale=slot.aff[:n, :])
+    else:
+        nisa.tensor_scalar(dst=slot.y[:n, h0:h0 + hw], data=ps[:n, :hw], op0=nl.multiply, operand0=slot.aff[:n, :])
 
 
 def _add_partial(cfg, part, out, core):

@@ -15,9 +15,10 @@ from .moe_torch import expert_mlp_torch
 
 
 def moe_cte_torch(x, expert_index, affinities, w_gate_up, w_down, b_gate_up=None, b_down=None,
-                  activation="clamped_swiglu", add_down_bias=True, block_size=128, mapping=None):
+                  activation="clamped_swiglu", add_down_bias=True, block_size=128, mapping=None, mx=False):
     """x [T, H]; expert_index / affinities [T, k]; weights as in moe_torch.py. Returns out [T, H] in x's dtype: the
-    partial sum of this rank (down bias included iff add_down_bias and b_down is given)."""
+    partial sum of this rank (down bias included iff add_down_bias and b_down is given). mx: the weights are
+    dequantised MXFP4 and the MLP is expert_mlp_mx_torch (the kernel's trn3 MX path)."""
     E = w_gate_up.shape[0]
     if mapping is None:
         mapping = blockwise_mapping(expert_index, E, block_size)
@@ -30,7 +31,28 @@ def moe_cte_torch(x, expert_index, affinities, w_gate_up, w_down, b_gate_up=None
         slots = torch.from_numpy(mapping.token_position_to_slot[n * B:(n + 1) * B].astype("int64"))
         slots = slots[slots >= 0]
         tokens = slots // expert_index.shape[1]
-        y = expert_mlp_torch(x[tokens], w_gate_up, w_down, e, b_gate_up, down_bias, activation)
+        y = (expert_mlp_mx_torch if mx else expert_mlp_torch)(x[tokens], w_gate_up, w_down, e, b_gate_up, down_bias,
+                                                              activation)
         scaled = (aff[slots][:, None] * y).to(x.dtype).float()
         out[tokens] = (out[tokens] + scaled).to(x.dtype).float()
     return out.to(x.dtype)
+
+
+def expert_mlp_mx_torch(x, w_gate_up, w_down, expert, b_gate_up=None, b_down=None, activation="clamped_swiglu"):
+    """expert_mlp_torch with MXFP4 weights on trn3's MX path: w_gate_up [E, H, 2, I] / w_down [E, I, H] are the
+    dequantised MXFP4 values (mx_weights.dequantize); x and the activations (rounded to x's dtype first, as the
+    kernel stores them) are MXFP8-quantised in 32-element blocks along the contraction (mx_weights.mx_quantize_torch)
+    before each projection; products and sums in fp32."""
+    from .moe_torch import activation_torch
+    from .mx_weights import mx_quantize_torch
+    xq = mx_quantize_torch(x.float())
+    gate = xq @ w_gate_up[expert, :, 0, :].float()
+    up = xq @ w_gate_up[expert, :, 1, :].float()
+    if b_gate_up is not None:
+        gate = gate + b_gate_up[expert, 0].float()
+        up = up + b_gate_up[expert, 1].float()
+    act = mx_quantize_torch(activation_torch(gate, up, activation).to(x.dtype).float())
+    out = act @ w_down[expert].float()
+    if b_down is not None:
+        out = out + b_down[expert].float()
+    return out

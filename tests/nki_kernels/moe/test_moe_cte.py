@@ -205,3 +205,40 @@ def test_kernel_reads_each_expert_weight_once(lnc):
     tiles = sum(-(-int((idx == e).sum()) // 128) for e in range(E))
     rows = 2 * tiles * 128 * H * 2 + (2 * T * H * 2 if lnc == 2 else 0)   # gathers, scatter reads (+ partial add)
     assert weights <= rep.hbm_read_bytes <= weights + rows + 64 * 1024, (rep.hbm_read_bytes, weights, rows)
+
+
+# ---- MXFP4 weights (trn3 nc_matmul_mx) ------------------------------------------------------------------------------
+
+def _run_mx(T, H, E, inter, k, lnc=1, **kw):
+    from nki_kernels.moe.cte_inputs import make_cte_mx_weights
+    from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki
+    from nki_kernels.moe.moe_cte_torch import moe_cte_torch
+    x, idx, aff, _, _, b_gu, b_d = make_inputs(T, H, E, inter, k, **kw)
+    w_gu, w_d, mxw = make_cte_mx_weights(E, H, inter)
+    _, *arrays = kernel_inputs(idx, aff, E, 128, lnc)
+    kernel = moe_cte_nki if lnc == 1 else moe_cte_nki[lnc]
+    out = kernel(x, mxw["w_gate_up"], mxw["w_down"], *[torch.from_numpy(a) for a in arrays], b_gate_up=b_gu,
+                 b_down=b_d, w_gate_up_scale=mxw["w_gate_up_scale"], w_down_scale=mxw["w_down_scale"],
+                 routed_rows=idx.numel())
+    ref = moe_cte_torch(x, idx, aff, w_gu, w_d, b_gu, b_d, block_size=128, mx=True)
+    return torch.as_tensor(np.asarray(out, np.float32)) if not torch.is_tensor(out) else out, ref, (x, idx, aff, w_gu,
+                                                                                                     w_d, b_gu, b_d)
+
+
+@pytest.mark.parametrize("T,H,E,inter,k,lnc,skew", [(200, 512, 4, 96, 2, 1, None), (300, 1024, 4, 360, 3, 2, "one")])
+def test_kernel_mxfp4_trn3_matches_mx_reference(T, H, E, inter, k, lnc, skew, monkeypatch):
+    """MXFP4 weights on trn3: x and the activations quantised to MXFP8 on chip, every projection an nc_matmul_mx;
+    against the reference that models the same quantisation (I = 360: the last 32-block zero-padded). The MX
+    reference differs visibly from the bf16-weight one (the activation quantisation), so matching it is a check."""
+    from nki_kernels.moe.moe_cte_torch import moe_cte_torch
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    out, ref, (x, idx, aff, w_gu, w_d, b_gu, b_d) = _run_mx(T, H, E, inter, k, lnc, skew=skew)
+    assert_close(out, ref)
+    bf16_weights = moe_cte_torch(x, idx, aff, w_gu.to(torch.bfloat16), w_d.to(torch.bfloat16), b_gu, b_d,
+                                 block_size=128)
+    assert (ref.float() - bf16_weights.float()).abs().max() > 2 * (ATOL + RTOL * ref.float().abs().max())
+
+
+def test_kernel_mxfp4_refused_on_trn2():
+    with pytest.raises(AssertionError, match="nc_matmul_mx.*trn3"):
+        _run_mx(64, 512, 2, 64, 1)
