@@ -23,6 +23,12 @@ PV_COLS = 2 * PSUM_F   # PV output columns (pack batches x d): 2 PSUM banks
 # one selection bank (o^T); every other phase uses fewer.
 ATTN_PSUM_BANKS = 2 * (FA_SUB // PSUM_F) + PV_COLS // PSUM_F + 2
 FA_TILE_MAX = 4096     # context positions per K/V load (one DMA per batch and K/V): >= 4 KiB per partition
+# Contiguous scans (row-major steps) of at most this many positions per core also split their FIRST slot to
+# FA_SUB positions (see _slot_bounds). Tuning, modelled trn2: nki-library q1 B2 S5 10K 64.6 -> 57.9 us, GPT-OSS
+# B=16 4K 70.3 -> 64.5, LNC=2 B=8 4K -4..-8 %; longer scans lose 1..5 % (GPT-OSS B=8 / B=16 16K; LNC=2 with split
+# weights beyond 8K: q1 B2 S5 10K +7 %), position-major (B = 1) ones 0.4 %.
+FIRST_SPLIT = 12288
+FIRST_SPLIT_WSPLIT = 8192
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)

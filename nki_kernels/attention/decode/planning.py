@@ -4,7 +4,7 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 
 import nki.language as nl
 
-from .config import FA_SUB, GATHER_ROWS_MIN, P_MAX, PSUM_F
+from .config import FA_SUB, FIRST_SPLIT, FIRST_SPLIT_WSPLIT, GATHER_ROWS_MIN, P_MAX, PSUM_F
 
 
 class _TokenTile(nl.NKIObject):
@@ -47,14 +47,20 @@ def _slot_bounds(cfg, lo, hi):
     """Slot boundaries over scan positions [lo, hi).
 
     Contiguous: slots of fa_tile positions, the last one split so that only FA_SUB positions arrive last (the
-    compute left after the last K/V byte is then one step). Paged: slots of 128 * 2^m positions, each starting at a
-    multiple of its own size, largest first. A paged slot is whole blocks: the scan's bounds are multiples of
+    compute left after the last K/V byte is then one step); row-major steps on scans up to FIRST_SPLIT positions
+    (FIRST_SPLIT_WSPLIT with LNC=2 split weights) split the first one too, so the first step starts on FA_SUB
+    positions instead of a whole slot (its transfers no longer hold every DMA engine for ~10 us while the
+    weights' dependants wait). Paged: slots of 128 * 2^m positions, each starting at a multiple of its own size,
+    largest first. A paged slot is whole blocks: the scan's bounds are multiples of
     u = max(128, block size) and fa_tile >= FA_SUB >= MAX_BLOCK, so the halving stops at w >= block size.
     """
     if not cfg.paged:
         bounds = list(range(lo, hi, cfg.fa_tile)) + [hi]
         if len(bounds) >= 2 and bounds[-1] - bounds[-2] > FA_SUB:
             bounds.insert(len(bounds) - 1, bounds[-1] - FA_SUB)
+        if not cfg.pmajor and hi - lo <= (FIRST_SPLIT_WSPLIT if cfg.wsplit else FIRST_SPLIT) and len(bounds) >= 2 \
+                and bounds[1] - bounds[0] > FA_SUB:
+            bounds.insert(1, bounds[0] + FA_SUB)
         return bounds
     bounds = [lo]
     j = lo
