@@ -167,6 +167,15 @@ class _Cfg(nl.NKIObject):
         self.t_banks = -(-self.KT // self.kt_bank)
         self.outT = self.T <= OUTT_MAX_TOKENS and (self.ncores == 1 or self.KT % 2 == 0) and \
             self.t_banks + gu_banks <= banks
+        # large T: gate/up with the tokens stationary (M = T) and the weights moving (N = 2I, one bank: gate at
+        # [0, I), up at [I, 2I)) when that is fewer TensorE cycles than 2 * MT groups of max(T, 64) columns, then
+        # act [T, I] transposed on TensorE (one bank) into act^T for the down projection
+        cyc_t = 2 * self.MT * max(self.T, 64) * (self.KT + 1)
+        cyc_f = 2 * self.inter * (self.KT + 1) + self.MT * max(self.T, 64)
+        self.flip = (not self.outT) and 2 * self.inter <= PSUM_F and cyc_f < cyc_t and \
+            len(self.chunks) + 2 <= banks
+        if self.flip:
+            gu_banks = 2
         self.psum_acc = self.outT or len(self.chunks) + gu_banks <= banks
         out_banks = self.t_banks if self.outT else len(self.chunks) if self.psum_acc else 2
         self.n_gu = 2 if out_banks + 2 * gu_banks <= banks else 1
@@ -472,8 +481,15 @@ class _Ring(nl.NKIObject):
         self.wgu = tuple(nl.ndarray((P_MAX, KT, I2), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
         self.wd = tuple(nl.ndarray((P_MAX, MT, H), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
         self.bgu = tuple(nl.ndarray((1, I2), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
-        self.ps_gu = tuple(nl.ndarray((P_MAX, cfg.n_acc + 1, GS), dtype=nl.float32, buffer=nl.psum)
-                           for _ in range(cfg.n_gu))
+        if cfg.flip:
+            self.ps_f = tuple(nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in range(cfg.n_gu))
+            self.ps_t = nl.ndarray((P_MAX, MT, GS), dtype=cfg.dtype, buffer=nl.psum)
+            self.act_tok = tuple(nl.ndarray((P_MAX, cfg.inter), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(2))
+            self.tmp_tok = tuple(tuple(nl.ndarray((P_MAX, cfg.inter), dtype=nl.float32, buffer=nl.sbuf)
+                                       for _ in range(4)) for _ in range(2))
+        else:
+            self.ps_gu = tuple(nl.ndarray((P_MAX, cfg.n_acc + 1, GS), dtype=nl.float32, buffer=nl.psum)
+                               for _ in range(cfg.n_gu))
         self.act = tuple(nl.ndarray((P_MAX, MT, GS), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(2))
         self.tmp = tuple(tuple(nl.ndarray((P_MAX, GS), dtype=nl.float32, buffer=nl.sbuf) for _ in range(5))
                          for _ in range(2))
@@ -556,6 +572,51 @@ def _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, has_bias):
     return ps
 
 
+def _gate_up_tok_step(cfg, pt, consts, ring, b, hT, has_bias):
+    """cfg.flip: gate | up [T, 2I] fp32 in one PSUM bank, the tokens stationary (hT tile kt, M = T) and the expert's
+    gate/up rows moving (N = 2I), contracted over KT; the bias a K=1 matmul (ones x bias row) opening the group."""
+    T, n2 = cfg.T, 2 * pt.inter
+    ps = ring.ps_f[ring.n % cfg.n_gu]
+    if has_bias:
+        nisa.nc_matmul(dst=ps[:T, :n2], stationary=consts.ones_bf[0:1, :T], moving=ring.bgu[b][0:1, :n2],
+                       accumulate=False)
+    for kt in range(cfg.KT):
+        nisa.nc_matmul(dst=ps[:T, :n2], stationary=hT[:, kt, :T], moving=ring.wgu[b][:, kt, :n2],
+                       accumulate=(kt > 0 or has_bias))
+    return ps
+
+
+def _activation_tok_step(cfg, pt, ring, ps, aff_col):
+    """cfg.flip: act [T, I] = aff · act(gate, up) with the tokens on the partitions (aff_col [T, 1] a per-partition
+    scalar; the same operations and rounding order as _activation_step), then act^T per I tile by TensorE
+    transposes (one PSUM bank, exact for bf16) into the [rows, MT, T] tile the down projection takes."""
+    T, n = cfg.T, pt.inter
+    act_tok = ring.act_tok[ring.n % 2]
+    g, sg, glu, u = ring.tmp_tok[ring.n % 2]
+    gate, up = ps[:T, 0:n], ps[:T, n:2 * n]
+    if cfg.activation == "clamped_swiglu":
+        nisa.tensor_scalar(dst=g[:T, :n], data=gate, op0=nl.minimum, operand0=GPT_OSS_SWIGLU_LIMIT)
+        nisa.activation(dst=sg[:T, :n], op=nl.sigmoid, data=g[:T, :n], scale=GPT_OSS_SWIGLU_ALPHA)
+        nisa.tensor_tensor(dst=glu[:T, :n], data1=g[:T, :n], data2=sg[:T, :n], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_scalar(dst=u[:T, :n], data=up, op0=nl.maximum, operand0=-GPT_OSS_SWIGLU_LIMIT,
+                           op1=nl.minimum, operand1=GPT_OSS_SWIGLU_LIMIT)
+        nisa.tensor_scalar(dst=u[:T, :n], data=u[:T, :n], op0=nl.add, operand0=1.0, op1=nl.multiply,
+                           operand1=aff_col)
+        nisa.tensor_tensor(dst=act_tok[:T, :n], data1=u[:T, :n], data2=glu[:T, :n], op=nl.multiply)
+    else:
+        nisa.activation(dst=sg[:T, :n], op=nl.silu, data=gate)
+        nisa.tensor_tensor(dst=u[:T, :n], data1=sg[:T, :n], data2=up, op=nl.multiply)
+        nisa.tensor_scalar(dst=act_tok[:T, :n], data=u[:T, :n], op0=nl.multiply, operand0=aff_col)
+    act = ring.act[ring.n % 2]
+    for m in range(pt.MT):
+        o = ring.tile_off(pt, m)
+        c0, w = m * I_TILE - o, o + pt.rows[m]      # a tile at partition o takes the o columns before it too
+        nisa.nc_transpose(dst=ring.ps_t[:w, m, :T], data=act_tok[:T, c0:c0 + w])
+        evict(m, act[o:w, m, :T], ring.ps_t[o:w, m, :T])
+    return act
+
+
 def _activation_step(cfg, pt, ring, ps):
     """act^T [rows, T] = aff · act(gate, up) (I on partitions: the down projection's contraction), the weights'
     dtype; fp32 until that rounding.
@@ -594,10 +655,14 @@ def _down_step(cfg, pt, ring, b, act, acc):
     bank): PSUM accumulator straight into the bank; SBUF accumulator via a ring bank, then one add."""
     T = cfg.T
     if acc.T:
+        kts = list(range(cfg.KT))
+        if cfg.ncores > 1:      # the other core's kt half first: its eviction and send start before our half ends
+            half = cfg.KT // 2
+            kts = kts[half:] + kts[:half] if cfg.core == 0 else kts
         for m in range(pt.MT):
             o = ring.tile_off(pt, m)
             r = slice(o, o + pt.rows[m])
-            for kt in range(cfg.KT):
+            for kt in kts:
                 nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_h_cols(ring.wd[b][r, m, :], kt, cfg.KT),
                                moving=act[r, m, :T], accumulate=True)
         return
@@ -626,8 +691,12 @@ def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_ga
     pt = cfg.part if pt is None else pt
     b = ring.n % cfg.nbuf
     _load_expert_step(cfg, pt, ring, b, e, w_gate_up, w_down, b_gate_up, last)
-    ps = _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, b_gate_up is not None)
-    act = _activation_step(cfg, pt, ring, ps)
+    if cfg.flip:
+        ps = _gate_up_tok_step(cfg, pt, consts, ring, b, hT, b_gate_up is not None)
+        act = _activation_tok_step(cfg, pt, ring, ps, aff_col)
+    else:
+        ps = _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, b_gate_up is not None)
+        act = _activation_step(cfg, pt, ring, ps)
     _down_step(cfg, pt, ring, b, act, acc)
     ring.n += 1
     return ps

@@ -82,7 +82,7 @@ def test_gpt_oss_20b_tp8(T, mode):
     run_and_check(T, OSS20_TP8, mode)
 
 
-@pytest.mark.parametrize("T,mode,lnc", [(4, "selective", 1), (32, "selective", 2)])
+@pytest.mark.parametrize("T,mode,lnc", [(4, "selective", 1), (32, "selective", 2), (128, "all", 1)])
 def test_gpt_oss_120b_tp16(T, mode, lnc):
     run_and_check(T, OSS120_TP16, mode, lnc=lnc)
 
@@ -135,6 +135,13 @@ def test_one_token_variants(over, lnc):
     """T = 1 takes its own selective path (slots straight from the top-k, per-slot down-bias rows, x loaded
     transposed, fused RMSNorm steps): the options it must honour."""
     run_and_check(1, SMALL, "selective", lnc=lnc, **over)
+
+
+@pytest.mark.parametrize("mode,lnc,over", [("all", 1, {}), ("selective", 2, dict(activation="swiglu"))])
+def test_large_T_token_layout(mode, lnc, over):
+    """Large T with 2I <= 512: gate/up with the tokens stationary, activation with the tokens on the partitions,
+    act^T by TensorE transposes (cfg.flip)."""
+    run_and_check(100, SMALL, mode, lnc=lnc, **over)
 
 
 def test_expert_mode_rule():
