@@ -14,6 +14,9 @@ Figures per case (benchmark.extra_info, console): modelled latency, `modelled_mf
 `modelled_useful_memory_bound_s` = the bytes the work cannot avoid (every expert's weights once, each routed row's
 x read and its output row written once) at the HBM rate, the floor no kernel beats; for the library rows
 `modelled_speedup_vs_peer` = library latency / ours at LNC 2 (> 1: ours faster).
+MXFP4 rows (`ours-mxfp4`, trn3 LNC 1/2 at 20B T 2048, LNC 1 at 120B): the same routing with MXFP4 experts
+(nc_matmul_mx, activations quantised to MXFP8 on chip); `modelled_speedup_vs_bf16` and `modelled_hbm_bytes_vs_bf16`
+against the bf16 row of the same cell. Their MFU is against the MX peak (4x bf16 on trn3).
 Issue 13's targets, recorded per case (`modelled_meets_target`) and asserted where this kernel meets them (see
 ASSERTED below; the others are reported, not asserted): >= 70% of TensorE peak at T >= 2048, and faster than moe_cte.
 """
@@ -26,7 +29,7 @@ import nkisim
 from bench.peers import nkilib
 from modules.model_specs import GPT_OSS_20B, GPT_OSS_120B
 from nki_kernels.moe import blockwise_mapping
-from nki_kernels.moe.cte_inputs import make_cte_inputs
+from nki_kernels.moe.cte_inputs import make_cte_inputs, make_cte_mx_weights
 from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki
 from nki_kernels.moe.tkg_inputs import tkg_shard
 
@@ -72,13 +75,18 @@ def _useful_memory_bound_s(model, T, target, lnc):
 def _run(model, T, target, lnc, impl):
     x, idx, aff, w_gu, w_d, b_gu, b_d = _inputs(model, T)
     flops = _useful_flops(model, T)
-    if impl == "ours":
+    if impl in ("ours", "ours-mxfp4"):
         import torch
         _, gather, scatter, row_aff, sched = kernel_inputs(idx, aff, w_gu.shape[0], BLOCK, lnc)
         arrays = [torch.from_numpy(a) for a in (gather, scatter, row_aff, sched)]
         kernel = moe_cte_nki if lnc == 1 else moe_cte_nki[lnc]
+        mx = {}
+        if impl == "ours-mxfp4":      # the same MoE with MXFP4 experts (random codes / scales, mx_weights.py)
+            s = SHARDS[model]
+            _, _, mx = make_cte_mx_weights(s["E"], s["H"], s["inter"])
+            w_gu, w_d = mx.pop("w_gate_up"), mx.pop("w_down")
         rep = nkisim.profile(kernel, x, w_gu, w_d, *arrays, b_gate_up=b_gu, b_down=b_d, target=target,
-                             useful_flops=flops, routed_rows=idx.numel()).report
+                             useful_flops=flops, routed_rows=idx.numel(), **mx).report
     else:
         import nki
         nkilib.activate()
@@ -89,9 +97,12 @@ def _run(model, T, target, lnc, impl):
     return rep
 
 
+# MXFP4 experts (trn3 only: nc_matmul_mx), beside the bf16 rows of the same cells
+MX_CELLS = [("gpt-oss-20b-tp8", 2048, "trn3", 1), ("gpt-oss-20b-tp8", 2048, "trn3", 2),
+            ("gpt-oss-120b-tp16", 2048, "trn3", 1)]
 CASES = [(m, T, tgt, lnc, impl) for m in sorted(SHARDS) for T in TOKENS[m] for tgt in ("trn2", "trn3")
          for lnc, impl in ((1, "ours"), (2, "ours"), (2, "nkilib"))
-         if impl == "ours" or (m, T, tgt) in PEER_CELLS]
+         if impl == "ours" or (m, T, tgt) in PEER_CELLS] + [cell + ("ours-mxfp4",) for cell in MX_CELLS]
 
 
 @pytest.mark.parametrize("model,T,target,lnc,impl", CASES)
@@ -105,6 +116,10 @@ def test_moe_cte_modelled(benchmark, model, T, target, lnc, impl):
                  "modelled_useful_memory_bound_s": _useful_memory_bound_s(model, T, target, lnc)})
     if impl == "ours" and T >= 2048:
         info["modelled_meets_target"] = rep.mfu >= MFU_TARGET
+    bf16 = _RESULTS.get((model, T, target, lnc, "ours"))
+    if impl == "ours-mxfp4" and bf16 is not None:    # MXFP4 / bf16 weights: modelled latency and HBM bytes
+        info["modelled_speedup_vs_bf16"] = bf16.latency_s / rep.latency_s
+        info["modelled_hbm_bytes_vs_bf16"] = rep.hbm_bytes / bf16.hbm_bytes
     ours = _RESULTS.get((model, T, target, 2, "ours"))
     if impl == "nkilib" and ours is not None:
         info["modelled_speedup_vs_peer"] = rep.latency_s / ours.latency_s

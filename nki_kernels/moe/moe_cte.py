@@ -545,7 +545,7 @@ def _mx_operand(cfg, src, width, chunks, dstT, q, scale, banks, engine):
             nisa.nc_transpose(dst=ps[:, ln, :], data=src.ap([[width, P_MAX], [32, 16], [1, 8]],
                                                              offset=c * MX_CHUNK + 8 * ln))
         view = dstT.ap([[chunks * MX_CHUNK, P_MAX], [1, 4], [4, P_MAX]], offset=c * MX_CHUNK)
-        evict(c + engine, view, ps[:, :4, :])
+        evict(1, view, ps[:, :4, :])     # ScalarE: VectorE has quantize_mx and the activation
         nisa.quantize_mx(dst=q[:, c, :], src=dstT[:, c, :, :], dst_scale=scale[:, c, :])
 
 
@@ -574,7 +574,7 @@ def _down_mx(cfg, slot, psum):
                               accumulate=k > 0)
         if cfg.bias_d:
             nisa.nc_matmul(dst=ps[:, :hw], stationary=psum.ones, moving=slot.bdrow[:, h0:h0 + hw], accumulate=True)
-        _scale_rows(slot, ps, h, h0, hw, P_MAX)
+        _scale_rows(slot, ps, 0, h0, hw, P_MAX)     # all on ScalarE: VectorE carries the quantize_mx work
 
 
 def _half_gate_up_act(cfg, slot):
