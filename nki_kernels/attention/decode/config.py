@@ -87,7 +87,13 @@ def _can_split_weights(cfg):
 
 
 class _Config(nl.NKIObject):
-    """Static shapes and options of one launch (compile-time values only)."""
+    """Static shapes and options of one launch (compile-time values only). Frozen: every derived size, this core's
+    LNC share included, is decided in __init__; assigning an attribute afterwards raises."""
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"_Config is frozen: {name} is decided at construction and cannot be reassigned")
+        object.__setattr__(self, name, value)
 
     def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize, bs=0, mb=0, fp8=False,
                  n_prog=1, core=0):
@@ -188,6 +194,7 @@ class _Config(nl.NKIObject):
         # of the step's 1024 positions on `rows` partitions, and exp(scores^T) is P^T for the PV matmul.
         self.pmajor = (not self.imajor and window == 0 and self.scan % P_MAX == 0
                        and min(self.pack, self.b_hi - self.b_lo) * self.R <= PMAJOR_ROWS)
+        self._frozen = True     # last: nothing changes the configuration from here on
 
 
 def _slot_bytes(pack, ft, kpp, d, itemsize, halves=1):

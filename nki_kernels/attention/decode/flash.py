@@ -110,7 +110,7 @@ def _prefetch_packs(cfg, position_ids, sinks, b_lo, b_hi):
     """_PackInputs of every pack of this core, keyed by its first batch. Called before the weights are loaded: the
     DMA engines serve transfers in program order, so these small loads (and the K/V loads' runtime gates computed
     from them) would otherwise wait behind W_qkv, and the cache stream would start late (B = 1: ~2 us)."""
-    return {p0: _PackInputs(cfg, position_ids, sinks, p0, nb) for p0, nb in _packs(cfg, b_lo, b_hi)}
+    return {pk.p0: _PackInputs(cfg, position_ids, sinks, pk.p0, pk.nb) for pk in _packs(cfg, b_lo, b_hi)}
 
 
 def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi, W_o,
@@ -146,7 +146,8 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
     packs = _packs(cfg, b_lo, b_hi)
     n_packs = len(packs)
     for g in range(cfg.nkv):
-        for pi, (p0, nb) in enumerate(packs):
+        for pi, pack in enumerate(packs):
+            p0, nb = pack.p0, pack.nb
             # last pack: the selection matmuls also pick each row's own batch block (TensorE is idle by then)
             last = direct and g == cfg.nkv - 1 and pi == n_packs - 1
             o_rows = _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0,
@@ -443,7 +444,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
     rows = nb * cfg.R
     fresh = []
     while len(views) <= step.slot:
-        j0, w = slots[len(views)]
+        j0, w = slots[len(views)].j0, slots[len(views)].w
         kT = st.kT[st.n_slots % cfg.kv_bufs]
         kg = st.kg[st.n_slots % len(st.kg)]     # = kT unless fp8
         v = st.v[st.n_slots % cfg.kv_bufs]
@@ -473,7 +474,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         views.append((kT, v))
         fresh.append((v, j0, w, st.gates[1]))
     kT = views[step.slot][0]
-    j0, w = slots[step.slot]
+    j0, w = slots[step.slot].j0, slots[step.slot].w
     sc = st.scores()
     if cfg.pmajor:
         key = st.iota_pm(w // P_MAX, len(step.blocks))

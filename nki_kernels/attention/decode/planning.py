@@ -26,11 +26,31 @@ def _token_tiles(cfg, b_lo, b_hi):
     return tuple(tiles)
 
 
+class _Pack(nl.NKIObject):
+    """A batch pack: sequences [p0, p0 + nb) sharing the partitions of one score tile. Unpacks as (p0, nb)."""
+
+    def __init__(self, p0, nb):
+        self.p0, self.nb = p0, nb
+
+    def __iter__(self):
+        return iter((self.p0, self.nb))
+
+
+class _Slot(nl.NKIObject):
+    """A K/V load slot: scan positions [j0, j0 + w) in one ring buffer. Unpacks as (j0, w)."""
+
+    def __init__(self, j0, w):
+        self.j0, self.w = j0, w
+
+    def __iter__(self):
+        return iter((self.j0, self.w))
+
+
 def _packs(cfg, b_lo, b_hi):
-    """Balanced batch packs of this core: (first batch, batch count), ceil(batches / packs) each."""
+    """Balanced batch packs (_Pack) of this core, ceil(batches / packs) sequences each."""
     n_packs = (b_hi - b_lo + cfg.pack - 1) // cfg.pack
     per = (b_hi - b_lo + n_packs - 1) // n_packs
-    return tuple((b_lo + pi * per, min(per, b_hi - b_lo - pi * per)) for pi in range(n_packs))
+    return tuple(_Pack(b_lo + pi * per, min(per, b_hi - b_lo - pi * per)) for pi in range(n_packs))
 
 
 class _Step(nl.NKIObject):
@@ -77,7 +97,7 @@ def _slot_bounds(cfg, lo, hi):
 
 
 def _plan(cfg):
-    """Slots (j0, w) of this core's cache scan [cfg.lo, cfg.hi) and the steps over them (static).
+    """Slots (_Slot: j0, w) of this core's cache scan [cfg.lo, cfg.hi) and the steps over them (static).
 
     Slot layout: K^T [d, w] by DMA transpose; V so that partition q holds positions q*n + i (n = w // 128, one
     contiguous run of n*d elements per partition), the last w % 128 positions as one more block. A step covers
@@ -91,7 +111,7 @@ def _plan(cfg):
         j0, w = bounds[si], bounds[si + 1] - bounds[si]
         n, rem = w // P_MAX, w % P_MAX
         k = len(slots)
-        slots.append((j0, w))
+        slots.append(_Slot(j0, w))
         i0 = 0
         while cfg.imajor and i0 < n:     # i-major score layout: column il*128 + q' (see _load_slot_paged)
             ni = FA_SUB // P_MAX

@@ -68,8 +68,9 @@ def test_load_pieces_partition_each_slot(c):
 def test_packs_and_token_tiles(B, lo, hi):
     cfg = _cfg(B, 1, 3072, 64, 1, 8, 1024, 1024, 0)
     packs = _packs(cfg, lo, hi)
-    assert packs[0][0] == lo and sum(nb for _, nb in packs) == hi - lo
-    assert max(nb for _, nb in packs) - min(nb for _, nb in packs) <= 1 and max(nb for _, nb in packs) <= cfg.pack
+    assert packs[0].p0 == lo and sum(p.nb for p in packs) == hi - lo
+    assert all(a.p0 + a.nb == b.p0 for a, b in zip(packs, packs[1:]))
+    assert max(p.nb for p in packs) - min(p.nb for p in packs) <= 1 and max(p.nb for p in packs) <= cfg.pack
     tiles = _token_tiles(cfg, lo, hi)
     assert tiles[0].b0 == lo and sum(t.nb for t in tiles) == hi - lo
     assert all(t.nt == t.nb * cfg.S <= cfg.tile_tok and t.t0 == t.b0 * cfg.S for t in tiles)
@@ -88,3 +89,11 @@ def test_position_major_steps_for_few_rows(c, pmajor):
     if pmajor:    # every step's position-major scores fit one PSUM bank of the score buffer
         rows = min(cfg.pack, cfg.b_hi - cfg.b_lo) * cfg.R
         assert all(len(s.blocks) * rows <= PSUM_F and s.cols % P_MAX == 0 for s in _plan(cfg)[1])
+
+
+def test_config_is_frozen():
+    """Every derived size is decided at construction: reassigning one afterwards raises."""
+    cfg = _cfg(*CONFIGS[0])
+    with pytest.raises(AttributeError, match="frozen"):
+        cfg.pack = 1
+    assert cfg.pack > 1
