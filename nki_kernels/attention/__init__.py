@@ -89,7 +89,8 @@ def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
                   sliding_window=int(sliding_window), block_table=block_table, add_bias_o=add_bias_o,
                   k_scale=k_scale, v_scale=v_scale)
     if attn_dp_groups is not None:
-        kwargs.update(attn_dp_groups=[list(g) for g in attn_dp_groups], attn_dp_rank=int(attn_dp_rank))
+        kwargs.update(attn_dp_groups=tuple(tuple(int(r) for r in g) for g in attn_dp_groups),
+                      attn_dp_rank=int(attn_dp_rank))
     args = (X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o)
     if backend == "torch":
         is_np = isinstance(X, np.ndarray)

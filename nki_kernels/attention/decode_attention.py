@@ -62,7 +62,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         add_bias_o (bool): whether THIS rank adds bias_o. The output is a partial sum over the tensor-parallel
             ranks, so under TP pass True on exactly one rank of the group (e.g. rank 0) and False on the others
             (or bias_o=None and add the bias after the all-reduce); True for a single rank.
-        attn_dp_groups (list of rank-lists), attn_dp_rank (int): attention data parallelism (decode/exchange.py):
+        attn_dp_groups (tuple of rank-lists), attn_dp_rank (int): attention data parallelism (decode/exchange.py):
             the DP columns as a replica group (each rank-list = the attn_dp world ranks of one column, in DP order) and
             this rank's index in its column. X is then the column's gathered batch [attn_dp * B_local, S, H]; W_qkv /
             bias_qkv / W_o hold this rank's nq_e query heads (interleaved effective rank) and its TP position's K/V

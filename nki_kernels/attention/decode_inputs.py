@@ -81,7 +81,7 @@ def dp_rank_inputs(args, kw, columns, rank):
     own = slice(j * bl, (j + 1) * bl)
     cols = torch.cat([torch.arange(j * qe, (j + 1) * qe), torch.arange(nq * d, (nq + 2 * nkv) * d)])
     table = kw.get("block_table")
-    rk = dict(kw, attn_dp_groups=[list(c) for c in columns], attn_dp_rank=j, add_bias_o=j == 0,
+    rk = dict(kw, attn_dp_groups=tuple(tuple(c) for c in columns), attn_dp_rank=j, add_bias_o=j == 0,
               bias_qkv=None if kw.get("bias_qkv") is None else kw["bias_qkv"][:, cols].contiguous())
     if table is not None:
         rk["block_table"] = table[own].contiguous()
