@@ -21,7 +21,9 @@ heads of its TP position (replicated down the column), and the KV cache of its o
 
 The collectives stage through private HBM (all_to_all takes HBM tensors only, AWS's stub). An fp8 cache: the own
 tokens' k / v are quantised after the swap, as in the plain launch. Limit of this path (checked in _validate_dp):
-LNC=1.
+LNC=1. Not checkable here: that `attn_dp_rank` is this rank's position in its rank-list (the world rank is a runtime
+register, ncc.rank_id), which the caller derives from the same groups (modules: the DP column's rank_in_group).
+The new K/V need no exchange: every rank of a column holds the same K/V heads, so the own tokens' rows are local.
 
 Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
 
