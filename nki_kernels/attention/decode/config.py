@@ -3,6 +3,7 @@ splits.
 
 Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
 
+import nki.isa as nisa
 import nki.language as nl
 
 # ---- tile sizes -----------------------------------------------------------------------------------------------
@@ -96,13 +97,17 @@ class _Config(nl.NKIObject):
         object.__setattr__(self, name, value)
 
     def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize, bs=0, mb=0, fp8=False,
-                 n_prog=1, core=0):
+                 n_prog=1, core=0, fp8_mm=False, kv_dtype=None):
         self.B, self.S, self.H, self.d, self.nkv, self.nq = B, S, H, d, nkv, nq
         self.paged, self.bs, self.mb = bs > 0, bs, mb    # paged cache: block size, block-table columns
         # fp8 KV cache: K^T comes from a DMA transpose of the fp8 rows read as 2-byte pairs (dims 2i, 2i + 1 of a
         # position in one element; the DMA transpose moves 2-byte elements only), cast to bf16 on an engine as two
         # half-dim stacks (even dims, odd dims): see _load_piece / _cast_pairs. V is cast by its DMA.
         self.fp8 = fp8
+        # fp8 cache whose dtype TensorE takes (float8_e4m3 on trn2; float8_e4m3 / float8_e4m3fn from trn3): the
+        # score matmuls read the pairs' even / odd bytes directly (moving or stationary fp8, the queries bf16: AWS's
+        # nc_matmul allows mixed input dtypes), no cast and no bf16 K^T stacks
+        self.fp8_mm, self.kv_dtype = fp8 and fp8_mm, kv_dtype
         self.imajor = self.paged      # i-major K^T / score layout (column i*128 + q <-> position q*n + i)
         self.s_max, self.L, self.scale, self.h_actual, self.window = s_max, L, scale, h_actual, window
         # query heads per KV head (>= 1: the attention-DP config of the gathered tokens may hold fewer query heads
@@ -155,11 +160,12 @@ class _Config(nl.NKIObject):
         # FT target: V runs of >= 4 KiB per partition (DMA efficiency), i.e. FT * d * itemsize / 128 >= 4 KiB.
         self.kv_bufs = KV_BUFS if d <= 64 else KV_BUFS + 1
         ft_target = min(FA_TILE_MAX, max(2 * FA_SUB, V_RUN_BYTES * P_MAX // (d * itemsize) // FA_SUB * FA_SUB))
+        kt = 1 if self.fp8_mm else self.halves    # bf16 K^T stacks per load group (fp8_mm: the pairs, 2 B each)
         while self.pack > PACK_MIN and self.kv_bufs * _slot_bytes(self.pack, ft_target, self.kpp, d, itemsize,
-                                                                   self.halves) > budget:
+                                                                   kt) > budget:
             self.pack -= 1
         ft = FA_TILE_MAX
-        while ft > FA_SUB and _ring_bytes(self.kv_bufs, self.pack, ft, self.kpp, d, itemsize, self.halves) > budget:
+        while ft > FA_SUB and _ring_bytes(self.kv_bufs, self.pack, ft, self.kpp, d, itemsize, kt) > budget:
             ft -= FA_SUB
         if self.kv_bufs == KV_BUFS and ft >= 2 * FA_SUB:
             # Same SBUF as KV_BUFS slots of ft positions, as up to twice as many half-size slots: the first steps
@@ -309,5 +315,6 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     assert 1 <= h_act <= H, f"hidden_actual={h_act} must be in 1..H={H}"
     assert sliding_window >= 0, f"sliding_window={sliding_window} must be >= 0"
     scale = softmax_scale if softmax_scale != 0.0 else 1.0 / (d ** 0.5)
+    fp8_mm = fp8 and (K_cache.dtype == nl.float8_e4m3 or nisa.get_nc_version() >= nisa.nc_version.gen4)
     return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window, X.dtype.itemsize, bs, mb, fp8,
-                   n_prog, core)
+                   n_prog, core, fp8_mm, K_cache.dtype)

@@ -26,14 +26,17 @@ class _AttnState(nl.NKIObject):
         self.ps_o = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.psum)
         self.ps_t = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=dtype, buffer=nl.psum)
         self.ps_sel = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
-        self.kT = tuple(nl.ndarray((P_MAX, cfg.nst, cfg.fa_tile), dtype=dtype, buffer=nl.sbuf)
-                        for _ in range(cfg.kv_bufs))
+        # K^T slots: bf16 stacks [128, stack, w]; fp8 cache whose dtype the matmul takes (fp8_mm): the fp8 pairs
+        # of each load group as loaded (2-byte elements, see _load_piece), read by the score matmuls (_kview)
+        kt_shape, kt_dtype = ((P_MAX, cfg.ngroups, cfg.fa_tile), nl.uint16) if cfg.fp8_mm else \
+            ((P_MAX, cfg.nst, cfg.fa_tile), dtype)
+        self.kT = tuple(nl.ndarray(kt_shape, dtype=kt_dtype, buffer=nl.sbuf) for _ in range(cfg.kv_bufs))
         self.v = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX + 1, d), dtype=dtype, buffer=nl.sbuf)
                        for _ in range(cfg.kv_bufs))
-        # fp8 cache: the K^T load groups as loaded, fp8 pairs (dims 2i, 2i + 1) in 2-byte elements (_load_piece),
-        # scrubbed, then cast into the even / odd stacks of kT (_cast_pairs); a bf16 cache loads into kT directly
+        # fp8 cache cast to bf16: the K^T load groups as loaded, fp8 pairs (dims 2i, 2i + 1) in 2-byte elements,
+        # scrubbed, then cast into the even / odd stacks of kT (_cast_pairs); otherwise the loads write kT directly
         self.kg = tuple(nl.ndarray((P_MAX, cfg.ngroups, cfg.fa_tile), dtype=nl.uint16, buffer=nl.sbuf)
-                        for _ in range(PAIR_BUFS)) if cfg.fp8 else self.kT
+                        for _ in range(PAIR_BUFS)) if cfg.fp8 and not cfg.fp8_mm else self.kT
         self.qm = qm
         # per K^T load buffer (kg): positions scrubbed or loaded in every lane so far
         self.ring_w = [0] * len(self.kg)
@@ -469,7 +472,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         buf = (st.n_slots - 1) % len(st.kg)
         _scrub_slot(cfg, st, kg, j0, w, nb, fresh_ring=w > st.ring_w[buf])    # beyond what the buffer held
         st.ring_w[buf] = max(st.ring_w[buf], w)
-        if cfg.fp8:     # after the scrub: every lane of the pairs is finite, so is the cast
+        if cfg.fp8 and not cfg.fp8_mm:     # after the scrub: every lane of the pairs is finite, so is the cast
             _cast_pairs(cfg, kg, kT, w, nb, K_cache.dtype, st.n_slots)
         views.append((kT, v))
         fresh.append((v, j0, w, st.gates[1]))
@@ -500,18 +503,30 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
                 i0, K = step.pos0 - j0, _slot_split(cfg, w)
                 il0, il1 = i0 + c0 // P_MAX, i0 + c1 // P_MAX
                 if K == 1:
-                    mov = kT[:kp, jj, il0 * P_MAX:il1 * P_MAX]
+                    mov = _kview(cfg, kT, jj, kp, w, (kp, w), (slice(None), slice(il0 * P_MAX, il1 * P_MAX)))
                 else:
-                    mov = kT[:kp, jj, :w].reshape((kp, K, n, P_MAX // K))[:, :, il0:il1, :].permute((0, 2, 1, 3))
+                    mov = _kview(cfg, kT, jj, kp, w, (kp, K, n, P_MAX // K),
+                                 (slice(None), slice(None), slice(il0, il1), slice(None))).permute((0, 2, 1, 3))
             elif inner > 0:
                 i0 = step.pos0 - j0
-                mov = kT[:kp, jj, :n * P_MAX].reshape((kp, P_MAX, n))[:, c0 // inner:c1 // inner, i0:i0 + inner]
+                mov = _kview(cfg, kT, jj, kp, n * P_MAX, (kp, P_MAX, n),
+                             (slice(None), slice(c0 // inner, c1 // inner), slice(i0, i0 + inner)))
             else:
-                mov = kT[:kp, jj, n * P_MAX:w]
+                mov = _kview(cfg, kT, jj, kp, w, (kp, w), (slice(None), slice(n * P_MAX, w)))
             nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=qm[:kp, jj, :rows], moving=mov,
                            accumulate=(jj > 0))
         for m in masks:          # each chunk's masks right after its scores: its row max can start early
             _fold_chunk(consts, sc, rows, m, (c0, c1, inner))
+
+
+def _kview(cfg, kT, jj, kp, w, shape, index):
+    """Stack jj of a K^T slot, columns [0, w) viewed as `shape` ([kp, ...], splitting w) and indexed by `index`:
+    kT[:kp, jj, :w] (bf16 stacks), or with fp8_mm the fp8 bytes of its half (jj % 2: 0 even dims, 1 odd dims) in
+    the pairs of load group jj // 2, a 2-byte stride the matmul streams at its full rate."""
+    if not cfg.fp8_mm:
+        return kT[:kp, jj, :w].reshape(shape)[index]
+    pairs = kT[:kp, jj // 2, :w].view(cfg.kv_dtype).reshape(tuple(shape) + (2,))
+    return pairs[tuple(index) + (jj % 2,)]
 
 
 def _stacks(cfg, nb):
@@ -619,8 +634,8 @@ def _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
     for il in range(ni):
         for jj in range(_stacks(cfg, nb)):
             kp = _stack_rows(cfg, jj, nb)
-            k3 = kT[:kp, jj, :n * P_MAX].reshape((kp, P_MAX, n))
-            nisa.nc_matmul(dst=s3[:, il, :], stationary=k3[:, :, i0 + il], moving=qm[:kp, jj, :rows],
+            k3 = _kview(cfg, kT, jj, kp, n * P_MAX, (kp, P_MAX, n), (slice(None), slice(None), i0 + il))
+            nisa.nc_matmul(dst=s3[:, il, :], stationary=k3, moving=qm[:kp, jj, :rows],
                            accumulate=(jj > 0))
     # one fold for every tile of the step (ni * rows <= one PSUM bank; accumulation is per element)
     nisa.nc_matmul(dst=s3, stationary=consts.neg_eye, moving=m3, accumulate=True)

@@ -620,6 +620,31 @@ def test_fp8_paged_kv_cache(shape, B, ctx, block_size, window):
     assert torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item() >= MIN_COS
 
 
+@pytest.mark.parametrize("block_size", [0, 32])
+def test_fp8_cache_in_the_matmul_on_trn3(block_size):
+    """trn3's TensorE takes float8_e4m3fn: the score matmuls read the K pairs' fp8 bytes directly (no cast, no bf16
+    K^T stacks); same results as the reference, NaN bytes past each sequence excluded."""
+    import nkisim
+    args, kw = make_inputs(3, 1, s_max=1024, ctx=1024, seed=44, **GPT_OSS_20B_TP8)
+    ks, vs = torch.tensor([1 / 64]), torch.tensor([1 / 80])
+    f8 = torch.float8_e4m3fn
+    K8, V8 = (args[2].float() / ks).to(f8), (args[3].float() / vs).to(f8)
+    for b in range(3):
+        for c in (K8, V8):
+            c.view(torch.uint8)[b, :, int(args[4][b, 0]):] = 0x7F
+    args, kw = args[:2] + (K8, V8) + args[4:], dict(kw, k_scale=ks, v_scale=vs)
+    if block_size:
+        args, kw = to_paged(args, kw, block_size, seed=6)
+    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
+    out, rep = nkisim.profile(decode_attention_nki, *args, target="trn3", **kw)
+    out = torch.as_tensor(out).float()
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    fp8_mm = [e for e in rep.events if e.engine == "tensor" and "float8" in str(e.meta.get("dtype", "")) +
+              str(e.meta.get("stationary_dtype", ""))]
+    assert fp8_mm, "no matmul read the fp8 cache bytes"
+
+
 def test_fp8_cache_halves_the_kv_bytes():
     """The modelled HBM traffic of the cache scan halves with an fp8 cache (1 byte per element instead of 2)."""
     import nkisim
