@@ -1,6 +1,6 @@
 """Sharded weight loading: pure loaders attached to parameters, and a lazy safetensors checkpoint."""
 
-from modules.loading.checkpoint import SafetensorsCheckpoint
+from modules.loading.checkpoint import LoadTimings, SafetensorsCheckpoint
 from modules.loading.loaders import (
     ShardSpec,
     fused_qkv_weight_loader,
@@ -17,6 +17,7 @@ from modules.loading.loaders import (
 )
 
 __all__ = [
+    "LoadTimings",
     "SafetensorsCheckpoint",
     "ShardSpec",
     "fused_qkv_weight_loader",
