@@ -88,12 +88,16 @@ class MoELayer(nn.Module):
         if norm_eps is not None:
             self.gamma = param(Hp, loader=hidden_vector_loader(shape, "norm weight [H]"))
 
-    def load_gpt_oss(self, path: str | Path | SafetensorsCheckpoint, layer: int) -> dict[str, torch.Tensor]:
+    def load_gpt_oss(self, path: str | Path | SafetensorsCheckpoint, layer: int,
+                     pipelined: bool = True) -> dict[str, torch.Tensor]:
         """Load this rank's shard of GPT-OSS decoder layer ``layer``'s MoE (bf16 or MXFP4 experts, detected) and,
-        with the fused norm, its post-attention RMSNorm weight, from an HF-layout safetensors file or directory."""
+        with the fused norm, its post-attention RMSNorm weight, from an HF-layout safetensors file or directory.
+        pipelined: through ``load_sharded_pipelined`` (the gate_up and down reads and dequantisations run in two
+        reader threads) or the sequential ``load_sharded``; the result is the same."""
         ckpt = path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
         mappings = gpt_oss_moe_mappings(layer, gpt_oss_checkpoint_is_mxfp4(ckpt, layer), norm=self.gamma is not None)
-        return ckpt.load_sharded(self.tp_group.rank_in_group, self.tp_group.world_size, self, mappings)
+        load = ckpt.load_sharded_pipelined if pipelined else ckpt.load_sharded
+        return load(self.tp_group.rank_in_group, self.tp_group.world_size, self, mappings)
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _padded(self, x: torch.Tensor, what: str) -> torch.Tensor:

@@ -292,3 +292,16 @@ def test_rows_last_dequant_is_dequant_mxfp4_transposed_bit_for_bit():
     # Rows 2i + j viewed as [j, i] (the gate/up interleave): a strided two-row-axis input.
     got = dequant_mxfp4_rows_last(blocks.view(2, 6, 2, 4, 16).transpose(1, 2), scales.view(2, 6, 2, 4).transpose(1, 2))
     assert same(got, want.view(2, 6, 2, 128).permute(0, 3, 2, 1))
+
+
+@pytest.mark.parametrize("form", ["bf16", "mxfp4"])
+def test_load_gpt_oss_pipelined_equals_sequential(ckpts, form):
+    path = ckpts[form][0]
+    shape = MoEShape(H, INTER, E, K, 2)
+    for rank in range(2):
+        a, b = (MoELayer(shape, StaticGroup(2, rank), dtype=torch.bfloat16, norm_eps=1e-5, backend="torch")
+                for _ in range(2))
+        sa, sb = a.load_gpt_oss(path, 0, pipelined=False), b.load_gpt_oss(path, 0)
+        assert list(sa) == list(sb) == [n for n, _ in a.named_parameters()]
+        for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+            assert torch.equal(p.view(torch.int16), q.view(torch.int16)), n  # bit for bit
