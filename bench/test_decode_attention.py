@@ -13,7 +13,8 @@ token really attends, O-projection; nki_kernels/attention/decode_work.py) is dec
 arithmetic intensity come from it; the console shows useful / issued GFLOP. `modelled_useful_bound_s` is the bound
 of the useful work alone (weights once, real cache rows, useful FLOPs at the bf16 peak).
 Issue 11's targets (trn2 <= 1.15x the bound at B >= 8, ctx >= 4K; <= 1.4x at B = 1; trn3 <= 1.3x at B >= 8) are
-recorded per cell (`modelled_meets_target`), not asserted: they are not all met. Figures go to benchmark.extra_info.
+recorded per cell (`modelled_meets_target`); they are asserted on the cells that meet them with a margin
+(`TARGET_ASSERTED`), not elsewhere (not all are met). Figures go to benchmark.extra_info.
 """
 
 
@@ -74,6 +75,15 @@ def _target(B, ctx, target):
     return 1.3 if B >= 8 else None
 
 
+# Cells whose issue-11 target is met with >= 1 % margin (modelled, nki_kernels/attention/DESIGN.md): asserted, so a
+# change that loses one fails here (the others are recorded only).
+TARGET_ASSERTED = {
+    ("gpt-oss-20b-tp8", 1, 16384, "trn2"), ("llama-3.1-8b-tp8", 1, 4096, "trn2"),
+    ("llama-3.1-8b-tp8", 1, 16384, "trn2"),
+    ("gpt-oss-20b-tp8", 16, 4096, "trn3"), ("gpt-oss-20b-tp8", 16, 16384, "trn3"),
+    ("llama-3.1-8b-tp8", 16, 4096, "trn3"), ("llama-3.1-8b-tp8", 16, 16384, "trn3"),
+}
+
 # trn2: the whole grid; trn3: the batches its target covers (B >= 8; B = 64 left out to keep the job short)
 GRID = [(m, B, ctx, t) for m in sorted(SHAPES) for B in BATCHES for ctx in CONTEXTS for t in ("trn2", "trn3")
         if t == "trn2" or B in (8, 16)]
@@ -93,6 +103,9 @@ def test_decode_attention_modelled(benchmark, model, B, ctx, target):
     benchmark.extra_info.update(info)
     assert rep.latency_s >= bound * 0.999  # a modelled latency can never beat its own roofline
     assert rep.flops <= rep.flops_issued   # the declared useful work is part of what TensorE executed
+    if (model, B, ctx, target) in TARGET_ASSERTED:
+        assert rep.latency_s <= _target(B, ctx, target) * bound, \
+            f"issue-11 target lost: {rep.latency_s / bound:.3f}x the bound > {_target(B, ctx, target)}"
 
 
 def _record(benchmark, rep, bound, **labels):
