@@ -181,28 +181,33 @@ class SafetensorsCheckpoint:
         timings = LoadTimings(readers=readers)
         ready: dict[int, Any] = {}              # job index → read item, _Skipped or the exception it raised
         cond = threading.Condition()
-        state = {"next": 0, "placed": 0, "stop": False, "read_s": 0.0}
+        state = {"next": 0, "placed": 0, "stop": False, "read_s": 0.0, "fatal": None}
 
         def reader() -> None:
-            with self.open() as h:
-                while True:
-                    with cond:
-                        while not state["stop"] and state["next"] < len(jobs) and \
-                                state["next"] >= state["placed"] + depth:
-                            cond.wait()
-                        if state["stop"] or state["next"] >= len(jobs):
-                            return
-                        i = state["next"]
-                        state["next"] += 1
-                    t0 = time.perf_counter()
-                    try:
-                        item = self._read_one(h, rank, *jobs[i], mappings, strict)
-                    except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread, in order
-                        item = e
-                    with cond:
-                        state["read_s"] += time.perf_counter() - t0
-                        ready[i] = item
-                        cond.notify_all()
+            try:
+                with self.open() as h:
+                    while True:
+                        with cond:
+                            while not state["stop"] and state["next"] < len(jobs) and \
+                                    state["next"] >= state["placed"] + depth:
+                                cond.wait()
+                            if state["stop"] or state["next"] >= len(jobs):
+                                return
+                            i = state["next"]
+                            state["next"] += 1
+                        t0 = time.perf_counter()
+                        try:
+                            item = self._read_one(h, rank, *jobs[i], mappings, strict)
+                        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread, in order
+                            item = e
+                        with cond:
+                            state["read_s"] += time.perf_counter() - t0
+                            ready[i] = item
+                            cond.notify_all()
+            except BaseException as e:  # noqa: BLE001 - outside any parameter (opening the files): fatal
+                with cond:
+                    state["fatal"] = e
+                    cond.notify_all()
 
         t_start = time.perf_counter()
         threads = [threading.Thread(target=reader, name=f"load_sharded_pipelined-reader{k}", daemon=True)
@@ -214,7 +219,11 @@ class SafetensorsCheckpoint:
                 t0 = time.perf_counter()
                 with cond:
                     while i not in ready:
-                        cond.wait()
+                        if state["fatal"] is not None:
+                            raise state["fatal"]
+                        if not cond.wait(timeout=1.0) and i not in ready and not any(t.is_alive() for t in threads):
+                            raise RuntimeError(f"load_sharded_pipelined: every reader thread ended before parameter "
+                                               f"{jobs[i][0]!r} was read")
                     item = ready.pop(i)
                 t1 = time.perf_counter()
                 timings.wait_s += t1 - t0

@@ -163,3 +163,16 @@ def test_strict_false_skips_alike(ckpt_dir):  # noqa: F811
         assert "up.bias" not in state and "down.bias" not in state and "up.weight" in state
         msgs.append(str(rec[0].message))
     assert msgs[0] == msgs[1]
+
+
+def test_a_reader_failing_outside_a_parameter_reaches_the_caller(ckpt_dir, monkeypatch):  # noqa: F811
+    """A reader failing outside any parameter's read (here: opening the files) leaves no result behind: its error
+    reaches the caller instead of placing waiting forever."""
+    ckpt = SafetensorsCheckpoint(ckpt_dir)
+
+    def broken_open(self):
+        raise OSError("simulated: the checkpoint files cannot be opened")
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "open", broken_open)
+    with pytest.raises(OSError, match="simulated: the checkpoint files cannot be opened"):
+        ckpt.load_sharded_pipelined(0, 1, Block(StaticGroup()), MAPPINGS, readers=2)
