@@ -180,7 +180,7 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
             base = p * (2 * SCHED_FIELDS) + s * SCHED_FIELDS + SCHED_HEADER
             slots = [_Slot(weights[s], t, psum, i) for i, t in enumerate(tiles)]
             _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids,
-                          scatter_ids, row_affinity, acc, (w_gate_up_scale, w_down_scale))
+                          scatter_ids, row_affinity, acc, (w_gate_up_scale, w_down_scale), s == 1)
 
     n_pairs = nisa.scalar_load(sched[0:1, 0:1])
     nl.fori_loop(0, n_pairs, pair)
@@ -375,7 +375,7 @@ def _field(cfg, sched, base, k):
 
 
 def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids,
-                  row_affinity, acc, scales):
+                  row_affinity, acc, scales, second):
     """One scheduled expert: its weights (if it has rows), then its 128-row tiles, two at a time (alternate tile
     buffers), and an odd last one. The first entry of a core (load flag 0: its weights came in the prologue) zeroes
     acc after its first tile's rows are in, before that tile's scatter-add: trip count 1 - load - (tiles before), 1
@@ -389,22 +389,28 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
     nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], psum, e, w_gate_up, w_down, b_gate_up, b_down,
                                                   scales))
 
-    def tile(slot, row, zero_trips=0, n=P_MAX):
+    def tile(slot, row, zero_trips=0, n=P_MAX, pb=0):
         _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc,
-                    lambda: nl.fori_loop(0, zero_trips, lambda _: _zero_rows(cfg, acc, 0, cfg.T)), n)
+                    lambda: nl.fori_loop(0, zero_trips, lambda _: _zero_rows(cfg, acc, 0, cfg.T)), n, pb)
+
+    # the second expert of a pair takes the tile buffer sets in the other order, so that experts with a single
+    # (narrow) tile alternate sets; a narrow tile on set 1 puts its output rows on partitions 64..127, on set 0 on
+    # 0..63, so the narrow scatters spread over both halves of the DMA engines
+    order = slots[::-1] if second else slots
+    nh = P_MAX if cfg.mx else HALF_ROWS      # (the MX path has no narrow tile: a full one serves those rows)
+    pb = [(P_MAX - nh) if order[k] is slots[1] else 0 for k in range(2)]
 
     def two(i):
-        tile(slots[0], row0 + i * (2 * P_MAX), 1 - load - i)
-        tile(slots[1], row0 + i * (2 * P_MAX) + P_MAX)
+        tile(order[0], row0 + i * (2 * P_MAX), 1 - load - i)
+        tile(order[1], row0 + i * (2 * P_MAX) + P_MAX)
 
     nl.fori_loop(0, n_pairs, two)
-    nl.fori_loop(0, odd, lambda _: tile(slots[0], row0 + n_pairs * (2 * P_MAX), 1 - load - n_pairs))
+    nl.fori_loop(0, odd, lambda _: tile(order[0], row0 + n_pairs * (2 * P_MAX), 1 - load - n_pairs))
     # the narrow last tile on the buffer set the previous tile did not use
     row_h = row0 + (n_pairs * 2 + odd) * P_MAX
     zero_h = 1 - load - n_pairs - odd
-    nh = P_MAX if cfg.mx else HALF_ROWS      # (the MX path has no narrow tile: a full one serves those rows)
-    nl.fori_loop(0, half * odd, lambda _: tile(slots[1], row_h, zero_h, nh))
-    nl.fori_loop(0, half * (1 - odd), lambda _: tile(slots[0], row_h, zero_h, nh))
+    nl.fori_loop(0, half * odd, lambda _: tile(order[1], row_h, zero_h, nh, pb[1]))
+    nl.fori_loop(0, half * (1 - odd), lambda _: tile(order[0], row_h, zero_h, nh, pb[0]))
 
 
 def _load_mx_weights(cfg, slot, e, w_gate_up, w_down, b_down, scales):
@@ -481,11 +487,11 @@ def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down, scal
             nisa.tensor_copy(dst=slot.bgu[:, c0:c0 + cw], src=ps[:, :cw])
 
 
-def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc, after_inputs, n=P_MAX):
-    """One tile of an expert's rows (n = 128, or HALF_ROWS for a narrow last tile): gather, gate/up, activation,
-    down, scale, scatter-add (after_inputs() runs in program order after the tile's input DMAs: the core's
-    zero-fill, once)."""
-    _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n)
+def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc, after_inputs, n=P_MAX, pb=0):
+    """One tile of an expert's rows (n = 128, or HALF_ROWS for a narrow last tile whose output rows sit on
+    partitions pb..pb+n): gather, gate/up, activation, down, scale, scatter-add (after_inputs() runs in program
+    order after the tile's input DMAs: the core's zero-fill, once)."""
+    _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n, pb)
     after_inputs()
     if cfg.mx:
         _mx_operand(cfg, slot.xt, cfg.H, cfg.KC, slot.xTm, slot.xq, slot.xs, psum.t, 1)
@@ -504,27 +510,27 @@ def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, 
         _down_step(cfg, slot, psum, slot.aT, n)
     else:
         if not cfg.dma_transpose:
-            _transpose_x(cfg, slot, psum, n)
+            _transpose_x(cfg, slot, psum, n, pb)
         _half_gate_up_act(cfg, slot)
-        _down_step(cfg, slot, psum, slot.aTh, n)
+        _down_step(cfg, slot, psum, slot.aTh, n, pb)
     # scatter-add: out[ids] = out[ids] + y in the DMA engine (fp32 add, x's dtype stored); padding rows (-1) skipped.
     # (acc: out, or core 1's partial under LNC=2)
-    view = acc.ap([[cfg.H, n], [1, cfg.H]], offset=0, vector_offset=slot.sid[:n, :])
-    nisa.dma_compute(dst=view, srcs=[view, slot.y[:n, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+    view = acc.ap([[cfg.H, n], [1, cfg.H]], offset=0, vector_offset=slot.sid[pb:pb + n, :])
+    nisa.dma_compute(dst=view, srcs=[view, slot.y[pb:pb + n, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
 
 
-def _gather_base(cfg, n):
-    """First partition of a tile's gathered rows (xt, gid): a narrow tile's rows go to the upper partitions, so its
-    gather loads the other half of the 16 DMA engines (each serves 8 partitions) than its scatter (partitions 0..n,
-    where the down projection's output rows are)."""
-    return P_MAX - n if not cfg.dma_transpose else 0
+def _gather_base(cfg, n, pb):
+    """First partition of a tile's gathered rows (xt, gid): a narrow tile's rows go to the other half of the
+    partitions than its output rows (pb..pb+n), so its gather and its scatter load different halves of the 16 DMA
+    engines (each serves 8 partitions). DMA transposes fill all partitions whatever the rows."""
+    return P_MAX - n - pb if not cfg.dma_transpose else 0
 
 
-def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n):
-    b = _gather_base(cfg, n)
+def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n, pb):
+    b = _gather_base(cfg, n, pb)
     nisa.dma_copy(dst=slot.gid[b:b + n, :], src=gather_ids[nl.ds(row, n), :])
-    nisa.dma_copy(dst=slot.sid[:n, :], src=scatter_ids[nl.ds(row, n), :])
-    nisa.dma_copy(dst=slot.aff[:n, :], src=row_affinity[nl.ds(row, n), :])
+    nisa.dma_copy(dst=slot.sid[pb:pb + n, :], src=scatter_ids[nl.ds(row, n), :])
+    nisa.dma_copy(dst=slot.aff[pb:pb + n, :], src=row_affinity[nl.ds(row, n), :])
     if cfg.dma_transpose:
         # xT[p, kt, j] = x[ids[j], kt * 128 + p]: one gather-transpose of the tile's rows
         nisa.dma_transpose(dst=slot.xT[:, :, :n], src=x.ap([[cfg.H, n], [P_MAX, cfg.KT], [1, P_MAX]], offset=0,
@@ -616,11 +622,11 @@ def _act(cfg, g_in, u_in, g, u, sg, a):
     nisa.scalar_tensor_tensor(dst=a, data=u, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=sg)
 
 
-def _transpose_x(cfg, slot, psum, n):
+def _transpose_x(cfg, slot, psum, n, pb=0):
     """xT[:, kt, :n] = x tile columns {p * KT + kt} of the n rows transposed (TensorE), TRANSPOSE_GROUP per PSUM
     bank."""
     KT = cfg.KT
-    b = _gather_base(cfg, n)
+    b = _gather_base(cfg, n, pb)
     for gi, c0 in enumerate(range(0, KT, TRANSPOSE_GROUP)):
         nc = min(TRANSPOSE_GROUP, KT - c0)
         ps = psum.t[gi % 2]
@@ -667,26 +673,29 @@ def _transpose_act(cfg, slot, psum):
         evict(1, slot.aT[:rem, full, :], ps[:rem, full, :])
 
 
-def _down_step(cfg, slot, psum, aT, n):
-    """y[:n, chunk] = affinity * (a @ Wd (+ bd)) rounded to x's dtype, chunk by chunk over DOWN_BANKS PSUM banks
-    (aT: act^T [I_aug, n] in KD partition tiles, the stationary)."""
+def _down_step(cfg, slot, psum, aT, n, pb=0):
+    """y[pb:pb+n, chunk] = affinity * (a @ Wd (+ bd)) rounded to x's dtype, chunk by chunk over DOWN_BANKS PSUM
+    banks (aT: act^T [I_aug, n] in KD partition tiles, the stationary). A narrow tile (n < 128) is a column tile of
+    the PE array at column pb (tile_position), so its output rows land on PSUM partitions pb..pb+n."""
+    tiling = dict(tile_position=(0, pb), tile_size=(P_MAX, n)) if n < P_MAX else {}
     for h in range(cfg.n_hch):
         h0 = h * cfg.H_CH
         hw = min(cfg.H_CH, cfg.H - h0)
         ps = psum.d[h % DOWN_BANKS]
         for k in range(cfg.KD):
             w = min(P_MAX, cfg.I_aug - k * P_MAX)
-            nisa.nc_matmul(dst=ps[:n, :hw], stationary=aT[:w, k, :n], moving=slot.wd[:w, k, h0:h0 + hw],
-                           accumulate=k > 0)
-        _scale_rows(slot, ps, h, h0, hw, n)
+            nisa.nc_matmul(dst=ps[pb:pb + n, :hw], stationary=aT[:w, k, :n], moving=slot.wd[:w, k, h0:h0 + hw],
+                           accumulate=k > 0, **tiling)
+        _scale_rows(slot, ps, h, h0, hw, n, pb)
 
 
-def _scale_rows(slot, ps, h, h0, hw, n):
-    """y[:n, h0:h0+hw] = affinity * PSUM chunk h, in x's dtype (ScalarE / VectorE alternating by chunk)."""
+def _scale_rows(slot, ps, h, h0, hw, n, pb=0):
+    """y[pb:pb+n, h0:h0+hw] = affinity * PSUM chunk h, in x's dtype (ScalarE / VectorE alternating by chunk)."""
+    r = slice(pb, pb + n)
     if h % 2 == 0:
-        nisa.activation(dst=slot.y[:n, h0:h0 + hw], op=nl.copy, data=ps[:n, :hw], scale=slot.aff[:n, :])
+        nisa.activation(dst=slot.y[r, h0:h0 + hw], op=nl.copy, data=ps[r, :hw], scale=slot.aff[r, :])
     else:
-        nisa.tensor_scalar(dst=slot.y[:n, h0:h0 + hw], data=ps[:n, :hw], op0=nl.multiply, operand0=slot.aff[:n, :])
+        nisa.tensor_scalar(dst=slot.y[r, h0:h0 + hw], data=ps[r, :hw], op0=nl.multiply, operand0=slot.aff[r, :])
 
 
 def _add_partial(cfg, part, out, core):
