@@ -38,13 +38,17 @@ KV_SBUF_MAX = 128 * 1024   # bytes per partition for the K/V ring (less when the
 KV_SBUF_MIN = 32 * 1024    # ... but never less than this (the weights then stream through a smaller ring)
 SBUF_RESERVE = 24 * 1024   # bytes per partition kept for everything else (q, masks, P tiles, accumulators)
 W_QKV_DMAS = 4         # W_qkv is loaded in this many DMAs (>= 2 KiB contiguous per partition each)
-W_O_DMAS = 4           # ... and W_o in up to this many column pieces per 128-row chunk (>= 2 KiB runs)
+W_O_DMAS = 4           # ... and W_o in up to this many column pieces per 128-row chunk (>= 4 KiB runs)
 # Position-major steps (scores^T: cache positions on the partitions, query rows on the free axis) for packs of at
 # most this many rows (a tuning choice, modelled: B = 1 GPT-OSS / Llama-8B -3..-5 %, but 10..64 rows slower, e.g.
 # GPT-OSS B=8 4K +19 %: the per-128-position matmul floor and the per-step chain outweigh the saved row work).
 # A step's [128, FA_SUB / 128 tiles, rows] scores then fill at most one PSUM bank.
 PMAJOR_ROWS = 8
 assert PMAJOR_ROWS * (FA_SUB // P_MAX) <= PSUM_F
+# ... whose steps cover up to this many 128-position tiles (as many as one PSUM bank of [128, tiles * rows] scores
+# holds): the per-step chain is fixed work (modelled trn2, 8 -> 32 tiles: GPT-OSS B=1 4K 32.0 -> 31.0 us, 16K 49.3
+# -> 46.1, nki-library q1 B1 LNC2 36.0 -> 33.4, q1 B2 S5 LNC2 42.0 -> 38.4).
+PMAJOR_TILES = 32
 MASK_NEG = -1.0e30     # additive mask value: exp underflows to 0; two of them still sum to a finite fp32
 MAX_S_TKG = 8          # new tokens per sequence
 MAX_BATCH = 64

@@ -94,9 +94,9 @@ def _load_w_o(cfg, W_o):
     n_k = (K + P_MAX - 1) // P_MAX
     wo = nl.ndarray((P_MAX, n_k, cfg.H), dtype=W_o.dtype, buffer=nl.sbuf)
     hc0, hc1 = cfg.hc                                  # this core's output chunks (all of H unless split)
-    # W_o arrives last: in column pieces (>= 2 KiB runs), so the O-projection's first chunks start on the first
-    # pieces while the last one streams, instead of after the whole load.
-    n_pc = max(1, min(W_O_DMAS, (hc1 - hc0) * P_MAX * W_o.dtype.itemsize // (2 * 1024)))
+    # W_o arrives last: in column pieces (>= 4 KiB runs; shorter ones cost DMA efficiency), so the O-projection's
+    # first chunks start on the first pieces while the last one streams, instead of after the whole load.
+    n_pc = max(1, min(W_O_DMAS, (hc1 - hc0) * P_MAX * W_o.dtype.itemsize // (4 * 1024)))
     for k in range(n_k):
         kn = min(P_MAX, K - k * P_MAX)
         for i in range(n_pc):

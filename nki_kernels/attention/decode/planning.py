@@ -4,7 +4,7 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 
 import nki.language as nl
 
-from .config import FA_SUB, FIRST_SPLIT, FIRST_SPLIT_WSPLIT, GATHER_ROWS_MIN, P_MAX, PSUM_F
+from .config import FA_SUB, FIRST_SPLIT, FIRST_SPLIT_WSPLIT, GATHER_ROWS_MIN, P_MAX, PMAJOR_TILES, PSUM_F
 
 
 class _TokenTile(nl.NKIObject):
@@ -107,6 +107,13 @@ def _plan(cfg):
     """
     bounds = _slot_bounds(cfg, cfg.lo, cfg.hi)
     slots, steps = [], []
+    # tiles of 128 positions per step: FA_SUB / 128 (two PSUM banks of row-major scores); position-major steps take
+    # as many as one bank of [128, tiles * rows] scores holds (fewer steps: the per-step chain is fixed work)
+    ni_max = FA_SUB // P_MAX
+    if cfg.pmajor:
+        rows = min(cfg.pack, cfg.b_hi - cfg.b_lo) * cfg.R
+        while 2 * ni_max * rows <= PSUM_F and 2 * ni_max <= PMAJOR_TILES:
+            ni_max *= 2
     for si in range(len(bounds) - 1):
         j0, w = bounds[si], bounds[si + 1] - bounds[si]
         n, rem = w // P_MAX, w % P_MAX
@@ -125,7 +132,7 @@ def _plan(cfg):
             steps.append(_Step(k, j0 + i0, chunks, f"p{n}_{ni}_{K}", key, blocks))
             i0 += ni
         while i0 < n:
-            ni = FA_SUB // P_MAX
+            ni = ni_max
             while ni > n - i0:
                 ni //= 2
             qc = min(P_MAX, PSUM_F // ni)

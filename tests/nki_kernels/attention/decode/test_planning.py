@@ -49,7 +49,9 @@ def test_slots_and_steps_cover_the_scan_once_in_order(c):
             assert _slot_split(cfg, w) in (1, *range(2, P_MAX // 16 + 1))
     pos0 = [s.pos0 for s in steps]
     assert pos0 == sorted(pos0)           # skipped steps are a suffix (_step_gates)
-    assert all(s.cols <= FA_SUB for s in steps)
+    # row-major steps: two PSUM banks of scores; position-major ones: one bank of [128, tiles * rows]
+    rows = min(cfg.pack, cfg.b_hi - cfg.b_lo) * cfg.R
+    assert all(s.cols <= FA_SUB if not cfg.pmajor else len(s.blocks) * rows <= PSUM_F for s in steps)
 
 
 @pytest.mark.parametrize("c", CONFIGS)
