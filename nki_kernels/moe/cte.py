@@ -64,14 +64,48 @@ def argument_error(x, expert_index, affinities, w_gate_up, w_down, b_gate_up=Non
     return None
 
 
+def _mx_weights_error(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale):
+    """MXFP4 weights (mx_weights.py's kernel layout): the problem as a message, or None."""
+    from .mx_weights import CHUNK
+    H = _shape(x)[1]
+    if w_down_scale is None:
+        return "moe_cte: w_gate_up_scale given without w_down_scale (MXFP4 needs both projections' scales)"
+    if H % CHUNK:
+        return f"moe_cte: H={H} must be a multiple of {CHUNK} with MXFP4 weights"
+    gu, d = _shape(w_gate_up), _shape(w_down)
+    if len(gu) != 4 or gu[1:3] != (128, H // CHUNK) or gu[3] % 2:
+        return f"moe_cte: w_gate_up (MXFP4 words) must be [E, 128, H/512={H // CHUNK}, 2I], got shape {gu}"
+    if len(d) != 4 or d[0] != gu[0] or d[1] != 128 or d[3] != H or d[2] * CHUNK < gu[3] // 2:
+        return f"moe_cte: w_down (MXFP4 words) must be [E={gu[0]}, 128, KDm >= I/512, H={H}], got shape {d}"
+    for name, w, sc in (("w_gate_up", gu, w_gate_up_scale), ("w_down", d, w_down_scale)):
+        want = (w[0], 16, w[2], w[3])
+        if _shape(sc) != want:
+            return f"moe_cte: {name}_scale must be [E, 16, chunks, N] = {want}, got shape {_shape(sc)}"
+    return None
+
+
+def _dequantized_mx(w_gate_up, w_down, w_gate_up_scale, w_down_scale):
+    """MXFP4 kernel-layout weights → the reference's fp32 w_gate_up [E, H, 2, I] and w_down [E, I, H]."""
+    from .mx_weights import unpack
+    E, _, _, two_i = _shape(w_gate_up)
+    inter = two_i // 2
+    gu = unpack(w_gate_up, w_gate_up_scale)
+    return gu.reshape(E, gu.shape[1], 2, inter), unpack(w_down, w_down_scale)[:, :inter]
+
+
 def moe_cte(x, expert_index, affinities, w_gate_up, w_down, *, b_gate_up=None, b_down=None,
-            activation="clamped_swiglu", add_down_bias=True, block_size=None, backend="auto", lnc=1):
+            activation="clamped_swiglu", add_down_bias=True, block_size=None, backend="auto", lnc=1,
+            w_gate_up_scale=None, w_down_scale=None):
     """Σ_k affinity · expert(x) over the blockwise mapping for one TP rank → out [T, H] (x's dtype), the partial sum
     for the reduce-scatter; the down bias is added iff add_down_bias (True on exactly one rank of the TP group).
 
     x [T, H]; expert_index [T, k] (local expert ids, distinct per token); affinities [T, k];
     w_gate_up [E, H, 2, I]; w_down [E, I, H]; b_gate_up [E, 2, I]; b_down [E, H] (moe_torch.py's layout).
     block_size: rows per block (a multiple of 128 in 128..512), None = auto.
+    w_gate_up_scale / w_down_scale: given, the weights are MXFP4 in mx_weights.py's kernel layout (w_gate_up
+    [E, 128, H/512, 2I] float4_e2m1fn_x4 words, w_down [E, 128, KDm, H], scales [E, 16, chunks, N] uint8): the
+    kernel runs its trn3 MX path (x and the activations quantised to MXFP8 on chip); "torch" dequantises and models
+    that quantisation (moe_cte_torch mx=True).
     """
     if backend not in BACKENDS:       # (resolve_backend says so too; this one comes before the other checks)
         raise ValueError(f"moe_cte: backend={backend!r} must be one of {BACKENDS}")
@@ -79,7 +113,16 @@ def moe_cte(x, expert_index, affinities, w_gate_up, w_down, *, b_gate_up=None, b
         raise ValueError(f"moe_cte: lnc={lnc} must be 1 or 2")
     if not isinstance(add_down_bias, bool):
         raise ValueError(f"moe_cte: add_down_bias={add_down_bias!r} must be a bool")
-    err = argument_error(x, expert_index, affinities, w_gate_up, w_down, b_gate_up, b_down, activation, block_size)
+    mx = w_gate_up_scale is not None
+    if mx:
+        err = _mx_weights_error(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+        if err is not None:
+            raise ValueError(err)
+        ref_gu, ref_d = _dequantized_mx(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+        err = argument_error(x, expert_index, affinities, ref_gu, ref_d, b_gate_up, b_down, activation, block_size)
+    else:
+        err = argument_error(x, expert_index, affinities, w_gate_up, w_down, b_gate_up, b_down, activation,
+                             block_size)
     if err is not None:
         raise ValueError(err)
     B = AUTO_BLOCK_SIZE if block_size is None else int(block_size)
@@ -87,10 +130,12 @@ def moe_cte(x, expert_index, affinities, w_gate_up, w_down, *, b_gate_up=None, b
         from .moe_cte_torch import moe_cte_torch
         tx = to_torch
         mapping = blockwise_mapping(expert_index, w_gate_up.shape[0], B)
-        out = moe_cte_torch(tx(x), tx(expert_index), tx(affinities), tx(w_gate_up), tx(w_down), tx(b_gate_up),
-                            tx(b_down), activation, add_down_bias, B, mapping=mapping)
+        wg, wd = (ref_gu, ref_d) if mx else (tx(w_gate_up), tx(w_down))
+        out = moe_cte_torch(tx(x), tx(expert_index), tx(affinities), wg, wd, tx(b_gate_up), tx(b_down), activation,
+                            add_down_bias, B, mapping=mapping, mx=mx)
         return out.float().numpy().astype(x.dtype) if isinstance(x, np.ndarray) else out
     backend = resolve_backend("moe_cte", backend)
     from .moe_cte import run_kernel
+    scales = dict(w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale) if mx else {}
     return run_kernel(x, expert_index, affinities, w_gate_up, w_down, b_gate_up, b_down, activation,
-                      add_down_bias, B, lnc)
+                      add_down_bias, B, lnc, **scales)

@@ -759,7 +759,7 @@ P_MAX_HOST = 128       # the kernel's token tile (nl.tile_size.pmax on every tar
 
 
 def run_kernel(x, expert_index, affinities, w_gate_up, w_down, b_gate_up, b_down, activation, add_down_bias,
-               block_size, lnc):
+               block_size, lnc, **scales):
     """Build the kernel's inputs from the routing and launch it (cte.moe_cte checked the arguments and the
     backend)."""
     _, gather, scatter, row_aff, sched = kernel_inputs(expert_index, affinities, w_gate_up.shape[0], block_size,
@@ -770,4 +770,4 @@ def run_kernel(x, expert_index, affinities, w_gate_up, w_down, b_gate_up, b_down
         arrays = [torch.from_numpy(a) for a in arrays]
     kernel = moe_cte_nki if lnc == 1 else moe_cte_nki[lnc]
     return kernel(x, w_gate_up, w_down, *arrays, b_gate_up=b_gate_up, b_down=b_down if add_down_bias else None,
-                  activation=activation, routed_rows=int(expert_index.shape[0] * expert_index.shape[1]))
+                  activation=activation, routed_rows=int(expert_index.shape[0] * expert_index.shape[1]), **scales)

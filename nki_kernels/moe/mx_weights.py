@@ -79,3 +79,14 @@ def random_mxfp4(E, K, N, seed=0):
     codes = g.integers(0, 16, (E, K, N)).astype(np.uint8)
     scales = (SCALE_BIAS + scale_exp + g.integers(-1, 2, (E, -(-K // BLOCK), N))).astype(np.uint8)
     return codes, scales
+
+
+def unpack(words, scales):
+    """pack's inverse, dequantised: kernel-layout words [E, 128, KC, N] and scales [E, 16, KC, N] → fp32
+    [E, KC * 512, N] (the contraction zero-padded to KC * 512)."""
+    w = np.asarray(words).view(np.ndarray).astype(np.uint16)
+    E, _, KC, N = w.shape
+    w = w.transpose(0, 2, 1, 3).reshape(E, KC, 16, 8, N)                         # [E, c, g, r, N]
+    codes = np.stack([(w >> np.uint16(4 * q)) & 0xF for q in range(4)], axis=3)   # [E, c, g, q, r, N]
+    sc = np.asarray(scales).transpose(0, 2, 1, 3).reshape(E, KC * 16, N)
+    return dequantize(codes.reshape(E, KC * CHUNK, N), sc)

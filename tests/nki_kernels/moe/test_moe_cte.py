@@ -210,19 +210,16 @@ def test_kernel_reads_each_expert_weight_once(lnc):
 # ---- MXFP4 weights (trn3 nc_matmul_mx) ------------------------------------------------------------------------------
 
 def _run_mx(T, H, E, inter, k, lnc=1, **kw):
+    """The functional entry with MXFP4 weights on nkisim and its torch backend (the MX reference)."""
     from nki_kernels.moe.cte_inputs import make_cte_mx_weights
-    from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki
-    from nki_kernels.moe.moe_cte_torch import moe_cte_torch
     x, idx, aff, _, _, b_gu, b_d = make_inputs(T, H, E, inter, k, **kw)
     w_gu, w_d, mxw = make_cte_mx_weights(E, H, inter)
-    _, *arrays = kernel_inputs(idx, aff, E, 128, lnc)
-    kernel = moe_cte_nki if lnc == 1 else moe_cte_nki[lnc]
-    out = kernel(x, mxw["w_gate_up"], mxw["w_down"], *[torch.from_numpy(a) for a in arrays], b_gate_up=b_gu,
-                 b_down=b_d, w_gate_up_scale=mxw["w_gate_up_scale"], w_down_scale=mxw["w_down_scale"],
-                 routed_rows=idx.numel())
-    ref = moe_cte_torch(x, idx, aff, w_gu, w_d, b_gu, b_d, block_size=128, mx=True)
-    return torch.as_tensor(np.asarray(out, np.float32)) if not torch.is_tensor(out) else out, ref, (x, idx, aff, w_gu,
-                                                                                                     w_d, b_gu, b_d)
+    args = (x, idx, aff, mxw["w_gate_up"], mxw["w_down"])
+    opts = dict(b_gate_up=b_gu, b_down=b_d, w_gate_up_scale=mxw["w_gate_up_scale"],
+                w_down_scale=mxw["w_down_scale"], block_size=128)
+    ref = moe_cte(*args, **opts, backend="torch")
+    out = moe_cte(*args, **opts, backend="nkisim", lnc=lnc)
+    return out, ref, (x, idx, aff, w_gu, w_d, b_gu, b_d)
 
 
 @pytest.mark.parametrize("T,H,E,inter,k,lnc,skew", [(200, 512, 4, 96, 2, 1, None), (300, 1024, 4, 360, 3, 2, "one")])
@@ -242,3 +239,18 @@ def test_kernel_mxfp4_trn3_matches_mx_reference(T, H, E, inter, k, lnc, skew, mo
 def test_kernel_mxfp4_refused_on_trn2():
     with pytest.raises(AssertionError, match="nc_matmul_mx.*trn3"):
         _run_mx(64, 512, 2, 64, 1)
+
+
+def test_mxfp4_bad_arguments_raise_before_work():
+    from nki_kernels.moe.cte_inputs import make_cte_mx_weights
+    x, idx, aff, _, _, b_gu, b_d = make_inputs(8, 512, 2, 64, 1)
+    _, _, mxw = make_cte_mx_weights(2, 512, 64)
+    args = (x, idx, aff, mxw["w_gate_up"], mxw["w_down"])
+    with pytest.raises(ValueError, match="without w_down_scale"):
+        moe_cte(*args, w_gate_up_scale=mxw["w_gate_up_scale"], backend="torch")
+    with pytest.raises(ValueError, match="w_down_scale must be"):
+        moe_cte(*args, w_gate_up_scale=mxw["w_gate_up_scale"], w_down_scale=mxw["w_down_scale"][:, :8],
+                backend="torch")
+    with pytest.raises(ValueError, match="multiple of 512"):
+        moe_cte(x[:, :384], idx, aff, *args[3:], w_gate_up_scale=mxw["w_gate_up_scale"],
+                w_down_scale=mxw["w_down_scale"], backend="torch")
