@@ -34,9 +34,9 @@ SHAPE = tkg_shard(GPT_OSS_20B, 8)
 SHAPE_120B = tkg_shard(GPT_OSS_120B, 16)
 TOKENS = (1, 4, 8, 32, 128)
 TARGET_RATIO = 1.3
-# (T, target) of the LNC=2 rows above the target (modelled, GPT-OSS-20B TP8): T = 1 trn2 1.31, trn3 1.41 (the
-# routing and output exchanges between the cores and three DMA start latencies against a halved bound)
-LNC2_NOT_MET = {(1, "trn2"), (1, "trn3")}
+# (T, target) of the LNC=2 rows above the target (modelled, GPT-OSS-20B TP8): T = 1 trn3 1.40 (the routing and
+# output exchanges between the cores and three DMA start latencies against a halved bound; trn2 T = 1 is 1.299)
+LNC2_NOT_MET = {(1, "trn3")}
 _OURS = {}
 
 

@@ -358,9 +358,6 @@ def _schedule_step(cfg, consts, dense, denseT):
         hx = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=hx[0:1, 0:1], src=last_f)
         nisa.tensor_copy(dst=hx[0:1, 1:2], src=odd)
-        he, hg = nisa.register_alloc(), nisa.register_alloc()
-        nisa.register_load(dst=he, src=hx[0:1, 0:1])
-        nisa.register_load(dst=hg, src=hx[0:1, 1:2])
         # its affinities dense[:, last]: a one-hot of `last` over E (broadcast by a ones matmul), gathered by an
         # fp32 matmul (exact)
         bl = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.psum)
@@ -371,7 +368,7 @@ def _schedule_step(cfg, consts, dense, denseT):
         nisa.nc_matmul(dst=pa[:T, :], stationary=denseT[:E, :T], moving=oh[:E, :], accumulate=False)
         affh = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=affh[:T, :], src=pa[:T, :])
-        half = (he, hg, affh)
+        half = (hx, affh)
     gate = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=gate, data=consts.col_idx[0:1, :S], op0=nl.less, operand0=n_run)
     bc = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.psum)
@@ -382,19 +379,19 @@ def _schedule_step(cfg, consts, dense, denseT):
     nisa.nc_matmul(dst=ps[:T, :S], stationary=denseT[:E, :T], moving=onehot[:E, :S], accumulate=False)
     affc = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=affc[:T, :S], src=ps[:T, :S])
-    experts, gates = [], []
-    for s in range(S):
-        if s % cfg.ncores != cfg.core:
-            experts.append(None)
-            gates.append(None)
-            continue
-        r = nisa.register_alloc()
-        nisa.register_load(dst=r, src=lst[0:1, s:s + 1])
-        g = nisa.register_alloc()
-        nisa.register_load(dst=g, src=gate[0:1, s:s + 1])
-        experts.append(r)
-        gates.append(g)
-    return affc, experts, gates, half
+    # slot s's registers are loaded just before its loop (_slot_registers), not all here: register loads run in
+    # order on one sequencer, so S of them up front would delay the first weight DMA by S SBUF reads
+    return affc, (lst, gate), half
+
+
+def _slot_registers(sched, s):
+    """(expert id, gate) registers of slot s from the schedule tiles."""
+    lst, gate = sched
+    r = nisa.register_alloc()
+    nisa.register_load(dst=r, src=lst[0:1, s:s + 1])
+    g = nisa.register_alloc()
+    nisa.register_load(dst=g, src=gate[0:1, s:s + 1])
+    return r, g
 
 
 class _Acc(nl.NKIObject):
@@ -912,19 +909,18 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
             _expert_step(cfg, consts, ring, e, dense[:T, e:e + 1], hT, acc, w_gate_up, w_down, b_gate_up,
                          last=e == mine[-1])
     else:
-        affc, experts, gates, half = _schedule_step(cfg, consts, dense, denseT)
+        affc, sched, half = _schedule_step(cfg, consts, dense, denseT)
         acc = _init_acc_step(cfg, consts, denseT, b_down, add_down_bias)
-        for s in range(len(experts)):
-            if experts[s] is None:
-                continue
+        for s in range(cfg.core, min(cfg.E, T * cfg.k), cfg.ncores):
+            r, g = _slot_registers(sched, s)
 
-            def body(_i, s=s):
-                _expert_step(cfg, consts, ring, experts[s], affc[:T, s:s + 1], hT, acc, w_gate_up, w_down,
-                             b_gate_up)
+            def body(_i, s=s, r=r):
+                _expert_step(cfg, consts, ring, r, affc[:T, s:s + 1], hT, acc, w_gate_up, w_down, b_gate_up)
 
-            nl.fori_loop(0, gates[s], body)
+            nl.fori_loop(0, g, body)
         if half is not None:
-            he, hg, affh = half
+            hx, affh = half
+            he, hg = _slot_registers((hx[0:1, 0:1], hx[0:1, 1:2]), 0)
             n0 = cfg.inter // 2
             pt = _Part(0, n0) if cfg.core == 0 else _Part(n0, cfg.inter - n0)
 

@@ -16,15 +16,16 @@ and "auto" picks selective iff t_selective < t_all. t_route is the kernel's mode
 router, top-k, schedule, first register-addressed DMA issue) and t_slot what a register-addressed slot costs beyond
 its bytes (control dependencies on the registers shorten the overlap of one expert's compute with the next one's
 loads): ROUTE_LATENCY_S and SLOT_OVERHEAD_S below, read off the kernel's modelled timelines on GPT-OSS-20B TP=8
-(selective vs all at T = 128, where both stream all 32 experts: (660.5 - 633.4) us / 32 on trn2; re-measure with
+(selective vs all at T = 128, where both stream all 32 experts: (656.0 - 625.2) us / 32 on trn2; the routing
+prologue is 3.3 us at T = 1 and 7.8 us at T = 8 to the first register-addressed weight DMA on trn2; re-measure with
 bench/test_moe_tkg.py when the kernel changes). Uniform routing is an assumption of the rule only; the kernel is
 correct for any routing.
 """
 
 from nkisim.hardware import hardware
 
-ROUTE_LATENCY_S = 8e-6     # modelled routing prologue at GPT-OSS rank shapes (trn2 ~7 us, trn3 ~6 us)
-SLOT_OVERHEAD_S = 0.85e-6  # modelled extra time per register-addressed expert slot (trn2)
+ROUTE_LATENCY_S = 8e-6     # modelled routing prologue at GPT-OSS rank shapes (trn2 3.3 us at T = 1, 7.8 us at T = 8)
+SLOT_OVERHEAD_S = 0.96e-6  # modelled extra time per register-addressed expert slot (trn2)
 
 
 def expected_touched(T, E, k):
