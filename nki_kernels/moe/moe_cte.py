@@ -274,10 +274,11 @@ class _Weights(nl.NKIObject):
             self.wgu = nl.ndarray((P_MAX, KT, 2 * inter), dtype=dt, buffer=nl.sbuf)
             self.wd = nl.ndarray((P_MAX, KD, H), dtype=dt, buffer=nl.sbuf)
             self.sgu = self.sd = self.bdrow = None
-        self.bgu = nl.ndarray((P_MAX, 2 * inter), dtype=dt, buffer=nl.sbuf) if cfg.bias_gu else None
+        self.bgu = nl.ndarray((P_MAX, 2 * inter), dtype=dt, buffer=nl.sbuf) if cfg.bias_gu and not cfg.mx else None
         self.brow = nl.ndarray((1, 2 * inter), dtype=dt, buffer=nl.sbuf) if cfg.bias_gu else None
         # the bias with I on the partitions (the narrow tile's layout): column j = gate chunk j, n_ic + j = up chunk j
-        self.bcol = nl.ndarray((P_MAX, 2 * cfg.n_ic), dtype=nl.float32, buffer=nl.sbuf) if cfg.bias_gu else None
+        self.bcol = (nl.ndarray((P_MAX, 2 * cfg.n_ic), dtype=nl.float32, buffer=nl.sbuf)
+                     if cfg.bias_gu and not cfg.mx else None)
 
 
 class _Tiles(nl.NKIObject):
@@ -465,6 +466,10 @@ def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down, scal
     else:
         _load_bf16_weights(cfg, slot, e, w_gate_up, w_down, b_down)
     if cfg.bias_gu:
+        # the bias row, read once: the MX path adds it in PSUM as a K=1 matmul (_gate_up_mx) and needs nothing else
+        nisa.dma_copy(dst=slot.brow, src=b_gate_up.ap([[row, 1], [1, row]], offset=0, scalar_offset=e,
+                                                      indirect_dim=0))
+    if cfg.bias_gu and not cfg.mx:
         # the bias with I on the partitions for the narrow tile: one small DMA per gate/up and chunk shape, cast
         full = inter // P_MAX
         rem = inter - full * P_MAX
@@ -476,10 +481,8 @@ def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down, scal
             if rem:
                 nisa.dma_copy(dst=slot.bcol[:rem, c + full:c + full + 1], src=b_gate_up.ap(
                     [[1, rem], [1, 1]], offset=gu * inter + full * P_MAX, scalar_offset=e, indirect_dim=0))
-        # the bias row, read once, goes to all 128 token partitions by a ones-matmul (a partition-stride-0 DMA
-        # would read it from HBM 128 times): added to each token's gate/up row
-        nisa.dma_copy(dst=slot.brow, src=b_gate_up.ap([[row, 1], [1, row]], offset=0, scalar_offset=e,
-                                                      indirect_dim=0))
+        # the bias row goes to all 128 token partitions by a ones-matmul (a partition-stride-0 DMA would read it
+        # from HBM 128 times): added to each token's gate/up row
         for c0 in range(0, row, PSUM_F):
             cw = min(PSUM_F, row - c0)
             ps = psum.d[(c0 // PSUM_F) % DOWN_BANKS]
@@ -496,7 +499,7 @@ def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, 
     if cfg.mx:
         _mx_operand(cfg, slot.xt, cfg.H, cfg.KC, slot.xTm, slot.xq, slot.xs, psum.t, 1)
         for c in range(cfg.n_ich):
-            _gate_up_mx(cfg, slot, c)
+            _gate_up_mx(cfg, slot, psum, c)
             _activation_step(cfg, slot, psum, c)
         _mx_operand(cfg, slot.a, cfg.KDm * MX_CHUNK, cfg.KDm, slot.aTm, slot.aq, slot.as_, [psum.at], 0)
         _down_mx(cfg, slot, psum)
@@ -555,9 +558,10 @@ def _mx_operand(cfg, src, width, chunks, dstT, q, scale, banks, engine):
         nisa.quantize_mx(dst=q[:, c, :], src=dstT[:, c, :, :], dst_scale=scale[:, c, :])
 
 
-def _gate_up_mx(cfg, slot, c):
+def _gate_up_mx(cfg, slot, psum, c):
     """Gate and up columns of chunk c with MXFP4 weights: nc_matmul_mx over the H/512 contraction chunks (x^T
-    MXFP8 stationary, the weights moving)."""
+    MXFP8 stationary, the weights moving); the bias row closes the group as a K=1 matmul (ones x bias row), so the
+    activation reads PSUM directly (VectorE, which quantises the operands, is this path's busiest engine)."""
     c0 = c * cfg.I_CH
     cw = min(cfg.I_CH, cfg.I - c0)
     for k in range(cfg.KC):
@@ -565,6 +569,9 @@ def _gate_up_mx(cfg, slot, c):
             nisa.nc_matmul_mx(dst=dst[:, :cw], stationary=slot.xq[:, k, :], moving=slot.wgu[:, k, off:off + cw],
                               stationary_scale=slot.xs[:, k, :], moving_scale=slot.sgu[:, k, off:off + cw],
                               accumulate=k > 0)
+    if cfg.bias_gu:
+        for dst, off in ((slot.pg, c0), (slot.pu, cfg.I + c0)):
+            nisa.nc_matmul(dst=dst[:, :cw], stationary=psum.ones, moving=slot.brow[:, off:off + cw], accumulate=True)
 
 
 def _down_mx(cfg, slot, psum):
@@ -652,7 +659,7 @@ def _activation_step(cfg, slot, psum, c):
     c0 = c * cfg.I_CH
     cw = min(cfg.I_CH, cfg.I - c0)
     g, u = slot.pg[:, :cw], slot.pu[:, :cw]
-    if cfg.bias_gu:
+    if cfg.bias_gu and not cfg.mx:    # (the MX path adds the bias in PSUM: _gate_up_mx)
         nisa.tensor_tensor(dst=slot.g[:, :cw], data1=g, data2=slot.bgu[:, c0:c0 + cw], op=nl.add)
         nisa.tensor_tensor(dst=slot.u[:, :cw], data1=u, data2=slot.bgu[:, cfg.I + c0:cfg.I + c0 + cw], op=nl.add)
         g, u = slot.g[:, :cw], slot.u[:, :cw]
