@@ -12,6 +12,40 @@ BF16 = 2
 
 
 @dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding of a text model: HF config.json's ``rope_theta`` and ``rope_scaling``.
+
+    kind "default": plain RoPE; "llama3": Llama-3.1's frequency-band rescaling (factor, low/high_freq_factor,
+    original_max_position); "yarn": YaRN (factor, beta_fast/beta_slow, original_max_position, truncate; cos and sin
+    carry the attention factor 0.1·ln(factor) + 1). The tables: `modules.models.rope`.
+    """
+
+    theta: float = 500000.0
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position: int = 0
+    low_freq_factor: float = 1.0       # llama3
+    high_freq_factor: float = 4.0      # llama3
+    beta_fast: float = 32.0            # yarn
+    beta_slow: float = 1.0             # yarn
+    truncate: bool = True              # yarn: floor/ceil the correction range (GPT-OSS: false)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("default", "llama3", "yarn"):
+            raise ValueError(f"RopeSpec: kind={self.kind!r} is not one of 'default', 'llama3', 'yarn'")
+        if self.kind != "default" and (self.factor < 1.0 or self.original_max_position <= 0):
+            raise ValueError(f"RopeSpec: {self.kind} scaling needs factor >= 1 (got {self.factor}) and "
+                             f"original_max_position > 0 (got {self.original_max_position})")
+
+
+# HF config.json rope settings of the measured models (model-configs.md)
+GPT_OSS_ROPE = RopeSpec(theta=150000.0, kind="yarn", factor=32.0, original_max_position=4096, beta_fast=32.0,
+                        beta_slow=1.0, truncate=False)
+LLAMA3_ROPE = RopeSpec(theta=500000.0, kind="llama3", factor=8.0, original_max_position=8192, low_freq_factor=1.0,
+                       high_freq_factor=4.0)
+
+
+@dataclass(frozen=True)
 class TextModelSpec:
     """A decoder-only text model (dense SwiGLU MLP or a top-k MoE)."""
 
@@ -28,6 +62,7 @@ class TextModelSpec:
     sliding_window: int = 0    # >0: every other layer is sliding-window attention (GPT-OSS)
     attention_bias: bool = False
     tied_embeddings: bool = False
+    rope: RopeSpec = RopeSpec()
 
     @property
     def is_moe(self) -> bool:
@@ -115,13 +150,15 @@ class VisionModelSpec:
 
 
 GPT_OSS_20B = TextModelSpec("GPT-OSS-20B", layers=24, hidden=2880, intermediate=2880, heads=64, kv_heads=8,
-                            head_dim=64, vocab=201088, experts=32, top_k=4, sliding_window=128, attention_bias=True)
+                            head_dim=64, vocab=201088, experts=32, top_k=4, sliding_window=128, attention_bias=True,
+                            rope=GPT_OSS_ROPE)
 GPT_OSS_120B = TextModelSpec("GPT-OSS-120B", layers=36, hidden=2880, intermediate=2880, heads=64, kv_heads=8,
-                             head_dim=64, vocab=201088, experts=128, top_k=4, sliding_window=128, attention_bias=True)
+                             head_dim=64, vocab=201088, experts=128, top_k=4, sliding_window=128, attention_bias=True,
+                             rope=GPT_OSS_ROPE)
 LLAMA_31_8B = TextModelSpec("Llama-3.1-8B", layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8,
-                            head_dim=128, vocab=128256)
+                            head_dim=128, vocab=128256, rope=LLAMA3_ROPE)
 LLAMA_33_70B = TextModelSpec("Llama-3.3-70B", layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8,
-                             head_dim=128, vocab=128256)
+                             head_dim=128, vocab=128256, rope=LLAMA3_ROPE)
 QWEN3_VL_VIT = VisionModelSpec("Qwen3-VL-ViT", layers=27, hidden=1152, heads=16, head_dim=72, intermediate=4304,
                                patch_dim=1536, spatial_merge=2, out_hidden=4096, deepstack_mergers=3,
                                num_position_embeddings=2304, in_channels=3, patch_size=16, temporal_patch_size=2,

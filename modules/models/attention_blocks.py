@@ -64,10 +64,9 @@ def _param(*shape, dtype):
 class PrefillAttention(nn.Module):
     """Head-sharded attention over a plain TP group, sequence parallel (the TP seed's prefill flow)."""
 
-    def __init__(self, spec: TextModelSpec, layer: int, tp_group, eps: float, rope_theta: float,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, spec: TextModelSpec, layer: int, tp_group, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
-        self.tp_group, self.window, self.rope_theta = tp_group, layer_window(spec, layer), rope_theta
+        self.tp_group, self.window, self.rope = tp_group, layer_window(spec, layer), spec.rope
         self.norm = RMSNorm(spec.hidden, eps, dtype=dtype)
         self.qkv_proj = QKVParallelLinear(spec.hidden, spec.heads, spec.kv_heads, spec.head_dim, tp_group,
                                           bias=spec.attention_bias, dtype=dtype)
@@ -90,7 +89,7 @@ class PrefillAttention(nn.Module):
         q = q.view(t, s.q_heads_per_rank, s.head_dim)
         k = k.view(t, s.kv_heads_per_rank, s.head_dim)
         v = v.view(t, s.kv_heads_per_rank, s.head_dim)
-        cos, sin = rope_tables(torch.arange(t), s.head_dim, self.rope_theta)
+        cos, sin = rope_tables(torch.arange(t), s.head_dim, self.rope)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache[slot, :, :length] = k[:length].transpose(0, 1).to(k_cache.dtype)
         v_cache[slot, :, :length] = v[:length].transpose(0, 1).to(v_cache.dtype)
@@ -106,12 +105,12 @@ class DecodeAttentionDP(nn.Module):
         backend: "torch", or a kernel backend ("auto" | "nki" | "nkisim"; attention DP swaps in the kernel).
     """
 
-    def __init__(self, spec: TextModelSpec, layer: int, groups, eps: float, rope_theta: float, dtype: torch.dtype,
+    def __init__(self, spec: TextModelSpec, layer: int, groups, eps: float, dtype: torch.dtype,
                  backend: str = "torch") -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"DecodeAttentionDP: backend={backend!r} must be one of {BACKENDS}")
-        self.groups, self.backend, self.eps, self.rope_theta = groups, backend, eps, rope_theta
+        self.groups, self.backend, self.eps, self.rope = groups, backend, eps, spec.rope
         self.window = layer_window(spec, layer)
         comp, col = groups.tp, groups.dp
         self.attn_dp = col.world_size
@@ -183,7 +182,7 @@ class DecodeAttentionDP(nn.Module):
         k = F.linear(own, self.k_weight, self.k_bias).view(b_local, self.kv_heads, d)
         v = F.linear(own, self.v_weight, self.v_bias).view(b_local, self.kv_heads, d)
         q = self._swap_heads_for_sequences(q, b_local)
-        cos, sin = rope_tables(positions, d, self.rope_theta)
+        cos, sin = rope_tables(positions, d, self.rope)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rows = torch.arange(b_local)
         k_cache[rows, :, positions] = k.to(k_cache.dtype)
@@ -210,7 +209,7 @@ class DecodeAttentionDP(nn.Module):
         from nki_kernels.attention import decode_attention
         w = self._kernel_weights()
         b, bl = x.shape[0], positions.shape[0]          # gathered batch, own sequences (equal without DP)
-        cos, sin = rope_tables(positions.view(bl, 1), self.head_dim, self.rope_theta)
+        cos, sin = rope_tables(positions.view(bl, 1), self.head_dim, self.rope)
         out = decode_attention(x.view(b, 1, -1), w["W_qkv"], k_cache, v_cache, positions.view(bl, 1), cos.to(x.dtype),
                                sin.to(x.dtype), w["W_o"], gamma=w["gamma"], bias_qkv=w.get("bias_qkv"),
                                sinks=None if self.sinks is None else self.sinks.detach(), bias_o=w.get("bias_o"),

@@ -131,9 +131,9 @@ class _Model(nn.Module):
 
 
 class PrefillLayer(nn.Module):
-    def __init__(self, spec, i, tp_group, mlp_factory: MLPFactory, eps, rope_theta, dtype):
+    def __init__(self, spec, i, tp_group, mlp_factory: MLPFactory, eps, dtype):
         super().__init__()
-        self.attn = PrefillAttention(spec, i, tp_group, eps, rope_theta, dtype)
+        self.attn = PrefillAttention(spec, i, tp_group, eps, dtype)
         self.mlp = mlp_factory(spec, i, tp_group, eps, dtype)
 
 
@@ -141,11 +141,11 @@ class PrefillModel(_Model):
     prefill = True
 
     def __init__(self, spec: TextModelSpec, state: ParallelState, mlp_factory: MLPFactory,
-                 mlp_mappings: MLPMappings, eps: float = 1e-5, rope_theta: float = 500000.0,
+                 mlp_mappings: MLPMappings, eps: float = 1e-5,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__(spec, state.tp, state.tp, mlp_mappings, eps, dtype)
         self.state, self.tp_group = state, state.tp
-        self.layers = nn.ModuleList(PrefillLayer(spec, i, state.tp, mlp_factory, eps, rope_theta, dtype)
+        self.layers = nn.ModuleList(PrefillLayer(spec, i, state.tp, mlp_factory, eps, dtype)
                                     for i in range(spec.layers))
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, slot: int, bucket: int | None = None,
@@ -176,10 +176,10 @@ class PrefillModel(_Model):
 
 
 class DecodeLayer(nn.Module):
-    def __init__(self, spec, i, state: ParallelState, mlp_factory: MLPFactory, eps, rope_theta, dtype, backend):
+    def __init__(self, spec, i, state: ParallelState, mlp_factory: MLPFactory, eps, dtype, backend):
         super().__init__()
         self.state = state
-        self.attn = DecodeAttentionDP(spec, i, state.attention, eps, rope_theta, dtype, backend)
+        self.attn = DecodeAttentionDP(spec, i, state.attention, eps, dtype, backend)
         self.mlp = mlp_factory(spec, i, state.mlp.tp, eps, dtype)
 
     def forward(self, h, k_cache, v_cache, positions, flow: str):
@@ -201,11 +201,11 @@ class DecodeModel(_Model):
     prefill = False
 
     def __init__(self, spec: TextModelSpec, state: ParallelState, mlp_factory: MLPFactory,
-                 mlp_mappings: MLPMappings, eps: float = 1e-5, rope_theta: float = 500000.0,
+                 mlp_mappings: MLPMappings, eps: float = 1e-5,
                  dtype: torch.dtype = torch.bfloat16, backend: str = "torch") -> None:
         super().__init__(spec, state.embedding.tp, state.lm_head.tp, mlp_mappings, eps, dtype)
         self.state = state
-        self.layers = nn.ModuleList(DecodeLayer(spec, i, state, mlp_factory, eps, rope_theta, dtype, backend)
+        self.layers = nn.ModuleList(DecodeLayer(spec, i, state, mlp_factory, eps, dtype, backend)
                                     for i in range(spec.layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,

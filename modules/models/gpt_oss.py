@@ -1,8 +1,7 @@
 """GPT-OSS: the decoder of `modules.models.decoder` (attention with q/k/v/o biases, learned sinks, sliding-window
 attention on even layers and full attention on odd ones) with `modules.moe`'s TP-without-EP MoE layer in the MLP
 slot, on the MLP (component) TP group. The post-attention RMSNorm is fused into the MoE (its ``gamma``).
-
-Not modelled: YaRN RoPE scaling (plain RoPE with the given theta; it only rescales frequencies).
+RoPE: YaRN as in the checkpoint's config (`spec.rope`, `modules.models.rope`).
 """
 
 from __future__ import annotations

@@ -24,15 +24,14 @@ class ModelRunner:
     """
 
     def __init__(self, spec: TextModelSpec, state: ParallelState, mlp_factory: MLPFactory, mlp_mappings: MLPMappings,
-                 s_max: int, dtype: torch.dtype = torch.bfloat16, backend: str = "torch", eps: float = 1e-5,
-                 rope_theta: float = 500000.0) -> None:
+                 s_max: int, dtype: torch.dtype = torch.bfloat16, backend: str = "torch", eps: float = 1e-5) -> None:
         cfg = state.config
         if not cfg.prefill_buckets or not cfg.decode_buckets:
             raise ValueError("ModelRunner: NeuronConfig needs prefill_buckets and decode_buckets")
         if max(cfg.prefill_buckets) > s_max:
             raise ValueError(f"ModelRunner: prefill bucket {max(cfg.prefill_buckets)} exceeds s_max={s_max}")
         self.spec, self.state, self.dtype = spec, state, dtype
-        kw = dict(eps=eps, rope_theta=rope_theta, dtype=dtype)
+        kw = dict(eps=eps, dtype=dtype)
         self.prefill_model = PrefillModel(spec, state, mlp_factory, mlp_mappings, **kw)
         self.decode_model = DecodeModel(spec, state, mlp_factory, mlp_mappings, backend=backend, **kw)
         self.cache = KVCache.allocate(spec, cfg.tp_size, max(cfg.decode_buckets), s_max, dtype)

@@ -7,15 +7,16 @@ import functools
 
 import torch
 
-from modules.model_specs import TextModelSpec
+from modules.model_specs import GPT_OSS_ROPE, LLAMA3_ROPE, TextModelSpec
 
-# Tiny Llama-shaped: GQA 16 Q / 2 KV heads (KV replicated from tp 4 on), vocab 100 (padded on 8 and 16 shards).
+# Tiny Llama-shaped: GQA 16 Q / 2 KV heads (KV replicated from tp 4 on), vocab 100 (padded on 8 and 16 shards);
+# both tiny models keep their family's RoPE scaling (llama3 / YaRN: at head_dim 8 it rescales the lower half).
 TINY_LLAMA = TextModelSpec("tiny-llama", layers=2, hidden=64, intermediate=128, heads=16, kv_heads=2, head_dim=8,
-                           vocab=100)
+                           vocab=100, rope=LLAMA3_ROPE)
 # Tiny GPT-OSS: q/k/v/o biases, sinks, a 4-token sliding window on even layers, and a 4-expert top-2 MoE
 # (modules.moe) in the MLP slot.
 TINY_GPT_OSS = TextModelSpec("tiny-gpt-oss", layers=2, hidden=64, intermediate=64, heads=16, kv_heads=2, head_dim=8,
-                             vocab=100, experts=4, top_k=2, sliding_window=4, attention_bias=True)
+                             vocab=100, experts=4, top_k=2, sliding_window=4, attention_bias=True, rope=GPT_OSS_ROPE)
 PROMPT_LENGTHS = (5, 11, 3, 17)  # 4 sequences; prefill buckets 16 / 32
 PREFILL_BUCKETS, DECODE_BUCKETS, S_MAX = (16, 32), (1, 2, 4), 48
 
