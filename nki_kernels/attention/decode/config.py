@@ -37,6 +37,13 @@ PACK_MIN = 4           # smallest batch pack the K/V ring sizing may shrink to (
 KV_SBUF_MAX = 128 * 1024   # bytes per partition for the K/V ring (less when the resident weights are large)
 KV_SBUF_MIN = 32 * 1024    # ... but never less than this (the weights then stream through a smaller ring)
 SBUF_RESERVE = 24 * 1024   # bytes per partition kept for everything else (q, masks, P tiles, accumulators)
+# X of at most this many tokens (a token tile) is DMA'd straight into the transposed layout [128, tokens, H/128]
+# (partition p: H rows p * KT .. p * KT + KT - 1 of each token, runs of KT elements) instead of [tokens, H] rows
+# on `tokens` partitions: a DMA engine serves 8 SBUF partitions, so the row layout put all of X on one or two
+# engines, ahead of that engine's share of W_qkv (modelled, nki-library q2 B8 H5376: engine 0 busy 44.4 us vs
+# 39.7 us for the others). Spread over 16 engines the short runs cost less than that queue; it also saves the x^T
+# TensorE transposes. More tokens keep the rows (enough engines; the 2-byte-per-KT runs would cost more).
+XT_DIRECT_TOKENS = 16
 W_QKV_DMAS = 4         # W_qkv is loaded in this many DMAs (>= 2 KiB contiguous per partition each)
 W_O_DMAS = 4           # ... and W_o in up to this many column pieces per 128-row chunk (>= 4 KiB runs)
 # Position-major steps (scores^T: cache positions on the partitions, query rows on the free axis) for packs of at

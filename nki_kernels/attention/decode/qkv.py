@@ -8,7 +8,7 @@ import nki.language as nl
 
 from ...common.tiles import evict, transpose_tokens
 from .common import _ones_row
-from .config import P_MAX, PSUM_F, QKV_BANKS, TRANSPOSE_GROUP, W_QKV_DMAS
+from .config import P_MAX, PSUM_F, QKV_BANKS, TRANSPOSE_GROUP, W_QKV_DMAS, XT_DIRECT_TOKENS
 
 
 class _Inputs(nl.NKIObject):
@@ -40,8 +40,12 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale
     xs = []
     for tl in tiles:
         t0, nt = tl.t0, tl.nt
-        x = nl.ndarray((P_MAX, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x[:nt], src=X2[t0:t0 + nt, :])
+        if nt <= XT_DIRECT_TOKENS:      # transposed on load: [128, tokens, KT] (see XT_DIRECT_TOKENS)
+            x = nl.ndarray((P_MAX, XT_DIRECT_TOKENS, cfg.KT), dtype=X.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x[:, :nt, :], src=X.ap([[cfg.KT, P_MAX], [cfg.H, nt], [1, cfg.KT]], offset=t0 * cfg.H))
+        else:
+            x = nl.ndarray((P_MAX, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x[:nt], src=X2[t0:t0 + nt, :])
         xs.append(x)
     ins.x = tuple(xs)
     if gamma is not None:
@@ -109,20 +113,30 @@ def _transpose_bias_o(cfg, ins):
 def _rmsnorm(cfg, consts, ins, tiles, eps):
     """xT[tile] = [128 (H), KT, tokens] bf16 with H index p * KT + kt: rmsnorm(x) transposed.
 
-    x^T comes from TensorE transposes of strided column sets of x; the sum of squares is a ones-matmul over the
-    partitions (broadcast to all 128), so every elementwise step runs on KT * tokens elements instead of H.
+    x^T is x as loaded (few tokens: already [128, tokens, KT], see XT_DIRECT_TOKENS) or comes from TensorE
+    transposes of strided column sets of x; the sum of squares is a ones-matmul over the partitions (broadcast to
+    all 128), so every elementwise step runs on KT * tokens elements instead of H.
     """
     KT = cfg.KT
     xTs = []
     for ti, tl in enumerate(tiles):
         nt = tl.nt
         x = ins.x[ti]
-        xT = transpose_tokens(x, nt, KT)
-        if ins.gamma is None:
-            xTs.append(xT)
-            continue
+        if nt <= XT_DIRECT_TOKENS:
+            xT = x[:, :nt, :].permute((0, 2, 1))        # [128, KT, nt] view of the transposed load
+            if ins.gamma is None:                       # the QKV stationaries want the tokens contiguous
+                xc = nl.ndarray((P_MAX, KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=xc[:, :, :nt], src=xT)
+                xTs.append(xc)
+                continue
+        else:
+            xT = transpose_tokens(x, nt, KT)
+            if ins.gamma is None:
+                xTs.append(xT)
+                continue
+            xT = xT[:, :, :nt]
         sq = nl.ndarray((P_MAX, KT, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=sq[:, :, :nt], op=nl.square, data=xT[:, :, :nt])
+        nisa.activation(dst=sq[:, :, :nt], op=nl.square, data=xT)
         ss = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.psum)
         first = True
         for kt in range(KT):
@@ -137,7 +151,7 @@ def _rmsnorm(cfg, consts, ins, tiles, eps):
         rstd = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=rstd[:, :nt], op=nl.rsqrt, data=ms[:, :nt])
         xr = nl.ndarray((P_MAX, KT, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=xr[:, :, :nt], data1=xT[:, :, :nt], data2=rstd[:, :nt].expand_dim(1).broadcast(1, KT),
+        nisa.tensor_tensor(dst=xr[:, :, :nt], data1=xT, data2=rstd[:, :nt].expand_dim(1).broadcast(1, KT),
                            op=nl.multiply)
         xn = nl.ndarray((P_MAX, KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=xn[:, :, :nt], data1=xr[:, :, :nt], data2=ins.gamma.expand_dim(2).broadcast(2, nt),
