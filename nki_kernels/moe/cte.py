@@ -64,35 +64,6 @@ def argument_error(x, expert_index, affinities, w_gate_up, w_down, b_gate_up=Non
     return None
 
 
-def _mx_weights_error(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale):
-    """MXFP4 weights (mx_weights.py's kernel layout): the problem as a message, or None."""
-    from .mx_weights import CHUNK
-    H = _shape(x)[1]
-    if w_down_scale is None:
-        return "moe_cte: w_gate_up_scale given without w_down_scale (MXFP4 needs both projections' scales)"
-    if H % CHUNK:
-        return f"moe_cte: H={H} must be a multiple of {CHUNK} with MXFP4 weights"
-    gu, d = _shape(w_gate_up), _shape(w_down)
-    if len(gu) != 4 or gu[1:3] != (128, H // CHUNK) or gu[3] % 2:
-        return f"moe_cte: w_gate_up (MXFP4 words) must be [E, 128, H/512={H // CHUNK}, 2I], got shape {gu}"
-    if len(d) != 4 or d[0] != gu[0] or d[1] != 128 or d[3] != H or d[2] * CHUNK < gu[3] // 2:
-        return f"moe_cte: w_down (MXFP4 words) must be [E={gu[0]}, 128, KDm >= I/512, H={H}], got shape {d}"
-    for name, w, sc in (("w_gate_up", gu, w_gate_up_scale), ("w_down", d, w_down_scale)):
-        want = (w[0], 16, w[2], w[3])
-        if _shape(sc) != want:
-            return f"moe_cte: {name}_scale must be [E, 16, chunks, N] = {want}, got shape {_shape(sc)}"
-    return None
-
-
-def _dequantized_mx(w_gate_up, w_down, w_gate_up_scale, w_down_scale):
-    """MXFP4 kernel-layout weights → the reference's fp32 w_gate_up [E, H, 2, I] and w_down [E, I, H]."""
-    from .mx_weights import unpack
-    E, _, _, two_i = _shape(w_gate_up)
-    inter = two_i // 2
-    gu = unpack(w_gate_up, w_gate_up_scale)
-    return gu.reshape(E, gu.shape[1], 2, inter), unpack(w_down, w_down_scale)[:, :inter]
-
-
 def moe_cte(x, expert_index, affinities, w_gate_up, w_down, *, b_gate_up=None, b_down=None,
             activation="clamped_swiglu", add_down_bias=True, block_size=None, backend="auto", lnc=1,
             w_gate_up_scale=None, w_down_scale=None):
@@ -115,10 +86,11 @@ def moe_cte(x, expert_index, affinities, w_gate_up, w_down, *, b_gate_up=None, b
         raise ValueError(f"moe_cte: add_down_bias={add_down_bias!r} must be a bool")
     mx = w_gate_up_scale is not None
     if mx:
-        err = _mx_weights_error(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+        from .mx_weights import dequantized_weights, packed_weights_error
+        err = packed_weights_error(_shape(x)[1], w_gate_up, w_down, w_gate_up_scale, w_down_scale, "moe_cte")
         if err is not None:
             raise ValueError(err)
-        ref_gu, ref_d = _dequantized_mx(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+        ref_gu, ref_d = dequantized_weights(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
         err = argument_error(x, expert_index, affinities, ref_gu, ref_d, b_gate_up, b_down, activation, block_size)
     else:
         err = argument_error(x, expert_index, affinities, w_gate_up, w_down, b_gate_up, b_down, activation,

@@ -13,6 +13,7 @@ import numpy as np
 from ..common.tiles import evict
 from .blockwise import blockwise_mapping
 from .moe_torch import GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT
+from .mx_ops import MX_CHUNK, MX_GROUPS, lane_columns, load_mx_scales
 
 # ---- tile sizes -----------------------------------------------------------------------------------------------
 P_MAX = nl.tile_size.pmax              # partitions = rows per token tile = matmul contraction / stationary tile
@@ -43,8 +44,6 @@ WEIGHT_RUN_MIN = 1024
 DMA_TRANSPOSE_MIN_ROWS = {"gen3": 3 * 128, "gen4": 0}
 SBUF_RESERVE = 8 * 1024    # bytes per partition left for the small tiles (ids, affinities, schedule, constants)
 DGE = nisa.dge_mode.swdge   # indirect (vector_offset) DMAs are software-DGE transfers
-MX_CHUNK = 512         # contraction elements per nc_matmul_mx (128 partitions x 4 lanes); MXFP4 layout: mx_weights.py
-MX_GROUPS = 16         # scale groups (8 partitions each) of a 128-partition MX tile: 4 per SBUF quadrant
 
 
 class _Config(nl.NKIObject):
@@ -420,9 +419,7 @@ def _load_mx_weights(cfg, slot, e, w_gate_up, w_down, b_down, scales):
     for w, sc, dw, ds in ((w_gate_up, scales[0], slot.wgu, slot.sgu), (w_down, scales[1], slot.wd, slot.sd)):
         row = w.shape[2] * w.shape[3]
         nisa.dma_copy(dst=dw, src=w.ap([[row, P_MAX], [1, row]], offset=0, scalar_offset=e, indirect_dim=0))
-        for q in range(MX_GROUPS // 4):
-            nisa.dma_copy(dst=ds[32 * q:32 * q + 4], src=sc.ap([[row, 4], [1, row]], offset=4 * q * row,
-                                                                scalar_offset=e, indirect_dim=0))
+        load_mx_scales(ds, row, lambda pat, off, sc=sc: sc.ap(pat, offset=off, scalar_offset=e, indirect_dim=0))
     if cfg.bias_d:
         nisa.dma_copy(dst=slot.bdrow, src=b_down.ap([[cfg.H, 1], [1, cfg.H]], offset=0, scalar_offset=e,
                                                     indirect_dim=0))
@@ -551,8 +548,7 @@ def _mx_operand(cfg, src, width, chunks, dstT, q, scale, banks, engine):
     for c in range(chunks):
         ps = banks[c % len(banks)]
         for ln in range(4):
-            nisa.nc_transpose(dst=ps[:, ln, :], data=src.ap([[width, P_MAX], [32, 16], [1, 8]],
-                                                             offset=c * MX_CHUNK + 8 * ln))
+            nisa.nc_transpose(dst=ps[:, ln, :], data=lane_columns(src, width, P_MAX, c * MX_CHUNK, ln))
         view = dstT.ap([[chunks * MX_CHUNK, P_MAX], [1, 4], [4, P_MAX]], offset=c * MX_CHUNK)
         evict(1, view, ps[:, :4, :])     # ScalarE: VectorE has quantize_mx and the activation
         nisa.quantize_mx(dst=q[:, c, :], src=dstT[:, c, :, :], dst_scale=scale[:, c, :])

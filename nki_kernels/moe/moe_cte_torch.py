@@ -11,7 +11,7 @@ rounds again (the kernel's DMA scatter-add computes in fp32 and stores bf16).
 import torch
 
 from .blockwise import blockwise_mapping
-from .moe_torch import expert_mlp_torch
+from .moe_torch import expert_mlp_mx_torch, expert_mlp_torch  # noqa: F401 (expert_mlp_mx_torch: re-exported)
 
 
 def moe_cte_torch(x, expert_index, affinities, w_gate_up, w_down, b_gate_up=None, b_down=None,
@@ -36,23 +36,3 @@ def moe_cte_torch(x, expert_index, affinities, w_gate_up, w_down, b_gate_up=None
         scaled = (aff[slots][:, None] * y).to(x.dtype).float()
         out[tokens] = (out[tokens] + scaled).to(x.dtype).float()
     return out.to(x.dtype)
-
-
-def expert_mlp_mx_torch(x, w_gate_up, w_down, expert, b_gate_up=None, b_down=None, activation="clamped_swiglu"):
-    """expert_mlp_torch with MXFP4 weights on trn3's MX path: w_gate_up [E, H, 2, I] / w_down [E, I, H] are the
-    dequantised MXFP4 values (mx_weights.dequantize); x and the activations (rounded to x's dtype first, as the
-    kernel stores them) are MXFP8-quantised in 32-element blocks along the contraction (mx_weights.mx_quantize_torch)
-    before each projection; products and sums in fp32."""
-    from .moe_torch import activation_torch
-    from .mx_weights import mx_quantize_torch
-    xq = mx_quantize_torch(x.float())
-    gate = xq @ w_gate_up[expert, :, 0, :].float()
-    up = xq @ w_gate_up[expert, :, 1, :].float()
-    if b_gate_up is not None:
-        gate = gate + b_gate_up[expert, 0].float()
-        up = up + b_gate_up[expert, 1].float()
-    act = mx_quantize_torch(activation_torch(gate, up, activation).to(x.dtype).float())
-    out = act @ w_down[expert].float()
-    if b_down is not None:
-        out = out + b_down[expert].float()
-    return out

@@ -10,6 +10,7 @@ import nki.language as nl
 
 from ..common.tiles import evict, transpose_tokens
 from ..entry import resolve_backend, shape_of, to_torch
+from . import tkg_mx
 from .moe_torch import ACTIVATIONS, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT, moe_torch
 from .router import (
     H_TILE,
@@ -24,6 +25,8 @@ from .router import (
     topk_step,
 )
 from .tkg_cost import choose_expert_mode
+from .tkg_mx import expert_src as _expert_src
+from .tkg_mx import h_cols as _h_cols
 
 # ---- sizes ------------------------------------------------------------------------------------------------------
 MAX_TOKENS = 128       # T = B * S_tkg: tokens live on the partitions of one tile
@@ -75,14 +78,30 @@ def tkg_argument_error(x_shape, w_router_shape, w_gate_up_shape, w_down_shape, *
 
 def moe_tkg(x, w_router, w_gate_up, w_down, *, top_k, b_router=None, b_gate_up=None, b_down=None, gamma=None,
             eps=1e-5, hidden_actual=None, router_mode="gpt_oss", renormalize=False, activation="clamped_swiglu",
-            add_down_bias=True, expert_mode="auto", backend="auto", lnc=1):
+            add_down_bias=True, expert_mode="auto", backend="auto", lnc=1, w_gate_up_scale=None, w_down_scale=None):
     """Decode MoE block for one TP rank: (RMSNorm) → router → Σ_k affinity · expert(x) → partial out [T, H].
 
     x [T, H] (or [B, S, H], flattened to T = B·S ≤ 128), bf16. Weights in moe_torch's layout (w_gate_up [E, H, 2, I],
     w_down [E, I, H], b_gate_up [E, 2, I], b_down [E, H]); under TP the output is this rank's partial sum and
     add_down_bias must be True on exactly one rank. Returns (out [T, H] in x's dtype, expert_index [T, k],
     affinities [T, k] fp32). expert_mode "auto" | "selective" | "all" only schedules the kernel (same result).
+    w_gate_up_scale / w_down_scale: given, the experts are MXFP4 in mx_weights.py's kernel layout (w_gate_up
+    [E, 128, H/512, 2I] float4_e2m1fn_x4 words, w_down [E, 128, KDm, H], scales [E, 16, chunks, N] uint8, as
+    moe_cte takes them): trn3 only (nc_matmul_mx), T <= 64, lnc 1; "torch" dequantises and runs the MX reference
+    (tokens and activations quantised to MXFP8, moe_torch(mx=True)).
     """
+    mx = w_gate_up_scale is not None
+    if mx:
+        from .mx_weights import dequantized_weights, packed_weights_error
+        err = packed_weights_error(shape_of(x)[-1], w_gate_up, w_down, w_gate_up_scale, w_down_scale, "moe_tkg")
+        T = 1
+        for d in shape_of(x)[:-1]:
+            T *= d
+        err = err or tkg_mx_error(T, lnc)
+        if err:
+            raise ValueError(err)
+        mx_words = (w_gate_up, w_down)
+        w_gate_up, w_down = dequantized_weights(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
     err = tkg_argument_error(shape_of(x), shape_of(w_router), shape_of(w_gate_up), shape_of(w_down), top_k=top_k,
                              b_router_shape=shape_of(b_router), b_gate_up_shape=shape_of(b_gate_up),
                              b_down_shape=shape_of(b_down), gamma_shape=shape_of(gamma), hidden_actual=hidden_actual,
@@ -102,15 +121,19 @@ def moe_tkg(x, w_router, w_gate_up, w_down, *, top_k, b_router=None, b_gate_up=N
             b_router=None if b_router is None else t["b_router"].reshape(-1), b_gate_up=t["b_gate_up"],
             b_down=t["b_down"], gamma=None if gamma is None else t["gamma"].reshape(-1), eps=eps,
             hidden_actual=hidden_actual, router_mode=router_mode, renormalize=renormalize, activation=activation,
-            add_down_bias=add_down_bias)
+            add_down_bias=add_down_bias, mx=mx)
         return out.to(x.dtype), index, aff
     T, H = x2.shape
     E, inter = t["w_gate_up"].shape[0], t["w_gate_up"].shape[3]
     if expert_mode == "auto":
-        expert_mode = choose_expert_mode(T, E, top_k, H, inter)
+        expert_mode = choose_expert_mode(T, E, top_k, H, inter, mx=mx)
     kernel = moe_tkg_nki if lnc == 1 else moe_tkg_nki[lnc]
     vec = {k: (None if t[k] is None else t[k].reshape(1, -1)) for k in ("b_router", "gamma")}
-    return kernel(x2, t["w_router"], t["w_gate_up"], t["w_down"], b_router=vec["b_router"], b_gate_up=t["b_gate_up"],
+    wgu, wd, scales = (t["w_gate_up"], t["w_down"], {})
+    if mx:
+        wgu, wd = mx_words
+        scales = dict(w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
+    return kernel(x2, t["w_router"], wgu, wd, **scales, b_router=vec["b_router"], b_gate_up=t["b_gate_up"],
                   b_down=t["b_down"], gamma=vec["gamma"], top_k=top_k, eps=float(eps),
                   hidden_actual=int(hidden_actual or 0), router_mode=router_mode, renormalize=bool(renormalize),
                   activation=activation, add_down_bias=bool(add_down_bias),
@@ -138,10 +161,13 @@ class _Part(nl.NKIObject):
 class _Cfg(nl.NKIObject):
     """Trace-time sizes of one launch (every loop bound below is one of these Python ints)."""
 
-    def __init__(self, x, w_gate_up, w_router, top_k, hidden_actual, activation, expert_mode):
+    def __init__(self, x, w_gate_up, w_router, top_k, hidden_actual, activation, expert_mode, w_down=None,
+                 mx=False):
         self.T, self.H = x.shape
         self.E = w_router.shape[1]
-        self.inter = w_gate_up.shape[3]
+        self.mx = mx
+        # MXFP4 (trn3): w_gate_up is [E, 128, H/512, 2I] words (mx_weights.py's layout), the rest in x's dtype
+        self.inter = w_gate_up.shape[3] // 2 if mx else w_gate_up.shape[3]
         self.k = top_k
         self.KT = self.H // H_TILE
         self.MT = (self.inter + I_TILE - 1) // I_TILE
@@ -153,7 +179,7 @@ class _Cfg(nl.NKIObject):
         self.h_actual = hidden_actual or self.H
         self.activation = activation
         self.mode = expert_mode
-        self.dtype = w_gate_up.dtype
+        self.dtype = x.dtype if mx else w_gate_up.dtype
         self.chunks = tuple((c0, min(PSUM_F, self.H - c0)) for c0 in range(0, self.H, PSUM_F))
         self.core = nl.program_id(0)
         self.ncores = nl.num_programs()
@@ -170,9 +196,13 @@ class _Cfg(nl.NKIObject):
         # large T: gate/up with the tokens stationary (M = T) and the weights moving (N = 2I, one bank: gate at
         # [0, I), up at [I, 2I)) when that is fewer TensorE cycles than 2 * MT groups of max(T, 64) columns, then
         # act [T, I] transposed on TensorE (one bank) into act^T for the down projection
+        if mx:
+            self.mxs = tkg_mx.MxShape(self.H, self.inter, w_down.shape[2], self.T)
+            self.n_acc = self.mxs.n_acc
+            gu_banks = -(-(self.n_acc + 1) * self.GS * 4 // nl.tile_size.psum_bank_fmax_bytes)
         cyc_t = 2 * self.MT * max(self.T, 64) * (self.KT + 1)
         cyc_f = 2 * self.inter * (self.KT + 1) + self.MT * max(self.T, 64)
-        self.flip = (not self.outT) and 2 * self.inter <= PSUM_F and cyc_f < cyc_t and \
+        self.flip = (not self.outT) and not mx and 2 * self.inter <= PSUM_F and cyc_f < cyc_t and \
             len(self.chunks) + 2 <= banks
         if self.flip:
             gu_banks = 2
@@ -181,13 +211,39 @@ class _Cfg(nl.NKIObject):
         self.n_gu = 2 if out_banks + 2 * gu_banks <= banks else 1
         self.psum_ok = out_banks + gu_banks <= banks
         slot = (self.KT * 2 * self.inter + self.MT * self.H + 2 * self.inter) * self.dtype.itemsize
+        if mx:
+            # the MX path's per-expert down output has its own PSUM set(s) beside the accumulator's banks
+            self.down_sets = 2 if 2 * self.t_banks + 2 * gu_banks <= banks else 1
+            self.n_gu = 2 if self.down_sets * self.t_banks + 2 * gu_banks <= banks else 1
+            self.psum_ok = self.t_banks + gu_banks <= banks
+            slot = self.mxs.slot_bytes
         fit = (nl.tile_size.sbuf_fmax_bytes - SBUF_RESERVE - self.H * 4) // slot
         self.nbuf = min(W_BUFS, fit)
         self.slot_bytes = slot
 
 
+def tkg_mx_error(T, lnc, mx_isa=True):
+    """Limits of MXFP4 weights in the TKG kernel (None when in the envelope). mx_isa: the target has nc_matmul_mx."""
+    if not mx_isa:
+        return ("moe_tkg: w_gate_up_scale: MXFP4 weights need nisa.nc_matmul_mx, which only NeuronCore-v4 (trn3) "
+                "has; on trn2 pass bf16 weights (the checkpoint loader dequantises MXFP4 at load time)")
+    if T > OUTT_MAX_TOKENS:
+        return (f"moe_tkg: tokens T={T} must be <= {OUTT_MAX_TOKENS} with MXFP4 weights (the MX path keeps the "
+                "output transposed; larger T is not implemented)")
+    if lnc != 1:
+        return f"moe_tkg: lnc={lnc} with MXFP4 weights is not implemented (lnc must be 1)"
+    return None
+
+
 def tkg_kernel_error(cfg):
     """Limits of the kernel beyond the entry's argument checks (None when in the envelope)."""
+    if cfg.mx:
+        err = tkg_mx_error(cfg.T, cfg.ncores, nisa.get_nc_version() >= nisa.nc_version.gen4)
+        if err:
+            return err
+        if not cfg.psum_ok:
+            return (f"moe_tkg: MXFP4 gate/up accumulators of I={cfg.inter} at T={cfg.T} do not fit PSUM beside the "
+                    "output; shard I further across ranks")
     if cfg.MT > MAX_I_TILES or not cfg.psum_ok:
         return (f"moe_tkg: expert intermediate size I={cfg.inter} exceeds {MAX_I_TILES * I_TILE} (its gate/up "
                 "accumulators must fit 3 PSUM banks); shard I further across ranks")
@@ -238,7 +294,8 @@ def _rmsnorm_step(cfg, consts, xT, gamma):
     """hT = rmsnorm(x)^T [128, KT, T] bf16 in the transposed layout (H index p * KT + kt) from the view xT
     [128, KT, T]: the sum of squares over the first h_actual columns is a ones-matmul over the partitions (fp32,
     broadcast to all 128), so every elementwise step runs on KT * T elements; rstd = rsqrt(ss / n + eps) in one
-    ScalarE pass from PSUM; at T = 1 the squares are summed by the same instruction and x * rstd * gamma is one."""
+    ScalarE pass from PSUM; at T = 1 the squares are summed by the same instruction and x * rstd * gamma is one.
+    Returns (hT, rstd [128, T] fp32: each token's factor, the same on every partition)."""
     T, KT = cfg.T, cfg.KT
     g_sb = nl.ndarray((P_MAX, KT), dtype=gamma.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=g_sb, src=gamma.reshape((P_MAX, KT)))
@@ -272,13 +329,13 @@ def _rmsnorm_step(cfg, consts, xT, gamma):
     if T == 1:
         nisa.scalar_tensor_tensor(dst=hT[:, :, 0], data=xT[:, :, 0], op0=nl.multiply, operand0=rstd[:, 0:1],
                                   op1=nl.multiply, operand1=g_sb)
-        return hT
+        return hT, rstd
     xr = nl.ndarray((P_MAX, KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=xr[:, :, :T], data1=xT, data2=rstd[:, :T].expand_dim(1).broadcast(1, KT),
                        op=nl.multiply)
     nisa.tensor_tensor(dst=hT[:, :, :T], data1=xr[:, :, :T], data2=g_sb.expand_dim(2).broadcast(2, T),
                        op=nl.multiply)
-    return hT
+    return hT, rstd
 
 
 def _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize):
@@ -421,11 +478,6 @@ class _Acc(nl.NKIObject):
         return self.banks[kt // cfg.kt_bank][:, kt % cfg.kt_bank, :cfg.T]
 
 
-def _h_cols(t, kt, KT):
-    """The 128 columns h = p * KT + kt (p = 0..127) of an SBUF tile t [rows, H]: out^T tile kt's H rows."""
-    return t[:, kt:kt + (P_MAX - 1) * KT + 1:KT]
-
-
 def _init_acc_step(cfg, consts, denseT, b_down, add_bias):
     """acc = Σ_e dense[t, e] · b_down[e] (the down biases, scaled by the affinities as the expert outputs they
     belong to) on the core that adds them, else 0. bf16 matmuls over E on the partitions with the affinities split
@@ -499,14 +551,6 @@ class _Ring(nl.NKIObject):
         if m > 0 and pt.rows[m] <= HALF_P and self.n % 2 == 1:
             return HALF_P
         return 0
-
-
-def _expert_src(w, e, pattern, offset, stride):
-    """Access pattern of expert e's rows of w: e is a Python int (all-expert mode) or a register (selective: the
-    expert id read from the routing scales dim 0's stride)."""
-    if isinstance(e, int):
-        return w.ap(pattern, offset=offset + e * stride)
-    return w.ap(pattern, offset=offset, scalar_offset=e, indirect_dim=0)
 
 
 def _load_expert_step(cfg, pt, ring, b, e, w_gate_up, w_down, b_gate_up, last=False):
@@ -708,7 +752,6 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
     over all 16 DMA engines, instead of all E rows up front on the low engines ahead of the first weights) and
     bsum += aff_s * row in fp32 (aff_s broadcast to the partitions by a ones matmul: exact); bsum is added to this
     core's partial at the eviction."""
-    KT = cfg.KT
     slots = [s for s in range(cfg.k) if s % cfg.ncores == cfg.core]
     regs = []
     for s in slots:
@@ -719,25 +762,32 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
     for j, s in enumerate(slots):
         _expert_step(cfg, consts, ring, regs[j], aff[0:1, s:s + 1], hT, acc, w_gate_up, w_down, b_gate_up,
                      last=j == len(slots) - 1)
-    bsum = None
-    if b_down is not None:
-        # after every weight DMA in program order: the DMA engines serve these last, off the weight stream, and
-        # the bias arithmetic hides under the last expert's down projection
-        affb_ps = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=affb_ps[:, :cfg.k], stationary=consts.ones_f32[0:1, :], moving=aff[0:1, :cfg.k],
-                       accumulate=False)
-        affb = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=affb[:, :cfg.k], src=affb_ps[:, :cfg.k])
-        rows = nl.ndarray((P_MAX, len(slots), KT), dtype=b_down.dtype, buffer=nl.sbuf)
-        bsum = nl.ndarray((P_MAX, KT), dtype=nl.float32, buffer=nl.sbuf)
-        for j, s in enumerate(slots):
-            nisa.dma_copy(dst=rows[:, j, :], src=_expert_src(b_down, regs[j], [[KT, P_MAX], [1, KT]], 0, cfg.H))
-            if j == 0:
-                nisa.tensor_scalar(dst=bsum, data=rows[:, j, :], op0=nl.multiply, operand0=affb[:, s:s + 1])
-            else:
-                nisa.scalar_tensor_tensor(dst=bsum, data=rows[:, j, :], op0=nl.multiply, operand0=affb[:, s:s + 1],
-                                          op1=nl.add, operand1=bsum)
-    _store_out_step(cfg, acc, out, bsum)
+    _store_out_step(cfg, acc, out, _slot_bias_step(cfg, consts, slots, regs, aff, b_down))
+
+
+def _slot_bias_step(cfg, consts, slots, regs, aff, b_down):
+    """T = 1: this core's down biases Σ_s aff_s * b_down[idx_s] as bsum [128, KT] fp32 in the out^T layout (None
+    without b_down); slot s's row loaded through its expert register."""
+    KT = cfg.KT
+    if b_down is None:
+        return None
+    # after every weight DMA in program order: the DMA engines serve these last, off the weight stream, and
+    # the bias arithmetic hides under the last expert's down projection
+    affb_ps = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=affb_ps[:, :cfg.k], stationary=consts.ones_f32[0:1, :], moving=aff[0:1, :cfg.k],
+                   accumulate=False)
+    affb = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=affb[:, :cfg.k], src=affb_ps[:, :cfg.k])
+    rows = nl.ndarray((P_MAX, len(slots), KT), dtype=b_down.dtype, buffer=nl.sbuf)
+    bsum = nl.ndarray((P_MAX, KT), dtype=nl.float32, buffer=nl.sbuf)
+    for j, s in enumerate(slots):
+        nisa.dma_copy(dst=rows[:, j, :], src=_expert_src(b_down, regs[j], [[KT, P_MAX], [1, KT]], 0, cfg.H))
+        if j == 0:
+            nisa.tensor_scalar(dst=bsum, data=rows[:, j, :], op0=nl.multiply, operand0=affb[:, s:s + 1])
+        else:
+            nisa.scalar_tensor_tensor(dst=bsum, data=rows[:, j, :], op0=nl.multiply, operand0=affb[:, s:s + 1],
+                                      op1=nl.add, operand1=bsum)
+    return bsum
 
 
 def _store_outT_step(cfg, acc, out, bsum=None):
@@ -822,7 +872,8 @@ def _store_out_step(cfg, acc, out, bsum=None):
 
 def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None, b_down=None, gamma=None,
                    top_k=1, eps=1e-5, hidden_actual=0, router_mode="gpt_oss", renormalize=False,
-                   activation="clamped_swiglu", add_down_bias=True, expert_mode="selective"):
+                   activation="clamped_swiglu", add_down_bias=True, expert_mode="selective", w_gate_up_scale=None,
+                   w_down_scale=None):
     """Decode MoE block for one TP rank: RMSNorm (optional) + router + top-k experts, partial output for the
     all-reduce.
 
@@ -840,6 +891,10 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
         eps, hidden_actual (0 = H): RMSNorm epsilon and the number of real hidden columns.
         activation ("clamped_swiglu" | "swiglu"), add_down_bias (bool: this rank adds the down biases).
         expert_mode ("selective" | "all"): serve the touched experts only (data-dependent loop) or stream all E.
+        w_gate_up_scale, w_down_scale: given, the experts are MXFP4 (trn3, T <= 64, LNC 1) in mx_weights.py's layout:
+            w_gate_up [E, 128, H/512, 2I] float4_e2m1fn_x4 with scales [E, 16, H/512, 2I] uint8, w_down
+            [E, 128, KDm, H] with scales [E, 16, KDm, H] (I zero-padded to KDm * 512); the tokens and activations are
+            quantised to MXFP8 on chip, every projection is an nc_matmul_mx (tkg_mx.py).
 
     Returns:
         out ([T, H] @ shared_hbm, x's dtype): Σ_k affinity · expert(x) (this rank's partial sum),
@@ -870,9 +925,17 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
             acc += act @ W_down[e]
         out = acc
     """
-    cfg = _Cfg(x, w_gate_up, w_router, top_k, hidden_actual, activation, expert_mode)
+    mx = w_gate_up_scale is not None
+    cfg = _Cfg(x, w_gate_up, w_router, top_k, hidden_actual, activation, expert_mode, w_down, mx)
     cfg.eps = float(eps)
-    err = tkg_argument_error(tuple(x.shape), tuple(w_router.shape), tuple(w_gate_up.shape), tuple(w_down.shape),
+    gu_shape, d_shape = tuple(w_gate_up.shape), tuple(w_down.shape)
+    if mx:
+        from .mx_weights import packed_weights_error
+        err = packed_weights_error(cfg.H, w_gate_up, w_down, w_gate_up_scale, w_down_scale, "moe_tkg")
+        if err:
+            raise ValueError(err)
+        gu_shape, d_shape = (cfg.E, cfg.H, 2, cfg.inter), (cfg.E, cfg.inter, cfg.H)     # the logical shapes
+    err = tkg_argument_error(tuple(x.shape), tuple(w_router.shape), gu_shape, d_shape,
                              top_k=top_k, b_router_shape=None if b_router is None else tuple(b_router.shape),
                              b_gate_up_shape=None if b_gate_up is None else tuple(b_gate_up.shape),
                              b_down_shape=None if b_down is None else tuple(b_down.shape),
@@ -888,13 +951,19 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
 
     consts = _Consts(cfg.E, T, cfg.eps)
     xT = _load_x_step(cfg, x)
-    ring = _Ring(cfg)
+    ring = tkg_mx.MxRing(cfg) if mx else _Ring(cfg)
+    rstd = None
     if gamma is not None:
-        hT = _rmsnorm_step(cfg, consts, xT, gamma)
+        hT, rstd = _rmsnorm_step(cfg, consts, xT, gamma)
     else:
         hT = nl.ndarray((P_MAX, cfg.KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=hT[:, :, :T], src=xT)
     idx, aff = _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize)
+    if mx:
+        _mx_experts(cfg, consts, ring, idx, aff, x, gamma, rstd, (w_gate_up, w_down, w_gate_up_scale, w_down_scale),
+                    b_gate_up, b_down if add_down_bias else None, out)
+        store_routing_step(idx, aff, T, top_k, index_out, aff_out)
+        return out, index_out, aff_out
     if cfg.mode == "selective" and T == 1 and cfg.outT:
         _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate_up,
                            b_down if add_down_bias else None, out)
@@ -932,6 +1001,63 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
     if cfg.core == 0:
         store_routing_step(idx, aff, T, top_k, index_out, aff_out)
     return out, index_out, aff_out
+
+
+def _mx_experts(cfg, consts, ring, idx, aff, x, gamma, rstd, weights, b_gate_up, b_down, out):
+    """The expert phase with MXFP4 weights (tkg_mx.py's steps; LNC 1): the tokens quantised once, then the experts
+    as in the bf16 path (T = 1: slots straight from the top-k; selective: the compacted list; all: every expert),
+    accumulating affinity * expert output into acc [128, KT, T] fp32 (SBUF, out^T layout). The down biases: at T = 1
+    per slot (_slot_bias_step), else Σ_e dense · b_down matmuls (_init_acc_step) copied into acc."""
+    T = cfg.T
+    w_gate_up, w_down, s_gu, s_d = weights
+    xq, xs = tkg_mx.x_operand_step(cfg, x, gamma, rstd)
+    acc = nl.ndarray((P_MAX, cfg.KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+    one = cfg.mode == "selective" and T == 1
+    dense = denseT = None
+    if not one:
+        dense, denseT = _dense_step(cfg, consts, idx, aff)
+    has_bias = b_down is not None and not one
+    first = _init_acc_step(cfg, consts, denseT, b_down if has_bias else None, has_bias)
+    if has_bias:
+        for i in range(cfg.t_banks):
+            k0 = i * cfg.kt_bank
+            n = min(cfg.kt_bank, cfg.KT - k0)
+            nisa.tensor_copy(dst=acc[:, k0:k0 + n, :T], src=first.banks[i][:, :n, :T])
+    else:
+        nisa.memset(dst=acc[:, :, :T], value=0.0)
+    sets = (first.banks,)
+    if cfg.down_sets > 1:
+        sets += (tuple(nl.ndarray((P_MAX, cfg.kt_bank, cfg.GS), dtype=nl.float32, buffer=nl.psum)
+                       for _ in range(cfg.t_banks)),)
+    wts = (w_gate_up, w_down, (s_gu, s_d), b_gate_up)
+
+    def expert(e, aff_col):
+        tkg_mx.expert_step(cfg, consts, ring, e, aff_col, xq, xs, sets, acc, wts[0], wts[1], wts[2], wts[3])
+
+    bsum = None
+    if one:
+        slots = list(range(cfg.k))
+        regs = []
+        for s in slots:
+            r = nisa.register_alloc()
+            nisa.register_load(dst=r, src=idx[0:1, s:s + 1])
+            regs.append(r)
+        for j, s in enumerate(slots):
+            expert(regs[j], aff[0:1, s:s + 1])
+        bsum = _slot_bias_step(cfg, consts, slots, regs, aff, b_down)
+    elif cfg.mode == "all":
+        for e in range(cfg.E):
+            expert(e, dense[:T, e:e + 1])
+    else:
+        affc, sched, _ = _schedule_step(cfg, consts, dense, denseT)
+        for s in range(min(cfg.E, T * cfg.k)):
+            r, g = _slot_registers(sched, s)
+
+            def body(_i, s=s, r=r):
+                expert(r, affc[:T, s:s + 1])
+
+            nl.fori_loop(0, g, body)
+    tkg_mx.store_step(cfg, acc, out, bsum)
 
 
 moe_tkg_nki = nki.jit(moe_tkg_kernel)

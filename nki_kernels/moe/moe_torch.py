@@ -101,19 +101,40 @@ def expert_mlp_torch(x, w_gate_up, w_down, expert, b_gate_up=None, b_down=None, 
     return out
 
 
+def expert_mlp_mx_torch(x, w_gate_up, w_down, expert, b_gate_up=None, b_down=None, activation="clamped_swiglu"):
+    """expert_mlp_torch with MXFP4 weights on trn3's MX path: w_gate_up [E, H, 2, I] / w_down [E, I, H] are the
+    dequantised MXFP4 values (mx_weights.dequantize); x and the activations (rounded to x's dtype first, as the
+    kernel stores them) are MXFP8-quantised in 32-element blocks along the contraction (mx_weights.mx_quantize_torch)
+    before each projection; products and sums in fp32."""
+    from .mx_weights import mx_quantize_torch
+    xq = mx_quantize_torch(x.float())
+    gate = xq @ w_gate_up[expert, :, 0, :].float()
+    up = xq @ w_gate_up[expert, :, 1, :].float()
+    if b_gate_up is not None:
+        gate = gate + b_gate_up[expert, 0].float()
+        up = up + b_gate_up[expert, 1].float()
+    act = mx_quantize_torch(activation_torch(gate, up, activation).to(x.dtype).float())
+    out = act @ w_down[expert].float()
+    if b_down is not None:
+        out = out + b_down[expert].float()
+    return out
+
+
 def moe_experts_torch(x, expert_index, affinities, w_gate_up, w_down, b_gate_up=None, b_down=None,
-                      activation="clamped_swiglu", add_down_bias=True):
+                      activation="clamped_swiglu", add_down_bias=True, mx=False):
     """Σ_k affinity[t, k] · expert_{index[t, k]}(x[t]) → [T, H] fp32, the affinity applied after down-projection.
 
     x [T, H]; expert_index [T, k] (local expert ids); affinities [T, k]. With add_down_bias False the down bias is
-    left out (the TP ranks that must not add it).
+    left out (the TP ranks that must not add it). mx: the weights are dequantised MXFP4 and each expert is
+    expert_mlp_mx_torch (trn3's MX path: tokens and activations quantised to MXFP8).
     """
+    mlp = expert_mlp_mx_torch if mx else expert_mlp_torch
     T, H = x.shape
     out = torch.zeros(T, H, dtype=torch.float32)
     index = expert_index.long()
     for e in torch.unique(index).tolist():
         rows, slot = torch.nonzero(index == e, as_tuple=True)
-        y = expert_mlp_torch(x[rows], w_gate_up, w_down, e, b_gate_up, b_down if add_down_bias else None, activation)
+        y = mlp(x[rows], w_gate_up, w_down, e, b_gate_up, b_down if add_down_bias else None, activation)
         out.index_add_(0, rows, affinities[rows, slot].float()[:, None] * y)
     return out
 
@@ -128,14 +149,15 @@ def rmsnorm_torch(x, gamma, eps=1e-5, hidden_actual=None):
 
 def moe_torch(x, w_router, w_gate_up, w_down, *, top_k, b_router=None, b_gate_up=None, b_down=None, gamma=None,
               eps=1e-5, hidden_actual=None, router_mode="gpt_oss", renormalize=False, activation="clamped_swiglu",
-              add_down_bias=True):
+              add_down_bias=True, mx=False):
     """The whole MoE block: optional RMSNorm → router → experts. Returns (out [T, H] fp32, expert_index, affinities).
+    mx: MXFP4 experts (moe_experts_torch's mx).
 
     The normalised activations are rounded to x's dtype before the router and the experts, as a kernel stores them.
     """
     h = x if gamma is None else rmsnorm_torch(x, gamma, eps, hidden_actual).to(x.dtype)
     _, index, aff = router_torch(h, w_router, b_router, top_k=top_k, mode=router_mode, renormalize=renormalize)
-    out = moe_experts_torch(h, index, aff, w_gate_up, w_down, b_gate_up, b_down, activation, add_down_bias)
+    out = moe_experts_torch(h, index, aff, w_gate_up, w_down, b_gate_up, b_down, activation, add_down_bias, mx)
     return out, index, aff
 
 

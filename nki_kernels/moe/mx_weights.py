@@ -90,3 +90,41 @@ def unpack(words, scales):
     codes = np.stack([(w >> np.uint16(4 * q)) & 0xF for q in range(4)], axis=3)   # [E, c, g, q, r, N]
     sc = np.asarray(scales).transpose(0, 2, 1, 3).reshape(E, KC * 16, N)
     return dequantize(codes.reshape(E, KC * CHUNK, N), sc)
+
+
+def _shape(t):
+    return tuple(int(s) for s in t.shape)
+
+
+def packed_weights_error(H, w_gate_up, w_down, w_gate_up_scale, w_down_scale, op):
+    """The first problem with MXFP4 weights in the kernel layout (pack's) for hidden size H, as a message naming
+    the argument and the limit, or None. w_gate_up [E, 128, H/512, 2I] and w_down [E, 128, KDm >= I/512, H] words,
+    scales [E, 16, chunks, N]."""
+    if w_down_scale is None:
+        return f"{op}: w_gate_up_scale given without w_down_scale (MXFP4 needs both projections' scales)"
+    if H % CHUNK:
+        return f"{op}: H={H} must be a multiple of {CHUNK} with MXFP4 weights"
+    gu, d = _shape(w_gate_up), _shape(w_down)
+    if len(gu) != 4 or gu[1:3] != (128, H // CHUNK) or gu[3] % 2:
+        return f"{op}: w_gate_up (MXFP4 words) must be [E, 128, H/512={H // CHUNK}, 2I], got shape {gu}"
+    if len(d) != 4 or d[0] != gu[0] or d[1] != 128 or d[3] != H or d[2] * CHUNK < gu[3] // 2:
+        return f"{op}: w_down (MXFP4 words) must be [E={gu[0]}, 128, KDm >= I/512, H={H}], got shape {d}"
+    for name, w, sc in (("w_gate_up", gu, w_gate_up_scale), ("w_down", d, w_down_scale)):
+        want = (w[0], 16, w[2], w[3])
+        if _shape(sc) != want:
+            return f"{op}: {name}_scale must be [E, 16, chunks, N] = {want}, got shape {_shape(sc)}"
+    return None
+
+
+def dequantized_weights(w_gate_up, w_down, w_gate_up_scale, w_down_scale):
+    """MXFP4 kernel-layout weights → the references' fp32 w_gate_up [E, H, 2, I] and w_down [E, I, H]."""
+    E, _, _, two_i = _shape(w_gate_up)
+    inter = two_i // 2
+    gu = unpack(w_gate_up, w_gate_up_scale)
+    return gu.reshape(E, gu.shape[1], 2, inter), unpack(w_down, w_down_scale)[:, :inter]
+
+
+def packed_bytes(K, N):
+    """HBM bytes of one expert projection (contraction K, N outputs) in MXFP4: 4-bit codes and one scale byte per
+    32 elements (the checkpoint's bytes; pack's layout adds the zero padding of K to 512)."""
+    return K * N // 2 + -(-K // BLOCK) * N

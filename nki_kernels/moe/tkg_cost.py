@@ -33,17 +33,22 @@ def expected_touched(T, E, k):
     return min(float(E), float(T * k), E * (1.0 - (1.0 - 1.0 / E) ** (T * k)))
 
 
-def expert_bytes(H, inter, itemsize=2):
-    """Weight bytes of one expert: gate/up [H, 2I] + down [I, H] (+ its biases)."""
+def expert_bytes(H, inter, itemsize=2, mx=False):
+    """Weight bytes of one expert: gate/up [H, 2I] + down [I, H] (+ its biases, in the activations' dtype). mx: the
+    projections in MXFP4 (4-bit codes + one scale byte per 32 contraction elements, mx_weights.packed_bytes)."""
+    if mx:
+        from .mx_weights import packed_bytes
+        return packed_bytes(H, 2 * inter) + packed_bytes(inter, H) + (2 * inter + H) * itemsize
     return (3 * H * inter + 2 * inter + H) * itemsize
 
 
-def mode_costs(T, E, k, H, inter, target="trn2"):
-    """(t_selective, t_all) modelled seconds of the expert phase under the rule above."""
-    t_w = expert_bytes(H, inter) / hardware(target).core.memory_bytes_per_s
+def mode_costs(T, E, k, H, inter, target="trn2", mx=False):
+    """(t_selective, t_all) modelled seconds of the expert phase under the rule above (mx: MXFP4 expert bytes; the
+    fixed costs are the bf16 path's measurements)."""
+    t_w = expert_bytes(H, inter, mx=mx) / hardware(target).core.memory_bytes_per_s
     return ROUTE_LATENCY_S + expected_touched(T, E, k) * (t_w + SLOT_OVERHEAD_S), E * t_w
 
 
-def choose_expert_mode(T, E, k, H, inter, target="trn2"):
-    t_sel, t_all = mode_costs(T, E, k, H, inter, target)
+def choose_expert_mode(T, E, k, H, inter, target="trn2", mx=False):
+    t_sel, t_all = mode_costs(T, E, k, H, inter, target, mx)
     return "selective" if t_sel < t_all else "all"

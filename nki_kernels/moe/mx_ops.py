@@ -1,0 +1,32 @@
+"""NKI-side helpers of the MXFP4 layout (mx_weights.py), shared by the CTE and TKG kernels' trn3 MX paths.
+
+The layout (mx_weights.py's docstring): element j of a 512-element contraction chunk sits on partition
+8 (j // 32) + j % 8, lane (j % 32) // 8, so each scale group (8 partitions x 4 lanes) is one 32-element MX block;
+a scale tile holds group g of the 16 at partition 32 (g // 4) + g % 4 (nc_matmul_mx's quadrant layout). These two
+functions are the only places the kernels spell that order out.
+"""
+
+import nki.isa as nisa
+
+MX_CHUNK = 512         # contraction elements per nc_matmul_mx (128 partitions x 4 lanes); MXFP4 layout: mx_weights.py
+MX_GROUPS = 16         # scale groups (8 partitions each) of a 128-partition MX tile: 4 per SBUF quadrant
+MX_BLOCK = 32          # elements per scale group (one OCP MX block)
+MX_LANES = 4           # x4 lanes per word
+MX_ROWS = 8            # partitions per scale group
+
+
+def lane_columns(t, pstride, nrows, offset, lane, groups=MX_GROUPS):
+    """The columns of lane `lane` of the 512-column chunk starting at `offset` of an SBUF tile t (nrows partitions,
+    `pstride` elements per partition): {offset + 32 g + 8 lane + r | g < groups, r < 8}, in (g, r) order, i.e. the
+    column whose contraction element sits on partition 8 g + r in the MX order. Transposing this set (tokens x H
+    rows) gives an MX operand's lane; selecting it as a stationary (weights x N) puts output element 32 g + 8 lane + r
+    on partition 8 g + r, the MX order of the next contraction."""
+    return t.ap([[pstride, nrows], [MX_BLOCK, groups], [1, MX_ROWS]], offset=offset + MX_ROWS * lane)
+
+
+def load_mx_scales(dst, src_rows, dma_src):
+    """The 16 scale rows of a packed projection ([16, row] per expert in HBM, mx_weights.pack) into the quadrant
+    layout of dst [128, row] (4 DMAs: groups 4Q..4Q+3 -> partitions 32Q..32Q+3). dma_src(pattern, offset) builds
+    the HBM access pattern of this expert's scale rows (expert addressed by a constant or a register)."""
+    for q in range(MX_GROUPS // 4):
+        nisa.dma_copy(dst=dst[32 * q:32 * q + 4], src=dma_src([[src_rows, 4], [1, src_rows]], 4 * q * src_rows))

@@ -1,0 +1,268 @@
+"""MXFP4 experts of the TKG (decode) kernel on trn3 (nc_matmul_mx): the steps of one expert and the token operand.
+
+Decode is bound by the weight stream, so the point is the bytes: an expert's MXFP4 words and scales are ~27 % of its
+bf16 bytes. Weights come in mx_weights.py's packed layout (the CTE kernel's); the numerics are the CTE's reference
+(moe_torch.expert_mlp_mx_torch): tokens and bf16 activations quantised to MXFP8 (e4m3) on chip by quantize_mx, every
+projection an nc_matmul_mx, the affinity applied after the down projection. See DESIGN.md ("MXFP4 experts (trn3)"
+in the TKG part).
+
+Orientation (T <= 64 tokens): the weights are the stationary operand and the tokens the moving one (T columns per
+matmul, as the bf16 path), so
+- gate/up: per contraction chunk k (512 H elements) and output group, the stationary is one lane's column set of
+  the chunk's weights (mx_ops.lane_columns): output element 32 g + 8 lane + r of I lands on partition 8 g + r, i.e.
+  the activation comes out in the MX order of the down projection's contraction, one lane per group, with no
+  transposes. Only a lane's real I rows (a prefix of its partitions) are written; the rest stay 0, as the MX
+  zero-padding of I requires (a nonzero there would change the block's shared exponent).
+- down: stationary = 128 H columns of the down words (h = p * KT + kt, the bf16 path's out^T layout), moving = the
+  quantised activations; per expert into PSUM, then acc += psum * affinity (per token) in fp32 SBUF: the affinity
+  cannot go into the activations as in the bf16 path, since MXFP8 rounding of a * act is not a * rounding of act.
+"""
+
+import nki.isa as nisa
+import nki.language as nl
+
+from ..common.tiles import evict
+from .moe_torch import GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT
+from .mx_ops import MX_BLOCK, MX_CHUNK, MX_LANES, MX_ROWS, lane_columns, load_mx_scales
+
+P_MAX = nl.tile_size.pmax
+PSUM_F = nl.tile_size.psum_bank_fmax
+COL_PAD = MX_ROWS      # a lane's stationary takes whole 8-column runs: the last may reach 7 columns past 2I
+
+
+def expert_src(w, e, pattern, offset, stride):
+    """Access pattern of expert e's rows of w: e is a Python int (all-expert mode) or a register (selective: the
+    expert id read from the routing scales dim 0's stride)."""
+    if isinstance(e, int):
+        return w.ap(pattern, offset=offset + e * stride)
+    return w.ap(pattern, offset=offset, scalar_offset=e, indirect_dim=0)
+
+
+def h_cols(t, kt, KT):
+    """The 128 columns h = p * KT + kt (p = 0..127) of an SBUF tile t [rows, H]: out^T tile kt's H rows."""
+    return t[:, kt:kt + (P_MAX - 1) * KT + 1:KT]
+
+
+def lane_rows(inter, c, lane):
+    """Real I rows of `lane` in I chunk c: #{j < n_c : (j % 32) // 8 == lane}, n_c = the chunk's real elements. In
+    the lane's (g, r) partition order they are a prefix."""
+    n = min(MX_CHUNK, inter - c * MX_CHUNK)
+    full, rem = divmod(n, MX_BLOCK)
+    return full * MX_ROWS + min(MX_ROWS, max(0, rem - MX_ROWS * lane))
+
+
+class MxShape(nl.NKIObject):
+    """Trace-time sizes of the MX path: contraction chunks, output groups, SBUF bytes of a weight slot."""
+
+    def __init__(self, H, inter, KDm, T):
+        self.KC, self.KDm, self.I2 = H // MX_CHUNK, KDm, 2 * inter
+        self.wgu_w = self.KC * self.I2 + COL_PAD          # flat gate/up words (and scales) per partition
+        # (gate group, up group, I chunk, lane, real rows): group u * 4 KDm + 4 c + lane of the PSUM set
+        self.pairs = tuple((4 * c + q, 4 * (KDm + c) + q, c, q, lane_rows(inter, c, q))
+                           for c in range(KDm) for q in range(MX_LANES) if lane_rows(inter, c, q) > 0)
+        self.n_acc = 2 * MX_LANES * KDm
+        # partitions of the last down chunk holding real I rows (whole 32-blocks); the words above are not loaded
+        last = inter - (KDm - 1) * MX_CHUNK
+        self.p_last = min(P_MAX, -(-last // MX_BLOCK) * MX_ROWS)
+        self.slot_bytes = 3 * self.wgu_w + 3 * KDm * H + 2 * (self.I2 + COL_PAD)
+
+
+class MxRing(nl.NKIObject):
+    """The MX path's buffers, allocated once: nbuf weight slots (words, quadrant-layout scales, gate/up bias row),
+    n_gu PSUM sets of gate/up accumulators (+ the broadcast affinities), and two sets of activations in MX order
+    (zeroed once: the rows past a lane's real ones stay 0), their MXFP8 words and scales, affinity broadcasts."""
+
+    def __init__(self, cfg):
+        mx, GS, T = cfg.mxs, cfg.GS, cfg.T
+        fp4 = nl.float4_e2m1fn_x4
+        self.wgu = tuple(nl.ndarray((P_MAX, mx.wgu_w), dtype=fp4, buffer=nl.sbuf) for _ in range(cfg.nbuf))
+        self.sgu = tuple(nl.ndarray((P_MAX, mx.wgu_w), dtype=nl.uint8, buffer=nl.sbuf) for _ in range(cfg.nbuf))
+        self.wd = tuple(nl.ndarray((P_MAX, mx.KDm, cfg.H), dtype=fp4, buffer=nl.sbuf) for _ in range(cfg.nbuf))
+        self.sd = tuple(nl.ndarray((P_MAX, mx.KDm, cfg.H), dtype=nl.uint8, buffer=nl.sbuf) for _ in range(cfg.nbuf))
+        self.bgu = tuple(nl.ndarray((1, mx.I2 + COL_PAD), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
+        for b in range(cfg.nbuf):
+            # the columns a lane's last 8-run may read past 2I: defined values (their products land on PSUM rows
+            # nobody reads). The down words above the real I blocks are never loaded nor set: any E2M1 code is
+            # finite (no NaN / Inf codes) and their scales are loaded, so they only multiply zero activations.
+            nisa.memset(dst=self.wgu[b][:, mx.wgu_w - COL_PAD:], value=0)
+            nisa.memset(dst=self.sgu[b][:, mx.wgu_w - COL_PAD:], value=127)
+            nisa.memset(dst=self.bgu[b][:, mx.I2:], value=0.0)
+        self.ps_gu = tuple(nl.ndarray((P_MAX, mx.n_acc + 1, GS), dtype=nl.float32, buffer=nl.psum)
+                           for _ in range(cfg.n_gu))
+        self.xa = tuple(nl.ndarray((P_MAX, mx.KDm, GS, MX_LANES), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(2))
+        for t in self.xa:
+            nisa.memset(dst=t[:, :, :T, :], value=0.0)
+        self.aq = tuple(nl.ndarray((P_MAX, mx.KDm, GS), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf) for _ in range(2))
+        self.as_ = tuple(nl.ndarray((P_MAX, mx.KDm, GS), dtype=nl.uint8, buffer=nl.sbuf) for _ in range(2))
+        self.affb = tuple(nl.ndarray((P_MAX, GS), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2))
+        self.tmp = tuple(tuple(nl.ndarray((P_MAX, GS), dtype=nl.float32, buffer=nl.sbuf) for _ in range(4))
+                         for _ in range(2))
+        self.sc = nl.ndarray((P_MAX, cfg.kt_bank, GS), dtype=nl.float32, buffer=nl.sbuf)
+        self.n = 0
+
+
+def x_operand_step(cfg, x, gamma, rstd):
+    """The tokens as the MX moving operand: xq [128, KC, T] MXFP8 words and xs their scales, x normalised as the
+    bf16 path's hT (bf16(x * rstd * gamma), the same operations in the same order: the same bits).
+
+    x's rows (+ gamma as one more row) are transposed by lane column sets (mx_ops.lane_columns: 4 TensorE transposes
+    per 512-element chunk give the MX element order), then rstd (per token, broadcast on the partitions) and gamma
+    (per element, now a per-partition column) are applied and each chunk is quantised (quantize_mx, VectorE)."""
+    T, H, KC, GS = cfg.T, cfg.H, cfg.mxs.KC, cfg.GS
+    n = T + (1 if gamma is not None else 0)
+    rows = nl.ndarray((P_MAX, H), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=rows[:T, :], src=x)
+    if gamma is not None:
+        nisa.dma_copy(dst=rows[T:T + 1, :], src=gamma)
+    xm = nl.ndarray((P_MAX, KC, GS, MX_LANES), dtype=x.dtype, buffer=nl.sbuf)
+    xq = nl.ndarray((P_MAX, KC, GS), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+    xs = nl.ndarray((P_MAX, KC, GS), dtype=nl.uint8, buffer=nl.sbuf)
+    gm = nl.ndarray((P_MAX, KC, MX_LANES), dtype=x.dtype, buffer=nl.sbuf)
+    xr = nl.ndarray((P_MAX, MX_LANES, GS), dtype=nl.float32, buffer=nl.sbuf)
+    banks = tuple(nl.ndarray((P_MAX, MX_LANES, GS + 1), dtype=x.dtype, buffer=nl.psum) for _ in range(2))
+    for c in range(KC):
+        ps = banks[c % 2]
+        for ln in range(MX_LANES):
+            nisa.nc_transpose(dst=ps[:, ln, :n], data=lane_columns(rows, H, n, c * MX_CHUNK, ln))
+        dst = xm[:, c, :T, :].permute((0, 2, 1))          # [128, lane, token]
+        if gamma is None:
+            evict(c, dst, ps[:, :, :T])
+        else:
+            nisa.activation(dst=gm[:, c, :], op=nl.copy, data=ps[:, :, T])
+            if T == 1:
+                nisa.scalar_tensor_tensor(dst=xm[:, c, 0, :], data=ps[:, :, 0], op0=nl.multiply,
+                                          operand0=rstd[:, 0:1], op1=nl.multiply, operand1=gm[:, c, :])
+            else:
+                nisa.tensor_tensor(dst=xr[:, :, :T], data1=ps[:, :, :T],
+                                   data2=rstd[:, :T].expand_dim(1).broadcast(1, MX_LANES), op=nl.multiply)
+                nisa.tensor_tensor(dst=dst, data1=xr[:, :, :T], data2=gm[:, c, :].expand_dim(2).broadcast(2, T),
+                                   op=nl.multiply)
+        nisa.quantize_mx(dst=xq[:, c, :T], src=xm[:, c, :T, :], dst_scale=xs[:, c, :T])
+    return xq, xs
+
+
+def load_step(cfg, ring, b, e, w_gate_up, w_down, scales, b_gate_up):
+    """Expert e's MXFP4 weights into slot b: gate/up words one contiguous run per partition (KC * 2I words), the
+    down words of the real I blocks only (p_last partitions of the last chunk), both projections' 16 scale rows in
+    the quadrant layout (mx_ops.load_mx_scales), the gate/up bias row."""
+    mx, H = cfg.mxs, cfg.H
+    row = mx.KC * mx.I2
+    nisa.dma_copy(dst=ring.wgu[b][:, :row], src=expert_src(w_gate_up, e, [[row, P_MAX], [1, row]], 0, P_MAX * row))
+    load_mx_scales(ring.sgu[b][:, :row], row,
+                   lambda pat, off: expert_src(scales[0], e, pat, off, 16 * row))
+    drow = mx.KDm * H
+    if mx.KDm > 1:
+        nisa.dma_copy(dst=ring.wd[b][:, :mx.KDm - 1, :],
+                      src=expert_src(w_down, e, [[drow, P_MAX], [1, drow - H]], 0, P_MAX * drow))
+    nisa.dma_copy(dst=ring.wd[b][:mx.p_last, mx.KDm - 1, :],
+                  src=expert_src(w_down, e, [[drow, mx.p_last], [1, H]], drow - H, P_MAX * drow))
+    load_mx_scales(ring.sd[b], drow, lambda pat, off: expert_src(scales[1], e, pat, off, 16 * drow))
+    if b_gate_up is not None:
+        nisa.dma_copy(dst=ring.bgu[b][:, :mx.I2], src=expert_src(b_gate_up, e, [[mx.I2, 1], [1, mx.I2]], 0, mx.I2))
+
+
+def gate_up_step(cfg, consts, ring, b, xq, xs, aff_col, has_bias):
+    """gate / up per (I chunk, lane) group [rows, T] fp32 in PSUM: the lane's weight columns stationary, the tokens'
+    MXFP8 words moving, contracted over the KC chunks; the bias row's columns close the group (a K=1 bf16 matmul).
+    The slot's affinities broadcast to all partitions (a ones matmul over diag(aff): exact) go to ring.affb."""
+    T, mx = cfg.T, cfg.mxs
+    ps = ring.ps_gu[ring.n % cfg.n_gu]
+    diag = ring.tmp[ring.n % 2][3]
+    nisa.tensor_scalar(dst=diag[:T, :T], data=consts.ident[:T, :T], op0=nl.multiply, operand0=aff_col)
+    nisa.nc_matmul(dst=ps[:, mx.n_acc, :T], stationary=consts.ones_f32[:T, :], moving=diag[:T, :T],
+                   accumulate=False)
+    nisa.activation(dst=ring.affb[ring.n % 2][:, :T], op=nl.copy, data=ps[:, mx.n_acc, :T])
+    inter = mx.I2 // 2
+    groups = []
+    for gg, gu, c, q, nq in mx.pairs:
+        ng = -(-nq // MX_ROWS)
+        for g, col in ((gg, c * MX_CHUNK), (gu, inter + c * MX_CHUNK)):
+            groups.append((g, col, q, ng))
+    for k in range(mx.KC):
+        for g, col, q, ng in groups:
+            nisa.nc_matmul_mx(dst=ps[:MX_ROWS * ng, g, :T],
+                              stationary=lane_columns(ring.wgu[b], mx.wgu_w, P_MAX, k * mx.I2 + col, q, ng),
+                              moving=xq[:, k, :T],
+                              stationary_scale=lane_columns(ring.sgu[b], mx.wgu_w, P_MAX, k * mx.I2 + col, q, ng),
+                              moving_scale=xs[:, k, :T], accumulate=k > 0)
+    if has_bias:
+        for g, col, q, ng in groups:
+            nisa.nc_matmul(dst=ps[:MX_ROWS * ng, g, :T],
+                           stationary=lane_columns(ring.bgu[b], mx.I2 + COL_PAD, 1, col, q, ng),
+                           moving=consts.ones_bf[0:1, :T], accumulate=True)
+    return ps
+
+
+def activation_step(cfg, ring, ps):
+    """act = activation(gate, up) (unscaled) rounded to bf16 straight into the MX order (lane groups: partition
+    8 g + r, lane q), then quantize_mx per I chunk. clamped_swiglu: g = min(gate, L), act = (clip(up, -L, L) + 1) *
+    g * sigmoid(alpha g); swiglu: silu(gate) * up (moe_torch.activation_torch)."""
+    T, mx = cfg.T, cfg.mxs
+    xa = ring.xa[ring.n % 2]
+    g, sg, glu, u = ring.tmp[ring.n % 2]     # (u: the diag of gate_up_step, consumed by its matmul)
+    for gg, gu, c, q, nq in mx.pairs:
+        r = slice(0, nq)
+        gate, up, dst = ps[r, gg, :T], ps[r, gu, :T], xa[r, c, :T, q]
+        if cfg.activation == "clamped_swiglu":
+            nisa.tensor_scalar(dst=g[r, :T], data=gate, op0=nl.minimum, operand0=GPT_OSS_SWIGLU_LIMIT)
+            nisa.activation(dst=sg[r, :T], op=nl.sigmoid, data=g[r, :T], scale=GPT_OSS_SWIGLU_ALPHA)
+            nisa.tensor_tensor(dst=glu[r, :T], data1=g[r, :T], data2=sg[r, :T], op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+            nisa.tensor_scalar(dst=u[r, :T], data=up, op0=nl.maximum, operand0=-GPT_OSS_SWIGLU_LIMIT,
+                               op1=nl.minimum, operand1=GPT_OSS_SWIGLU_LIMIT)
+            nisa.scalar_tensor_tensor(dst=dst, data=u[r, :T], op0=nl.add, operand0=1.0, op1=nl.multiply,
+                                      operand1=glu[r, :T])
+        else:
+            nisa.activation(dst=sg[r, :T], op=nl.silu, data=gate)
+            nisa.tensor_tensor(dst=dst, data1=sg[r, :T], data2=up, op=nl.multiply)
+    aq, as_ = ring.aq[ring.n % 2], ring.as_[ring.n % 2]
+    for c in range(mx.KDm):
+        nisa.quantize_mx(dst=aq[:, c, :T], src=xa[:, c, :T, :], dst_scale=as_[:, c, :T])
+    return aq, as_
+
+
+def down_step(cfg, ring, b, aq, as_, banks, acc):
+    """acc [128, KT, T] fp32 (out^T, h = p * KT + kt) += affinity * (act @ W_down): per H tile kt the down words'
+    columns h_cols stationary, the MXFP8 activations moving, over the KDm I chunks; then per PSUM bank one scaled
+    add into acc (T = 1: one scalar_tensor_tensor, the affinity a per-partition scalar)."""
+    T, KT, mx = cfg.T, cfg.KT, cfg.mxs
+    affb = ring.affb[ring.n % 2]
+    for kt in range(KT):
+        bank = banks[kt // cfg.kt_bank]
+        for c in range(mx.KDm):
+            nisa.nc_matmul_mx(dst=bank[:, kt % cfg.kt_bank, :T], stationary=h_cols(ring.wd[b][:, c, :], kt, KT),
+                              moving=aq[:, c, :T], stationary_scale=h_cols(ring.sd[b][:, c, :], kt, KT),
+                              moving_scale=as_[:, c, :T], accumulate=c > 0)
+    for i, bank in enumerate(banks):
+        k0 = i * cfg.kt_bank
+        n = min(cfg.kt_bank, KT - k0)
+        if T == 1:
+            nisa.scalar_tensor_tensor(dst=acc[:, k0:k0 + n, 0], data=bank[:, :n, 0], op0=nl.multiply,
+                                      operand0=affb[:, 0:1], op1=nl.add, operand1=acc[:, k0:k0 + n, 0])
+        else:
+            nisa.tensor_tensor(dst=ring.sc[:, :n, :T], data1=bank[:, :n, :T],
+                               data2=affb[:, :T].expand_dim(1).broadcast(1, n), op=nl.multiply)
+            nisa.tensor_tensor(dst=acc[:, k0:k0 + n, :T], data1=acc[:, k0:k0 + n, :T], data2=ring.sc[:, :n, :T],
+                               op=nl.add)
+
+
+def expert_step(cfg, consts, ring, e, aff_col, xq, xs, down_sets, acc, w_gate_up, w_down, scales, b_gate_up):
+    """One expert on all T tokens (tokens that did not pick it have affinity 0): load, gate/up, activation, down."""
+    b = ring.n % cfg.nbuf
+    load_step(cfg, ring, b, e, w_gate_up, w_down, scales, b_gate_up)
+    ps = gate_up_step(cfg, consts, ring, b, xq, xs, aff_col, b_gate_up is not None)
+    aq, as_ = activation_step(cfg, ring, ps)
+    down_step(cfg, ring, b, aq, as_, down_sets[ring.n % len(down_sets)], acc)
+    ring.n += 1
+
+
+def store_step(cfg, acc, out, bsum=None):
+    """out[t, p * KT + kt] = acc[p, kt, t] (+ bsum [128, KT], T = 1's down biases) in out's dtype; each partition
+    writes KT-element runs per token (the bf16 path's out^T store)."""
+    T, KT, H = cfg.T, cfg.KT, cfg.H
+    o = nl.ndarray((P_MAX, cfg.GS, KT), dtype=out.dtype, buffer=nl.sbuf)
+    if bsum is None:
+        nisa.tensor_copy(dst=o[:, :T, :].permute((0, 2, 1)), src=acc[:, :, :T])
+    else:
+        nisa.tensor_tensor(dst=o[:, 0, :], data1=acc[:, :, 0], data2=bsum, op=nl.add)
+    nisa.dma_copy(dst=out.ap([[KT, P_MAX], [H, T], [1, KT]], offset=0), src=o[:, :T, :])
