@@ -24,9 +24,11 @@ def lane_columns(t, pstride, nrows, offset, lane, groups=MX_GROUPS):
     return t.ap([[pstride, nrows], [MX_BLOCK, groups], [1, MX_ROWS]], offset=offset + MX_ROWS * lane)
 
 
-def load_mx_scales(dst, src_rows, dma_src):
+def load_mx_scales(dst, src_rows, dma_src, base=0):
     """The 16 scale rows of a packed projection ([16, row] per expert in HBM, mx_weights.pack) into the quadrant
-    layout of dst [128, row] (4 DMAs: groups 4Q..4Q+3 -> partitions 32Q..32Q+3). dma_src(pattern, offset) builds
-    the HBM access pattern of this expert's scale rows (expert addressed by a constant or a register)."""
+    layout of dst [128, row] (one DMA per quadrant: groups 4Q..4Q+3 -> partitions 32Q + base + 0..3; base 0 or 8,
+    the matmul then takes the scale view from partition `base`). dma_src(pattern, offset) builds the HBM access
+    pattern of this expert's scale rows (expert addressed by a constant or a register)."""
     for q in range(MX_GROUPS // 4):
-        nisa.dma_copy(dst=dst[32 * q:32 * q + 4], src=dma_src([[src_rows, 4], [1, src_rows]], 4 * q * src_rows))
+        p0 = 32 * q + base
+        nisa.dma_copy(dst=dst[p0:p0 + 4], src=dma_src([[src_rows, 4], [1, src_rows]], 4 * q * src_rows))

@@ -27,7 +27,9 @@ from .mx_ops import MX_BLOCK, MX_CHUNK, MX_LANES, MX_ROWS, lane_columns, load_mx
 
 P_MAX = nl.tile_size.pmax
 PSUM_F = nl.tile_size.psum_bank_fmax
-COL_PAD = MX_ROWS      # a lane's stationary takes whole 8-column runs: the last may reach 7 columns past 2I
+COL_PAD = MX_BLOCK     # every lane's stationary takes the chunk's real 32-blocks: up to 31 columns past 2I
+SCALE_BASE_D = 8       # the down scales sit at partitions 32 Q + 8..11 (the gate/up ones at 32 Q + 0..3): the two
+                       # scale loads go through different DMA engines (engine = partition // 8)
 
 
 def expert_src(w, e, pattern, offset, stride):
@@ -43,12 +45,10 @@ def h_cols(t, kt, KT):
     return t[:, kt:kt + (P_MAX - 1) * KT + 1:KT]
 
 
-def lane_rows(inter, c, lane):
-    """Real I rows of `lane` in I chunk c: #{j < n_c : (j % 32) // 8 == lane}, n_c = the chunk's real elements. In
-    the lane's (g, r) partition order they are a prefix."""
+def chunk_rows(inter, c):
+    """(real I elements n_c of I chunk c, partitions R_c of its 32-blocks: 8 per block)."""
     n = min(MX_CHUNK, inter - c * MX_CHUNK)
-    full, rem = divmod(n, MX_BLOCK)
-    return full * MX_ROWS + min(MX_ROWS, max(0, rem - MX_ROWS * lane))
+    return n, -(-n // MX_BLOCK) * MX_ROWS
 
 
 class MxShape(nl.NKIObject):
@@ -57,13 +57,11 @@ class MxShape(nl.NKIObject):
     def __init__(self, H, inter, KDm, T):
         self.KC, self.KDm, self.I2 = H // MX_CHUNK, KDm, 2 * inter
         self.wgu_w = self.KC * self.I2 + COL_PAD          # flat gate/up words (and scales) per partition
-        # (gate group, up group, I chunk, lane, real rows): group u * 4 KDm + 4 c + lane of the PSUM set
-        self.pairs = tuple((4 * c + q, 4 * (KDm + c) + q, c, q, lane_rows(inter, c, q))
-                           for c in range(KDm) for q in range(MX_LANES) if lane_rows(inter, c, q) > 0)
+        # per I chunk c: (real elements n_c, partitions R_c); gate lane q is PSUM group 4 c + q, up 4 (KDm + c) + q
+        self.chunks = tuple(chunk_rows(inter, c) for c in range(KDm))
         self.n_acc = 2 * MX_LANES * KDm
         # partitions of the last down chunk holding real I rows (whole 32-blocks); the words above are not loaded
-        last = inter - (KDm - 1) * MX_CHUNK
-        self.p_last = min(P_MAX, -(-last // MX_BLOCK) * MX_ROWS)
+        self.p_last = self.chunks[-1][1]
         self.slot_bytes = 3 * self.wgu_w + 3 * KDm * H + 2 * (self.I2 + COL_PAD)
 
 
@@ -81,22 +79,39 @@ class MxRing(nl.NKIObject):
         self.sd = tuple(nl.ndarray((P_MAX, mx.KDm, cfg.H), dtype=nl.uint8, buffer=nl.sbuf) for _ in range(cfg.nbuf))
         self.bgu = tuple(nl.ndarray((1, mx.I2 + COL_PAD), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
         for b in range(cfg.nbuf):
-            # the columns a lane's last 8-run may read past 2I: defined values (their products land on PSUM rows
-            # nobody reads). The down words above the real I blocks are never loaded nor set: any E2M1 code is
-            # finite (no NaN / Inf codes) and their scales are loaded, so they only multiply zero activations.
-            nisa.memset(dst=self.wgu[b][:, mx.wgu_w - COL_PAD:], value=0)
-            nisa.memset(dst=self.sgu[b][:, mx.wgu_w - COL_PAD:], value=127)
-            nisa.memset(dst=self.bgu[b][:, mx.I2:], value=0.0)
+            # the columns a lane's last 32-block may read past 2I: defined values (zero). The down words above the
+            # real I blocks are never loaded nor set: any E2M1 code is finite (no NaN / Inf codes) and their scales
+            # are loaded (pack's padding blocks: 2**0), so they only multiply zero activations. (Setting those scale
+            # rows here instead costs GpSimd time on the routing's path; their DMA runs on engines 12-15, which
+            # carry no down words.)
+            nisa.memset(dst=self.wgu[b][:, mx.wgu_w - COL_PAD:], value=0, engine=nisa.engine.gpsimd)
+            nisa.memset(dst=self.sgu[b][:, mx.wgu_w - COL_PAD:], value=127, engine=nisa.engine.gpsimd)
+            nisa.memset(dst=self.bgu[b][:, mx.I2:], value=0.0, engine=nisa.engine.gpsimd)
         self.ps_gu = tuple(nl.ndarray((P_MAX, mx.n_acc + 1, GS), dtype=nl.float32, buffer=nl.psum)
                            for _ in range(cfg.n_gu))
         self.xa = tuple(nl.ndarray((P_MAX, mx.KDm, GS, MX_LANES), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(2))
         for t in self.xa:
-            nisa.memset(dst=t[:, :, :T, :], value=0.0)
+            nisa.memset(dst=t[:, :, :T, :], value=0.0, engine=nisa.engine.gpsimd)
+        # valid[p, q] = 1 iff partition p, lane q of the last I chunk is a real element (j = 32 (p // 8) + 8 q + p % 8
+        # < n_c; j = 4 p - 3 (p % 8) + 8 q): the activation of a whole chunk runs on all lanes, then this zeroes the
+        # padding elements of its last block
+        n_last, R = mx.chunks[-1]
+        self.valid = None
+        if n_last < R * MX_LANES:
+            j = nl.ndarray((P_MAX, MX_LANES), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.iota(dst=j, pattern=[[MX_ROWS, MX_LANES]], offset=0, channel_multiplier=MX_LANES)
+            m8 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.iota(dst=m8, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+            nisa.tensor_scalar(dst=m8, data=m8, op0=nl.mod, operand0=float(MX_ROWS), op1=nl.multiply,
+                               operand1=float(MX_LANES - 1))
+            self.valid = nl.ndarray((P_MAX, MX_LANES), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=self.valid, data=j, op0=nl.subtract, operand0=m8, op1=nl.less,
+                               operand1=float(n_last))
         self.aq = tuple(nl.ndarray((P_MAX, mx.KDm, GS), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf) for _ in range(2))
         self.as_ = tuple(nl.ndarray((P_MAX, mx.KDm, GS), dtype=nl.uint8, buffer=nl.sbuf) for _ in range(2))
         self.affb = tuple(nl.ndarray((P_MAX, GS), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2))
-        self.tmp = tuple(tuple(nl.ndarray((P_MAX, GS), dtype=nl.float32, buffer=nl.sbuf) for _ in range(4))
-                         for _ in range(2))
+        self.tmp = tuple(tuple(nl.ndarray((P_MAX, MX_LANES, GS), dtype=nl.float32, buffer=nl.sbuf)
+                               for _ in range(4)) for _ in range(2))
         self.sc = nl.ndarray((P_MAX, cfg.kt_bank, GS), dtype=nl.float32, buffer=nl.sbuf)
         self.n = 0
 
@@ -156,7 +171,8 @@ def load_step(cfg, ring, b, e, w_gate_up, w_down, scales, b_gate_up):
                       src=expert_src(w_down, e, [[drow, P_MAX], [1, drow - H]], 0, P_MAX * drow))
     nisa.dma_copy(dst=ring.wd[b][:mx.p_last, mx.KDm - 1, :],
                   src=expert_src(w_down, e, [[drow, mx.p_last], [1, H]], drow - H, P_MAX * drow))
-    load_mx_scales(ring.sd[b], drow, lambda pat, off: expert_src(scales[1], e, pat, off, 16 * drow))
+    load_mx_scales(ring.sd[b], drow, lambda pat, off: expert_src(scales[1], e, pat, off, 16 * drow),
+                   base=SCALE_BASE_D)
     if b_gate_up is not None:
         nisa.dma_copy(dst=ring.bgu[b][:, :mx.I2], src=expert_src(b_gate_up, e, [[mx.I2, 1], [1, mx.I2]], 0, mx.I2))
 
@@ -167,17 +183,17 @@ def gate_up_step(cfg, consts, ring, b, xq, xs, aff_col, has_bias):
     The slot's affinities broadcast to all partitions (a ones matmul over diag(aff): exact) go to ring.affb."""
     T, mx = cfg.T, cfg.mxs
     ps = ring.ps_gu[ring.n % cfg.n_gu]
-    diag = ring.tmp[ring.n % 2][3]
+    diag = ring.tmp[ring.n % 2][3][:, 0, :]
     nisa.tensor_scalar(dst=diag[:T, :T], data=consts.ident[:T, :T], op0=nl.multiply, operand0=aff_col)
     nisa.nc_matmul(dst=ps[:, mx.n_acc, :T], stationary=consts.ones_f32[:T, :], moving=diag[:T, :T],
                    accumulate=False)
     nisa.activation(dst=ring.affb[ring.n % 2][:, :T], op=nl.copy, data=ps[:, mx.n_acc, :T])
     inter = mx.I2 // 2
     groups = []
-    for gg, gu, c, q, nq in mx.pairs:
-        ng = -(-nq // MX_ROWS)
-        for g, col in ((gg, c * MX_CHUNK), (gu, inter + c * MX_CHUNK)):
-            groups.append((g, col, q, ng))
+    for c, (_, R) in enumerate(mx.chunks):
+        for q in range(MX_LANES):
+            for g, col in ((4 * c + q, c * MX_CHUNK), (4 * (mx.KDm + c) + q, inter + c * MX_CHUNK)):
+                groups.append((g, col, q, R // MX_ROWS))
     for k in range(mx.KC):
         for g, col, q, ng in groups:
             nisa.nc_matmul_mx(dst=ps[:MX_ROWS * ng, g, :T],
@@ -194,27 +210,34 @@ def gate_up_step(cfg, consts, ring, b, xq, xs, aff_col, has_bias):
 
 
 def activation_step(cfg, ring, ps):
-    """act = activation(gate, up) (unscaled) rounded to bf16 straight into the MX order (lane groups: partition
-    8 g + r, lane q), then quantize_mx per I chunk. clamped_swiglu: g = min(gate, L), act = (clip(up, -L, L) + 1) *
-    g * sigmoid(alpha g); swiglu: silu(gate) * up (moe_torch.activation_torch)."""
+    """act = activation(gate, up) (unscaled) rounded to bf16 straight into the MX order (partition 8 g + r, lane q),
+    one instruction per step for all four lanes of an I chunk (the padding elements of the last block zeroed by
+    ring.valid), then quantize_mx per chunk. clamped_swiglu: g = min(gate, L), act = (clip(up, -L, L) + 1) * g *
+    sigmoid(alpha g); swiglu: silu(gate) * up (moe_torch.activation_torch)."""
     T, mx = cfg.T, cfg.mxs
     xa = ring.xa[ring.n % 2]
-    g, sg, glu, u = ring.tmp[ring.n % 2]     # (u: the diag of gate_up_step, consumed by its matmul)
-    for gg, gu, c, q, nq in mx.pairs:
-        r = slice(0, nq)
-        gate, up, dst = ps[r, gg, :T], ps[r, gu, :T], xa[r, c, :T, q]
+    g, sg, glu, u = ring.tmp[ring.n % 2]      # (u: the diag of gate_up_step, consumed by its matmul)
+    for c, (_, R) in enumerate(mx.chunks):
+        gate = ps[:R, 4 * c:4 * c + 4, :T]
+        up = ps[:R, 4 * (mx.KDm + c):4 * (mx.KDm + c) + 4, :T]
+        dst = xa[:R, c, :T, :].permute((0, 2, 1))        # [R, lane, token]
+        masked = ring.valid is not None and c == mx.KDm - 1
+        out = u[:R, :, :T] if masked else dst
         if cfg.activation == "clamped_swiglu":
-            nisa.tensor_scalar(dst=g[r, :T], data=gate, op0=nl.minimum, operand0=GPT_OSS_SWIGLU_LIMIT)
-            nisa.activation(dst=sg[r, :T], op=nl.sigmoid, data=g[r, :T], scale=GPT_OSS_SWIGLU_ALPHA)
-            nisa.tensor_tensor(dst=glu[r, :T], data1=g[r, :T], data2=sg[r, :T], op=nl.multiply,
+            nisa.tensor_scalar(dst=g[:R, :, :T], data=gate, op0=nl.minimum, operand0=GPT_OSS_SWIGLU_LIMIT)
+            nisa.activation(dst=sg[:R, :, :T], op=nl.sigmoid, data=g[:R, :, :T], scale=GPT_OSS_SWIGLU_ALPHA)
+            nisa.tensor_tensor(dst=glu[:R, :, :T], data1=g[:R, :, :T], data2=sg[:R, :, :T], op=nl.multiply,
                                engine=nisa.engine.gpsimd)
-            nisa.tensor_scalar(dst=u[r, :T], data=up, op0=nl.maximum, operand0=-GPT_OSS_SWIGLU_LIMIT,
+            nisa.tensor_scalar(dst=u[:R, :, :T], data=up, op0=nl.maximum, operand0=-GPT_OSS_SWIGLU_LIMIT,
                                op1=nl.minimum, operand1=GPT_OSS_SWIGLU_LIMIT)
-            nisa.scalar_tensor_tensor(dst=dst, data=u[r, :T], op0=nl.add, operand0=1.0, op1=nl.multiply,
-                                      operand1=glu[r, :T])
+            nisa.scalar_tensor_tensor(dst=out, data=u[:R, :, :T], op0=nl.add, operand0=1.0, op1=nl.multiply,
+                                      operand1=glu[:R, :, :T])
         else:
-            nisa.activation(dst=sg[r, :T], op=nl.silu, data=gate)
-            nisa.tensor_tensor(dst=dst, data1=sg[r, :T], data2=up, op=nl.multiply)
+            nisa.activation(dst=sg[:R, :, :T], op=nl.silu, data=gate)
+            nisa.tensor_tensor(dst=out, data1=sg[:R, :, :T], data2=up, op=nl.multiply)
+        if masked:
+            nisa.tensor_tensor(dst=dst, data1=out, data2=ring.valid[:R, :].expand_dim(2).broadcast(2, T),
+                               op=nl.multiply)
     aq, as_ = ring.aq[ring.n % 2], ring.as_[ring.n % 2]
     for c in range(mx.KDm):
         nisa.quantize_mx(dst=aq[:, c, :T], src=xa[:, c, :T, :], dst_scale=as_[:, c, :T])
@@ -231,7 +254,8 @@ def down_step(cfg, ring, b, aq, as_, banks, acc):
         bank = banks[kt // cfg.kt_bank]
         for c in range(mx.KDm):
             nisa.nc_matmul_mx(dst=bank[:, kt % cfg.kt_bank, :T], stationary=h_cols(ring.wd[b][:, c, :], kt, KT),
-                              moving=aq[:, c, :T], stationary_scale=h_cols(ring.sd[b][:, c, :], kt, KT),
+                              moving=aq[:, c, :T],
+                              stationary_scale=h_cols(ring.sd[b][SCALE_BASE_D:, c, :], kt, KT),
                               moving_scale=as_[:, c, :T], accumulate=c > 0)
     for i, bank in enumerate(banks):
         k0 = i * cfg.kt_bank
@@ -242,8 +266,9 @@ def down_step(cfg, ring, b, aq, as_, banks, acc):
         else:
             nisa.tensor_tensor(dst=ring.sc[:, :n, :T], data1=bank[:, :n, :T],
                                data2=affb[:, :T].expand_dim(1).broadcast(1, n), op=nl.multiply)
+            # the add on GpSimd (SBUF operands only): VectorE carries the PSUM reads, the activation, quantize_mx
             nisa.tensor_tensor(dst=acc[:, k0:k0 + n, :T], data1=acc[:, k0:k0 + n, :T], data2=ring.sc[:, :n, :T],
-                               op=nl.add)
+                               op=nl.add, engine=nisa.engine.gpsimd)
 
 
 def expert_step(cfg, consts, ring, e, aff_col, xq, xs, down_sets, acc, w_gate_up, w_down, scales, b_gate_up):
