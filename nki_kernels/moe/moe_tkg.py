@@ -230,8 +230,6 @@ def tkg_mx_error(T, lnc, mx_isa=True):
     if T > OUTT_MAX_TOKENS:
         return (f"moe_tkg: tokens T={T} must be <= {OUTT_MAX_TOKENS} with MXFP4 weights (the MX path keeps the "
                 "output transposed; larger T is not implemented)")
-    if lnc != 1:
-        return f"moe_tkg: lnc={lnc} with MXFP4 weights is not implemented (lnc must be 1)"
     return None
 
 
@@ -241,6 +239,8 @@ def tkg_kernel_error(cfg):
         err = tkg_mx_error(cfg.T, cfg.ncores, nisa.get_nc_version() >= nisa.nc_version.gen4)
         if err:
             return err
+        if not cfg.outT:
+            return f"moe_tkg: MXFP4 weights need the transposed output (H/128={cfg.KT} even under LNC 2)"
         if not cfg.psum_ok:
             return (f"moe_tkg: MXFP4 gate/up accumulators of I={cfg.inter} at T={cfg.T} do not fit PSUM beside the "
                     "output; shard I further across ranks")
@@ -381,7 +381,7 @@ def _dense_step(cfg, consts, idx, aff):
     return dense, denseT
 
 
-def _schedule_step(cfg, consts, dense, denseT):
+def _schedule_step(cfg, consts, dense, denseT, split_odd=True):
     """Selective mode: the touched experts as a compact list and per-slot registers.
 
     touched = column sums of dense (> 0 iff some token chose the expert with a nonzero affinity; a zero-affinity
@@ -389,7 +389,8 @@ def _schedule_step(cfg, consts, dense, denseT):
     (static, s < min(E, T·k)) gets a register with list[s] and a gate register (1 iff s < n): the slot's loop runs
     once or not at all. affc [T, S] = dense gathered by the list (a one-hot fp32 matmul: exact), so slot s scales
     by a static column. LNC=2 also returns `half` = (expert register, gate register, affinities [T, 1]) of an odd
-    count's last expert, which both cores serve by halves of I (else None)."""
+    count's last expert, which both cores serve by halves of I (else None); split_odd False: no such split, the
+    cores take alternate slots of the whole list (the MXFP4 path)."""
     T, E = cfg.T, cfg.E
     S = min(E, T * cfg.k)
     cnt = nl.ndarray((1, P_MAX), dtype=nl.float32, buffer=nl.psum)
@@ -402,7 +403,7 @@ def _schedule_step(cfg, consts, dense, denseT):
     nisa.tensor_copy(dst=lst_f, src=lst)
     n_run = lst_f[0:1, E:E + 1]
     half = None
-    if cfg.ncores > 1:
+    if cfg.ncores > 1 and split_odd:
         # LNC=2: the cores take slot pairs; an odd count's last expert (list[n - 1] = the largest id listed, the
         # list being ascending with -1 padding) is split by I columns between the cores instead of loading on one
         odd = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -962,7 +963,8 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
     if mx:
         _mx_experts(cfg, consts, ring, idx, aff, x, gamma, rstd, (w_gate_up, w_down, w_gate_up_scale, w_down_scale),
                     b_gate_up, b_down if add_down_bias else None, out)
-        store_routing_step(idx, aff, T, top_k, index_out, aff_out)
+        if cfg.core == 0:
+            store_routing_step(idx, aff, T, top_k, index_out, aff_out)
         return out, index_out, aff_out
     if cfg.mode == "selective" and T == 1 and cfg.outT:
         _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate_up,
@@ -1004,10 +1006,12 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
 
 
 def _mx_experts(cfg, consts, ring, idx, aff, x, gamma, rstd, weights, b_gate_up, b_down, out):
-    """The expert phase with MXFP4 weights (tkg_mx.py's steps; LNC 1): the tokens quantised once, then the experts
-    as in the bf16 path (T = 1: slots straight from the top-k; selective: the compacted list; all: every expert),
+    """The expert phase with MXFP4 weights (tkg_mx.py's steps): the tokens quantised once, then the experts as in
+    the bf16 path (T = 1: slots straight from the top-k; selective: the compacted list; all: every expert),
     accumulating affinity * expert output into acc [128, KT, T] fp32 (SBUF, out^T layout). The down biases: at T = 1
-    per slot (_slot_bias_step), else Σ_e dense · b_down matmuls (_init_acc_step) copied into acc."""
+    per slot (_slot_bias_step), else Σ_e dense · b_down matmuls (_init_acc_step, core 0) copied into acc. LNC 2: the
+    cores take alternate slots / experts (each weight read by one core; an odd count leaves one core one expert
+    more: the bf16 path's split of that expert by I columns is not done here) and exchange kt halves of acc."""
     T = cfg.T
     w_gate_up, w_down, s_gu, s_d = weights
     xq, xs = tkg_mx.x_operand_step(cfg, x, gamma, rstd)
@@ -1036,7 +1040,7 @@ def _mx_experts(cfg, consts, ring, idx, aff, x, gamma, rstd, weights, b_gate_up,
 
     bsum = None
     if one:
-        slots = list(range(cfg.k))
+        slots = [s for s in range(cfg.k) if s % cfg.ncores == cfg.core]
         regs = []
         for s in slots:
             r = nisa.register_alloc()
@@ -1046,11 +1050,11 @@ def _mx_experts(cfg, consts, ring, idx, aff, x, gamma, rstd, weights, b_gate_up,
             expert(regs[j], aff[0:1, s:s + 1])
         bsum = _slot_bias_step(cfg, consts, slots, regs, aff, b_down)
     elif cfg.mode == "all":
-        for e in range(cfg.E):
+        for e in range(cfg.core, cfg.E, cfg.ncores):
             expert(e, dense[:T, e:e + 1])
     else:
-        affc, sched, _ = _schedule_step(cfg, consts, dense, denseT)
-        for s in range(min(cfg.E, T * cfg.k)):
+        affc, sched, _ = _schedule_step(cfg, consts, dense, denseT, split_odd=False)
+        for s in range(cfg.core, min(cfg.E, T * cfg.k), cfg.ncores):
             r, g = _slot_registers(sched, s)
 
             def body(_i, s=s, r=r):

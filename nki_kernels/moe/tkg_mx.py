@@ -283,8 +283,22 @@ def expert_step(cfg, consts, ring, e, aff_col, xq, xs, down_sets, acc, w_gate_up
 
 def store_step(cfg, acc, out, bsum=None):
     """out[t, p * KT + kt] = acc[p, kt, t] (+ bsum [128, KT], T = 1's down biases) in out's dtype; each partition
-    writes KT-element runs per token (the bf16 path's out^T store)."""
+    writes KT-element runs per token (the bf16 path's out^T store). LNC 2: core c sends the other core's kt half of
+    its partial, adds the half it receives to its own (rounding straight to out's dtype) and stores that half."""
     T, KT, H = cfg.T, cfg.KT, cfg.H
+    if cfg.ncores > 1:
+        if bsum is not None:
+            nisa.tensor_tensor(dst=acc[:, :, 0], data1=acc[:, :, 0], data2=bsum, op=nl.add)
+        half = KT // 2
+        lo, olo = cfg.core * half, (1 - cfg.core) * half
+        other = nl.ndarray((P_MAX, half, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.sendrecv(src=acc[:, olo:olo + half, :T], dst=other[:, :, :T], send_to_rank=1 - cfg.core,
+                      recv_from_rank=1 - cfg.core, pipe_id=1)
+        o = nl.ndarray((P_MAX, cfg.GS, half), dtype=out.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=o[:, :T, :].permute((0, 2, 1)), data1=acc[:, lo:lo + half, :T],
+                           data2=other[:, :, :T], op=nl.add)
+        nisa.dma_copy(dst=out.ap([[KT, P_MAX], [H, T], [1, half]], offset=lo), src=o[:, :T, :])
+        return
     o = nl.ndarray((P_MAX, cfg.GS, KT), dtype=out.dtype, buffer=nl.sbuf)
     if bsum is None:
         nisa.tensor_copy(dst=o[:, :T, :].permute((0, 2, 1)), src=acc[:, :, :T])

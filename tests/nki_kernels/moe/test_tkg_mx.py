@@ -37,9 +37,9 @@ def _inputs(T, shape, skew=None, **over):
     return mx_args, kw_mx, (args[0], args[1], w_gu.to(torch.bfloat16), w_d.to(torch.bfloat16)), kw
 
 
-def run_and_check(T, shape, expert_mode="auto", skew=None, **over):
+def run_and_check(T, shape, expert_mode="auto", skew=None, lnc=1, **over):
     mx_args, kw_mx, bf_args, kw = _inputs(T, shape, skew, **over)
-    out, idx, aff = moe_tkg(*mx_args, **kw_mx, expert_mode=expert_mode, backend="nkisim")
+    out, idx, aff = moe_tkg(*mx_args, **kw_mx, expert_mode=expert_mode, backend="nkisim", lnc=lnc)
     ref, ridx, raff = moe_tkg(*mx_args, **kw_mx, backend="torch")
     assert out.shape == (T, shape["H"]) and out.dtype == mx_args[0].dtype
     assert not torch.isnan(out).any() and not torch.isnan(aff).any()
@@ -76,10 +76,16 @@ def test_small_variants(trn3, T, mode, over):
     run_and_check(T, SMALL, mode, **over)
 
 
-@pytest.mark.parametrize("skew,mode", [("one", "selective"), ("hot", "all")])
-def test_skewed_routing(trn3, skew, mode):
+@pytest.mark.parametrize("T,mode,shape", [(4, "selective", OSS20_TP8), (1, "selective", SMALL), (6, "all", SMALL)])
+def test_lnc2(trn3, T, mode, shape):
+    """LNC 2: the cores take alternate slots / experts and exchange kt halves of their partial outputs."""
+    run_and_check(T, shape, mode, lnc=2)
+
+
+@pytest.mark.parametrize("skew,mode,lnc", [("one", "selective", 1), ("hot", "all", 1), ("hot", "selective", 2)])
+def test_skewed_routing(trn3, skew, mode, lnc):
     """Every token on the same k experts (the other experts get none) / one hot expert."""
-    idx = run_and_check(16, MID, mode, skew=skew)
+    idx = run_and_check(16, MID, mode, skew=skew, lnc=lnc)
     if skew == "one":
         assert idx.tolist() == [[0, 1, 2, 3]] * 16
     else:
@@ -96,7 +102,6 @@ def test_refused_on_trn2_with_the_reason():
     (dict(w_down_scale=None), "w_down_scale"),
     (dict(w_gate_up="cut"), r"w_gate_up \(MXFP4 words\) must be \[E, 128, H/512=1, 2I\]"),
     (dict(w_down_scale="cut"), r"w_down_scale must be \[E, 16, chunks, N\]"),
-    (dict(lnc=2), "lnc=2 with MXFP4"),
     (dict(T=65), "T=65 must be <= 64 with MXFP4"),
 ])
 def test_bad_packed_arguments_raise_before_work(change, match):
@@ -107,10 +112,15 @@ def test_bad_packed_arguments_raise_before_work(change, match):
         change.pop("w_gate_up")
     if change.get("w_down_scale") == "cut":
         change["w_down_scale"] = kw_mx["w_down_scale"][:, :8]
-    lnc = change.pop("lnc", 1)
     kw_mx.update(change)
     with pytest.raises(ValueError, match=match):
-        moe_tkg(*a, **kw_mx, backend="torch", lnc=lnc)
+        moe_tkg(*a, **kw_mx, backend="torch")
+
+
+def test_one_expert_under_lnc2(trn3):
+    """LNC 2 with an odd count (every token on ONE expert, k = 1): one core serves it, the other only exchanges."""
+    idx = run_and_check(8, dict(MID, top_k=1), "selective", skew="one", lnc=2)
+    assert idx.flatten().tolist() == [0] * 8
 
 
 def test_expert_bytes_mxfp4():
