@@ -1015,6 +1015,7 @@ def _mx_experts(cfg, consts, ring, idx, aff, x, gamma, rstd, weights, b_gate_up,
     T = cfg.T
     w_gate_up, w_down, s_gu, s_d = weights
     xq, xs = tkg_mx.x_operand_step(cfg, x, gamma, rstd)
+    ring.make_valid(cfg)
     acc = nl.ndarray((P_MAX, cfg.KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
     one = cfg.mode == "selective" and T == 1
     dense = denseT = None

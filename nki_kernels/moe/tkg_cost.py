@@ -26,12 +26,14 @@ from nkisim.hardware import hardware
 
 ROUTE_LATENCY_S = 8e-6     # modelled routing prologue at GPT-OSS rank shapes (trn2 3.3 us at T = 1, 7.8 us at T = 8)
 SLOT_OVERHEAD_S = 0.96e-6  # modelled extra time per register-addressed expert slot (trn2)
-# MXFP4 experts (trn3, tkg_mx.py), read off the same way on GPT-OSS-20B TP=8: a slot costs (163.9 - 153.8) us / 32
-# beyond the all-expert stream (T = 32, both streaming all 32 experts); the stream of one expert moves at ~68 % of
-# the roof (4.26 us per 1.88 MB on trn3: the scale rows load through 8 of the 16 DMA engines and the 96 real down
-# partitions through 12, so the busiest engine carries ~1.15x the mean)
-MX_SLOT_OVERHEAD_S = 0.32e-6
-MX_STREAM_EFFICIENCY = 0.68
+# MXFP4 experts (trn3, tkg_mx.py), read off the same way on GPT-OSS-20B TP=8 (trn3): a slot costs (144.8 - 134.4) us
+# / 32 beyond the all-expert stream (T = 32, both streaming all 32 experts); the stream of one expert moves at ~78 %
+# of the roof (3.71 us per 1.77 MB: the busiest DMA engine carries ~1.15x the mean bytes, see DESIGN.md); no extra
+# routing latency for selective (the all-expert MX stream also waits for the x quantisation and the bias matmuls
+# before its first expert's compute: selective 123.1 vs all 131.2 us at T = 16, 28 touched)
+MX_ROUTE_LATENCY_S = 0.0
+MX_SLOT_OVERHEAD_S = 0.33e-6
+MX_STREAM_EFFICIENCY = 0.78
 
 
 def expected_touched(T, E, k):
@@ -50,12 +52,12 @@ def expert_bytes(H, inter, itemsize=2, mx=False):
 
 def mode_costs(T, E, k, H, inter, target="trn2", mx=False):
     """(t_selective, t_all) modelled seconds of the expert phase under the rule above (mx: MXFP4 expert bytes at the
-    MX path's measured stream efficiency and slot overhead)."""
+    MX path's measured stream efficiency, slot overhead and routing latency)."""
     t_w = expert_bytes(H, inter, mx=mx) / hardware(target).core.memory_bytes_per_s
     if mx:
         t_w /= MX_STREAM_EFFICIENCY
-    slot = MX_SLOT_OVERHEAD_S if mx else SLOT_OVERHEAD_S
-    return ROUTE_LATENCY_S + expected_touched(T, E, k) * (t_w + slot), E * t_w
+    slot, route = (MX_SLOT_OVERHEAD_S, MX_ROUTE_LATENCY_S) if mx else (SLOT_OVERHEAD_S, ROUTE_LATENCY_S)
+    return route + expected_touched(T, E, k) * (t_w + slot), E * t_w
 
 
 def choose_expert_mode(T, E, k, H, inter, target="trn2", mx=False):

@@ -23,13 +23,12 @@ import nki.language as nl
 
 from ..common.tiles import evict
 from .moe_torch import GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT
-from .mx_ops import MX_BLOCK, MX_CHUNK, MX_LANES, MX_ROWS, lane_columns, load_mx_scales
+from .mx_ops import MX_BLOCK, MX_CHUNK, MX_LANES, MX_ROWS, lane_columns, load_mx_scales, load_spread_scales
 
 P_MAX = nl.tile_size.pmax
 PSUM_F = nl.tile_size.psum_bank_fmax
-COL_PAD = MX_BLOCK     # every lane's stationary takes the chunk's real 32-blocks: up to 31 columns past 2I
-SCALE_BASE_D = 8       # the down scales sit at partitions 32 Q + 8..11 (the gate/up ones at 32 Q + 0..3): the two
-                       # scale loads go through different DMA engines (engine = partition // 8)
+FRONT = 3 * MX_BLOCK   # columns before the gate/up words: a spread chunk's first slots read up to 96 columns back
+COL_PAD = 4 * MX_BLOCK  # columns after them: a lane's 16 slots reach < 128 columns past 2I
 
 
 def expert_src(w, e, pattern, offset, stride):
@@ -45,24 +44,29 @@ def h_cols(t, kt, KT):
     return t[:, kt:kt + (P_MAX - 1) * KT + 1:KT]
 
 
-def chunk_rows(inter, c):
-    """(real I elements n_c of I chunk c, partitions R_c of its 32-blocks: 8 per block)."""
-    n = min(MX_CHUNK, inter - c * MX_CHUNK)
-    return n, -(-n // MX_BLOCK) * MX_ROWS
-
-
 class MxShape(nl.NKIObject):
-    """Trace-time sizes of the MX path: contraction chunks, output groups, SBUF bytes of a weight slot."""
+    """Trace-time sizes of the MX path: contraction chunks, output groups, SBUF bytes of a weight slot.
+
+    The last I chunk's real 32-blocks (12 at I = 360) are spread over the four quadrants, spq = ceil(blocks / 4) per
+    quadrant in its last group slots (lane_columns' per_quadrant): a DMA engine serves 8 partitions (one block), so
+    the down words then load through 4 spq engines spread over every quadrant, and the gate/up scale rows (partition
+    32 Q + 0..3, the first slot's engine) share an engine with no down words when spq < 4. Contiguous blocks
+    (spq = 4) would put 12 blocks' words on engines 0-11, the busiest of them also carrying both scale sets."""
 
     def __init__(self, H, inter, KDm, T):
         self.KC, self.KDm, self.I2 = H // MX_CHUNK, KDm, 2 * inter
-        self.wgu_w = self.KC * self.I2 + COL_PAD          # flat gate/up words (and scales) per partition
-        # per I chunk c: (real elements n_c, partitions R_c); gate lane q is PSUM group 4 c + q, up 4 (KDm + c) + q
-        self.chunks = tuple(chunk_rows(inter, c) for c in range(KDm))
-        self.n_acc = 2 * MX_LANES * KDm
-        # partitions of the last down chunk holding real I rows (whole 32-blocks); the words above are not loaded
-        self.p_last = self.chunks[-1][1]
-        self.slot_bytes = 3 * self.wgu_w + 3 * KDm * H + 2 * (self.I2 + COL_PAD)
+        self.wgu_w = FRONT + self.KC * self.I2 + COL_PAD      # flat gate/up words (and scales) per partition
+        self.chunks = tuple(min(MX_CHUNK, inter - c * MX_CHUNK) for c in range(KDm))   # real elements per chunk
+        self.blocks_last = -(-self.chunks[-1] // MX_BLOCK)
+        self.spq = -(-self.blocks_last // 4)          # last chunk: blocks per quadrant (4 = contiguous layout)
+        self.n_acc = 2 * MX_LANES * KDm               # gate lane q of chunk c: group 4 c + q; up: 4 (KDm + c) + q
+        # the down scales' partition base: 8 (other engines than the gate/up scales) in the contiguous layout, 0
+        # when spread (slot 0 of each quadrant holds no down words then)
+        self.base_d = 8 if self.spq == 4 else 0
+        self.slot_bytes = 3 * self.wgu_w + 3 * KDm * H + 2 * (FRONT + self.I2 + COL_PAD)
+
+    def per_quadrant(self, c):
+        return self.spq if c == self.KDm - 1 else 4
 
 
 class MxRing(nl.NKIObject):
@@ -77,36 +81,24 @@ class MxRing(nl.NKIObject):
         self.sgu = tuple(nl.ndarray((P_MAX, mx.wgu_w), dtype=nl.uint8, buffer=nl.sbuf) for _ in range(cfg.nbuf))
         self.wd = tuple(nl.ndarray((P_MAX, mx.KDm, cfg.H), dtype=fp4, buffer=nl.sbuf) for _ in range(cfg.nbuf))
         self.sd = tuple(nl.ndarray((P_MAX, mx.KDm, cfg.H), dtype=nl.uint8, buffer=nl.sbuf) for _ in range(cfg.nbuf))
-        self.bgu = tuple(nl.ndarray((1, mx.I2 + COL_PAD), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
+        self.bgu = tuple(nl.ndarray((1, FRONT + mx.I2 + COL_PAD), dtype=cfg.dtype, buffer=nl.sbuf)
+                         for _ in range(cfg.nbuf))
         for b in range(cfg.nbuf):
-            # the columns a lane's last 32-block may read past 2I: defined values (zero). The down words above the
-            # real I blocks are never loaded nor set: any E2M1 code is finite (no NaN / Inf codes) and their scales
-            # are loaded (pack's padding blocks: 2**0), so they only multiply zero activations. (Setting those scale
-            # rows here instead costs GpSimd time on the routing's path; their DMA runs on engines 12-15, which
-            # carry no down words.)
-            nisa.memset(dst=self.wgu[b][:, mx.wgu_w - COL_PAD:], value=0, engine=nisa.engine.gpsimd)
-            nisa.memset(dst=self.sgu[b][:, mx.wgu_w - COL_PAD:], value=127, engine=nisa.engine.gpsimd)
-            nisa.memset(dst=self.bgu[b][:, mx.I2:], value=0.0, engine=nisa.engine.gpsimd)
+            # the columns a lane's slots may read before / past the words: defined values (zero, scale 2**0); their
+            # results are discarded. Down words of slots without a real block are never loaded nor set: any E2M1
+            # code is finite (no NaN / Inf codes) and their scales are 2**0 (padding blocks' scales, loaded: see
+            # load_step), so they only multiply zero activations.
+            for lo, hi in ((0, FRONT), (mx.wgu_w - COL_PAD, mx.wgu_w)):
+                nisa.memset(dst=self.wgu[b][:, lo:hi], value=0, engine=nisa.engine.gpsimd)
+                nisa.memset(dst=self.sgu[b][:, lo:hi], value=127, engine=nisa.engine.gpsimd)
+            nisa.memset(dst=self.bgu[b][:, :FRONT], value=0.0, engine=nisa.engine.gpsimd)
+            nisa.memset(dst=self.bgu[b][:, FRONT + mx.I2:], value=0.0, engine=nisa.engine.gpsimd)
         self.ps_gu = tuple(nl.ndarray((P_MAX, mx.n_acc + 1, GS), dtype=nl.float32, buffer=nl.psum)
                            for _ in range(cfg.n_gu))
         self.xa = tuple(nl.ndarray((P_MAX, mx.KDm, GS, MX_LANES), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(2))
         for t in self.xa:
             nisa.memset(dst=t[:, :, :T, :], value=0.0, engine=nisa.engine.gpsimd)
-        # valid[p, q] = 1 iff partition p, lane q of the last I chunk is a real element (j = 32 (p // 8) + 8 q + p % 8
-        # < n_c; j = 4 p - 3 (p % 8) + 8 q): the activation of a whole chunk runs on all lanes, then this zeroes the
-        # padding elements of its last block
-        n_last, R = mx.chunks[-1]
         self.valid = None
-        if n_last < R * MX_LANES:
-            j = nl.ndarray((P_MAX, MX_LANES), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.iota(dst=j, pattern=[[MX_ROWS, MX_LANES]], offset=0, channel_multiplier=MX_LANES)
-            m8 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.iota(dst=m8, pattern=[[0, 1]], offset=0, channel_multiplier=1)
-            nisa.tensor_scalar(dst=m8, data=m8, op0=nl.mod, operand0=float(MX_ROWS), op1=nl.multiply,
-                               operand1=float(MX_LANES - 1))
-            self.valid = nl.ndarray((P_MAX, MX_LANES), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=self.valid, data=j, op0=nl.subtract, operand0=m8, op1=nl.less,
-                               operand1=float(n_last))
         self.aq = tuple(nl.ndarray((P_MAX, mx.KDm, GS), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf) for _ in range(2))
         self.as_ = tuple(nl.ndarray((P_MAX, mx.KDm, GS), dtype=nl.uint8, buffer=nl.sbuf) for _ in range(2))
         self.affb = tuple(nl.ndarray((P_MAX, GS), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2))
@@ -114,6 +106,36 @@ class MxRing(nl.NKIObject):
                                for _ in range(4)) for _ in range(2))
         self.sc = nl.ndarray((P_MAX, cfg.kt_bank, GS), dtype=nl.float32, buffer=nl.sbuf)
         self.n = 0
+
+    def make_valid(self, cfg):
+        """The last I chunk's validity mask (None when its blocks are all real): issued after the routing, so
+        these small VectorE operations stay off the routing's path."""
+        mx = cfg.mxs
+        # valid[p, q] = 1 iff partition p, lane q of the last I chunk holds a real element: slot i = (p % 32) // 8
+        # of quadrant Q = p // 32 holds block g = spq Q + i - (4 - spq) when i >= 4 - spq, and the element is
+        # j = 32 g + 8 q + p % 8 < n_c. The activation of a chunk runs on all 128 partitions and lanes; this zeroes
+        # the rest (a nonzero there would change its block's shared exponent or add a block twice).
+        n_last, spq = mx.chunks[-1], mx.spq
+        if n_last < MX_CHUNK:
+            gp = nisa.engine.gpsimd
+            f32 = nl.float32
+            pf, r, p32, t = (nl.ndarray((P_MAX, 1), dtype=f32, buffer=nl.sbuf) for _ in range(4))
+            nisa.iota(dst=pf, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+            nisa.tensor_scalar(dst=r, data=pf, op0=nl.mod, operand0=float(MX_ROWS))
+            nisa.tensor_scalar(dst=p32, data=pf, op0=nl.mod, operand0=32.0)
+            nisa.tensor_tensor(dst=pf, data1=pf, data2=p32, op=nl.subtract, engine=gp)          # 32 Q
+            nisa.tensor_tensor(dst=p32, data1=p32, data2=r, op=nl.subtract, engine=gp)          # 8 i
+            nisa.tensor_scalar(dst=pf, data=pf, op0=nl.multiply, operand0=float(spq))
+            nisa.scalar_tensor_tensor(dst=pf, data=p32, op0=nl.multiply, operand0=4.0, op1=nl.add, operand1=pf)
+            nisa.scalar_tensor_tensor(dst=pf, data=r, op0=nl.add, operand0=-float(MX_BLOCK * (4 - spq)),
+                                      op1=nl.add, operand1=pf)                        # 32 g + p % 8
+            # t = 1 iff the slot holds a block
+            nisa.tensor_scalar(dst=t, data=p32, op0=nl.greater_equal, operand0=float(MX_ROWS * (4 - spq)))
+            j = nl.ndarray((P_MAX, MX_LANES), dtype=f32, buffer=nl.sbuf)
+            nisa.iota(dst=j, pattern=[[MX_ROWS, MX_LANES]], offset=0, channel_multiplier=0)
+            self.valid = nl.ndarray((P_MAX, MX_LANES), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=j, data=j, op0=nl.add, operand0=pf, op1=nl.less, operand1=float(n_last))
+            nisa.tensor_scalar(dst=self.valid, data=j, op0=nl.multiply, operand0=t)
 
 
 def x_operand_step(cfg, x, gamma, rstd):
@@ -158,23 +180,52 @@ def x_operand_step(cfg, x, gamma, rstd):
 
 def load_step(cfg, ring, b, e, w_gate_up, w_down, scales, b_gate_up):
     """Expert e's MXFP4 weights into slot b: gate/up words one contiguous run per partition (KC * 2I words), the
-    down words of the real I blocks only (p_last partitions of the last chunk), both projections' 16 scale rows in
-    the quadrant layout (mx_ops.load_mx_scales), the gate/up bias row."""
+    down words of the real I blocks only (the last chunk's spread over the quadrants: MxShape), both projections'
+    scale rows in the quadrant layout (mx_ops), the gate/up bias row."""
     mx, H = cfg.mxs, cfg.H
     row = mx.KC * mx.I2
-    nisa.dma_copy(dst=ring.wgu[b][:, :row], src=expert_src(w_gate_up, e, [[row, P_MAX], [1, row]], 0, P_MAX * row))
-    load_mx_scales(ring.sgu[b][:, :row], row,
+    wgu = ring.wgu[b][:, FRONT:FRONT + row]
+    nisa.dma_copy(dst=wgu, src=expert_src(w_gate_up, e, [[row, P_MAX], [1, row]], 0, P_MAX * row))
+    load_mx_scales(ring.sgu[b][:, FRONT:FRONT + row], row,
                    lambda pat, off: expert_src(scales[0], e, pat, off, 16 * row))
-    drow = mx.KDm * H
-    if mx.KDm > 1:
-        nisa.dma_copy(dst=ring.wd[b][:, :mx.KDm - 1, :],
+    drow, KDm = mx.KDm * H, mx.KDm
+
+    def d_src(pat, off):
+        return expert_src(scales[1], e, pat, off, 16 * drow)
+
+    if KDm > 1:
+        nisa.dma_copy(dst=ring.wd[b][:, :KDm - 1, :],
                       src=expert_src(w_down, e, [[drow, P_MAX], [1, drow - H]], 0, P_MAX * drow))
-    nisa.dma_copy(dst=ring.wd[b][:mx.p_last, mx.KDm - 1, :],
-                  src=expert_src(w_down, e, [[drow, mx.p_last], [1, H]], drow - H, P_MAX * drow))
-    load_mx_scales(ring.sd[b], drow, lambda pat, off: expert_src(scales[1], e, pat, off, 16 * drow),
-                   base=SCALE_BASE_D)
+    last = (KDm - 1) * H
+    if mx.spq == 4:
+        p_last = mx.blocks_last * MX_ROWS
+        nisa.dma_copy(dst=ring.wd[b][:p_last, KDm - 1, :],
+                      src=expert_src(w_down, e, [[drow, p_last], [1, H]], last, P_MAX * drow))
+        load_mx_scales(ring.sd[b], drow, d_src, base=mx.base_d)
+        return _load_bias(mx, ring, b, e, b_gate_up)
+    rows = MX_ROWS * mx.spq          # block spq Q + i -> slot 4 Q + 4 - spq + i
+    for q in range(4):
+        p0 = 32 * q + 32 - rows
+        nisa.dma_copy(dst=ring.wd[b][p0:p0 + rows, KDm - 1, :],
+                      src=expert_src(w_down, e, [[drow, rows], [1, H]], q * rows * drow + last, P_MAX * drow))
+    if KDm > 1:
+        load_mx_scales(ring.sd[b][:, :KDm - 1, :], drow, d_src, base=mx.base_d, cols=(0, last))
+    load_spread_scales(ring.sd[b][:, KDm - 1, :], drow, d_src, mx.spq, (last, H))
+    if ring.n < cfg.nbuf:
+        # the slot's first use: the empty slots' scale rows (4 - spq per quadrant, never loaded again) from this
+        # expert's padding blocks (blocks_last.. : 2**0 in pack's layout; at least 4 (4 - spq) of them exist) -- a
+        # DMA after the expert's own, where a GpSimd memset of the rows would cost ~2.5 us each
+        d = 4 - mx.spq
+        for q in range(4):
+            nisa.dma_copy(dst=ring.sd[b][32 * q:32 * q + d, KDm - 1, :],
+                          src=d_src([[drow, d], [1, H]], (mx.blocks_last + q * d) * drow + last))
+    return _load_bias(mx, ring, b, e, b_gate_up)
+
+
+def _load_bias(mx, ring, b, e, b_gate_up):
     if b_gate_up is not None:
-        nisa.dma_copy(dst=ring.bgu[b][:, :mx.I2], src=expert_src(b_gate_up, e, [[mx.I2, 1], [1, mx.I2]], 0, mx.I2))
+        nisa.dma_copy(dst=ring.bgu[b][:, FRONT:FRONT + mx.I2],
+                      src=expert_src(b_gate_up, e, [[mx.I2, 1], [1, mx.I2]], 0, mx.I2))
 
 
 def gate_up_step(cfg, consts, ring, b, xq, xs, aff_col, has_bias):
@@ -190,21 +241,22 @@ def gate_up_step(cfg, consts, ring, b, xq, xs, aff_col, has_bias):
     nisa.activation(dst=ring.affb[ring.n % 2][:, :T], op=nl.copy, data=ps[:, mx.n_acc, :T])
     inter = mx.I2 // 2
     groups = []
-    for c, (_, R) in enumerate(mx.chunks):
+    for c in range(mx.KDm):
         for q in range(MX_LANES):
             for g, col in ((4 * c + q, c * MX_CHUNK), (4 * (mx.KDm + c) + q, inter + c * MX_CHUNK)):
-                groups.append((g, col, q, R // MX_ROWS))
+                groups.append((g, FRONT + col, q, mx.per_quadrant(c)))
     for k in range(mx.KC):
-        for g, col, q, ng in groups:
-            nisa.nc_matmul_mx(dst=ps[:MX_ROWS * ng, g, :T],
-                              stationary=lane_columns(ring.wgu[b], mx.wgu_w, P_MAX, k * mx.I2 + col, q, ng),
+        for g, col, q, spq in groups:
+            off = k * mx.I2 + col
+            nisa.nc_matmul_mx(dst=ps[:, g, :T],
+                              stationary=lane_columns(ring.wgu[b], mx.wgu_w, P_MAX, off, q, per_quadrant=spq),
                               moving=xq[:, k, :T],
-                              stationary_scale=lane_columns(ring.sgu[b], mx.wgu_w, P_MAX, k * mx.I2 + col, q, ng),
+                              stationary_scale=lane_columns(ring.sgu[b], mx.wgu_w, P_MAX, off, q, per_quadrant=spq),
                               moving_scale=xs[:, k, :T], accumulate=k > 0)
     if has_bias:
-        for g, col, q, ng in groups:
-            nisa.nc_matmul(dst=ps[:MX_ROWS * ng, g, :T],
-                           stationary=lane_columns(ring.bgu[b], mx.I2 + COL_PAD, 1, col, q, ng),
+        for g, col, q, spq in groups:
+            nisa.nc_matmul(dst=ps[:, g, :T],
+                           stationary=lane_columns(ring.bgu[b], FRONT + mx.I2 + COL_PAD, 1, col, q, per_quadrant=spq),
                            moving=consts.ones_bf[0:1, :T], accumulate=True)
     return ps
 
@@ -217,7 +269,8 @@ def activation_step(cfg, ring, ps):
     T, mx = cfg.T, cfg.mxs
     xa = ring.xa[ring.n % 2]
     g, sg, glu, u = ring.tmp[ring.n % 2]      # (u: the diag of gate_up_step, consumed by its matmul)
-    for c, (_, R) in enumerate(mx.chunks):
+    R = P_MAX
+    for c in range(mx.KDm):
         gate = ps[:R, 4 * c:4 * c + 4, :T]
         up = ps[:R, 4 * (mx.KDm + c):4 * (mx.KDm + c) + 4, :T]
         dst = xa[:R, c, :T, :].permute((0, 2, 1))        # [R, lane, token]
@@ -255,7 +308,7 @@ def down_step(cfg, ring, b, aq, as_, banks, acc):
         for c in range(mx.KDm):
             nisa.nc_matmul_mx(dst=bank[:, kt % cfg.kt_bank, :T], stationary=h_cols(ring.wd[b][:, c, :], kt, KT),
                               moving=aq[:, c, :T],
-                              stationary_scale=h_cols(ring.sd[b][SCALE_BASE_D:, c, :], kt, KT),
+                              stationary_scale=h_cols(ring.sd[b][mx.base_d:, c, :], kt, KT),
                               moving_scale=as_[:, c, :T], accumulate=c > 0)
     for i, bank in enumerate(banks):
         k0 = i * cfg.kt_bank
