@@ -9,10 +9,11 @@ in the TKG part).
 Orientation (T <= 64 tokens): the weights are the stationary operand and the tokens the moving one (T columns per
 matmul, as the bf16 path), so
 - gate/up: per contraction chunk k (512 H elements) and output group, the stationary is one lane's column set of
-  the chunk's weights (mx_ops.lane_columns): output element 32 g + 8 lane + r of I lands on partition 8 g + r, i.e.
-  the activation comes out in the MX order of the down projection's contraction, one lane per group, with no
-  transposes. Only a lane's real I rows (a prefix of its partitions) are written; the rest stay 0, as the MX
-  zero-padding of I requires (a nonzero there would change the block's shared exponent).
+  the chunk's weights (mx_ops.lane_columns): output element 32 g + 8 lane + r of I lands on partition 8 g + r (the
+  last chunk's blocks spread over the quadrants, MxShape), i.e. the activation comes out in the MX order of the
+  down projection's contraction, one lane per group, with no transposes. Partitions without a real element are
+  zeroed (MxRing.valid), as the MX zero-padding of I requires (a nonzero there would change a block's shared
+  exponent).
 - down: stationary = 128 H columns of the down words (h = p * KT + kt, the bf16 path's out^T layout), moving = the
   quantised activations; per expert into PSUM, then acc += psum * affinity (per token) in fp32 SBUF: the affinity
   cannot go into the activations as in the bf16 path, since MXFP8 rounding of a * act is not a * rounding of act.
