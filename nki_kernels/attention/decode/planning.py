@@ -68,19 +68,23 @@ def _slot_bounds(cfg, lo, hi):
 
     Contiguous: slots of fa_tile positions, the last one split so that only FA_SUB positions arrive last (the
     compute left after the last K/V byte is then one step); row-major steps on scans up to FIRST_SPLIT positions
-    (FIRST_SPLIT_WSPLIT with LNC=2 split weights), and position-major ones with split weights, split the first one
-    too, so the first step starts on FA_SUB positions instead of a whole slot (its transfers no longer hold every
-    DMA engine for ~10 us while the weights' dependants wait). Paged: slots of 128 * 2^m positions, each starting
-    at a multiple of its own size, largest first. A paged slot is whole blocks: the scan's bounds are multiples of
-    u = max(128, block size) and fa_tile >= FA_SUB >= MAX_BLOCK, so the halving stops at w >= block size.
+    (FIRST_SPLIT_WSPLIT with LNC=2 split weights), and position-major ones with split weights (a context split's
+    core: below FIRST_SPLIT_WSPLIT), split the first one too, so the first step starts on FA_SUB positions instead
+    of a whole slot (its transfers no longer hold every DMA engine for ~10 us while the weights' dependants wait).
+    Paged: slots of 128 * 2^m positions, each starting at a multiple of its own size, largest first. A paged slot
+    is whole blocks: the scan's bounds are multiples of u = max(128, block size) and fa_tile >= FA_SUB >= MAX_BLOCK,
+    so the halving stops at w >= block size.
     """
     if not cfg.paged:
         bounds = list(range(lo, hi, cfg.fa_tile)) + [hi]
         if len(bounds) >= 2 and bounds[-1] - bounds[-2] > FA_SUB:
             bounds.insert(len(bounds) - 1, bounds[-1] - FA_SUB)
-        # position-major with split weights: always (the QKV partial-sum exchange queues behind the first slot's
-        # transfers otherwise; modelled nki-library q1 B2 S5 10K LNC=2 39.8 -> 37.7 us)
-        first = cfg.wsplit if cfg.pmajor else hi - lo <= (FIRST_SPLIT_WSPLIT if cfg.wsplit else FIRST_SPLIT)
+        # position-major with split weights: the QKV partial-sum exchange queues behind the first slot's transfers
+        # otherwise (modelled nki-library q1 B2 S5 10K LNC=2 39.8 -> 37.7 us); a context split's core scanning
+        # FIRST_SPLIT_WSPLIT positions or more keeps its first slot whole (split: GPT-OSS / Llama-8B B=1 16K LNC=2
+        # 33.2 -> 34.2 / 35.9 -> 38.2 us)
+        first = (cfg.wsplit and (not cfg.split or hi - lo < FIRST_SPLIT_WSPLIT)) if cfg.pmajor else \
+            hi - lo <= (FIRST_SPLIT_WSPLIT if cfg.wsplit else FIRST_SPLIT)
         if first and len(bounds) >= 2 and bounds[1] - bounds[0] > FA_SUB:
             bounds.insert(1, bounds[0] + FA_SUB)
         return bounds
