@@ -19,6 +19,21 @@ The dense affinities carry UNSELECTED (−1) for experts a token does not use. S
 probabilities (≥ 0, possibly 0 after underflow), so top-k of the gathered rows recovers exactly each token's
 experts and affinities, in descending order, even when an affinity is 0 or logits tie. The down-projection bias is
 added on TP rank 0 only (the partials are summed). Collectives run in the activations' dtype, as on the device.
+
+Expert formats (``expert_format``): "bf16" (default) holds the experts in the parameter dtype (an MXFP4 checkpoint
+is dequantised at load: the trn2 route, which has no MX matmul); "mxfp4" keeps this rank's experts packed as the
+kernels' MX path takes them (w_gate_up / w_down int16 words of float4_e2m1fn_x4, w_gate_up_scale / w_down_scale
+uint8 E8M0, ``nki_kernels/moe/mx_weights.py``'s layout; 4x fewer weight bytes) and loads them from the GPT-OSS
+MXFP4 blocks/scales without a bf16 round trip. Each rank's I-shard must lie on 32-element MX blocks: build the shape
+with ``intermediate_padded=mx_aligned_intermediate(I, tp)`` (GPT-OSS-20B TP8: 2880 → 3072, 384 a rank); hidden_padded
+must be a multiple of 512. Decode runs moe_tkg and prefill moe_cte with the scales (the kernels' trn3 MX path:
+tokens and activations quantised to MXFP8 on chip); backend "torch" runs their MX references (moe_torch(mx=True),
+moe_cte_torch(mx=True)) so the layer runs on CPU. The target is the kernels' own choice (the compile target,
+NEURON_PLATFORM_TARGET_OVERRIDE for nkisim as for neuronx-cc): on trn2 the kernels refuse MXFP4 with the reason
+(no nc_matmul_mx / quantize_mx; use expert_format="bf16" there) — no silent dequantising fallback, which would
+change the numerics and the weight footprint behind the caller's back. Decode batches above the MX TKG kernel's
+64 tokens run as several kernel calls of <= 64 tokens (tokens are independent: exact, but each call streams the
+touched experts again), as bf16 decode does above 128.
 """
 
 from __future__ import annotations
@@ -37,14 +52,21 @@ from modules.moe.loaders import (
     gpt_oss_checkpoint_is_mxfp4,
     gpt_oss_moe_mappings,
     hidden_vector_loader,
+    mx_down_loader,
+    mx_gate_up_loader,
+    mx_packed_shapes,
+    mx_shard_error,
 )
 from modules.moe.router import MoERouter
 from modules.moe.shape import MoEShape
+from nki_kernels.entry import BACKENDS, resolve_backend
 from nki_kernels.entry import to_torch as as_torch
 from nki_kernels.moe import ACTIVATIONS, moe_cte, moe_tkg, rmsnorm_torch
 from nki_kernels.moe.moe_tkg import MAX_TOKENS as TKG_MAX_TOKENS
+from nki_kernels.moe.moe_tkg import OUTT_MAX_TOKENS as TKG_MX_MAX_TOKENS
 
 UNSELECTED = -1.0
+EXPERT_FORMATS = ("bf16", "mxfp4")
 
 
 class MoELayer(nn.Module):
@@ -53,6 +75,8 @@ class MoELayer(nn.Module):
     Parameters (kernel layout, this rank's shard): router.weight [Hp, E], router.bias [E], w_gate_up [E, Hp, 2, Is],
     b_gate_up [E, 2, Is], w_down [E, Is, Hp], b_down [E, Hp] (replicated, added on rank 0), and gamma [Hp] when
     ``norm_eps`` is given (the fused pre-MoE RMSNorm). Each parameter carries its GPT-OSS checkpoint loader.
+    expert_format "mxfp4" (module docstring): w_gate_up [E, 128, Hp/512, 2·Is] and w_down [E, 128, ceil(Is/512), Hp]
+    int16 words, w_gate_up_scale / w_down_scale [E, 16, chunks, N] uint8, loaded from the MXFP4 checkpoint only.
     forward(x, sequence_parallel) returns the MoE output (no residual) with x's width (H or Hp) and dtype.
     backend / lnc / expert_mode / block_size go to the kernel entries ``nki_kernels.moe.router / moe_tkg / moe_cte``
     (backend "auto" | "nki" | "nkisim" | "torch"; "torch" runs their references).
@@ -61,27 +85,42 @@ class MoELayer(nn.Module):
     def __init__(self, shape: MoEShape, tp_group, *, router_mode: str = "gpt_oss", renormalize: bool = False,
                  activation: str = "clamped_swiglu", bias: bool = True, norm_eps: float | None = None,
                  dtype: torch.dtype = torch.bfloat16, backend: str = "auto", expert_mode: str = "auto",
-                 block_size: int | None = None, lnc: int = 1) -> None:
+                 block_size: int | None = None, lnc: int = 1, expert_format: str = "bf16") -> None:
         super().__init__()
+        if expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"MoELayer: expert_format must be one of {EXPERT_FORMATS}, got {expert_format!r}")
+        if expert_format == "mxfp4" and (err := mx_shard_error(shape)):
+            raise ValueError(err)
         if tp_group.world_size != shape.tp_size:
             raise ValueError(f"MoELayer: tp_group world_size={tp_group.world_size} != shape.tp_size={shape.tp_size}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"MoELayer: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.shape, self.tp_group, self.activation, self.backend = shape, tp_group, activation, backend
         self.norm_eps, self.expert_mode, self.block_size, self.lnc = norm_eps, expert_mode, block_size, lnc
+        self.expert_format = expert_format
         rank = tp_group.rank_in_group
         self.add_down_bias = rank == 0
         E, Hp, Is = shape.experts, shape.hidden_padded, shape.i_per_rank
 
-        def param(*size, loader):
-            p = nn.Parameter(torch.zeros(*size, dtype=dtype), requires_grad=False)
+        def param(*size, loader, pdtype=dtype):
+            p = nn.Parameter(torch.zeros(*size, dtype=pdtype), requires_grad=False)
             # The loader uses this group's rank, whatever rank the model loader passes.
             set_weight_loader(p, with_rank_override(loader, rank))
             return p
 
         self.router = MoERouter(shape, router_mode, renormalize, bias=bias, dtype=dtype, backend=backend)
-        self.w_gate_up = param(E, Hp, 2, Is, loader=gate_up_weight_loader(shape))
-        self.w_down = param(E, Is, Hp, loader=down_weight_loader(shape))
+        self.w_gate_up_scale = self.w_down_scale = None
+        if expert_format == "mxfp4":
+            mx = mx_packed_shapes(shape)
+            self.w_gate_up = param(*mx["w_gate_up"], loader=mx_gate_up_loader(shape, "blocks"), pdtype=torch.int16)
+            self.w_gate_up_scale = param(*mx["w_gate_up_scale"], loader=mx_gate_up_loader(shape, "scales"),
+                                         pdtype=torch.uint8)
+            self.w_down = param(*mx["w_down"], loader=mx_down_loader(shape, "blocks"), pdtype=torch.int16)
+            self.w_down_scale = param(*mx["w_down_scale"], loader=mx_down_loader(shape, "scales"),
+                                      pdtype=torch.uint8)
+        else:
+            self.w_gate_up = param(E, Hp, 2, Is, loader=gate_up_weight_loader(shape))
+            self.w_down = param(E, Is, Hp, loader=down_weight_loader(shape))
         self.b_gate_up = param(E, 2, Is, loader=gate_up_bias_loader(shape)) if bias else None
         self.b_down = param(E, Hp, loader=hidden_vector_loader(shape, "down_proj_bias [E, H]")) if bias else None
         self.gamma = None
@@ -90,16 +129,41 @@ class MoELayer(nn.Module):
 
     def load_gpt_oss(self, path: str | Path | SafetensorsCheckpoint, layer: int,
                      pipelined: bool = True) -> dict[str, torch.Tensor]:
-        """Load this rank's shard of GPT-OSS decoder layer ``layer``'s MoE (bf16 or MXFP4 experts, detected) and,
-        with the fused norm, its post-attention RMSNorm weight, from an HF-layout safetensors file or directory.
+        """Load this rank's shard of GPT-OSS decoder layer ``layer``'s MoE (bf16 or MXFP4 experts, detected; MXFP4
+        only with expert_format "mxfp4", packed as is) and, with the fused norm, its post-attention RMSNorm weight,
+        from an HF-layout safetensors file or directory.
         pipelined: through ``load_sharded_pipelined`` (the gate_up and down reads and dequantisations run in two
         reader threads) or the sequential ``load_sharded``; the result is the same."""
         ckpt = path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
-        mappings = gpt_oss_moe_mappings(layer, gpt_oss_checkpoint_is_mxfp4(ckpt, layer), norm=self.gamma is not None)
+        mappings = gpt_oss_moe_mappings(layer, gpt_oss_checkpoint_is_mxfp4(ckpt, layer), norm=self.gamma is not None,
+                                        packed=self.expert_format == "mxfp4")
         load = ckpt.load_sharded_pipelined if pipelined else ckpt.load_sharded
         return load(self.tp_group.rank_in_group, self.tp_group.world_size, self, mappings)
 
     # -- helpers ---------------------------------------------------------------------------------------------
+    def _experts(self, op: str) -> tuple[object, object, dict]:
+        """(w_gate_up, w_down, scale kwargs) as the kernel entries take them. Packed MXFP4 words go to the nkisim
+        kernels as float4_e2m1fn_x4 arrays (nkisim.mx.PackedArray over the same storage words)."""
+        if self.expert_format != "mxfp4":
+            return self.w_gate_up, self.w_down, {}
+        scales = dict(w_gate_up_scale=self.w_gate_up_scale.detach(), w_down_scale=self.w_down_scale.detach())
+        if self.backend == "torch" or self.backend not in BACKENDS:  # an unknown name: the entry refuses it
+            return self.w_gate_up.detach(), self.w_down.detach(), scales
+        backend = resolve_backend(f"MoELayer.{op}", self.backend)
+        if backend == "nki":
+            # torch/xla cannot pass x4 packed dtypes to a kernel (nki-library takes int16 words and reinterprets
+            # them inside the kernel); our kernels check for float4_e2m1fn_x4 words, so this route is not wired.
+            raise NotImplementedError(
+                f"MoELayer.{op}: expert_format='mxfp4' with backend 'nki' (AWS's real nki) is not wired: the kernels "
+                "take float4_e2m1fn_x4 words, which torch cannot pass; use backend 'nkisim' or 'torch', or "
+                "expert_format='bf16'")
+        from nkisim import dtypes as nk_dtypes
+        from nkisim import mx as nk_mx
+
+        fp4 = nk_dtypes.as_dtype("float4_e2m1fn_x4")
+        words = [nk_mx.PackedArray(w.detach().numpy().view(fp4.storage), fp4) for w in (self.w_gate_up, self.w_down)]
+        return words[0], words[1], scales
+
     def _padded(self, x: torch.Tensor, what: str) -> torch.Tensor:
         s = self.shape
         if x.dim() != 2 or x.shape[1] not in (s.hidden, s.hidden_padded):
@@ -130,21 +194,23 @@ class MoELayer(nn.Module):
         h_all = g.all_gather(h, dim=0)
         dense_all = g.all_gather(dense, dim=0)
         aff_all, index_all = torch.topk(dense_all, self.shape.top_k, dim=-1)
-        partial = as_torch(moe_cte(h_all, index_all, aff_all, self.w_gate_up, self.w_down, b_gate_up=self.b_gate_up,
+        w_gate_up, w_down, scales = self._experts("prefill")
+        partial = as_torch(moe_cte(h_all, index_all, aff_all, w_gate_up, w_down, b_gate_up=self.b_gate_up,
                                    b_down=self.b_down, activation=self.activation, add_down_bias=self.add_down_bias,
-                                   block_size=self.block_size, backend=self.backend, lnc=self.lnc))
+                                   block_size=self.block_size, backend=self.backend, lnc=self.lnc, **scales))
         out = g.reduce_scatter(partial.to(x.dtype), dim=0)
         return out[:, :width]
 
     def _tkg_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's TKG output for x [T, H or Hp], padded width [T, Hp], in x's dtype. A batch above the TKG
-        kernel's token limit runs as several kernel calls (tokens are independent)."""
+        kernel's token limit (128; 64 with MXFP4 experts) runs as several kernel calls (tokens are independent)."""
         h = self._padded(x, "decode")
         r = self.router
+        w_gate_up, w_down, scales = self._experts("decode")
         partials = []
-        for piece in h.split(TKG_MAX_TOKENS):
+        for piece in h.split(TKG_MX_MAX_TOKENS if scales else TKG_MAX_TOKENS):
             out, _, _ = moe_tkg(
-                piece, r.weight, self.w_gate_up, self.w_down, top_k=self.shape.top_k, b_router=r.bias,
+                piece, r.weight, w_gate_up, w_down, **scales, top_k=self.shape.top_k, b_router=r.bias,
                 b_gate_up=self.b_gate_up, b_down=self.b_down, gamma=self.gamma, eps=self.norm_eps or 1e-5,
                 hidden_actual=self.shape.hidden, router_mode=r.mode, renormalize=r.renormalize,
                 activation=self.activation, add_down_bias=self.add_down_bias, expert_mode=self.expert_mode,

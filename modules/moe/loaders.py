@@ -29,6 +29,15 @@ contiguous range [2·start, 2·stop) of the checkpoint's 2I axis, so one slice r
 down_proj is blocked along I: the rank reads the blocks covering its columns (whole blocks: an unaligned shard reads
 at most one extra block at each end, none when I-shards are block-aligned, see ``mx_aligned_intermediate``) and
 dequantises them to the parameter dtype on load (bf16 on trn2, which has no MX matmul; E2M1 × 2^k is exact in bf16).
+
+Packed MXFP4 (``MoELayer(expert_format="mxfp4")``, trn3): the ``mx_*_loader``s keep the experts MXFP4 and convert the
+rank's blocks/scales slices straight into the kernels' packed layout (``nki_kernels/moe/mx_weights.py``: words
+[E, 128, K/512, N] int16 = float4_e2m1fn_x4 storage, element j of a 512-chunk on partition 8 (j // 32) + j % 8 in
+nibble (j % 32) // 8; scales [E, 16, K/512, N] uint8, group g of chunk c = block 16 c + g), nibbles and bytes moved,
+never dequantised. The contraction K (H for gate/up, I for down) is zero-padded to whole 512-chunks (zero codes,
+scale 127 as ``mx_weights.pack``); N = gate columns then up columns of the rank's I-shard (gate/up) or Hp (down).
+Each rank's I-shard must lie on 32-element MX blocks (``mx_shard_error``): with the I padding of
+``mx_aligned_intermediate`` every shard starts on a block and reads exactly its own blocks.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from typing import Any
 import torch
 
 from modules.loading.loaders import slice_shape
-from modules.moe.shape import MX_BLOCK, MoEShape
+from modules.moe.shape import MX_BLOCK, MoEShape, mx_aligned_intermediate
 from nki_kernels.moe.moe_torch import E8M0_BIAS, E8M0_NAN, FP4_E2M1_VALUES
 
 MX_BYTES = MX_BLOCK // 2  # two E2M1 values a byte
@@ -111,6 +120,142 @@ def dequant_mxfp4_rows_last(blocks: torch.Tensor, scales: torch.Tensor) -> torch
     scale.masked_fill_(scales.permute(0, nr + 1, *rows) == E8M0_NAN, float("nan"))
     vals = vals.view(E, G, 2 * MX_BYTES, *vals.shape[4:]).mul_(scale[:, :, None])
     return vals.view(E, G * MX_BLOCK, *vals.shape[3:])
+
+
+# ---- packed MXFP4 (the kernels' layout, no dequantisation) ---------------------------------------------------------
+MX_CHUNK = 512                    # contraction elements per nc_matmul_mx (mx_weights.CHUNK)
+MX_CHUNK_BLOCKS = MX_CHUNK // MX_BLOCK
+MX_PAD_SCALE = E8M0_BIAS          # scale code of padding blocks (2^0; their codes are 0), as mx_weights.pack
+
+
+def mx_shard_error(shape: MoEShape, op: str = "MoELayer") -> str | None:
+    """Why ``shape`` cannot hold packed MXFP4 experts (None when it can): the packed layout needs whole 512-element
+    H chunks and every rank's I-shard on 32-element MX block boundaries."""
+    if shape.hidden_padded % MX_CHUNK:
+        return (f"{op}: expert_format='mxfp4' needs hidden_padded % {MX_CHUNK} == 0 (whole nc_matmul_mx chunks), got "
+                f"hidden_padded={shape.hidden_padded}; leave hidden_padded at its default (H rounded up to 512)")
+    if shape.intermediate % MX_BLOCK:
+        return (f"{op}: expert_format='mxfp4' needs the checkpoint's intermediate={shape.intermediate} to be a "
+                f"multiple of the MX block ({MX_BLOCK})")
+    if shape.i_per_rank % MX_BLOCK:
+        return (f"{op}: expert_format='mxfp4' needs every rank's I-shard on {MX_BLOCK}-element MX blocks, but "
+                f"intermediate_padded={shape.intermediate_padded} / tp_size={shape.tp_size} = {shape.i_per_rank} "
+                f"columns a rank is not a multiple of {MX_BLOCK}; build the shape with intermediate_padded="
+                f"mx_aligned_intermediate({shape.intermediate}, {shape.tp_size}) = "
+                f"{mx_aligned_intermediate(shape.intermediate, shape.tp_size)}")
+    return None
+
+
+def mx_packed_shapes(shape: MoEShape) -> dict[str, tuple[int, ...]]:
+    """Shapes of this rank's packed MXFP4 expert tensors: words and scales of gate/up (K = Hp, N = 2·Is) and down
+    (K = Is zero-padded to whole 512-chunks, N = Hp)."""
+    E, Hp, Is = shape.experts, shape.hidden_padded, shape.i_per_rank
+    kc, kd = -(-Hp // MX_CHUNK), -(-Is // MX_CHUNK)
+    return {"w_gate_up": (E, 128, kc, 2 * Is), "w_gate_up_scale": (E, 16, kc, 2 * Is),
+            "w_down": (E, 128, kd, Hp), "w_down_scale": (E, 16, kd, Hp)}
+
+
+def _pad_value(t: torch.Tensor, dim: int, size: int, value: int) -> torch.Tensor:
+    if t.shape[dim] == size:
+        return t
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, t.new_full(shape, value)], dim=dim)
+
+
+def mx_pack_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """Checkpoint MXFP4 blocks [E, N, G, 16] uint8 (G a multiple of 16: whole 512-chunks; element 2m of a block in
+    the low nibble of byte m) → the kernels' words [E, 128, G/16, N] int16 (float4_e2m1fn_x4 storage).
+
+    Element 8q + r of block g (q: lane, r: row in the 8-partition group) is the (r % 2) nibble of byte 4q + r // 2
+    and goes to nibble q of the word on partition 8g + r: bytes [.., q, s] give the elements r = 2s (low nibble)
+    and 2s + 1 (high); lanes 0-1 form the word's low byte, lanes 2-3 its high byte (little-endian int16 view)."""
+    E, N, G, _ = blocks.shape
+    if G % MX_CHUNK_BLOCKS:
+        raise ValueError(f"mx_pack_blocks: blocks per row G={G} must be a multiple of {MX_CHUNK_BLOCKS}")
+    b = blocks.reshape(E, N, G, 4, 4)                                           # [.., q, s]
+    nib = torch.stack([b & 0x0F, b >> 4], dim=-1).reshape(E, N, G, 4, 8)        # [.., q, r]
+    lo = nib[..., 0, :] | (nib[..., 1, :] << 4)                                 # lanes 0, 1 → bits 0-7
+    hi = nib[..., 2, :] | (nib[..., 3, :] << 4)                                 # lanes 2, 3 → bits 8-15
+    words = torch.stack([lo, hi], dim=-1).view(torch.int16)                     # [E, N, G, 8, 1] (little-endian)
+    return words.reshape(E, N, G // MX_CHUNK_BLOCKS, 128).permute(0, 3, 2, 1).contiguous()
+
+
+def mx_pack_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Checkpoint E8M0 scales [E, N, G] uint8 (G a multiple of 16) → the kernels' [E, 16, G/16, N] uint8."""
+    E, N, G = scales.shape
+    if G % MX_CHUNK_BLOCKS:
+        raise ValueError(f"mx_pack_scales: blocks per row G={G} must be a multiple of {MX_CHUNK_BLOCKS}")
+    return scales.reshape(E, N, G // MX_CHUNK_BLOCKS, MX_CHUNK_BLOCKS).permute(0, 3, 2, 1).contiguous()
+
+
+def _mx_source(sources: Any, role: str, what: str) -> Any:
+    if isinstance(sources, Mapping):
+        if role in sources:
+            return sources[role]
+        if len(sources) != 1:
+            raise ValueError(f"{what}: sources must be the checkpoint's {role} tensor, got roles {sorted(sources)}")
+    return _plain(sources)
+
+
+def _check_mx_loader_shape(shape: MoEShape) -> None:
+    err = mx_shard_error(shape, "packed MXFP4 loader")
+    if err:
+        raise ValueError(err)
+
+
+def mx_gate_up_loader(shape: MoEShape, part: str):
+    """gate_up_proj_blocks [E, 2I, H/32, 16] (part "blocks") or gate_up_proj_scales [E, 2I, H/32] (part "scales")
+    → this rank's packed w_gate_up words [E, 128, Hp/512, 2·Is] or w_gate_up_scale [E, 16, Hp/512, 2·Is]: rows
+    2i + j of the rank's columns i (j: gate 0 / up 1, one contiguous slice) reordered to N = j·Is + i, the I-shard
+    zero-padded to Is, H to Hp."""
+    if part not in ("blocks", "scales"):
+        raise ValueError(f"mx_gate_up_loader: part must be 'blocks' or 'scales', got {part!r}")
+    E, H, inter = shape.experts, shape.hidden, shape.intermediate
+    Is, G = shape.i_per_rank, shape.hidden_padded // MX_BLOCK
+    _check_mx_loader_shape(shape)
+    what = f"gate_up_proj_{part}"
+
+    def load(sources: Any, rank: int) -> torch.Tensor:
+        src = _mx_source(sources, part, what)
+        if H % MX_BLOCK:
+            raise ValueError(f"{what}: the MXFP4-blocked dimension H={H} is not a multiple of {MX_BLOCK}")
+        tail = (H // MX_BLOCK, MX_BYTES) if part == "blocks" else (H // MX_BLOCK,)
+        _check_shape(src, (E, 2 * inter, *tail), what)
+        start, stop = shape.i_range(rank)
+        n = stop - start
+        raw = src[:, 2 * start:2 * stop] if n else torch.zeros(E, 0, *tail, dtype=torch.uint8)
+        t = raw.reshape(E, n, 2, *tail).transpose(1, 2)                          # [E, 2, n, G, (16)]
+        pad = 0 if part == "blocks" else MX_PAD_SCALE
+        t = _pad_value(_pad_value(t, 2, Is, pad), 3, G, pad).reshape(E, 2 * Is, G, *tail[1:])
+        return mx_pack_blocks(t) if part == "blocks" else mx_pack_scales(t)
+
+    return load
+
+
+def mx_down_loader(shape: MoEShape, part: str):
+    """down_proj_blocks [E, H, I/32, 16] (part "blocks") or down_proj_scales [E, H, I/32] (part "scales") → this
+    rank's packed w_down words [E, 128, ceil(Is/512), Hp] or w_down_scale [E, 16, ceil(Is/512), Hp]: the rank's own
+    blocks (its shard starts on a block), zero blocks up to whole 512-chunks, H rows zero-padded to Hp."""
+    if part not in ("blocks", "scales"):
+        raise ValueError(f"mx_down_loader: part must be 'blocks' or 'scales', got {part!r}")
+    E, H, inter, Hp = shape.experts, shape.hidden, shape.intermediate, shape.hidden_padded
+    _check_mx_loader_shape(shape)
+    G = -(-shape.i_per_rank // MX_CHUNK) * MX_CHUNK_BLOCKS
+    what = f"down_proj_{part}"
+
+    def load(sources: Any, rank: int) -> torch.Tensor:
+        src = _mx_source(sources, part, what)
+        tail = (MX_BYTES,) if part == "blocks" else ()
+        _check_shape(src, (E, H, inter // MX_BLOCK, *tail), what)
+        start, stop = shape.i_range(rank)
+        g0, g1 = start // MX_BLOCK, stop // MX_BLOCK            # exact: mx_shard_error guarantees the alignment
+        t = src[:, :, g0:g1] if g1 > g0 else torch.zeros(E, H, 0, *tail, dtype=torch.uint8)
+        pad = 0 if part == "blocks" else MX_PAD_SCALE
+        t = _pad_value(_pad_value(t, 2, G, pad), 1, Hp, pad)
+        return mx_pack_blocks(t) if part == "blocks" else mx_pack_scales(t)
+
+    return load
 
 
 def router_weight_loader(shape: MoEShape):
@@ -211,10 +356,16 @@ def down_weight_loader(shape: MoEShape):
     return load
 
 
-def gpt_oss_moe_mappings(layer: int, mxfp4: bool, norm: bool = False, prefix: str = "") -> dict[str, Any]:
-    """Parameter name (of an ``MoELayer`` under ``prefix``) → GPT-OSS checkpoint key, or role → key for MXFP4."""
+def gpt_oss_moe_mappings(layer: int, mxfp4: bool, norm: bool = False, prefix: str = "",
+                         packed: bool = False) -> dict[str, Any]:
+    """Parameter name (of an ``MoELayer`` under ``prefix``) → GPT-OSS checkpoint key, or role → key for MXFP4.
+    packed: the layer keeps its experts MXFP4 (``expert_format="mxfp4"``): words and scales are parameters of their
+    own, each mapped to its one checkpoint tensor (needs an MXFP4 checkpoint)."""
     mlp = GPT_OSS_MLP_KEY.format(layer=layer)
     ex = mlp + "experts."
+    if packed and not mxfp4:
+        raise ValueError("gpt_oss_moe_mappings: packed=True (expert_format='mxfp4') needs an MXFP4 checkpoint "
+                         f"({ex}gate_up_proj_blocks / _scales); this one has bf16 experts: use expert_format='bf16'")
 
     def mx_or_plain(name: str) -> str | dict[str, str]:
         return {"blocks": f"{ex}{name}_blocks", "scales": f"{ex}{name}_scales"} if mxfp4 else ex + name
@@ -224,6 +375,10 @@ def gpt_oss_moe_mappings(layer: int, mxfp4: bool, norm: bool = False, prefix: st
         "w_gate_up": mx_or_plain("gate_up_proj"), "b_gate_up": ex + "gate_up_proj_bias",
         "w_down": mx_or_plain("down_proj"), "b_down": ex + "down_proj_bias",
     }
+    if packed:
+        for name in ("gate_up_proj", "down_proj"):
+            p = "w_" + name.split("_proj")[0]
+            out[p], out[p + "_scale"] = ex + name + "_blocks", ex + name + "_scales"
     if norm:
         out["gamma"] = GPT_OSS_NORM_KEY.format(layer=layer)
     return {prefix + k: v for k, v in out.items()}

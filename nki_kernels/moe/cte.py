@@ -86,11 +86,11 @@ def moe_cte(x, expert_index, affinities, w_gate_up, w_down, *, b_gate_up=None, b
         raise ValueError(f"moe_cte: add_down_bias={add_down_bias!r} must be a bool")
     mx = w_gate_up_scale is not None
     if mx:
-        from .mx_weights import dequantized_weights, packed_weights_error
+        from .mx_weights import logical_weights, packed_weights_error
         err = packed_weights_error(_shape(x)[1], w_gate_up, w_down, w_gate_up_scale, w_down_scale, "moe_cte")
         if err is not None:
             raise ValueError(err)
-        ref_gu, ref_d = dequantized_weights(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+        ref_gu, ref_d = logical_weights(w_gate_up, w_down, w_gate_up_scale, w_down_scale, backend)
         err = argument_error(x, expert_index, affinities, ref_gu, ref_d, b_gate_up, b_down, activation, block_size)
     else:
         err = argument_error(x, expert_index, affinities, w_gate_up, w_down, b_gate_up, b_down, activation,

@@ -193,7 +193,7 @@ def _validate_mx(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale):
     """MXFP4 weights: shapes, dtypes and the target; returns (E, I, KDm)."""
     assert nisa.get_nc_version() >= nisa.nc_version.gen4, \
         ("w_gate_up_scale: MXFP4 weights need nisa.nc_matmul_mx, which only NeuronCore-v4 (trn3) has; on trn2 "
-         "pass bf16 weights (dequantised)")
+         "pass bf16 weights (dequantised; MoELayer(expert_format='bf16') dequantises at load)")
     assert w_down_scale is not None, "w_down_scale: MXFP4 needs both projections' scales"
     T, H = x.shape
     assert H % MX_CHUNK == 0, f"x: H={H} must be a multiple of {MX_CHUNK} with MXFP4 weights"

@@ -92,7 +92,7 @@ def moe_tkg(x, w_router, w_gate_up, w_down, *, top_k, b_router=None, b_gate_up=N
     """
     mx = w_gate_up_scale is not None
     if mx:
-        from .mx_weights import dequantized_weights, packed_weights_error
+        from .mx_weights import logical_weights, packed_weights_error
         err = packed_weights_error(shape_of(x)[-1], w_gate_up, w_down, w_gate_up_scale, w_down_scale, "moe_tkg")
         T = 1
         for d in shape_of(x)[:-1]:
@@ -101,7 +101,7 @@ def moe_tkg(x, w_router, w_gate_up, w_down, *, top_k, b_router=None, b_gate_up=N
         if err:
             raise ValueError(err)
         mx_words = (w_gate_up, w_down)
-        w_gate_up, w_down = dequantized_weights(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+        w_gate_up, w_down = logical_weights(w_gate_up, w_down, w_gate_up_scale, w_down_scale, backend)
     err = tkg_argument_error(shape_of(x), shape_of(w_router), shape_of(w_gate_up), shape_of(w_down), top_k=top_k,
                              b_router_shape=shape_of(b_router), b_gate_up_shape=shape_of(b_gate_up),
                              b_down_shape=shape_of(b_down), gamma_shape=shape_of(gamma), hidden_actual=hidden_actual,
@@ -226,7 +226,7 @@ def tkg_mx_error(T, lnc, mx_isa=True):
     """Limits of MXFP4 weights in the TKG kernel (None when in the envelope). mx_isa: the target has nc_matmul_mx."""
     if not mx_isa:
         return ("moe_tkg: w_gate_up_scale: MXFP4 weights need nisa.nc_matmul_mx, which only NeuronCore-v4 (trn3) "
-                "has; on trn2 pass bf16 weights (the checkpoint loader dequantises MXFP4 at load time)")
+                "has; on trn2 pass bf16 weights (MoELayer(expert_format='bf16') dequantises MXFP4 at load time)")
     if T > OUTT_MAX_TOKENS:
         return (f"moe_tkg: tokens T={T} must be <= {OUTT_MAX_TOKENS} with MXFP4 weights (the MX path keeps the "
                 "output transposed; larger T is not implemented)")

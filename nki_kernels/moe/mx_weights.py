@@ -124,6 +124,19 @@ def dequantized_weights(w_gate_up, w_down, w_gate_up_scale, w_down_scale):
     return gu.reshape(E, gu.shape[1], 2, inter), unpack(w_down, w_down_scale)[:, :inter]
 
 
+def logical_weights(w_gate_up, w_down, w_gate_up_scale, w_down_scale, backend):
+    """The references' w_gate_up [E, H, 2, I] and w_down [E, I, H] for MXFP4 kernel-layout weights: dequantised
+    (dequantized_weights) for the "torch" backend, else data-less meta tensors of those shapes — the entries' shape
+    checks need only the shapes, and dequantising every expert on the host at each kernel call would cost more than
+    the call (20B TP8: ~100M weights a layer)."""
+    if backend == "torch":
+        return dequantized_weights(w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+    E, _, kc, two_i = _shape(w_gate_up)
+    H = _shape(w_down)[3]
+    return (torch.empty(E, kc * CHUNK, 2, two_i // 2, device="meta"),
+            torch.empty(E, two_i // 2, H, device="meta"))
+
+
 def packed_bytes(K, N):
     """HBM bytes of one expert projection (contraction K, N outputs) in MXFP4: 4-bit codes and one scale byte per
     32 elements (the checkpoint's bytes; pack's layout adds the zero padding of K to 512)."""
