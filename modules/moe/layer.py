@@ -23,17 +23,17 @@ added on TP rank 0 only (the partials are summed). Collectives run in the activa
 Expert formats (``expert_format``): "bf16" (default) holds the experts in the parameter dtype (an MXFP4 checkpoint
 is dequantised at load: the trn2 route, which has no MX matmul); "mxfp4" keeps this rank's experts packed as the
 kernels' MX path takes them (w_gate_up / w_down int16 words of float4_e2m1fn_x4, w_gate_up_scale / w_down_scale
-uint8 E8M0, ``nki_kernels/moe/mx_weights.py``'s layout; 4x fewer weight bytes) and loads them from the GPT-OSS
-MXFP4 blocks/scales without a bf16 round trip. Each rank's I-shard must lie on 32-element MX blocks: build the shape
-with ``intermediate_padded=mx_aligned_intermediate(I, tp)`` (GPT-OSS-20B TP8: 2880 → 3072, 384 a rank); hidden_padded
-must be a multiple of 512. Decode runs moe_tkg and prefill moe_cte with the scales (the kernels' trn3 MX path:
-tokens and activations quantised to MXFP8 on chip); backend "torch" runs their MX references (moe_torch(mx=True),
-moe_cte_torch(mx=True)) so the layer runs on CPU. The target is the kernels' own choice (the compile target,
-NEURON_PLATFORM_TARGET_OVERRIDE for nkisim as for neuronx-cc): on trn2 the kernels refuse MXFP4 with the reason
-(no nc_matmul_mx / quantize_mx; use expert_format="bf16" there) — no silent dequantising fallback, which would
-change the numerics and the weight footprint behind the caller's back. Decode batches above the MX TKG kernel's
-64 tokens run as several kernel calls of <= 64 tokens (tokens are independent: exact, but each call streams the
-touched experts again), as bf16 decode does above 128.
+uint8 E8M0, ``nki_kernels/moe/mx_weights.py``'s layout; ~3.8x fewer weight bytes than bf16) and loads them from the
+GPT-OSS MXFP4 blocks/scales without a bf16 round trip. Each rank's I-shard must lie on 32-element MX blocks: build
+the shape with ``intermediate_padded=mx_aligned_intermediate(I, tp)`` (GPT-OSS-20B TP8: 2880 → 3072, 384 a rank);
+hidden_padded must be a multiple of 512. Decode runs moe_tkg and prefill moe_cte with the scales (the kernels' trn3
+MX path: tokens and activations quantised to MXFP8 on chip); backend "torch" runs their MX references
+(moe_torch(mx=True), moe_cte_torch(mx=True)) so the layer runs on CPU. The target is the kernels' own choice (the
+compile target, NEURON_PLATFORM_TARGET_OVERRIDE for nkisim as for neuronx-cc): on trn2 the kernels refuse MXFP4 with
+the reason (no nc_matmul_mx / quantize_mx; use expert_format="bf16" there) — no silent dequantising fallback, which
+would change the numerics and the weight footprint behind the caller's back. Decode batches above the MX TKG
+kernel's 64 tokens run as several kernel calls of <= 64 tokens (tokens are independent: exact, but each call streams
+the touched experts again), as bf16 decode does above 128.
 """
 
 from __future__ import annotations
