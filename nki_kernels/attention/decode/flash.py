@@ -7,7 +7,18 @@ import nki.isa as nisa
 import nki.language as nl
 
 from .common import _run
-from .config import FA_SUB, MASK_NEG, MAX_S_TKG, P_MAX, PAIR_BUFS, PMAJOR_ROWS, PSUM_F, PV_COLS, TRANSPOSE_GROUP
+from .config import (
+    FA_SUB,
+    FA_TILE_MAX,
+    MASK_NEG,
+    MAX_S_TKG,
+    P_MAX,
+    PAIR_BUFS,
+    PMAJOR_ROWS,
+    PSUM_F,
+    PV_COLS,
+    TRANSPOSE_GROUP,
+)
 from .isolation import _scrub_slot, _scrub_v, _valid_ranges
 from .kv_io import _cast_pairs, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
 from .oproj import _load_w_o, _rows_to_oT, _rows_to_tokens, _transpose_o
@@ -63,10 +74,12 @@ class _AttnState(nl.NKIObject):
         self.n_scores += 1
         return buf
 
-    def iota(self, key, pattern, cols):
-        """Constant fp32 [128, cols] key offsets (same on every partition), built once per layout."""
+    def iota(self, key, pattern, cols, dtype=nl.float32):
+        """Constant [128, cols] key offsets (same on every partition), built once per layout and dtype (int16 for
+        the cache steps' masks: see _step_thresholds)."""
+        key = f"{key}_{dtype}"
         if key not in self.iotas:
-            t = nl.ndarray((P_MAX, FA_SUB), dtype=nl.float32, buffer=nl.sbuf)
+            t = nl.ndarray((P_MAX, FA_SUB), dtype=dtype, buffer=nl.sbuf)
             nisa.iota(dst=t[:, :cols], pattern=pattern, offset=0, channel_multiplier=0)
             self.iotas[key] = t
         return self.iotas[key]
@@ -408,18 +421,16 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
     if len(steps) == 0:
         return
     # Per-step mask thresholds (tiny, all issued up front so the GpSimd masks never wait for VectorE).
+    big = cfg.s_max + MAX_S_TKG >= 1 << 15
     for step in steps:
         if cfg.pmajor:      # per query row (free axis), the same on every partition
             step.thr_hi = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=step.thr_hi[:, :rows], data=st.pf_cols[:, :rows], op0=nl.add,
                                operand0=-1.0 - step.pos0)
             continue
-        step.thr_hi = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)   # invalid if j > pos[b, 0] - 1
-        nisa.tensor_scalar(dst=step.thr_hi[:rows], data=p_first[:rows], op0=nl.add, operand0=-1.0 - step.pos0)
+        step.thr_hi = _step_threshold(p_first, rows, -1.0 - step.pos0, big)    # invalid if j > pos[b, 0] - 1
         if cfg.window > 0:                                                       # invalid if j <= pos - W
-            step.thr_lo = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=step.thr_lo[:rows], data=q_pos[:rows], op0=nl.add,
-                               operand0=-float(cfg.window) - step.pos0)
+            step.thr_lo = _step_threshold(q_pos, rows, -float(cfg.window) - step.pos0, big)
     gates = _step_gates(cfg, st, steps) if cfg.ragged else (None,) * len(steps)
     st.load_gates = _load_gates(cfg, st, slots, nb) if cfg.ragged else None
     views = []
@@ -439,6 +450,22 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
             # in-place acc * alpha + PV whichever steps run
             sm.acc = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(dst=sm.acc[:rows, :nb * cfg.d], value=0.0)
+
+
+def _step_threshold(base, rows, shift, big):
+    """int16 [rows, 1] mask threshold base + shift of a cache step, clamped to [-1, FA_TILE_MAX] (key offsets of a
+    step are 0 .. fa_tile - 1 < FA_TILE_MAX, so the clamps change no comparison; `big`: S_max too large for int16,
+    clamp from above too). With int16 key offsets (st.iota) the GpSimd mask compare streams 2-byte data: twice the
+    fp32 rate on trn2's GpSimd (32 lanes per core instead of 16), where the per-step masks pace ragged batches."""
+    thr = nl.ndarray((P_MAX, 1), dtype=nl.int16, buffer=nl.sbuf)
+    if not big:     # |base + shift| <= S_max + S_tkg < 2^15: one op, the lower clamp only
+        nisa.tensor_scalar(dst=thr[:rows], data=base[:rows], op0=nl.add, operand0=shift, op1=nl.maximum,
+                           operand1=-1.0)
+        return thr
+    t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)     # clamped in fp32 before the int16 write
+    nisa.tensor_scalar(dst=t[:rows], data=base[:rows], op0=nl.add, operand0=shift, op1=nl.maximum, operand1=-1.0)
+    nisa.tensor_scalar(dst=thr[:rows], data=t[:rows], op0=nl.minimum, operand0=float(FA_TILE_MAX))
+    return thr
 
 
 def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step, views, gate=None):
@@ -483,7 +510,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         key = st.iota_pm(w // P_MAX, len(step.blocks))
         _run(gate, lambda _i: _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
     else:
-        key = st.iota(step.key_id, step.key_pattern, step.cols)
+        key = st.iota(step.key_id, step.key_pattern, step.cols, nl.int16)
         _run(gate, lambda _i: _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
     for v, j0, w, gates in fresh:      # V is needed by the PV, one step later
         _scrub_v(cfg, st, v, j0, w, nb, gates)
