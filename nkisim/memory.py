@@ -103,7 +103,7 @@ class Allocation:
         if storage is None and buffer is psum and address is not None and pool is not None:
             storage = pool.psum_alias(address, self.shape, dtype, n)
         if storage is None:
-            storage = np.full(n, dt.sentinel(dtype), dtype=dt.storage_dtype(dtype))
+            storage = dt.filled(n, dtype)
         self.storage = storage
         self.bytes_pp = (n // self.shape[0] if self.shape[0] else 0) * dtype.itemsize if buffer.on_chip else 0
         if buffer is psum:
@@ -161,7 +161,7 @@ class MemoryPool:
         key = (int(address[0]), int(address[1]), shape[0], n, dt.storage_dtype(dtype))
         storage = self._aliases.get(key)
         if storage is None:
-            storage = self._aliases[key] = np.full(n, dt.sentinel(dtype), dtype=dt.storage_dtype(dtype))
+            storage = self._aliases[key] = dt.filled(n, dtype)
         return storage
 
     def _record(self, alloc, span=None):

@@ -16,7 +16,7 @@ import os
 import threading
 import warnings
 
-from . import _blas
+from . import _blas, _env
 from .memory import MemoryPool
 from .target import resolve_target
 from .tensor import VirtualRegister
@@ -174,6 +174,7 @@ class CoreContext:
         self.env_target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
         self.ctrl = ()        # Accesses every instruction depends on (registers bounding enclosing dynamic loops)
         self.numerics = True  # False: trace-only run (nkisim.run(numerics=False)); TensorE products are skipped
+        self.matmul_scratch = {}   # (M, N) -> this core's reusable fp32 GEMM product (nkisim/isa/tensor_engine.py)
         # Multi-rank launches (nkisim.world): the world this core's rank belongs to, the rank id, the number of
         # collectives issued so far (the rendezvous key) and a pending all_*_v_prepare (its single slot).
         self.world = None
@@ -254,19 +255,8 @@ _TARGET_VAR = "NEURON_PLATFORM_TARGET_OVERRIDE"
 
 
 def _env_target():
-    """os.environ.get(_TARGET_VAR), read straight from os.environ's dict where CPython exposes it (once per ISA op
-    outside kernels: the public path re-encodes the key on every call)."""
-    data = getattr(os.environ, "_data", None)
-    if data is None:
-        return os.environ.get(_TARGET_VAR)
-    raw = data.get(_TARGET_VAR_KEY)
-    return None if raw is None else os.environ.decodevalue(raw)
-
-
-try:
-    _TARGET_VAR_KEY = os.environ.encodekey(_TARGET_VAR)
-except AttributeError:     # not CPython's os._Environ: _env_target falls back to os.environ.get
-    _TARGET_VAR_KEY = _TARGET_VAR
+    """os.environ.get(_TARGET_VAR) through nkisim._env (once per ISA op outside kernels)."""
+    return _env.get(_TARGET_VAR)
 
 
 def current() -> CoreContext:

@@ -132,7 +132,7 @@ def _dynamic(x):
 
 class NkiTensor:
     __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "gather", "_npv", "_access", "_regs", "_free",
-                 "_chip", "_psv")
+                 "_chip", "_psv", "_ew")
 
     def __init__(self, alloc, shape, strides, offset, dtype=None, indirect=None, regs=None):
         self.alloc = alloc
@@ -151,6 +151,7 @@ class NkiTensor:
         self._free = None
         self._chip = None
         self._psv = None     # cached PSUM written-state view (nkisim.isa._common.psum_state_view)
+        self._ew = None      # fp32 elementwise-operand facts, or False (nkisim.isa._common.ew_operand)
 
     # ---- attributes of the real NkiTensor -------------------------------------------------------------------
     @property

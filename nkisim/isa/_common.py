@@ -74,6 +74,34 @@ def _partition_problem(t):
     return ""
 
 
+def ew_operand(t):
+    """Facts of an fp32 on-chip view for the elementwise fast paths, computed once per (immutable) view: (its [P, F]
+    NumPy view, its Access, in PSUM, P, F) when t is a direct (not indirect) fp32 SBUF/PSUM view that passes
+    `on_chip` (C1, C13) and whose NumPy view is 2-D; False otherwise (the op then takes its general path, which
+    also raises any error). Callers check `t.__class__ is NkiTensor` first."""
+    fx = t._ew
+    if fx is None:
+        fx = t._ew = _ew_facts(t)
+    return fx
+
+
+def _ew_facts(t):
+    if t.gather is not None or t.dtype is not dt.float32 or t.alloc.buffer not in (sbuf, psum):
+        return False
+    problem = t._chip
+    if problem is None:
+        problem = t._chip = _partition_problem(t)
+    if problem:
+        return False
+    try:
+        v = np_view(t)
+    except NkiValidationError:
+        return False
+    if v.ndim != 2 or v.dtype is not _F32:
+        return False
+    return (v, access_of(t), t.alloc.buffer is psum, t.shape[0], free_size(t))
+
+
 def free_size(t):
     f = t._free
     if f is None:

@@ -1,10 +1,10 @@
 """TensorE: nc_matmul (dst[M, N] (=|+=) stationary[K, M].T @ moving[K, N]) and nc_transpose."""
 
 import math
-import os
 
 import numpy as np
 
+from .. import _env
 from .. import dtypes as dt
 from .._blas import single_thread as single_blas_thread
 from ..errors import NkiUninitializedReadWarning
@@ -110,15 +110,37 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         if double_row:  # K split as partition x 2: rows (p, j) pair up identically in both operands
             s = s.reshape(k, 2, m).reshape(2 * k, m)
             mv = mv.reshape(k, 2, n).reshape(2 * k, n)
-        result = _product(op, s, mv)
-    _accumulate(op, ctx, dst, result.reshape(dst.shape), accumulate, v)
+        view = dst._npv if dst.gather is None else None
+        if view is None and dst.gather is None:
+            view = np_view(dst)
+        if (accumulate is False and view is not None and view.shape == (m, n) and dst.dtype is dt.float32
+                and view.dtype == np.float32 and view.flags.c_contiguous):
+            # A group's first step into a [M, N] fp32 tile: the GEMM writes the PSUM storage directly (what
+            # _accumulate's store would copy there), no temporary.
+            _product(op, s, mv, view)
+            dst.alloc.written = True
+            mark_psum(dst, 1)
+            result = None
+        else:
+            result = _product(op, s, mv, _scratch(ctx, m, n))
+    if result is not None:
+        _accumulate(op, ctx, dst, result.reshape(dst.shape), accumulate, v)
     ctx.emit(op, "tensor", (stationary, moving), (dst,), k=k, m=m, n=n,
              dtype=moving.dtype.name, stationary_dtype=stationary.dtype.name,
              double_row=double_row, transpose=bool(is_transpose),
              onezero=bool(is_stationary_onezero or is_moving_onezero), tile=(rs, cs))
 
 
-def _product(op, s, mv):
+def _scratch(ctx, m, n):
+    """The core's reusable [M, N] fp32 GEMM output (a step's product is consumed by _accumulate before the next
+    matmul of that core): saves allocating and first-touching a fresh product array per instruction."""
+    buf = ctx.matmul_scratch.get((m, n))
+    if buf is None:
+        buf = ctx.matmul_scratch[(m, n)] = np.empty((m, n), np.float32)
+    return buf
+
+
+def _product(op, s, mv, out=None):
     """s.T @ mv in fp32.
 
     Default: NumPy's fp32 BLAS, whose summation order depends on the whole operand shapes (OpenBLAS picks kernels
@@ -128,13 +150,20 @@ def _product(op, s, mv):
     for bf16/fp8/fp32 inputs) are summed in fp64 and rounded once to fp32, so the result is a function of the
     element's own inputs only (up to fp64 rounding of sums whose terms span more than ~2^30) -- at several times
     the cost, hence opt-in.
+
+    `out`: a C-contiguous [M, N] fp32 array to write the product into (returned), as `np.matmul(..., out=out)`:
+    the same BLAS call as without it, so the same bits.
     """
-    mode = os.environ.get("NKISIM_MATMUL_ACC", "fp32")
+    mode = _env.get("NKISIM_MATMUL_ACC", "fp32")
     with single_blas_thread():      # tile-sized GEMMs: BLAS threads only cost (nkisim/_blas.py)
         if mode == "fp32":
-            return s.T @ mv
+            return np.matmul(s.T, mv, out=out)
         if mode == "fp64":
-            return (s.T.astype(np.float64) @ mv.astype(np.float64)).astype(np.float32)
+            r = s.T.astype(np.float64) @ mv.astype(np.float64)
+            if out is None:
+                return r.astype(np.float32)
+            np.copyto(out, r, casting="same_kind")
+            return out
     fail(op, f"NKISIM_MATMUL_ACC={mode!r} must be 'fp32' (default) or 'fp64'")
 
 

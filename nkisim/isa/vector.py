@@ -17,9 +17,11 @@ from ._common import (
     as_pf,
     check_engine,
     check_gpsimd_access,
+    ew_operand,
     fail,
     fp32,
     free_size,
+    mark_psum,
     not_both_psum,
     on_chip,
     require_version,
@@ -44,7 +46,37 @@ def _ints(t):
 _VECTOR_GPSIMD = (Engine.vector, Engine.gpsimd)
 
 
+_UNKNOWN, _VECTOR = Engine.unknown, Engine.vector
+_FP_STATE, _FP_IGNORE = alu_ops._FP_STATE, getattr(alu_ops, "_FP_IGNORE", None)
+# ALU ops the fp32 fast path of tensor_tensor computes with one NumPy ufunc into dst (no Trn3-only or GpSimd op).
+_FAST_TT = {} if _FP_STATE is None else {
+    name: fn for name, (fn, _, _) in alu_ops.ALU_ARITH.items()
+    if fn.__class__ is np.ufunc and name != "power" and name not in alu_ops.TRN3_ONLY_ALU}
+
+
 def tensor_tensor(dst, data1, data2, op, engine=Engine.unknown, name=None):
+    if (engine is _UNKNOWN or engine is _VECTOR) and dst.__class__ is NkiTensor and data1.__class__ is NkiTensor \
+            and data2.__class__ is NkiTensor:
+        # Fast path (the common instruction: fp32 [P, F] SBUF/PSUM operands, an arithmetic ufunc on VectorE):
+        # every check of the general path below is decided by facts cached on the views (ew_operand), so only the
+        # layout / PSUM-pair comparisons and the op lookup remain; the result, PSUM state and record are the same.
+        f0, f1, f2 = ew_operand(dst), ew_operand(data1), ew_operand(data2)
+        fn = _FAST_TT.get(getattr(op, "_nki_op", None))
+        if f0 and f1 and f2 and fn is not None and f1[3] == f0[3] == f2[3] and f1[4] == f0[4] == f2[4] \
+                and not (f1[2] and f2[2]):
+            token = _FP_STATE.set(_FP_IGNORE)     # alu_ops.quiet_fp, inline
+            try:
+                fn(f1[0], f2[0], out=f0[0])
+            finally:
+                _FP_STATE.reset(token)
+            alloc = dst.alloc
+            alloc.written = True
+            if f0[2]:
+                mark_psum(dst, 2)
+            current().emit_accesses("tensor_tensor", "vector", (data1, data2), (dst,), (f1[1], f2[1]), (f0[1],),
+                                    {"op": op._nki_op, "p": f0[3], "n": f0[4], "dtype": "float32",
+                                     "in_dtypes": ("float32", "float32")})
+            return
     opn = "tensor_tensor"
     check_engine(opn, engine, _VECTOR_GPSIMD)
     on_chip(opn, "dst", dst)
