@@ -44,9 +44,14 @@ _saved = 1          # NumPy's thread count before the first of them entered
 _deferred = False   # one thread kept after the last GEMM left, until the kernel ends (restore())
 
 
+_current = None
+
+
 def _in_kernel():
-    from .runtime import current
-    return current().in_kernel
+    global _current
+    if _current is None:
+        from .runtime import current as _current
+    return _current().in_kernel
 
 
 class single_thread:

@@ -21,8 +21,11 @@ _FP8 = {"float8_e4m3", "float8_e5m2", "float8_e4m3fn"}
 _TILE_SIZES = (32, 64, 128)
 
 
+_MATMUL_INPUTS_V4 = _MATMUL_INPUTS | {"float8_e4m3fn"}
+
+
 def _check_dtypes(op, stationary, moving, dst, v, double_row):
-    allowed = _MATMUL_INPUTS | ({"float8_e4m3fn"} if v >= 4 else set())
+    allowed = _MATMUL_INPUTS_V4 if v >= 4 else _MATMUL_INPUTS
     for name, t in (("stationary", stationary), ("moving", moving)):
         if t.dtype.name not in allowed:
             fail(op, f"{name} dtype {t.dtype.name} is not a matmul input dtype on NeuronCore-v{v} "
