@@ -10,7 +10,7 @@ from nkisim import dtypes as dt
 from nkisim.errors import NkiValidationError
 from nkisim.runtime import set_current
 
-from ._sim import fresh_core, hbm, nisa, nl, on_target, rd, sb, tile  # noqa: F401
+from ._sim import fresh_core, hbm, nisa, nl, on_target, rd, ref_cast, sb, tile  # noqa: F401
 
 BF16 = ml_dtypes.bfloat16
 
@@ -267,3 +267,127 @@ def test_kernel_resolves_target_at_call_time(monkeypatch):
     np.testing.assert_array_equal(k(x), [[4, 245752]])
     monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE")
     np.testing.assert_array_equal(k(x), [[3, 212984]])
+
+
+# ---- host fast paths: allocation fill through an unsigned view, bf16 -> fp32 by integer widening ------------------
+
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+@pytest.mark.parametrize("precise", ["1", "0"])
+@pytest.mark.parametrize("uninit", ["nan", "zero"])
+@pytest.mark.parametrize("d", dt.ALL, ids=lambda d: d.name)
+def test_filled_is_np_full_of_the_sentinel_bit_for_bit(d, uninit, precise, monkeypatch):
+    monkeypatch.setenv("NKISIM_UNINIT", uninit)
+    monkeypatch.setenv("NKI_PRECISE_FP", precise)
+    for n in (0, 1, 4097):
+        got = dt.filled(n, d)
+        want = np.full(n, dt.sentinel(d), dtype=dt.storage_dtype(d))
+        assert got.dtype == want.dtype and got.shape == (n,)
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+    if d.kind == "float" and uninit == "nan":
+        assert np.isnan(got.astype(np.float32)).all()
+    elif d.kind == "float":
+        if d is not nl.float8_e8m0fnu:     # e8m0 (a pure power of two) has no zero: NumPy's cast gives NaN
+            assert (got.astype(np.float32) == 0).all()
+    else:
+        assert (got == (0 if uninit == "zero" else 4)).all()
+    other = dt.filled(4097, d)
+    assert not np.shares_memory(got, other)
+
+
+def test_filled_follows_the_uninit_mode_changed_in_process(monkeypatch):
+    """The cached fill patterns are keyed by the fill value: switching NKISIM_UNINIT back and forth is seen."""
+    for mode, f, i in (("nan", None, 4), ("zero", 0.0, 0), ("nan", None, 4), ("zero", 0.0, 0)):
+        monkeypatch.setenv("NKISIM_UNINIT", mode)
+        for d in (nl.float32, nl.bfloat16, nl.float8_e4m3):
+            v = dt.filled(16, d).astype(np.float32)
+            assert (np.isnan(v).all() if f is None else (v == 0).all() and not np.signbit(v).any()), (mode, d)
+        assert (dt.filled(16, nl.int32) == i).all() and (dt.filled(16, nl.uint8) == i).all()
+
+
+@pytest.mark.parametrize("d", [d for d in dt.ALL if d.kind != "packed"], ids=lambda d: d.name)
+def test_new_allocations_of_every_dtype_hold_the_sentinel_pattern(d):
+    want = _bits(np.full(6, dt.sentinel(d), dtype=dt.storage_dtype(d))).reshape(2, 3)
+    for buf in (nl.sbuf, nl.psum, nl.shared_hbm):
+        np.testing.assert_array_equal(_bits(rd(nl.ndarray((2, 3), d, buffer=buf))), want)
+    # an explicitly placed PSUM tile gets its (shared) storage from the pool's alias table
+    np.testing.assert_array_equal(_bits(rd(nl.ndarray((2, 3), d, buffer=nl.psum, address=(0, 2048)))), want)
+
+
+# On chip nl.full converts the value with int() for integer dtypes first (NaN is then a Python ValueError), so
+# NaN is only filled into float tensors here.
+_FULL_CASES = [(d, v) for d in dt.ALL if d.kind in ("int", "float") and d is not nl.int64
+               for v in (-3, -0.0, float("nan"), -2.0 ** 100, 2.5) if d.kind == "float" or v == v]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("buf", [nl.sbuf, nl.shared_hbm], ids=["sbuf", "hbm"])
+@pytest.mark.parametrize("d,value", _FULL_CASES, ids=[f"{d.name}-{v}" for d, v in _FULL_CASES])
+def test_full_of_negative_and_nan_values(d, value, buf):
+    """nl.full (memset on chip, a cast in HBM) over fresh sentinel-filled storage: the value cast to the dtype."""
+    got = rd(nl.full((2, 3), value, d, buffer=buf))
+    if d is nl.tfloat32:
+        want = np.full((2, 3), value, np.float32)          # every value here is exact in tf32
+    elif d.kind == "float":
+        with np.errstate(all="ignore"):
+            want = np.full((2, 3), value, np.float32).astype(d.np)
+    else:
+        want = ref_cast(np.full((2, 3), value), d)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+ALL_BF16 = np.arange(65536, dtype=np.uint16).view(BF16)
+
+
+def _widened(a):
+    """Independent reference of bf16 -> fp32: the 16 bits as the high half of the fp32 word."""
+    return (np.asarray(a).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def test_to_fp32_widens_every_bf16_pattern_exactly():
+    """NaNs (both signs, quiet and signalling payloads), infinities, subnormals and -0 keep their bits."""
+    got = dt.to_fp32(ALL_BF16)
+    assert got.dtype == np.float32 and got.shape == ALL_BF16.shape
+    np.testing.assert_array_equal(_bits(got), _bits(_widened(ALL_BF16)))
+    np.testing.assert_array_equal(_bits(got), _bits(ALL_BF16.astype(np.float32)))   # = ml_dtypes' astype
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+def _layouts():
+    sq = ALL_BF16.reshape(256, 256)
+    ro = sq.copy()
+    ro.flags.writeable = False
+    return {
+        "transposed": sq.T, "reversed": sq[::-1, ::-2], "broadcast": np.broadcast_to(sq[:1], (64, 256)),
+        "3d": ALL_BF16.reshape(16, 64, 64).transpose(1, 0, 2), "column_slice": sq[:, 3:200],
+        "below_threshold": ALL_BF16[:4095], "at_threshold": ALL_BF16[7:4103], "small": sq[:3, :5],
+        "read_only": ro, "subclass": sq.view(_Sub), "scalar_like": ALL_BF16[100:101].reshape(1, 1),
+    }
+
+
+@pytest.mark.parametrize("layout", sorted(_layouts()))
+def test_to_fp32_of_any_bf16_layout_is_exact_and_a_fresh_array(layout):
+    a = _layouts()[layout]
+    before = a.copy()
+    got = dt.to_fp32(a)
+    assert got.dtype == np.float32 and got.shape == a.shape
+    np.testing.assert_array_equal(_bits(got), _bits(_widened(a)))
+    assert not np.shares_memory(got, a)
+    if got.flags.writeable:
+        got[...] = 1.0
+    np.testing.assert_array_equal(_bits(a), _bits(before))   # the input is untouched
+
+
+def test_to_fp32_of_other_dtypes():
+    f = np.arange(10, dtype=np.float32)
+    assert dt.to_fp32(f) is f                                    # fp32: no copy
+    for arr in (np.array([1.5, -0.0, np.inf], np.float16), np.array([-3, 7], np.int8),
+                np.array([0.5, -448.0], ml_dtypes.float8_e4m3fn), np.zeros((70, 70), np.float16)):
+        got = dt.to_fp32(arr)
+        np.testing.assert_array_equal(_bits(got), _bits(arr.astype(np.float32)))
