@@ -148,6 +148,69 @@ def test_moe_tkg_mxfp4_modelled(benchmark, shape, model, T, lnc):
     assert speedup > 1.5 and rep.hbm_read_bytes < 0.4 * bf16.hbm_read_bytes, (speedup, rep.hbm_read_bytes)
 
 
+
+# ---- MXFP4 decode above the MX TKG kernel's 64 tokens: the layer's route (modules/moe/layer.py decode_route) ------
+# Rows `mxfp4-decode-route`: T tokens with MXFP4 experts (trn3) as MoELayer runs them when the cost rule
+# (tkg_cost.choose_mx_decode_route) picks the CTE: host RMSNorm (not in the figure), the router kernel, ONE moe_cte
+# call on its MX path (every routed expert read once). Their latency is router + CTE kernel bodies; `before` = the
+# split route the layer took before (moe_tkg calls of <= 64 tokens on the same tokens and weights, each streaming its
+# tokens' experts again), with the HBM bytes of both. Asserted: the rule picks the CTE here, and it is faster with
+# fewer HBM bytes read. Launch overheads (two kernels either way at T <= 128) are not in these figures.
+MX_ROUTE_CELLS = [(128, 1), (128, 2), (96, 1)]
+
+
+def mx_decode_routes(T, lnc, shape=SHAPE, target="trn3"):
+    """(after: {router, cte} reports, before: [TKG reports of the <= 64-token pieces])."""
+    from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki
+    from nki_kernels.moe.moe_tkg import OUTT_MAX_TOKENS
+    from nki_kernels.moe.router import router_nki
+    from nki_kernels.moe.tkg_cost import tkg_mx_pieces
+
+    args, kw = _inputs(T, shape)
+    x, w_r = args[0], args[1]
+    mx = dict(_mx_weights(shape["E"], shape["H"], shape["inter"]))
+    w_gu, w_d = mx.pop("w_gate_up"), mx.pop("w_down")
+    before, t0 = [], 0
+    for n in tkg_mx_pieces(T, OUTT_MAX_TOKENS):
+        mode = choose_expert_mode(n, shape["E"], shape["top_k"], shape["H"], shape["inter"], target, mx=True)
+        kin = dict(kw, b_router=kw["b_router"].reshape(1, -1), gamma=kw["gamma"].reshape(1, -1),
+                   hidden_actual=kw["hidden_actual"] or 0, expert_mode=mode, **mx)
+        kernel = moe_tkg_nki if lnc == 1 else moe_tkg_nki[lnc]
+        before.append(nkisim.profile(kernel, x[t0:t0 + n], w_r, w_gu, w_d, target=target, **kin)[1])
+        t0 += n
+    h = rmsnorm_torch(x, kw["gamma"], 1e-5, kw["hidden_actual"]).to(x.dtype)     # the layer's host RMSNorm
+    (_, idx, aff), rrep = nkisim.profile(router_nki, h, w_r, kw["b_router"].reshape(1, -1), target=target,
+                                         top_k=shape["top_k"], mode="gpt_oss")
+    idx, aff = torch.as_tensor(idx).long(), torch.as_tensor(aff).float()
+    _, gather, scatter, row_aff, sched = kernel_inputs(idx, aff, shape["E"], 256, lnc)
+    kernel = moe_cte_nki if lnc == 1 else moe_cte_nki[lnc]
+    crep = nkisim.profile(kernel, h, w_gu, w_d, *(torch.from_numpy(a) for a in (gather, scatter, row_aff, sched)),
+                          b_gate_up=kw["b_gate_up"], b_down=kw["b_down"], target=target, routed_rows=idx.numel(),
+                          **mx).report
+    return {"router": rrep, "cte": crep}, before
+
+
+@pytest.mark.parametrize("T,lnc", MX_ROUTE_CELLS, ids=[f"T{T}-lnc{c}" for T, c in MX_ROUTE_CELLS])
+def test_moe_mxfp4_decode_route_modelled(benchmark, T, lnc):
+    from nki_kernels.moe.tkg_cost import choose_mx_decode_route, mx_decode_costs
+
+    after, before = benchmark.pedantic(mx_decode_routes, args=(T, lnc), rounds=1, iterations=1)
+    lat = after["router"].latency_s + after["cte"].latency_s
+    lat_before = sum(r.latency_s for r in before)
+    hbm = after["router"].hbm_read_bytes + after["cte"].hbm_read_bytes
+    hbm_before = sum(r.hbm_read_bytes for r in before)
+    rule = mx_decode_costs(T, SHAPE["E"], SHAPE["top_k"], SHAPE["H"], SHAPE["inter"], "trn3", lnc)
+    benchmark.extra_info.update({
+        "kernel": "moe mxfp4 decode route (router + moe_cte)", "model": "gpt-oss-20b-tp8", "tokens": T, "lnc": lnc,
+        "impl": "mxfp4-decode-route", "target": "trn3", "modelled_latency_s": lat,
+        "modelled_router_latency_s": after["router"].latency_s, "modelled_cte_latency_s": after["cte"].latency_s,
+        "modelled_hbm_read_bytes": hbm, "modelled_before_latency_s": lat_before,
+        "modelled_before_calls": len(before), "modelled_before_hbm_read_bytes": hbm_before,
+        "modelled_speedup_vs_before": lat_before / lat, "modelled_hbm_read_vs_before": hbm / hbm_before,
+        "modelled_rule_split_s": rule[0], "modelled_rule_cte_s": rule[1]})
+    assert choose_mx_decode_route(T, SHAPE["E"], SHAPE["top_k"], SHAPE["H"], SHAPE["inter"], "trn3", lnc) == "cte"
+    assert lat < lat_before and hbm < hbm_before, (lat, lat_before, hbm, hbm_before)
+
 # ---- side by side with nki-library's moe_tkg (LNC=2) -----------------------------------------------------------
 
 def library(T, target):

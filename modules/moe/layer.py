@@ -32,8 +32,11 @@ MX path: tokens and activations quantised to MXFP8 on chip); backend "torch" run
 compile target, NEURON_PLATFORM_TARGET_OVERRIDE for nkisim as for neuronx-cc): on trn2 the kernels refuse MXFP4 with
 the reason (no nc_matmul_mx / quantize_mx; use expert_format="bf16" there) — no silent dequantising fallback, which
 would change the numerics and the weight footprint behind the caller's back. Decode batches above the MX TKG
-kernel's 64 tokens run as several kernel calls of <= 64 tokens (tokens are independent: exact, but each call streams
-the touched experts again), as bf16 decode does above 128.
+kernel's 64 tokens (``decode_route``): where the cost rule (``tkg_cost.choose_mx_decode_route``) models it faster,
+prefill's steps without the collectives — RMSNorm, the router kernel, ONE moe_cte call, whose MX path reads every
+routed expert once (GPT-OSS-20B TP8 trn3 from T = 74 at LNC 1, 70 at LNC 2); below that, several moe_tkg calls of
+<= 64 tokens (tokens are independent: exact, but each call streams its touched experts again), as bf16 decode does
+above 128. The two routes differ in rounding only (the CTE adds each expert's contribution in x's dtype).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from nki_kernels.entry import to_torch as as_torch
 from nki_kernels.moe import ACTIVATIONS, moe_cte, moe_tkg, rmsnorm_torch
 from nki_kernels.moe.moe_tkg import MAX_TOKENS as TKG_MAX_TOKENS
 from nki_kernels.moe.moe_tkg import OUTT_MAX_TOKENS as TKG_MX_MAX_TOKENS
+from nki_kernels.moe.tkg_cost import choose_mx_decode_route
 
 UNSELECTED = -1.0
 EXPERT_FORMATS = ("bf16", "mxfp4")
@@ -202,11 +206,14 @@ class MoELayer(nn.Module):
         return out[:, :width]
 
     def _tkg_partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's TKG output for x [T, H or Hp], padded width [T, Hp], in x's dtype. A batch above the TKG
-        kernel's token limit (128; 64 with MXFP4 experts) runs as several kernel calls (tokens are independent)."""
+        """This rank's decode output for x [T, H or Hp], padded width [T, Hp], in x's dtype. A batch above the TKG
+        kernel's token limit (128; 64 with MXFP4 experts) runs as several kernel calls (tokens are independent), or
+        with MXFP4 experts as one CTE call where ``decode_route`` says so."""
         h = self._padded(x, "decode")
         r = self.router
         w_gate_up, w_down, scales = self._experts("decode")
+        if scales and self.decode_route(h.shape[0]) == "cte":
+            return self._cte_decode(h, w_gate_up, w_down, scales).to(x.dtype)
         partials = []
         for piece in h.split(TKG_MX_MAX_TOKENS if scales else TKG_MAX_TOKENS):
             out, _, _ = moe_tkg(
@@ -217,6 +224,26 @@ class MoELayer(nn.Module):
                 backend=self.backend, lnc=self.lnc)
             partials.append(as_torch(out).to(x.dtype))
         return torch.cat(partials)
+
+    def decode_route(self, T: int) -> str:
+        """"tkg" (moe_tkg calls) or "cte" (router + one moe_cte call) for a T-token decode: "cte" only with MXFP4
+        experts above the MX TKG kernel's 64 tokens, where one CTE call (every routed expert read once) is modelled
+        faster than several TKG calls (each streaming its tokens' experts again): tkg_cost.choose_mx_decode_route on
+        this rank's shape (trn3, the only MX target), at this layer's lnc."""
+        if self.expert_format != "mxfp4" or T <= TKG_MX_MAX_TOKENS:
+            return "tkg"
+        s = self.shape
+        return choose_mx_decode_route(T, s.experts, s.top_k, s.hidden_padded, s.i_per_rank, "trn3", self.lnc,
+                                      TKG_MX_MAX_TOKENS)
+
+    def _cte_decode(self, h: torch.Tensor, w_gate_up, w_down, scales: dict) -> torch.Tensor:
+        """MXFP4 decode of h [T, Hp] through the CTE kernel: prefill's steps without its collectives (every rank
+        holds all T tokens): RMSNorm (torch, as prefill), the router kernel, one moe_cte call with the scales."""
+        hn = self._norm(h)
+        _, index, aff = self.router(hn)
+        return as_torch(moe_cte(hn, index, aff, w_gate_up, w_down, b_gate_up=self.b_gate_up, b_down=self.b_down,
+                                activation=self.activation, add_down_bias=self.add_down_bias,
+                                block_size=self.block_size, backend=self.backend, lnc=self.lnc, **scales))
 
     def decode_partial(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (all tokens on every rank) → this rank's partial [T, H] (x's width), no collective: the sum

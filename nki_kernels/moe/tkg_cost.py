@@ -63,3 +63,73 @@ def mode_costs(T, E, k, H, inter, target="trn2", mx=False):
 def choose_expert_mode(T, E, k, H, inter, target="trn2", mx=False):
     t_sel, t_all = mode_costs(T, E, k, H, inter, target, mx)
     return "selective" if t_sel < t_all else "all"
+
+
+# ---- MXFP4 decode above the MX TKG kernel's 64 tokens: several TKG calls or one CTE call -------------------------
+# The MX TKG kernel takes T <= 64 (tkg_mx_error), so a larger decode batch is either split into TKG calls, each
+# streaming the experts its tokens touch again, or run as ONE moe_cte call (its MX path reads every routed expert
+# once, at any T) after the router kernel; `MoELayer` picks the cheaper by `mx_decode_costs`:
+#
+#     t_split = Σ_pieces [ lnc · MX_CALL_FIXED_S + max(min(t_selective, t_all), n · t · MX_EXPERT_TOKEN_S) / lnc
+#                          + launch ]      (pieces of <= 64 tokens; the mode rule's t_selective / t_all with the
+#                                           expert bytes at MX_TKG_EFF of the roof; n = the touched or all E)
+#     t_cte   = CTE_ROUTER_S + 2 · launch + tiles · (MXFP4 expert bytes + 3 · 128 · H · 2) / (roof · lnc · CTE_MX_EFF)
+#
+# TKG: the weight stream of the mode rule above (expert bytes at MX_TKG_EFF of the roof), or at larger T the
+# per-expert compute (quantised tokens through gate/up, activation, down, the fp32 accumulate: ~T · 0.1 us per
+# expert at GPT-OSS-20B TP8, scaled by H·I for other shapes; above the stream from T ~ 40), plus a fixed part per
+# call (routing prologue, store).
+# CTE: one 128-row tile per touched expert at decode sizes (tiles ≈ max(n̄, T·k/128 + n̄/2)), each moving its
+# expert's weights, the gathered rows and the scatter-add's read and write at CTE_MX_EFF of the roof; the router
+# kernel runs before it. Read off the modelled timelines (trn3, GPT-OSS-20B TP8, random routing): TKG MX T = 1 / 8 /
+# 16 / 32 / 64: 22.3 / 89.0 / 123.1 / 134.5 / 208.1 us (LNC 1; the rule: 22.2 / 92.4 / 123.7 / 130.9 / 208.1),
+# 17.5 / 53.6 / 72.8 / 76.9 / 123.1 us (LNC 2; the rule is ~8 % low there); router + CTE MX at T = 65..256: 321-326
+# us (LNC 1; rule 321), 174-177 us (LNC 2; rule 165), T-independent there (32 tiles). Measured crossover: LNC 1
+# between T = 72 (split 297 < 321 us) and 80 (331 > 321), LNC 2 between 65 (141 < 174) and 80 (196 > 175); the rule
+# switches at T = 77 (LNC 1) and 71 (LNC 2) (74 / 70 at the layer's block-aligned I = 384). Kernel launches (15 us
+# each, assumed) come on top of these kernel-body figures: equal counts up to T = 128. Re-measure when either kernel
+# changes.
+MX_CALL_FIXED_S = 6e-6         # per TKG call and core: routing prologue, x quantisation, store
+MX_EXPERT_TOKEN_S = 0.0987e-6  # per expert and token: the MX TKG's compute (trn3, 20B TP8: (208.1 - 6) us / 32 / 64),
+MX_EXPERT_TOKEN_HI = 3072 * 360  # scaled by H·I / this (an assumption: matmul and activation work grow with H·I)
+CTE_ROUTER_S = 8e-6            # the router kernel before the CTE call (modelled 7.1 .. 12 us at T = 65 .. 256)
+MX_TKG_EFF = 0.86              # MX TKG expert bytes / memory roof over its modelled stream time (T = 1..32, LNC 1)
+CTE_MX_EFF = 0.80              # CTE MX tile bytes / memory roof over its modelled time (7.8 of 9.8 us per tile, LNC 1)
+CTE_TILE_ROWS = 128
+
+
+def tkg_mx_pieces(T, max_tokens):
+    """Token counts of the TKG calls a T-token decode is split into (<= max_tokens each)."""
+    return [max_tokens] * (T // max_tokens) + ([T % max_tokens] if T % max_tokens else [])
+
+
+def mx_decode_costs(T, E, k, H, inter, target="trn3", lnc=1, max_tokens=64):
+    """(t_split, t_cte): modelled seconds of a T-token MXFP4 decode as TKG calls of <= max_tokens, or as the router
+    kernel + one moe_cte call (rule above; kernel launches included)."""
+    hw = hardware(target).core
+    launch = hw.launch_overhead_s
+
+    t_w = expert_bytes(H, inter, mx=True) / (hw.memory_bytes_per_s * MX_TKG_EFF)
+    t_tok = MX_EXPERT_TOKEN_S * H * inter / MX_EXPERT_TOKEN_HI
+
+    def tkg(t):
+        n_sel = expected_touched(t, E, k)
+        t_sel, t_all = MX_ROUTE_LATENCY_S + n_sel * (t_w + MX_SLOT_OVERHEAD_S), E * t_w
+        n = n_sel if t_sel < t_all else E
+        return lnc * MX_CALL_FIXED_S + max(min(t_sel, t_all), n * t * t_tok) / lnc + launch
+
+    t_split = sum(tkg(p) for p in tkg_mx_pieces(T, max_tokens))
+    n = expected_touched(T, E, k)
+    tiles = max(n, T * k / CTE_TILE_ROWS + n / 2)
+    tile_bytes = expert_bytes(H, inter, mx=True) + 3 * CTE_TILE_ROWS * H * 2
+    t_cte = CTE_ROUTER_S + 2 * launch + tiles * tile_bytes / (hw.memory_bytes_per_s * lnc * CTE_MX_EFF)
+    return t_split, t_cte
+
+
+def choose_mx_decode_route(T, E, k, H, inter, target="trn3", lnc=1, max_tokens=64):
+    """"tkg" (one call, or calls of <= max_tokens) or "cte" (router + one moe_cte call) for a T-token MXFP4 decode:
+    always "tkg" up to max_tokens, above it the cheaper of `mx_decode_costs`."""
+    if T <= max_tokens:
+        return "tkg"
+    t_split, t_cte = mx_decode_costs(T, E, k, H, inter, target, lnc, max_tokens)
+    return "cte" if t_cte < t_split else "tkg"

@@ -115,21 +115,64 @@ def test_layer_equals_the_mx_reference_and_not_bf16_math(ckpt, monkeypatch):
     for got in (plain(x), plain(x, sequence_parallel=True)):
         assert_close_global(got, want, rtol=0.1, msg="bf16-dequantised layer vs MX")
         assert (got - want).abs().max() > 1e-2 * want.abs().max(), "MX result indistinguishable from bf16 math"
-    # Above the MX TKG kernel's 64 tokens: split into kernel calls of <= 64 tokens, same result.
-    calls = []
-    real = moe_layer.moe_tkg
-
-    def spy(x, *a, **kw):
-        calls.append((x.shape[0], "w_gate_up_scale" in kw))
-        return real(x, *a, **kw)
-
-    monkeypatch.setattr(moe_layer, "moe_tkg", spy)
+    # Above the MX TKG kernel's 64 tokens, the TKG route (forced here: the rule picks the CTE at this small shape):
+    # split into kernel calls of <= 64 tokens, same result.
+    calls = _spy_kernels(monkeypatch)
+    monkeypatch.setattr(layer, "decode_route", lambda T: "tkg")
     x70 = torch.randn(70, H, generator=g)
     assert_close_global(layer(x70), _mx_reference(ref, x70), msg="mx decode T=70")
-    assert calls == [(64, True), (6, True)]
+    assert calls == [("tkg", 64, True), ("tkg", 6, True)]
     # Two ranks (StaticGroup: no collective), the last one with 32 padding columns: the partials sum to the output.
     parts = [_layer(_shape(2), r, path=path).decode_partial(x) for r in range(2)]
     assert_close_global(parts[0] + parts[1], want, msg="tp2 partials")
+
+
+def _spy_kernels(monkeypatch):
+    """Record (kernel, T, MX scales passed) of every moe_tkg / moe_cte call the layer makes."""
+    calls = []
+    for name, tag in (("moe_tkg", "tkg"), ("moe_cte", "cte")):
+        real = getattr(moe_layer, name)
+
+        def spy(x, *a, _real=real, _tag=tag, **kw):
+            calls.append((_tag, x.shape[0], "w_gate_up_scale" in kw))
+            return _real(x, *a, **kw)
+
+        monkeypatch.setattr(moe_layer, name, spy)
+    return calls
+
+
+def test_decode_route_rule_at_gpt_oss_20b_tp8():
+    """The layer's decode route on the GPT-OSS-20B TP8 rank shape (H 2880 -> 3072, I 384 a rank, E 32, k 4): TKG up
+    to 64 tokens and for bf16 experts; MXFP4 above 64 the modelled cheaper one — two TKG calls at T = 65 (the second
+    of one token touches 4 experts), one CTE call from T = 96 (two TKG calls would stream all 32 experts twice)."""
+    shape = MoEShape(2880, 2880, 32, 4, 8, intermediate_padded=mx_aligned_intermediate(2880, 8))
+    for lnc in (1, 2):
+        mx = MoELayer(shape, StaticGroup(8, 0), expert_format="mxfp4", lnc=lnc)
+        assert [mx.decode_route(T) for T in (1, 64, 65, 96, 128, 256)] == ["tkg"] * 3 + ["cte"] * 3, lnc
+    bf = MoELayer(shape, StaticGroup(8, 0), lnc=1)
+    assert bf.decode_route(128) == bf.decode_route(256) == "tkg"
+
+
+def test_mx_decode_above_64_tokens_reads_each_expert_once(ckpt, monkeypatch):
+    """T = 128 MXFP4 decode (fp32, torch backend) on the CTE route: ONE moe_cte call with the scales and no moe_tkg
+    call (each expert's weights read once instead of once per 64-token call); equal to moe_torch(mx=True) on the
+    unsharded weights at tp 1, and the tp 2 partials (down bias on rank 0 only) sum to it."""
+    path, ref = ckpt
+    x = torch.randn(128, H, generator=torch.Generator().manual_seed(21))
+    want = _mx_reference(ref, x)
+    layer = _layer(_shape(1), 0, path=path)
+    assert layer.decode_route(128) == "cte"
+    calls = _spy_kernels(monkeypatch)
+    assert_close_global(layer(x), want, msg="mx decode T=128 (CTE route)")
+    assert calls == [("cte", 128, True)]
+    calls.clear()
+    parts = []
+    for r in range(2):   # (I = 96 a rank: the rule's two routes are within 2 % at this toy shape; the CTE's forced)
+        tp2 = _layer(_shape(2), r, path=path)
+        monkeypatch.setattr(tp2, "decode_route", lambda T: "cte")
+        parts.append(tp2.decode_partial(x))
+    assert calls == [("cte", 128, True)] * 2
+    assert_close_global(parts[0] + parts[1], want, msg="tp2 partials T=128 (CTE route)")
 
 
 def test_errors_name_the_argument(ckpt, tmp_path, monkeypatch):
@@ -172,12 +215,13 @@ def test_trn2_is_refused_by_the_kernels(ckpt, monkeypatch):
         layer(x, sequence_parallel=True)
 
 
-T_PREFILL, T_DECODE = 8, 5
+T_PREFILL, T_DECODE, T_DECODE_CTE = 8, 5, 96
 
 
 def _check_mx_kernels(rank, world_size, path):
-    """World 2 over gloo: the nkisim kernels on trn3 (TKG and CTE MX paths) equal the torch backend's MX references
-    through the same layer, and the unsharded bf16 MX reference (tolerance as the kernels' own MX tests)."""
+    """World 2 over gloo: the nkisim kernels on trn3 (TKG and CTE MX paths; decode of 96 tokens on the CTE route)
+    equal the torch backend's MX references through the same layer, and the unsharded bf16 MX reference (tolerance
+    as the kernels' own MX tests)."""
     import os
 
     import nkisim
@@ -198,10 +242,16 @@ def _check_mx_kernels(rank, world_size, path):
         layer = MoELayer(_shape(world_size), group, norm_eps=EPS, backend=backend, expert_format="mxfp4")
         layer.load_gpt_oss(path, 0)
         layers[backend] = layer
+    xb = torch.randn(T_DECODE_CTE, H, generator=g).bfloat16()
     with torch.no_grad():
         got_d, want_d = layers["nkisim"](xd), layers["torch"](xd)
         got_p, want_p = (layers[b](mine, sequence_parallel=True) for b in ("nkisim", "torch"))
-    assert not got_d.isnan().any() and not got_p.isnan().any()
+        for layer in layers.values():   # the CTE decode route (at this toy shape the rule's routes are within 2 %)
+            layer.decode_route = lambda T: "cte"
+        got_b, want_b = layers["nkisim"](xb), layers["torch"](xb)
+    assert not got_d.isnan().any() and not got_p.isnan().any() and not got_b.isnan().any()
+    assert_close_global(got_b, want_b, rtol=2e-2, msg="nkisim decode T=96 (CTE route) vs MX reference")
+    assert_close_global(got_b, _mx_reference(ref, xb), rtol=2e-2, msg="decode T=96 (CTE route) vs unsharded")
     assert_close_global(got_d, want_d, rtol=2e-2, msg="nkisim decode vs MX reference")
     assert_close_global(got_p, want_p, rtol=2e-2, msg="nkisim prefill vs MX reference")
     assert_close_global(got_d, _mx_reference(ref, xd), rtol=2e-2, msg="decode vs unsharded")
