@@ -34,7 +34,7 @@ the reason (no nc_matmul_mx / quantize_mx; use expert_format="bf16" there) — n
 would change the numerics and the weight footprint behind the caller's back. Decode batches above the MX TKG
 kernel's 64 tokens (``decode_route``): where the cost rule (``tkg_cost.choose_mx_decode_route``) models it faster,
 prefill's steps without the collectives — RMSNorm, the router kernel, ONE moe_cte call, whose MX path reads every
-routed expert once (GPT-OSS-20B TP8 trn3 from T = 74 at LNC 1, 70 at LNC 2); below that, several moe_tkg calls of
+routed expert once (GPT-OSS-20B TP8 trn3 from T = 68 at LNC 1, 66 at LNC 2); below that, several moe_tkg calls of
 <= 64 tokens (tokens are independent: exact, but each call streams its touched experts again), as bf16 decode does
 above 128. The two routes differ in rounding only (the CTE adds each expert's contribution in x's dtype).
 """

@@ -397,7 +397,7 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
     # (narrow) tile alternate sets; a narrow tile on set 1 puts its output rows on partitions 64..127, on set 0 on
     # 0..63, so the narrow scatters spread over both halves of the DMA engines
     order = slots[::-1] if second else slots
-    nh = P_MAX if cfg.mx else HALF_ROWS      # (the MX path has no narrow tile: a full one serves those rows)
+    nh = HALF_ROWS
     pb = [(P_MAX - nh) if order[k] is slots[1] else 0 for k in range(2)]
 
     def two(i):
@@ -499,7 +499,7 @@ def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, 
             _gate_up_mx(cfg, slot, psum, c)
             _activation_step(cfg, slot, psum, c)
         _mx_operand(cfg, slot.a, cfg.KDm * MX_CHUNK, cfg.KDm, slot.aTm, slot.aq, slot.as_, [psum.at], 0)
-        _down_mx(cfg, slot, psum)
+        _down_mx(cfg, slot, psum, n, pb)
     elif n == P_MAX:
         if not cfg.dma_transpose:
             _transpose_x(cfg, slot, psum, n)
@@ -523,6 +523,8 @@ def _gather_base(cfg, n, pb):
     """First partition of a tile's gathered rows (xt, gid): a narrow tile's rows go to the other half of the
     partitions than its output rows (pb..pb+n), so its gather and its scatter load different halves of the 16 DMA
     engines (each serves 8 partitions). DMA transposes fill all partitions whatever the rows."""
+    if cfg.mx:     # MX tiles keep tokens on the partitions from the gather to the output rows
+        return pb
     return P_MAX - n - pb if not cfg.dma_transpose else 0
 
 
@@ -570,9 +572,10 @@ def _gate_up_mx(cfg, slot, psum, c):
             nisa.nc_matmul(dst=dst[:, :cw], stationary=psum.ones, moving=slot.brow[:, off:off + cw], accumulate=True)
 
 
-def _down_mx(cfg, slot, psum):
+def _down_mx(cfg, slot, psum, n=P_MAX, pb=0):
     """y = affinity * (a @ Wd + bd) with MXFP4 down weights: nc_matmul_mx over the I chunks (act^T MXFP8
-    stationary), the bias a K=1 matmul (ones x b_down row) into the same PSUM bank."""
+    stationary), the bias a K=1 matmul (ones x b_down row) into the same PSUM bank; rows pb..pb+n scaled (a narrow
+    tile's real rows)."""
     for h in range(cfg.n_hch):
         h0 = h * cfg.H_CH
         hw = min(cfg.H_CH, cfg.H - h0)
@@ -583,7 +586,7 @@ def _down_mx(cfg, slot, psum):
                               accumulate=k > 0)
         if cfg.bias_d:
             nisa.nc_matmul(dst=ps[:, :hw], stationary=psum.ones, moving=slot.bdrow[:, h0:h0 + hw], accumulate=True)
-        _scale_rows(slot, ps, 0, h0, hw, P_MAX)     # all on ScalarE: VectorE carries the quantize_mx work
+        _scale_rows(slot, ps, 0, h0, hw, n, pb)     # all on ScalarE: VectorE carries the quantize_mx work
 
 
 def _half_gate_up_act(cfg, slot):

@@ -73,29 +73,39 @@ def choose_expert_mode(T, E, k, H, inter, target="trn2", mx=False):
 #     t_split = Σ_pieces [ lnc · MX_CALL_FIXED_S + max(min(t_selective, t_all), n · t · MX_EXPERT_TOKEN_S) / lnc
 #                          + launch ]      (pieces of <= 64 tokens; the mode rule's t_selective / t_all with the
 #                                           expert bytes at MX_TKG_EFF of the roof; n = the touched or all E)
-#     t_cte   = CTE_ROUTER_S + 2 · launch + tiles · (MXFP4 expert bytes + 3 · 128 · H · 2) / (roof · lnc · CTE_MX_EFF)
+#     t_cte   = CTE_ROUTER_S + 2 · launch + [n̄ · (MXFP4 expert bytes + 3 · rows moved · H · 2) / (roof · CTE_MX_EFF)
+#                                          + tiles · CTE_TILE_S] / lnc
 #
 # TKG: the weight stream of the mode rule above (expert bytes at MX_TKG_EFF of the roof), or at larger T the
 # per-expert compute (quantised tokens through gate/up, activation, down, the fp32 accumulate: ~T · 0.1 us per
-# expert at GPT-OSS-20B TP8, scaled by H·I for other shapes; above the stream from T ~ 40), plus a fixed part per
-# call (routing prologue, store).
-# CTE: one 128-row tile per touched expert at decode sizes (tiles ≈ max(n̄, T·k/128 + n̄/2)), each moving its
-# expert's weights, the gathered rows and the scatter-add's read and write at CTE_MX_EFF of the roof; the router
-# kernel runs before it. Read off the modelled timelines (trn3, GPT-OSS-20B TP8, random routing): TKG MX T = 1 / 8 /
-# 16 / 32 / 64: 22.3 / 89.0 / 123.1 / 134.5 / 208.1 us (LNC 1; the rule: 22.2 / 92.4 / 123.7 / 130.9 / 208.1),
-# 17.5 / 53.6 / 72.8 / 76.9 / 123.1 us (LNC 2; the rule is ~8 % low there); router + CTE MX at T = 65..256: 321-326
-# us (LNC 1; rule 321), 174-177 us (LNC 2; rule 165), T-independent there (32 tiles). Measured crossover: LNC 1
-# between T = 72 (split 297 < 321 us) and 80 (331 > 321), LNC 2 between 65 (141 < 174) and 80 (196 > 175); the rule
-# switches at T = 77 (LNC 1) and 71 (LNC 2) (74 / 70 at the layer's block-aligned I = 384). Kernel launches (15 us
-# each, assumed) come on top of these kernel-body figures: equal counts up to T = 128. Re-measure when either kernel
-# changes.
+# expert at GPT-OSS-20B TP8, ~T · 0.08 us at 120B TP16; above the stream from T ~ 40), plus a fixed part per call
+# (routing prologue, store).
+# CTE: each touched expert (T·k/n̄ rows each under uniform routing) moves its weights once and its rows in 128-row
+# tiles, the last <= 64 in a narrow 64-row tile: gather, scatter-add read and write (rows moved = 128 per full tile,
+# 64 for a narrow one), at CTE_MX_EFF of the roof, plus a fixed part per tile; the router kernel runs before it.
+# Read off the modelled timelines (trn3, random routing), GPT-OSS-20B TP8: TKG MX T = 1 / 8 / 16 / 32 / 64: 22.3 /
+# 89.0 / 123.1 / 134.5 / 208.1 us (LNC 1; the rule: 22.2 / 92.4 / 123.7 / 130.9 / 208.1), 17.5 / 53.6 / 72.8 / 76.9
+# / 123.1 us (LNC 2; the rule is ~8 % low there); router + CTE MX (narrow tiles: every expert has ~8-32 rows) at
+# T = 65..256: 268-276 us (LNC 1; rule 269), 146-149 us (LNC 2; rule 138), flat in T there. Measured crossover:
+# LNC 1 between T = 65 (split 230 < 269 us) and 72 (297 > 268), LNC 2 between 65 (141 < 147) and 72 (177 > 146);
+# the rule switches at T = 69 (LNC 1) and 66 (LNC 2) (68 / 66 at the layer's block-aligned I = 384). GPT-OSS-120B
+# TP16 LNC 1: split T = 96 908.9 us (rule 863), T = 128 1303.6 (1305); router + CTE 774.3 (773), 826.7 (798): the
+# rule switches at T = 74. Kernel launches (15 us each, assumed) are in the rule, not in these kernel-body figures:
+# equal counts up to T = 128. Re-measure when either kernel changes.
 MX_CALL_FIXED_S = 6e-6         # per TKG call and core: routing prologue, x quantisation, store
-MX_EXPERT_TOKEN_S = 0.0987e-6  # per expert and token: the MX TKG's compute (trn3, 20B TP8: (208.1 - 6) us / 32 / 64),
-MX_EXPERT_TOKEN_HI = 3072 * 360  # scaled by H·I / this (an assumption: matmul and activation work grow with H·I)
+# per expert and token, the MX TKG's compute: a part growing with H (the fp32 accumulate, the per-expert operand
+# handling) and one with H·I (matmuls, activation), fitted to two modelled points on trn3 (T = 64, all experts):
+# 20B TP8 (I 360) (208.1 - 6) us / 32 / 64 = 0.0987 us, 120B TP16 (I 180) (651.8 - 6) us / 128 / 64 = 0.0789 us
+MX_EXPERT_TOKEN_H_S = 0.0591e-6    # x H / 3072
+MX_EXPERT_TOKEN_HI_S = 0.0396e-6   # x H·I / (3072 · 360)
 CTE_ROUTER_S = 8e-6            # the router kernel before the CTE call (modelled 7.1 .. 12 us at T = 65 .. 256)
 MX_TKG_EFF = 0.86              # MX TKG expert bytes / memory roof over its modelled stream time (T = 1..32, LNC 1)
-CTE_MX_EFF = 0.80              # CTE MX tile bytes / memory roof over its modelled time (7.8 of 9.8 us per tile, LNC 1)
-CTE_TILE_ROWS = 128
+# CTE MX per tile: its bytes at CTE_MX_EFF of the roof + CTE_TILE_S (DMA latencies, the 128-token MX compute),
+# fitted to T = 128 LNC 1 (narrow tiles): 20B TP8 260.9 us / 32 tiles (2.95 MB each), 120B TP16 816.3 us / 128 (2.11 MB)
+CTE_MX_EFF = 0.90
+CTE_TILE_S = 1.93e-6
+CTE_TILE_ROWS = 128            # moe_cte's token tile; an expert's last <= 64 rows go in a narrow tile (HALF_ROWS)
+CTE_NARROW_ROWS = 64
 
 
 def tkg_mx_pieces(T, max_tokens):
@@ -110,7 +120,7 @@ def mx_decode_costs(T, E, k, H, inter, target="trn3", lnc=1, max_tokens=64):
     launch = hw.launch_overhead_s
 
     t_w = expert_bytes(H, inter, mx=True) / (hw.memory_bytes_per_s * MX_TKG_EFF)
-    t_tok = MX_EXPERT_TOKEN_S * H * inter / MX_EXPERT_TOKEN_HI
+    t_tok = MX_EXPERT_TOKEN_H_S * H / 3072 + MX_EXPERT_TOKEN_HI_S * H * inter / (3072 * 360)
 
     def tkg(t):
         n_sel = expected_touched(t, E, k)
@@ -120,9 +130,12 @@ def mx_decode_costs(T, E, k, H, inter, target="trn3", lnc=1, max_tokens=64):
 
     t_split = sum(tkg(p) for p in tkg_mx_pieces(T, max_tokens))
     n = expected_touched(T, E, k)
-    tiles = max(n, T * k / CTE_TILE_ROWS + n / 2)
-    tile_bytes = expert_bytes(H, inter, mx=True) + 3 * CTE_TILE_ROWS * H * 2
-    t_cte = CTE_ROUTER_S + 2 * launch + tiles * tile_bytes / (hw.memory_bytes_per_s * lnc * CTE_MX_EFF)
+    rows = T * k / n                                    # per touched expert (uniform routing)
+    full, last = divmod(rows, CTE_TILE_ROWS)
+    moved = CTE_TILE_ROWS * full + (0 if last == 0 else CTE_NARROW_ROWS if last <= CTE_NARROW_ROWS else CTE_TILE_ROWS)
+    t_bytes = n * (expert_bytes(H, inter, mx=True) + 3 * moved * H * 2)
+    tiles = n * (full + (last > 0))
+    t_cte = CTE_ROUTER_S + 2 * launch + (t_bytes / (hw.memory_bytes_per_s * CTE_MX_EFF) + tiles * CTE_TILE_S) / lnc
     return t_split, t_cte
 
 

@@ -222,11 +222,14 @@ def _run_mx(T, H, E, inter, k, lnc=1, **kw):
     return out, ref, (x, idx, aff, w_gu, w_d, b_gu, b_d)
 
 
-@pytest.mark.parametrize("T,H,E,inter,k,lnc,skew", [(200, 512, 4, 96, 2, 1, None), (300, 1024, 4, 360, 3, 2, "one")])
+@pytest.mark.parametrize("T,H,E,inter,k,lnc,skew", [(200, 512, 4, 96, 2, 1, None), (300, 1024, 4, 360, 3, 2, "one"),
+                                                     (40, 512, 8, 96, 4, 1, None)])
 def test_kernel_mxfp4_trn3_matches_mx_reference(T, H, E, inter, k, lnc, skew, monkeypatch):
     """MXFP4 weights on trn3: x and the activations quantised to MXFP8 on chip, every projection an nc_matmul_mx;
     against the reference that models the same quantisation (I = 360: the last 32-block zero-padded). The MX
-    reference differs visibly from the bf16-weight one (the activation quantisation), so matching it is a check."""
+    reference differs visibly from the bf16-weight one (the activation quantisation), so matching it is a check.
+    Narrow (<= 64-row) last tiles: expert 0 of the skewed case (300 rows: 128 + 128 + 44), and every expert of the
+    decode-sized case (T 40, k 4, E 8: ~20 rows each, on both tile buffer sets, most slots' first use)."""
     from nki_kernels.moe.moe_cte_torch import moe_cte_torch
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
     out, ref, (x, idx, aff, w_gu, w_d, b_gu, b_d) = _run_mx(T, H, E, inter, k, lnc, skew=skew)
