@@ -82,6 +82,9 @@ TARGET_ASSERTED = {
     ("llama-3.1-8b-tp8", 1, 16384, "trn2"),
     ("gpt-oss-20b-tp8", 16, 4096, "trn3"), ("gpt-oss-20b-tp8", 16, 16384, "trn3"),
     ("llama-3.1-8b-tp8", 16, 4096, "trn3"), ("llama-3.1-8b-tp8", 16, 16384, "trn3"),
+    # since the ragged per-group gating (modelled x1.12 / x1.27 / x1.26)
+    ("gpt-oss-20b-tp8", 64, 4096, "trn2"),
+    ("gpt-oss-20b-tp8", 8, 16384, "trn3"), ("llama-3.1-8b-tp8", 8, 16384, "trn3"),
 }
 
 # trn2: the whole grid; trn3: the batches its target covers (B >= 8; B = 64 left out to keep the job short)
@@ -168,7 +171,10 @@ def test_decode_attention_lnc2_batch_modelled(benchmark, model, B, ctx):
 @pytest.mark.parametrize("model", sorted(SHAPES))
 def test_decode_attention_fp8_cache_modelled(benchmark, model, B, ctx):
     """fp8 (e4m3) KV cache on trn2, dequantised on load; compare with the bf16 row of the main grid: half the cache
-    bytes and faster than bf16 (the K pairs' engine cast is the only extra pass)."""
+    bytes, and not slower than bf16 beyond 2 % (the K pairs' engine cast is the only extra pass). Since the ragged
+    per-group gating (nki_kernels/attention/DESIGN.md, "Ragged contexts") both GPT-OSS rows are compute-paced
+    (TensorE / VectorE, not bytes) and its fp8 row is ~1.5 % slower (modelled): fp8 stacks 4 batches per K^T load
+    group (2 for bf16), so its score matmuls are gated more coarsely, and its slots are more numerous."""
     rep, bound = benchmark.pedantic(modelled, args=(SHAPES[model], B, ctx, "trn2"), kwargs=dict(fp8=True),
                                     rounds=1, iterations=1)
     bf16, _ = modelled(SHAPES[model], B, ctx, "trn2")
@@ -176,7 +182,7 @@ def test_decode_attention_fp8_cache_modelled(benchmark, model, B, ctx):
     benchmark.extra_info.update({"modelled_latency_over_bf16_cache": rep.latency_s / bf16.latency_s,
                                  "modelled_hbm_bytes_over_bf16_cache": rep.hbm_bytes / bf16.hbm_bytes})
     assert rep.hbm_bytes < bf16.hbm_bytes
-    assert rep.latency_s < bf16.latency_s
+    assert rep.latency_s < 1.02 * bf16.latency_s
 
 
 @pytest.mark.parametrize("model", sorted(SHAPES))

@@ -23,7 +23,7 @@ from .isolation import _scrub_slot, _scrub_v, _valid_ranges
 from .kv_io import _cast_pairs, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
 from .oproj import _load_w_o, _rows_to_oT, _rows_to_tokens, _transpose_o
 from .planning import _load_pieces, _packs, _plan, _slot_split
-from .ragged import _load_gates, _step_gates
+from .ragged import _load_gates, _pv_group, _stack_gates, _step_gates
 
 
 class _AttnState(nl.NKIObject):
@@ -49,8 +49,11 @@ class _AttnState(nl.NKIObject):
         self.kg = tuple(nl.ndarray((P_MAX, cfg.ngroups, cfg.fa_tile), dtype=nl.uint16, buffer=nl.sbuf)
                         for _ in range(PAIR_BUFS)) if cfg.fp8 and not cfg.fp8_mm else self.kT
         self.qm = qm
-        # per K^T load buffer (kg): positions scrubbed or loaded in every lane so far
-        self.ring_w = [0] * len(self.kg)
+        # per K^T load buffer (kg) and per V buffer: [positions scrubbed or loaded in every lane so far, (pack p0,
+        # j0, w) of its last partial scrub (ragged, per-group gates: the lanes of the load groups reaching j0 are
+        # finite up to w) or None]; see _ring_mode
+        self.ring_k = [[0, None] for _ in self.kg]
+        self.ring_v = [[0, None] for _ in self.v]
         self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
         self.block_ids, self.starts = None, None
         self.iotas = {}
@@ -90,6 +93,7 @@ class _Softmax(nl.NKIObject):
 
     def __init__(self):
         self.m, self.l, self.acc, self.pending = None, None, None, None
+        self.fin_gates = None   # ragged, per PV group: 1 iff its PV of the last step run is pending
 
 
 class _PackInputs(nl.NKIObject):
@@ -274,7 +278,9 @@ def _normalise_full(cfg, st, sm, rows, nb, rinv, dtype):
     acc * alpha / l is formed while TensorE finishes the last PV, then one pass PV / l + that."""
     n = nb * cfg.d
     o_n = nl.ndarray((P_MAX, PV_COLS), dtype=dtype, buffer=nl.sbuf)
-    if sm.pending is None:  # already flushed (context split)
+    if sm.fin_gates is not None:     # ragged, per-group PV: only the groups whose PV is pending (_flush_acc)
+        _flush_acc(cfg, st, sm, rows, nb)
+    if sm.pending is None:  # already flushed (context split, per-group PV)
         nisa.tensor_scalar(dst=o_n[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply, operand0=rinv[:rows])
         return o_n
     if sm.acc is None:  # only the active step
@@ -403,11 +409,12 @@ def _build_mask(cfg, rows, cols, key, thr_base, cmp, shift):
     return m
 
 
-def _fold_chunk(consts, sc, rows, m, chunk):
-    """sc[:rows, chunk] += MASK_NEG * m (a matmul with MASK_NEG * I, continuing the chunk's accumulation group)."""
+def _fold_chunk(consts, sc, rows, m, chunk, accumulate=True):
+    """sc[:rows, chunk] += MASK_NEG * m (a matmul with MASK_NEG * I, continuing the chunk's accumulation group;
+    accumulate=False: opening it)."""
     c0, c1, inner = chunk
     nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=consts.neg_eye[:rows, :rows],
-                   moving=_cols(m, rows, c0, c1, inner), accumulate=True)
+                   moving=_cols(m, rows, c0, c1, inner), accumulate=accumulate)
 
 
 def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos):
@@ -433,6 +440,10 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
             step.thr_lo = _step_threshold(q_pos, rows, -float(cfg.window) - step.pos0, big)
     gates = _step_gates(cfg, st, steps) if cfg.ragged else (None,) * len(steps)
     st.load_gates = _load_gates(cfg, st, slots, nb) if cfg.ragged else None
+    sgates, pv_gates, fin = (_stack_gates(cfg, st, steps, slots, nb) if cfg.ragged and not cfg.pmajor
+                             else ((None,) * len(steps), (None,) * len(steps), None))
+    for step, sg in zip(steps, sgates):
+        step.stack_gates = sg
     views = []
     _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[0], views, gates[0])
     for k in range(len(steps)):
@@ -443,13 +454,16 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
         if cfg.pmajor:
             _online_step_pm(cfg, consts, st, sm, step.sc, rows, nb, views[step.slot][1], step.blocks, gates[k])
         else:
-            _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks, gates[k])
+            _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks, gates[k],
+                         pv_gates[k], pv_gates[k - 1] if k > 0 else None)
         step.sc = None
         if k == 0 and cfg.ragged and sm.acc is None:
             # no accumulator yet (second core of a context split): a zero one, so every later flush is the same
             # in-place acc * alpha + PV whichever steps run
             sm.acc = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(dst=sm.acc[:rows, :nb * cfg.d], value=0.0)
+    if fin is not None:
+        sm.fin_gates = fin
 
 
 def _step_threshold(base, rows, shift, big):
@@ -466,6 +480,20 @@ def _step_threshold(base, rows, shift, big):
     nisa.tensor_scalar(dst=t[:rows], data=base[:rows], op0=nl.add, operand0=shift, op1=nl.maximum, operand1=-1.0)
     nisa.tensor_scalar(dst=thr[:rows], data=t[:rows], op0=nl.minimum, operand0=float(FA_TILE_MAX))
     return thr
+
+
+def _ring_mode(st, ring, buf, p0, j0, w):
+    """(fresh_ring, relaxed) of a use of ring buffer buf for the slot [j0, j0 + w) of pack p0 (see _issue_scores),
+    and its state updated: fresh_ring unless every lane is finite up to w, or this pack's groups reaching j0 are
+    (a partial scrub at j0_p <= j0 with w <= its width); relaxed: a fresh buffer scrubbed partially."""
+    full, part = ring[buf]
+    fresh = w > full and not (part is not None and part[0] == p0 and part[1] <= j0 and w <= part[2])
+    relaxed = fresh and j0 in st.cur_valid.scrub_rel
+    if relaxed:
+        ring[buf][1] = (p0, j0, w)
+    elif fresh:
+        ring[buf][0] = max(full, w)
+    return fresh, relaxed
 
 
 def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step, views, gate=None):
@@ -496,11 +524,16 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                 for a, size in _load_pieces(cfg, j0, w):    # a sequence's loads stop at its length
                     _run(st.load_gates[a][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v:
                          _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size))
-        buf = (st.n_slots - 1) % len(st.kg)
-        _scrub_slot(cfg, st, kg, j0, w, nb, fresh_ring=w > st.ring_w[buf])    # beyond what the buffer held
-        st.ring_w[buf] = max(st.ring_w[buf], w)
-        if cfg.fp8 and not cfg.fp8_mm:     # after the scrub: every lane of the pairs is finite, so is the cast
-            _cast_pairs(cfg, kg, kT, w, nb, K_cache.dtype, st.n_slots)
+        # Ragged, per-group gated scores / PV (_stack_gates): a load group none of whose sequences reaches j0 is
+        # neither loaded nor read in this slot (nor in any later slot of this pack), so a fresh ring buffer scrubs
+        # the groups reaching j0 only; its other lanes keep their content. This pack's later uses of the buffer at
+        # j0' >= j0 read a subset of those groups: they need only the lanes whose sequence ends inside. The K^T
+        # buffers (kg: the fp8 pairs, a ring of their own) and the V buffers are tracked apart.
+        k_mode = _ring_mode(st, st.ring_k, (st.n_slots - 1) % len(st.kg), p0, j0, w)
+        v_mode = _ring_mode(st, st.ring_v, (st.n_slots - 1) % cfg.kv_bufs, p0, j0, w)
+        _scrub_slot(cfg, st, kg, j0, w, nb, *k_mode, v_mode=v_mode)
+        if cfg.fp8 and not cfg.fp8_mm:     # after the scrub: every lane cast (the groups reaching j0) is finite
+            _cast_pairs(cfg, kg, kT, w, nb, K_cache.dtype, st.n_slots, st.cur_valid.slot_act.get(j0))
         views.append((kT, v))
         fresh.append((v, j0, w, st.gates[1]))
     kT = views[step.slot][0]
@@ -523,7 +556,11 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
     masks = [_build_mask(cfg, rows, step.cols, key, step.thr_hi, nl.greater, 0.0)]
     if step.thr_lo is not None:
         masks.append(_build_mask(cfg, rows, step.cols, key, step.thr_lo, nl.less_equal, 0.0))
+    sg = step.stack_gates
     for c0, c1, inner in step.chunks:
+        if sg is not None:      # ragged: the masks open the chunk's accumulation group, the stacks run gated
+            for i, m in enumerate(masks):
+                _fold_chunk(consts, sc, rows, m, (c0, c1, inner), accumulate=i > 0)
         for jj in range(_stacks(cfg, nb)):
             kp = _stack_rows(cfg, jj, nb)
             if inner < 0:                   # paged, i-major: columns (il, q') of K^T, q' = r*T + t
@@ -540,8 +577,15 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
                              (slice(None), slice(c0 // inner, c1 // inner), slice(i0, i0 + inner)))
             else:
                 mov = _kview(cfg, kT, jj, kp, w, (kp, w), (slice(None), slice(n * P_MAX, w)))
+            if sg is not None:
+                nl.fori_loop(0, sg[jj // cfg.halves], lambda _i, jj=jj, kp=kp, mov=mov, c=(c0, c1, inner):
+                             nisa.nc_matmul(dst=_cols(sc, rows, *c), stationary=qm[:kp, jj, :rows], moving=mov,
+                                            accumulate=True))
+                continue
             nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=qm[:kp, jj, :rows], moving=mov,
                            accumulate=(jj > 0))
+        if sg is not None:
+            continue
         for m in masks:          # each chunk's masks right after its scores: its row max can start early
             _fold_chunk(consts, sc, rows, m, (c0, c1, inner))
 
@@ -566,7 +610,7 @@ def _stack_rows(cfg, jj, nb):
     return min(cfg.kpp, nb - jj // cfg.halves * cfg.kpp) * cfg.kd
 
 
-def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None):
+def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None, prev=None):
     """One online-softmax update over the masked scores sc[:rows, :cols] + PV.
 
     blocks: (first column, column stride, positions K, V block index) of each P^T block.
@@ -574,9 +618,10 @@ def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None):
     state (m, l, the pending alpha, acc) in place: tensors allocated in a runtime loop do not outlive it.
     """
     if gate is not None:
-        nl.fori_loop(0, gate, lambda _i: _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks))
+        nl.fori_loop(0, gate, lambda _i: _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv,
+                                                              prev))
         return
-    d, scale = cfg.d, cfg.scale
+    scale = cfg.scale
     m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=sc[:rows, :cols], axis=(1,))
     m_new = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -601,20 +646,24 @@ def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None):
     kmax = blocks[0][2]
     nisa.activation(dst=pT[:kmax, :nblk, :rows], op=nl.copy, data=st.ps_t[:kmax, :nblk, :rows])   # ScalarE
     _flush_acc(cfg, st, sm, rows, nb)     # previous step's PV, placed after this step's statistics on VectorE
-    half = max(1, PSUM_F // d)
-    for h0 in range(0, nb, half):
-        hn = min(half, nb - h0)
-        for i, (_c0, _s, k, vb) in enumerate(blocks):
-            nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:k, i, :rows],
-                           moving=v[:k, h0:h0 + hn, vb, :], accumulate=(i > 0))
+    _pv(cfg, st, pT, v, rows, nb, blocks, pv)
     sm.m, sm.l, sm.pending = m_new, l_new, alpha
 
 
-def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks):
+def _group_cols(cfg, G, nb):
+    """Accumulator columns [c0, c1) and batches [b0, b1) of PV group G (ragged._pv_group batches of d columns)."""
+    per = _pv_group(cfg)
+    b0, b1 = G * per, min(nb, (G + 1) * per)
+    return b0 * cfg.d, b1 * cfg.d, b0, b1
+
+
+def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, prev=None):
     """_online_step writing the state in place (after a first step gave it its buffers), with the same VectorE /
     ScalarE instruction counts: nbias = -scale * max(m, rowmax) in one op; the previous step's PV is flushed before
-    alpha overwrites the pending one; then l and m are updated in place."""
-    d, scale = cfg.d, cfg.scale
+    alpha overwrites the pending one; then l and m are updated in place. pv / prev (ragged, see
+    ragged._stack_gates): per PV group, runtime trip counts of this step's PV matmuls / of the flush of the previous
+    step's PV."""
+    scale = cfg.scale
     m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=sc[:rows, :cols], axis=(1,))
     nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -630,19 +679,53 @@ def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks):
         nisa.nc_transpose(dst=st.ps_t[:k, i, :rows], data=p[:rows, c0:c0 + (k - 1) * stride + 1:stride])
     kmax = blocks[0][2]
     nisa.activation(dst=pT[:kmax, :nblk, :rows], op=nl.copy, data=st.ps_t[:kmax, :nblk, :rows])   # ScalarE
-    n = nb * d      # previous step's PV, in place: acc = acc * alpha_prev + PV
-    nisa.scalar_tensor_tensor(dst=sm.acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,
-                              operand0=sm.pending[:rows], op1=nl.add, operand1=st.ps_o[:rows, :n])
+    _flush_inplace(cfg, st, sm, rows, nb, prev)    # previous step's PV, in place: acc = acc * alpha_prev + PV
     nisa.activation(dst=sm.pending[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)  # alpha
     nisa.scalar_tensor_tensor(dst=sm.l[:rows], data=sm.l[:rows], op0=nl.multiply, operand0=sm.pending[:rows],
                               op1=nl.add, operand1=l_t[:rows])
     nisa.tensor_tensor(dst=sm.m[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum)
+    _pv(cfg, st, pT, v, rows, nb, blocks, pv)
+
+
+def _pv(cfg, st, pT, v, rows, nb, blocks, pv=None):
+    """PV of a step into ps_o [rows, nb * d] (every batch's V side by side; only the diagonal blocks are used).
+    pv (ragged, see ragged._stack_gates): per PV group (ragged._pv_group batches) a runtime trip count; a group none
+    of whose sequences reaches the step is skipped (its rows' probabilities are all 0 there), its columns keep an
+    already flushed PV."""
+    d = cfg.d
+    if pv is not None:
+        for G, gate in enumerate(pv):
+
+            def group(_i, G=G):
+                c0, c1, b0, b1 = _group_cols(cfg, G, nb)
+                for i, (_c0, _s, k, vb) in enumerate(blocks):
+                    nisa.nc_matmul(dst=st.ps_o[:rows, c0:c1], stationary=pT[:k, i, :rows],
+                                   moving=v[:k, b0:b1, vb, :], accumulate=(i > 0))
+            nl.fori_loop(0, gate, group)
+        return
     half = max(1, PSUM_F // d)
     for h0 in range(0, nb, half):
         hn = min(half, nb - h0)
         for i, (_c0, _s, k, vb) in enumerate(blocks):
             nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:k, i, :rows],
                            moving=v[:k, h0:h0 + hn, vb, :], accumulate=(i > 0))
+
+
+def _flush_inplace(cfg, st, sm, rows, nb, gates=None):
+    """acc = acc * alpha + PV of the pending step, in place; with per-group gates (ragged, _stack_gates) only the
+    groups whose PV is pending (the others' PSUM columns hold an already flushed PV)."""
+    if gates is None:
+        n = nb * cfg.d
+        nisa.scalar_tensor_tensor(dst=sm.acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,
+                                  operand0=sm.pending[:rows], op1=nl.add, operand1=st.ps_o[:rows, :n])
+        return
+    for G, gate in enumerate(gates):
+
+        def group(_i, G=G):
+            c0, c1, _b0, _b1 = _group_cols(cfg, G, nb)
+            nisa.scalar_tensor_tensor(dst=sm.acc[:rows, c0:c1], data=sm.acc[:rows, c0:c1], op0=nl.multiply,
+                                      operand0=sm.pending[:rows], op1=nl.add, operand1=st.ps_o[:rows, c0:c1])
+        nl.fori_loop(0, gate, group)
 
 
 def _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
@@ -747,6 +830,10 @@ def _online_step_pm_body(cfg, consts, st, sm, sc, rows, nb, v, blocks, inplace):
 def _flush_acc(cfg, st, sm, rows, nb):
     """acc = acc * alpha + PV of the pending step (ps_o), or acc = PV for the first step."""
     if sm.pending is None:
+        return
+    if sm.fin_gates is not None:    # ragged, per-group PV: the groups' pending PVs of the last step run
+        _flush_inplace(cfg, st, sm, rows, nb, sm.fin_gates)
+        sm.pending = None
         return
     acc = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
     n = nb * cfg.d

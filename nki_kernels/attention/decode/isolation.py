@@ -21,7 +21,11 @@ class _ValidRange(nl.NKIObject):
         self.hi_k, self.lo_k, self.hi_v, self.lo_v = None, None, None, None
         self.max_hi = None                  # fp32 [1, 1]: the pack's largest hi (its longest sequence)
         self.step_regs, self.load_regs = None, {}   # runtime trip counts, shared by the KV heads
+        self.stack_regs = None              # per step, per K^T load group (ragged, row-major: _stack_gates)
         self.scrub = {}                     # per slot start: fp32 [1, stacks * kpp] scrub flags (ragged)
+        self.scrub_rel = {}                 # same, fresh ring buffer, per-group gates (ragged._stack_gates)
+        self.scrub_ints = {}                # ("in" / "rel", j0): their trip-count tables (_flag_ints)
+        self.slot_act = {}                  # per slot start (fp8 casts): per load group 1 iff it reaches the slot
 
 
 def _valid_ranges(cfg, position_ids, p0, nb):
@@ -63,10 +67,13 @@ def _slot_rel(t, rows, cols, j0, sign=1.0, add=0.0):
     if t is None:
         return None
     r = nl.ndarray((P_MAX, cols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=r[:rows], data=t[:rows, :cols], op0=nl.add, operand0=-float(j0), op1=nl.multiply,
-                       operand1=sign)
-    if add != 0.0:
-        nisa.tensor_scalar(dst=r[:rows], data=r[:rows], op0=nl.add, operand0=add)
+    if add == 0.0:
+        nisa.tensor_scalar(dst=r[:rows], data=t[:rows, :cols], op0=nl.add, operand0=-float(j0), op1=nl.multiply,
+                           operand1=sign)
+        return r
+    # one instruction: sign * t + (add - sign * j0) (integers and halves below 2^23: exact in fp32, as two steps)
+    nisa.tensor_scalar(dst=r[:rows], data=t[:rows, :cols], op0=nl.multiply, operand0=sign, op1=nl.add,
+                       operand1=add - sign * float(j0))
     return r
 
 
@@ -121,7 +128,7 @@ def _v_positions(cfg, st, w):
     return t
 
 
-def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True):
+def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=None):
     """Exclude, by selection, every K^T element of the slot [j0, j0 + w) whose position is outside its own
     sequence's valid range (st.cur_valid): rows past a sequence's length (a reused paged block's stale tail, which
     may hold NaN) and rows before a sliding window. Batch packing contracts other sequences' keys against zero
@@ -139,7 +146,7 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True):
     b_hi = _slot_rel(vr.hi_k, npk, nst, j0, -1.0, 0.5)
     b_lo = _slot_rel(vr.lo_k, npk, nst, j0, 1.0, -0.5)
     ramp = _k_ramp(cfg, st, w)
-    st.gates = _slot_gates(cfg, vr, j0, w, nb, fresh_ring)
+    st.gates = _slot_gates(cfg, vr, j0, w, nb, fresh_ring, relaxed, v_mode)
     for jj in range(nst):
         kp = min(kpp, nb - jj * kpp) * d
 
@@ -154,29 +161,64 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True):
         nl.fori_loop(0, st.gates[0][jj], stack)    # runs only when a sequence of the stack has invalid rows here
 
 
-def _slot_gates(cfg, vr, j0, w, nb, fresh_ring=True):
-    """Runtime trip counts (registers, 0 or 1) of the slot's scrub: per K^T stack and per batch, 1 iff one of its
-    sequences has an invalid row in [j0, j0 + w): hi < j0 + w, or (window) lo > j0. A slot whose rows are all
-    valid for its sequences (most of a long sequence's slots) is not touched."""
+def _lane_flags(cfg, vr, j0, w, nb, fresh_ring, relaxed):
+    """fp32 [1, stacks * kpp]: 1 for each lane (batch) of the slot [j0, j0 + w) to scrub."""
     kpp, nst = cfg.kpp, (nb + cfg.kpp - 1) // cfg.kpp
     if cfg.ragged and vr.lo_v is None and not fresh_ring:
         # precomputed at the pack's start (_load_gates): only lanes whose sequence ends inside the slot. A ring
         # buffer's use beyond the width it held so far (fresh_ring) scrubs every lane with invalid rows, loaded or
         # not, so from then on a lane whose load is skipped holds finite data (a scrubbed or valid earlier slot).
-        f = vr.scrub[j0]
-    else:
-        f = nl.ndarray((1, cfg.ngroups * kpp), dtype=nl.float32, buffer=nl.sbuf)
-        if nb < nst * kpp:
-            nisa.memset(dst=f[:, nb:nst * kpp], value=0.0)
-        nisa.tensor_scalar(dst=f[:, :nb], data=vr.hi_v[0:1, :nb], op0=nl.less, operand0=float(j0 + w))
+        return vr.scrub[j0]
+    if relaxed:
+        # a fresh ring buffer in a slot whose unreached load groups are not read (ragged._stack_gates): the lanes
+        # with invalid rows of the groups reaching j0
+        return vr.scrub_rel[j0]
+    f = nl.ndarray((1, cfg.ngroups * kpp), dtype=nl.float32, buffer=nl.sbuf)
+    if nb < nst * kpp:
+        nisa.memset(dst=f[:, nb:nst * kpp], value=0.0)
+    nisa.tensor_scalar(dst=f[:, :nb], data=vr.hi_v[0:1, :nb], op0=nl.less, operand0=float(j0 + w))
     if vr.lo_v is not None:
         g = nl.ndarray((1, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=g[:, :nb], data=vr.lo_v[0:1, :nb], op0=nl.greater, operand0=float(j0))
         nisa.tensor_tensor(dst=f[:, :nb], data1=f[:, :nb], data2=g[:, :nb], op=nl.maximum)
+    return f
+
+
+def _flag_ints(cfg, flags, ns, nb):
+    """int32 trip-count tables of scrub flags fp32 [1, ns, ngroups * kpp] (per slot, per lane; 0 past nb): per K^T
+    stack (the max of its lanes) [1, ns, ngroups] and per batch [1, ns, pack], two instructions for every slot."""
+    kpp, nst = cfg.kpp, (nb + cfg.kpp - 1) // cfg.kpp
+    iv = nl.ndarray((1, ns, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=iv[:, :, :nb], src=flags[:, :, :nb])
+    ik = nl.ndarray((1, ns, cfg.ngroups), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=ik[:, :, :nst], op=nl.maximum,
+                       data=flags.reshape((1, ns, cfg.ngroups, kpp))[:, :, :nst, :], axis=(3,))
+    return ik, iv
+
+
+def _lane_ints(cfg, vr, j0, w, nb, fresh_ring, relaxed):
+    """(per K^T stack, per batch) int32 [1, n] scrub trip counts of the slot at j0 (see _lane_flags): the pack's
+    precomputed tables for the ragged modes, else computed here."""
+    if cfg.ragged and vr.lo_v is None and (not fresh_ring or relaxed):
+        return vr.scrub_ints[("rel" if fresh_ring else "in", j0)]
+    kpp, nst = cfg.kpp, (nb + cfg.kpp - 1) // cfg.kpp
+    f = _lane_flags(cfg, vr, j0, w, nb, fresh_ring, relaxed)
     fv = nl.ndarray((1, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=fv[:, :nb], src=f[:, :nb])
     fk = nl.ndarray((1, cfg.ngroups), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=fk[:, :nst], op=nl.maximum, data=f[:, :nst * kpp].reshape((1, nst, kpp)), axis=(2,))
+    return fk, fv
+
+
+def _slot_gates(cfg, vr, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=None):
+    """Runtime trip counts (registers, 0 or 1) of the slot's scrub: per K^T stack and per batch, 1 iff one of its
+    sequences has an invalid row in [j0, j0 + w): hi < j0 + w, or (window) lo > j0. A slot whose rows are all
+    valid for its sequences (most of a long sequence's slots) is not touched. (fresh_ring, relaxed): the K^T
+    buffer's state (see _lane_flags); v_mode: the V buffer's, when it differs (fp8 pairs: another ring)."""
+    nst = (nb + cfg.kpp - 1) // cfg.kpp
+    fk, fv = _lane_ints(cfg, vr, j0, w, nb, fresh_ring, relaxed)
+    if v_mode is not None and v_mode != (fresh_ring, relaxed):
+        fv = _lane_ints(cfg, vr, j0, w, nb, *v_mode)[1]
     regs = []
     for t, n in ((fk, nst), (fv, nb)):
         rs = []

@@ -10,17 +10,20 @@ from .config import P_MAX
 from .planning import _packs, _plan, _slot_split
 
 
-def _cast_pairs(cfg, kg, kT, w, nb, dtype, k):
+def _cast_pairs(cfg, kg, kT, w, nb, dtype, k, gates=None):
     """fp8 cache: K^T load groups kg [128, group, w] of fp8 pairs (2-byte elements; see _load_piece) -> the bf16
     stacks kT[:, 2 * group + half, :w] (half 0: the even dims, 1: the odd dims; see _Config.halves), one cast per
     group over all its batches. The cast is the one extra pass of the fp8 path (the DMA moves fp8 bytes only);
     GpSimd casts 16-bit lanes at twice its fp32 rate, ScalarE takes one group in four (k: the slot count; modelled
-    trn2 GPT-OSS B=16 16K: one in three 168.6 us, one in two 170.4, all ScalarE 199.7, one in four 166.6)."""
+    trn2 GPT-OSS B=16 16K: one in three 168.6 us, one in two 170.4, all ScalarE 199.7, one in four 166.6).
+    gates (ragged, see ragged._stack_gates): per group a runtime trip count, 0 when none of its sequences reaches
+    the slot (its stacks are not read there)."""
     for jg in range((nb + cfg.kpp - 1) // cfg.kpp):
         kp = min(cfg.kpp, nb - jg * cfg.kpp) * cfg.kd
         pairs = kg[:kp, jg, :w].view(dtype).reshape((kp, w, 2)).permute((0, 2, 1))
         eng = nisa.engine.scalar if (k + jg) % 4 == 3 else nisa.engine.gpsimd
-        nisa.tensor_copy(dst=kT[:kp, 2 * jg:2 * jg + 2, :w], src=pairs, engine=eng)
+        _run(None if gates is None else gates[jg], lambda _i, kp=kp, jg=jg, pairs=pairs, eng=eng:
+             nisa.tensor_copy(dst=kT[:kp, 2 * jg:2 * jg + 2, :w], src=pairs, engine=eng))
 
 
 def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size):

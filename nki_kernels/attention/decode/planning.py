@@ -61,6 +61,7 @@ class _Step(nl.NKIObject):
         self.key_id, self.key_pattern, self.blocks = key_id, key_pattern, blocks
         self.cols = chunks[-1][1]
         self.sc, self.thr_hi, self.thr_lo = None, None, None
+        self.stack_gates = None     # ragged: per K^T load group, a runtime trip count (ragged._stack_gates)
 
 
 def _slot_bounds(cfg, lo, hi):

@@ -6,6 +6,8 @@ import nki.isa as nisa
 import nki.language as nl
 
 from .common import _registers
+from .config import P_MAX
+from .isolation import _flag_ints
 from .planning import _load_pieces
 
 
@@ -27,6 +29,100 @@ def _step_gates(cfg, st, steps):
         nisa.tensor_copy(dst=fi, src=f)
         vr.step_regs = (None,) + _registers(fi[:, 1:], ns - 1)
     return vr.step_regs
+
+
+def _pv_group(cfg):
+    """Batches per PV group (see flash._pv): the K^T load group's (kpp), at most 128 // d (128 PV columns: fp8
+    pairs stack twice as many batches per load group as PV needs together)."""
+    return max(1, min(cfg.kpp, P_MAX // cfg.d))
+
+
+def _group_max(cfg, vr, nb, per):
+    """fp32 [1, groups]: the largest hi of each group of `per` batches of the pack (0 past nb)."""
+    ngr = (nb + per - 1) // per
+    hs = nl.ndarray((1, cfg.pack + per), dtype=nl.float32, buffer=nl.sbuf)
+    if nb < ngr * per:
+        nisa.memset(dst=hs[:, nb:ngr * per], value=0.0)
+    nisa.tensor_copy(dst=hs[:, :nb], src=vr.hi_v[0:1, :nb])
+    hmax = nl.ndarray((1, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=hmax[:, :ngr], op=nl.maximum, data=hs[:, :ngr * per].reshape((1, ngr, per)), axis=(2,))
+    return hmax, ngr
+
+
+def _group_step_regs(cfg, st, vr, ns, hmax, ngr, pending=True):
+    """Per step a tuple of registers, per group 1 iff its largest hi is past the step's start (hmax > pos0), and
+    with `pending` per group 1 iff it reaches the last step run (whose PV is still pending after the loop, see
+    _stack_gates)."""
+    f = nl.ndarray((1, ns, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=f[:, :, :ngr], data1=hmax[:, :ngr].expand_dim(1).broadcast(1, ns),
+                       data2=st.pos0.expand_dim(2).broadcast(2, ngr), op=nl.greater)
+    fi = nl.ndarray((1, ns, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=fi[:, :, :ngr], src=f[:, :, :ngr])
+    regs = tuple(_registers(fi[:, k, :], ngr) for k in range(ns))
+    if not pending:
+        return regs, None
+    # The last step run starts at L = max(pos0 of the steps with max hi > pos0) (step 0 at least): a group's PV of
+    # that step is still pending after the loop iff the group reaches it (hmax > L).
+    lst = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=lst, data1=vr.max_hi.broadcast(1, ns), data2=st.pos0, op=nl.greater)
+    nisa.tensor_tensor(dst=lst, data1=lst, data2=st.pos0, op=nl.multiply)
+    last = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=last, op=nl.maximum, data=lst, axis=(1,))
+    fin = nl.ndarray((1, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=fin[:, :ngr], data=hmax[:, :ngr], op0=nl.greater, operand0=last)
+    return regs, _registers(fin[:, :ngr], ngr)
+
+
+def _stack_gates(cfg, st, steps, slots, nb):
+    """Ragged contexts, row-major steps of a pack with several K^T load groups: per step and load group, a runtime
+    trip count 1 iff one of the group's sequences has a valid row at or past the step's start (max hi > pos0):
+    the group's score matmuls are skipped otherwise (its rows' scores are then the mask fold's alone: every one of
+    their keys is masked). Likewise per PV group (_pv_group batches: the load group's, or half of it) for its PV
+    matmuls and the flush of that PV (its columns of the accumulator: its rows' alpha is 1 and their PV exactly 0
+    there). Returns (per step the load groups' trip counts, per step the PV groups', per PV group 1 iff its PV of
+    the last step run is still to flush after the loop), or ((None, ...), (None, ...), None) with one load group
+    (nothing to gate). Issued after the load gates (a load never waits for these registers). Also, per slot, the
+    lanes a fresh ring buffer must scrub (vr.scrub_rel, see flash._ring_mode) and with a cast fp8 cache the load
+    groups reaching the slot (vr.slot_act, see kv_io._cast_pairs)."""
+    vr = st.cur_valid
+    ngr = (nb + cfg.kpp - 1) // cfg.kpp
+    if ngr < 2:
+        return (None,) * len(steps), (None,) * len(steps), None
+    if vr.stack_regs is None:
+        ns, kpp, per = len(steps), cfg.kpp, _pv_group(cfg)
+        hmax, _ = _group_max(cfg, vr, nb, kpp)
+        sregs, fin = _group_step_regs(cfg, st, vr, ns, hmax, ngr, pending=per == kpp)
+        if per == kpp:
+            pregs = sregs
+        else:
+            hpv, npg = _group_max(cfg, vr, nb, per)
+            pregs, fin = _group_step_regs(cfg, st, vr, ns, hpv, npg)
+        vr.stack_regs = (sregs, pregs, fin)
+        # per slot: lanes with invalid rows (hi < j0 + w) whose load group reaches j0 (hmax > j0): what a fresh
+        # ring buffer must scrub when the other groups are not read (isolation._slot_gates)
+        nsl, w_pad = len(slots), cfg.ngroups * kpp
+        j0s = st.slot0[:, :nsl].expand_dim(2).expand_dim(3).broadcast(2, ngr).broadcast(3, kpp)
+        rel = nl.ndarray((1, nsl, w_pad), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=rel.reshape((1, nsl, cfg.ngroups, kpp))[:, :, :ngr, :],
+                           data1=hmax[:, :ngr].expand_dim(1).expand_dim(3).broadcast(1, nsl).broadcast(3, kpp),
+                           data2=j0s, op=nl.greater)
+        if nb < w_pad:
+            nisa.memset(dst=rel[:, :, nb:], value=0.0)
+        below = nl.ndarray((1, nsl, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=below[:, :, :nb], data1=vr.hi_v[0:1, :nb].expand_dim(1).broadcast(1, nsl),
+                           data2=st.slot0[:, nsl:2 * nsl].expand_dim(2).broadcast(2, nb), op=nl.less)
+        nisa.tensor_tensor(dst=rel[:, :, :nb], data1=rel[:, :, :nb], data2=below[:, :, :nb], op=nl.multiply)
+        ik, iv = _flag_ints(cfg, rel, nsl, nb)
+        for k, (j0, _w) in enumerate(slots):
+            vr.scrub_rel[j0] = rel[:, k, :]
+            vr.scrub_ints[("rel", j0)] = (ik[:, k, :], iv[:, k, :])
+        if cfg.fp8 and not cfg.fp8_mm:     # per slot and group: 1 iff the group reaches j0 (the K pairs' casts)
+            act = nl.ndarray((1, nsl, cfg.ngroups), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=act[:, :, :ngr], data1=hmax[:, :ngr].expand_dim(1).broadcast(1, nsl),
+                               data2=st.slot0[:, :nsl].expand_dim(2).broadcast(2, ngr), op=nl.greater)
+            for k, (j0, _w) in enumerate(slots):
+                vr.slot_act[j0] = _registers(act[:, k, :], ngr)
+    return vr.stack_regs
 
 
 def _load_gates(cfg, st, slots, nb):
@@ -65,6 +161,8 @@ def _load_gates(cfg, st, slots, nb):
         nisa.tensor_tensor(dst=inside[:, :, :nb], data1=inside[:, :, :nb], data2=below[:, :, :nb], op=nl.multiply)
         for k, a in enumerate(starts):
             vr.load_regs[a] = _registers(fi[:, k, :], nb)
+        ik, iv = _flag_ints(cfg, inside, ns, nb)
         for k, (j0, _w) in enumerate(slots):
             vr.scrub[j0] = inside[:, k, :]
+            vr.scrub_ints[("in", j0)] = (ik[:, k, :], iv[:, k, :])
     return vr.load_regs
