@@ -240,7 +240,9 @@ def _shared_allocation(ctx, shape, d, name):
 def _filled(shape, dtype, buffer, name, value):
     t = ndarray(shape, dtype, buffer, name)
     if t.buffer.on_chip:
-        v = int(value) if t.dtype.is_int else float(value)
+        # Integer fills follow the engine write rule (round half to even, NaN -> 0, saturate), as the HBM branch
+        # below does: a fill value must not depend on the buffer it lands in.
+        v = int(_dt.cast(np.array(value), t.dtype)) if t.dtype.is_int else float(value)
         _isa.memset(t, v)
     else:
         t.alloc.storage[...] = _dt.cast(np.array(value), t.dtype)
