@@ -232,7 +232,10 @@ def _slot_gates(cfg, vr, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=None)
 
 def _scrub_v(cfg, st, v, j0, w, nb, gates):
     """V half of _scrub_slot (issued after the first step's scores: PV needs it one step later): an int16 mask
-    [128, batches, blocks] (-1 valid, 0 invalid; small, VectorE), ANDed on GpSimd."""
+    [128, batches, blocks] (-1 valid, 0 invalid; small, VectorE), ANDed on GpSimd. v4: a batch's V AND runs on
+    the other engine than its K^T stack's (_scrub_slot alternates the stacks: even ones on GpSimd): VectorE as int32
+    pairs, GpSimd as int16 (modelled trn3 B >= 8: with every V AND on VectorE, which also runs the softmax, VectorE
+    paced the steps)."""
     vr = st.cur_valid
     d = cfg.d
     n, rem = w // P_MAX, w % P_MAX
@@ -258,7 +261,7 @@ def _scrub_v(cfg, st, v, j0, w, nb, gates):
     for j in range(nb):
 
         def batch(_i, j=j):
-            if v4:
+            if v4 and (j // cfg.kpp) % 2 == 0:     # VectorE where the K^T stack ANDs on GpSimd (even stacks)
                 v32 = v.view(nl.int32)
                 nisa.tensor_tensor(dst=v32[:, j, :nblk, :], data1=v32[:, j, :nblk, :],
                                    data2=mv32[:, j, :].expand_dim(2).broadcast(2, d // 2), op=nl.bitwise_and,
