@@ -38,6 +38,51 @@ def _openblas():
 
 
 _API = _openblas()
+
+
+def _openblas_sgemm():
+    """NumPy's own OpenBLAS cblas_sgemm as (function, integer type), or None."""
+    base = os.path.dirname(np.__file__)
+    candidates = glob.glob(os.path.join(base, os.pardir, "numpy.libs", "*openblas*")) + \
+        glob.glob(os.path.join(base, ".dylibs", "*openblas*"))
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_cblas_sgemm64_", "cblas_sgemm64_", "scipy_cblas_sgemm", "cblas_sgemm"):
+            fn = getattr(lib, name, None)
+            if fn is None:
+                continue
+            integer = ctypes.c_int64 if name.endswith("64_") else ctypes.c_int
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, integer, integer, integer, ctypes.c_float,
+                           ctypes.c_void_p, integer, ctypes.c_void_p, integer, ctypes.c_float, ctypes.c_void_p,
+                           integer]
+            fn.restype = None
+            return fn
+    return None
+
+
+_SGEMM = _openblas_sgemm()
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+
+
+def gemm_accumulate(s, mv, c) -> bool:
+    """c += s.T @ mv in one sgemm call (beta = 1) of the OpenBLAS NumPy uses, instead of a product into a temporary
+    plus an add pass over c: the same sgemm NumPy's matmul calls for these shapes, its result added to c in the
+    kernel's epilogue (one fp32 rounding, as the separate add). s [K, M], mv [K, N], c [M, N]: fp32, C-contiguous,
+    M and N >= 2 (NumPy takes gemv for a single row or column). Returns False (nothing done) when that call is not
+    available or the operands do not qualify; the caller then multiplies and adds itself."""
+    if _SGEMM is None or s.dtype != np.float32 or mv.dtype != np.float32 or c.dtype != np.float32:
+        return False
+    if not (s.flags.c_contiguous and mv.flags.c_contiguous and c.flags.c_contiguous and c.flags.writeable):
+        return False
+    k, m = s.shape
+    n = mv.shape[1]
+    if m < 2 or n < 2 or mv.shape[0] != k or c.shape != (m, n):
+        return False
+    _SGEMM(_ROW_MAJOR, _TRANS, _NO_TRANS, m, n, k, 1.0, s.ctypes.data, m, mv.ctypes.data, n, 1.0, c.ctypes.data, n)
+    return True
 _LOCK = threading.Lock()
 _users = 0          # threads inside a GEMM
 _saved = 1          # NumPy's thread count before the first of them entered

@@ -6,6 +6,7 @@ import numpy as np
 
 from .. import _env
 from .. import dtypes as dt
+from .._blas import gemm_accumulate
 from .._blas import single_thread as single_blas_thread
 from ..errors import NkiUninitializedReadWarning
 from ..memory import psum, sbuf
@@ -124,6 +125,13 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             dst.alloc.written = True
             mark_psum(dst, 1)
             result = None
+        elif (accumulate is not False and view is not None and view.shape == (m, n) and dst.dtype is dt.float32
+              and _env.get("NKISIM_MATMUL_ACC", "fp32") == "fp32" and _all_matmul_written(dst)
+              and _gemm_accumulate_once(s, mv, view)):
+            # A later step of a group whose [M, N] fp32 tile holds matmul partial sums everywhere: the GEMM adds
+            # into PSUM itself (what _accumulate's fast path adds from a temporary).
+            dst.alloc.written = True
+            result = None
         else:
             result = _product(op, s, mv, _scratch(ctx, m, n))
     if result is not None:
@@ -132,6 +140,16 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
              dtype=moving.dtype.name, stationary_dtype=stationary.dtype.name,
              double_row=double_row, transpose=bool(is_transpose),
              onezero=bool(is_stationary_onezero or is_moving_onezero), tile=(rs, cs))
+
+
+def _all_matmul_written(dst):
+    state = psum_state_view(dst)
+    return state is not None and state.min() == 1
+
+
+def _gemm_accumulate_once(s, mv, c):
+    with single_blas_thread():
+        return gemm_accumulate(s, mv, c)
 
 
 def _scratch(ctx, m, n):

@@ -74,7 +74,8 @@ def test_first_step_written_into_psum_matches_the_general_path(acc_mode):
     assert (out["state"] == 1).all()       # matmul-written: a following accumulate=True is defined (C16)
 
 
-def test_fast_first_step_is_taken_and_skips_accumulate(monkeypatch):
+def test_fast_steps_are_taken_and_skip_accumulate(monkeypatch):
+    """The first step writes PSUM directly; a later step onto all-matmul-written PSUM adds inside the GEMM."""
     calls = []
     real = tensor_engine._accumulate
     monkeypatch.setattr(tensor_engine, "_accumulate", lambda *args: (calls.append(args[4]), real(*args)))
@@ -84,7 +85,87 @@ def test_fast_first_step_is_taken_and_skips_accumulate(monkeypatch):
     nisa.nc_matmul(dst=d, stationary=sb(a), moving=sb(b), accumulate=False)
     assert calls == []
     nisa.nc_matmul(dst=d, stationary=sb(a), moving=sb(b), accumulate=True)
-    assert calls == [True]
+    want = np.matmul(a.T, b)
+    want += np.matmul(a.T, b)
+    if blas_gemm_accumulate_available():
+        assert calls == []
+    assert_same_values(rd(d), want)
+
+
+def blas_gemm_accumulate_available():
+    from nkisim import _blas
+    return _blas._SGEMM is not None
+
+
+def _group(rng, k, m, n, steps, special=False):
+    out = []
+    for _ in range(steps):
+        a = (rng.standard_normal((k, m)) * rng.uniform(1e-3, 1e3)).astype(F32)
+        b = rng.standard_normal((k, n)).astype(F32)
+        if special:
+            a[0, 0], b[1, -1], a[-1, -1] = np.inf, np.nan, -np.inf
+        out.append((a, b))
+    return out
+
+
+@pytest.mark.parametrize("k,m,n,steps,special", [(128, 128, 512, 4, False), (128, 2, 2, 3, False),
+                                                 (64, 37, 129, 5, False), (128, 128, 511, 2, True),
+                                                 (1, 5, 7, 3, False)])
+def test_gemm_accumulate_matches_product_then_add(monkeypatch, k, m, n, steps, special):
+    """Later steps through one sgemm with beta = 1 give the bits of the product into the reused buffer plus the
+    add pass (the path taken when that sgemm is unavailable), values and PSUM state alike."""
+    rng = np.random.default_rng(k * 1000 + m + n)
+    group = _group(rng, k, m, n, steps, special)
+
+    def scenario():
+        d = tile((m, n), buffer=nl.psum)
+        for i, (a, b) in enumerate(group):
+            nisa.nc_matmul(dst=d, stationary=sb(a), moving=sb(b), accumulate=i > 0)
+        return {"d": rd(d), "state": d.alloc.psum_state}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fast = run_fresh(scenario)
+        monkeypatch.setattr(tensor_engine, "gemm_accumulate", lambda *args: False)
+        general = run_fresh(scenario)
+    assert_same_run(fast, general)
+
+
+def test_gemm_accumulate_not_used_where_it_does_not_apply(monkeypatch):
+    """A single row / column (NumPy's gemv), a column slice of a PSUM tile, partly unwritten PSUM and the fp64
+    mode keep the product-then-add path."""
+    used = []
+    real = tensor_engine.gemm_accumulate
+    monkeypatch.setattr(tensor_engine, "gemm_accumulate", lambda *args: used.append(1) or real(*args))
+    rng = np.random.default_rng(5)
+    for m, n in ((1, 64), (16, 1)):
+        a, b = rng.standard_normal((32, m)).astype(F32), rng.standard_normal((32, n)).astype(F32)
+        d = tile((m, n), buffer=nl.psum)
+        nisa.nc_matmul(dst=d, stationary=sb(a), moving=sb(b), accumulate=False)
+        nisa.nc_matmul(dst=d, stationary=sb(a), moving=sb(b), accumulate=True)
+        assert_same_values(rd(d), np.matmul(a.T, b) + np.matmul(a.T, b))
+    assert used == [1, 1]          # asked, and declined (M or N = 1): the results above are the add path's
+    used.clear()
+    a, b = rng.standard_normal((32, 16)).astype(F32), rng.standard_normal((32, 64)).astype(F32)
+    d = tile((16, 128), buffer=nl.psum)
+    nisa.nc_matmul(dst=d[:, 0:64], stationary=sb(a), moving=sb(b), accumulate=False)
+    nisa.nc_matmul(dst=d[:, 0:64], stationary=sb(a), moving=sb(b), accumulate=True)   # strided view
+    assert_same_values(rd(d)[:, 0:64], np.matmul(a.T, b) + np.matmul(a.T, b))
+    d2 = tile((16, 64), buffer=nl.psum)
+    nisa.nc_matmul(dst=d2[:, 0:32], stationary=sb(a), moving=sb(b[:, 0:32]), accumulate=False)
+    nisa.nc_matmul(dst=d2, stationary=sb(a), moving=sb(b), accumulate=None)   # half written: auto mode
+    want = np.matmul(a.T, b)
+    want[:, 0:32] += np.matmul(a.T, b[:, 0:32])
+    assert_same_values(rd(d2), want)
+    assert used == [1]             # the strided view asks (and is declined: not C-contiguous); auto mode on
+                                   # half-written PSUM never asks
+    monkeypatch.setenv("NKISIM_MATMUL_ACC", "fp64")
+    used.clear()
+    d3 = tile((16, 64), buffer=nl.psum)
+    nisa.nc_matmul(dst=d3, stationary=sb(a), moving=sb(b), accumulate=False)
+    nisa.nc_matmul(dst=d3, stationary=sb(a), moving=sb(b), accumulate=True)
+    assert used == []
+    assert_same_bits(rd(d3), (_product(a, b) + _product(a, b)).astype(F32))
 
 
 def test_partial_tiles_and_fp32_inputs(acc_mode):
