@@ -9,7 +9,6 @@ import nki.language as nl
 from .common import _run
 from .config import (
     FA_SUB,
-    FA_TILE_MAX,
     MASK_NEG,
     MAX_S_TKG,
     P_MAX,
@@ -428,16 +427,15 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
     if len(steps) == 0:
         return
     # Per-step mask thresholds (tiny, all issued up front so the GpSimd masks never wait for VectorE).
-    big = cfg.s_max + MAX_S_TKG >= 1 << 15
     for step in steps:
         if cfg.pmajor:      # per query row (free axis), the same on every partition
             step.thr_hi = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=step.thr_hi[:, :rows], data=st.pf_cols[:, :rows], op0=nl.add,
                                operand0=-1.0 - step.pos0)
             continue
-        step.thr_hi = _step_threshold(p_first, rows, -1.0 - step.pos0, big)    # invalid if j > pos[b, 0] - 1
+        step.thr_hi = _step_threshold(p_first, rows, -1.0 - step.pos0)    # invalid if j > pos[b, 0] - 1
         if cfg.window > 0:                                                       # invalid if j <= pos - W
-            step.thr_lo = _step_threshold(q_pos, rows, -float(cfg.window) - step.pos0, big)
+            step.thr_lo = _step_threshold(q_pos, rows, -float(cfg.window) - step.pos0)
     gates = _step_gates(cfg, st, steps) if cfg.ragged else (None,) * len(steps)
     st.load_gates = _load_gates(cfg, st, slots, nb) if cfg.ragged else None
     sgates, pv_gates, fin = (_stack_gates(cfg, st, steps, slots, nb) if cfg.ragged and not cfg.pmajor
@@ -466,19 +464,15 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
         sm.fin_gates = fin
 
 
-def _step_threshold(base, rows, shift, big):
-    """int16 [rows, 1] mask threshold base + shift of a cache step, clamped to [-1, FA_TILE_MAX] (key offsets of a
-    step are 0 .. fa_tile - 1 < FA_TILE_MAX, so the clamps change no comparison; `big`: S_max too large for int16,
-    clamp from above too). With int16 key offsets (st.iota) the GpSimd mask compare streams 2-byte data: twice the
-    fp32 rate on trn2's GpSimd (32 lanes per core instead of 16), where the per-step masks pace ragged batches."""
+def _step_threshold(base, rows, shift):
+    """int16 [rows, 1] mask threshold base + shift of a cache step, clamped below to -1 (key offsets of a step are
+    0 .. fa_tile - 1 < FA_TILE_MAX, so the clamp changes no comparison). Above, the fp32 -> int16 write saturates
+    (nki-api.md: float -> int casts round to nearest even and saturate), and 32767 > every key offset compares
+    like the exact value, so S_max >= 2^15 needs no second clamp (test: S_max 33024). With int16 key offsets
+    (st.iota) the GpSimd mask compare streams 2-byte data: twice the fp32 rate on trn2's GpSimd (32 lanes per core
+    instead of 16), where the per-step masks pace ragged batches."""
     thr = nl.ndarray((P_MAX, 1), dtype=nl.int16, buffer=nl.sbuf)
-    if not big:     # |base + shift| <= S_max + S_tkg < 2^15: one op, the lower clamp only
-        nisa.tensor_scalar(dst=thr[:rows], data=base[:rows], op0=nl.add, operand0=shift, op1=nl.maximum,
-                           operand1=-1.0)
-        return thr
-    t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)     # clamped in fp32 before the int16 write
-    nisa.tensor_scalar(dst=t[:rows], data=base[:rows], op0=nl.add, operand0=shift, op1=nl.maximum, operand1=-1.0)
-    nisa.tensor_scalar(dst=thr[:rows], data=t[:rows], op0=nl.minimum, operand0=float(FA_TILE_MAX))
+    nisa.tensor_scalar(dst=thr[:rows], data=base[:rows], op0=nl.add, operand0=shift, op1=nl.maximum, operand1=-1.0)
     return thr
 
 

@@ -354,6 +354,17 @@ def test_sliding_window_scan(B, S, ctx, window, shape, bs):
     run_and_check(B, S, s_max=ctx, ctx=ctx, window=window, shape=shape, block_size=bs)
 
 
+@pytest.mark.parametrize("B,S,window,shape", [
+    (8, 1, 0, LLAMA31_8B_TP8),       # row-major steps over a full 33K scan: thresholds up to ~33K
+    (4, 1, 128, GPT_OSS_20B_TP8),    # windowed scan starting past 2^15 (thresholds relative to the window)
+])
+def test_positions_past_int16_range(B, S, window, shape):
+    """S_max > 2^15: the per-step int16 mask thresholds (position - step start) exceed int16 for late positions and
+    rely on the fp32 -> int16 write saturating (a wrapping cast would mask every key of those sequences)."""
+    ctx = (1 << 15) + 256
+    run_and_check(B, S, s_max=ctx, ctx=ctx, window=window, shape=shape)
+
+
 def test_sliding_window_reads_only_the_window():
     """Cache rows outside the scanned window hold NaN: the output must still match the reference (computed on the
     clean cache), i.e. the kernel never reads them."""
