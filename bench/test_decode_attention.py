@@ -85,6 +85,8 @@ TARGET_ASSERTED = {
     # since the ragged per-group gating (modelled x1.12 / x1.27 / x1.26)
     ("gpt-oss-20b-tp8", 64, 4096, "trn2"),
     ("gpt-oss-20b-tp8", 8, 16384, "trn3"), ("llama-3.1-8b-tp8", 8, 16384, "trn3"),
+    # since a one-sequence pack's K^T alternates between the two halves of the DMA rings (modelled x1.29)
+    ("gpt-oss-20b-tp8", 1, 16384, "trn2"),
 }
 
 # trn2: the whole grid; trn3: the batches its target covers (B >= 8; B = 64 left out to keep the job short)

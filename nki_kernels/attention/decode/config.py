@@ -211,6 +211,14 @@ class _Config(nl.NKIObject):
         # of the step's 1024 positions on `rows` partitions, and exp(scores^T) is P^T for the PV matmul.
         self.pmajor = (not self.imajor and window == 0 and self.scan % P_MAX == 0
                        and min(self.pack, self.b_hi - self.b_lo) * self.R <= PMAJOR_ROWS)
+        # One sequence per pack on a 2-batch stack (d = 64, bf16, position-major): a K^T slot fills only half the
+        # partitions of its stack, so its dma_transpose used only the 8 DMA rings serving partitions 0..63 (a DMA
+        # engine serves 8 consecutive partitions) while V and the weights use all 16: the rings of partitions
+        # 0..63 carried 1.5x the bytes of the others (GPT-OSS B=1 16K: busy 42.4 vs 27.9 us). The ring buffers
+        # of odd index put the K^T slot on partitions kd..2kd instead (the query copied there too, and the
+        # scrub's valid-range table), so both halves of the rings share the K stream (_kt_lanes).
+        self.kt_alt = (self.pmajor and not self.paged and self.kpp == 2 and self.halves == 1 and self.kv_bufs % 2 == 0
+                       and min(self.pack, self.b_hi - self.b_lo) == 1)
         self._frozen = True     # last: nothing changes the configuration from here on
 
 

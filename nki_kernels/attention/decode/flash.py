@@ -48,6 +48,7 @@ class _AttnState(nl.NKIObject):
         self.kg = tuple(nl.ndarray((P_MAX, cfg.ngroups, cfg.fa_tile), dtype=nl.uint16, buffer=nl.sbuf)
                         for _ in range(PAIR_BUFS)) if cfg.fp8 and not cfg.fp8_mm else self.kT
         self.qm = qm
+        self.kt_lanes = _kt_lanes(cfg)     # per ring buffer: K^T on the stack's first or second half
         # per K^T load buffer (kg) and per V buffer: [positions scrubbed or loaded in every lane so far, (pack p0,
         # j0, w) of its last partial scrub (ragged, per-group gates: the lanes of the load groups reaching j0 are
         # finite up to w) or None]; see _ring_mode
@@ -219,6 +220,9 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
                              src=qkT[u0:u0 + kd, u, t:t + S, g * G:(g + 1) * G, hf], engine=nisa.engine.gpsimd)
             nisa.tensor_copy(dst=kact[u0:u0 + kd, jj, :S], src=qkT[u0:u0 + kd, u, t:t + S, cfg.nq + g, hf],
                              engine=nisa.engine.gpsimd)
+        if cfg.kt_alt:      # the slots on the stack's other half (_kt_lanes) contract against a copy there
+            nisa.tensor_copy(dst=qm[kd:2 * kd, 0, :R].reshape((kd, S, G)),
+                             src=qkT[kd:2 * kd, 1, t:t + S, g * G:(g + 1) * G, 0], engine=nisa.engine.gpsimd)
     # First new position of each row's sequence, and each row's own position (fp32, [rows, 1]).
     pk = st.pre[p0]
     p_first, q_pos, st.pf_cols = pk.p_first, pk.q_pos, pk.pf_cols
@@ -450,10 +454,12 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
                           gates[k + 1])
         step = steps[k]
         if cfg.pmajor:
-            _online_step_pm(cfg, consts, st, sm, step.sc, rows, nb, views[step.slot][1], step.blocks, gates[k])
+            _online_step_pm(cfg, consts, st, sm, step.sc, rows, nb, views[step.slot][1], step.blocks, gates[k],
+                            step.pre_pv)
         else:
             _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks, gates[k],
-                         pv_gates[k], pv_gates[k - 1] if k > 0 else None)
+                         pv_gates[k], pv_gates[k - 1] if k > 0 else None, step.pre_pv)
+        step.pre_pv = None
         step.sc = None
         if k == 0 and cfg.ragged and sm.acc is None:
             # no accumulator yet (second core of a context split): a zero one, so every later flush is the same
@@ -500,6 +506,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         kT = st.kT[st.n_slots % cfg.kv_bufs]
         kg = st.kg[st.n_slots % len(st.kg)]     # = kT unless fp8
         v = st.v[st.n_slots % cfg.kv_bufs]
+        lane = st.kt_lanes[st.n_slots % cfg.kv_bufs]
         st.n_slots += 1
         if cfg.paged:
             lg = st.load_gates[j0] if cfg.ragged else (None,) * nb
@@ -513,11 +520,11 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                                       v[:, j], b, g, j0, w)
                     continue
                 if not cfg.ragged:
-                    _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, j0, w)
+                    _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, j0, w, lane)
                     continue
                 for a, size in _load_pieces(cfg, j0, w):    # a sequence's loads stop at its length
-                    _run(st.load_gates[a][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v:
-                         _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size))
+                    _run(st.load_gates[a][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v,
+                         lane=lane: _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane))
         # Ragged, per-group gated scores / PV (_stack_gates): a load group none of whose sequences reaches j0 is
         # neither loaded nor read in this slot (nor in any later slot of this pack), so a fresh ring buffer scrubs
         # the groups reaching j0 only; its other lanes keep their content. This pack's later uses of the buffer at
@@ -525,23 +532,47 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         # buffers (kg: the fp8 pairs, a ring of their own) and the V buffers are tracked apart.
         k_mode = _ring_mode(st, st.ring_k, (st.n_slots - 1) % len(st.kg), p0, j0, w)
         v_mode = _ring_mode(st, st.ring_v, (st.n_slots - 1) % cfg.kv_bufs, p0, j0, w)
-        _scrub_slot(cfg, st, kg, j0, w, nb, *k_mode, v_mode=v_mode)
+        _scrub_slot(cfg, st, kg, j0, w, nb, *k_mode, v_mode=v_mode, lane=lane)
         if cfg.fp8 and not cfg.fp8_mm:     # after the scrub: every lane cast (the groups reaching j0) is finite
             _cast_pairs(cfg, kg, kT, w, nb, K_cache.dtype, st.n_slots, st.cur_valid.slot_act.get(j0))
-        views.append((kT, v))
+        views.append((kT, v, lane))
         fresh.append((v, j0, w, st.gates[1]))
-    kT = views[step.slot][0]
+    kT, lane = views[step.slot][0], views[step.slot][2]
     j0, w = slots[step.slot].j0, slots[step.slot].w
     sc = st.scores()
     if cfg.pmajor:
         key = st.iota_pm(w // P_MAX, len(step.blocks))
-        _run(gate, lambda _i: _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
+        _run(gate, lambda _i: _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane))
     else:
         key = st.iota(step.key_id, step.key_pattern, step.cols, nl.int16)
         _run(gate, lambda _i: _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
-    for v, j0, w, gates in fresh:      # V is needed by the PV, one step later
-        _scrub_v(cfg, st, v, j0, w, nb, gates)
+    # V is needed by the step's PV: the slot's V scrub is issued inside the step that first reads the slot, after
+    # its statistics (pre_pv), so on VectorE / GpSimd it queues behind that step's row max instead of ahead of it
+    # (the last slot's ANDs, after the last K/V load, delayed the last step's chain)
+    step.pre_pv = None
+    for v, j0, w, gates in fresh:
+        ands = _scrub_v(cfg, st, v, j0, w, nb, gates, defer=j0 == slots[step.slot].j0)
+        if ands is not None:
+            step.pre_pv = ands
     step.sc = sc
+
+
+def _kt_lanes(cfg):
+    """Per K/V ring buffer, the partition block (0 or 1) of a one-sequence pack's K^T in it (see _Config.kt_alt;
+    all 0 otherwise). Fixed per buffer, so the ring's scrub bookkeeping (_ring_mode) holds per buffer; chosen so
+    that both halves receive about the same K bytes over the scan (greedy over the buffers' total widths in the
+    first pack's slot sequence: GPT-OSS B=1 16K, buffers of 5120 / 4096 / 4096 / 3072 positions -> 8192 each)."""
+    if not cfg.kt_alt:
+        return (0,) * cfg.kv_bufs
+    width = [0] * cfg.kv_bufs
+    for k, sl in enumerate(_plan(cfg)[0]):
+        width[k % cfg.kv_bufs] += sl.w
+    lanes, load = [0] * cfg.kv_bufs, [0, 0]
+    for buf in sorted(range(cfg.kv_bufs), key=lambda b: (-width[b], b)):
+        lane = 0 if load[0] <= load[1] else 1
+        lanes[buf] = lane
+        load[lane] += width[buf]
+    return tuple(lanes)
 
 
 def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
@@ -604,16 +635,17 @@ def _stack_rows(cfg, jj, nb):
     return min(cfg.kpp, nb - jj // cfg.halves * cfg.kpp) * cfg.kd
 
 
-def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None, prev=None):
+def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None, prev=None, pre_pv=None):
     """One online-softmax update over the masked scores sc[:rows, :cols] + PV.
 
     blocks: (first column, column stride, positions K, V block index) of each P^T block.
     With a runtime gate (ragged contexts) the step runs inside a loop of 0 or 1 iterations, so it updates the
     state (m, l, the pending alpha, acc) in place: tensors allocated in a runtime loop do not outlive it.
+    pre_pv: issued after the step's statistics, before the PV (the V scrub of a slot this step reads first).
     """
     if gate is not None:
         nl.fori_loop(0, gate, lambda _i: _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv,
-                                                              prev))
+                                                              prev, pre_pv))
         return
     scale = cfg.scale
     m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -639,6 +671,8 @@ def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None,
         nisa.nc_transpose(dst=st.ps_t[:k, i, :rows], data=p[:rows, c0:c0 + (k - 1) * stride + 1:stride])
     kmax = blocks[0][2]
     nisa.activation(dst=pT[:kmax, :nblk, :rows], op=nl.copy, data=st.ps_t[:kmax, :nblk, :rows])   # ScalarE
+    if pre_pv is not None:
+        pre_pv()
     _flush_acc(cfg, st, sm, rows, nb)     # previous step's PV, placed after this step's statistics on VectorE
     _pv(cfg, st, pT, v, rows, nb, blocks, pv)
     sm.m, sm.l, sm.pending = m_new, l_new, alpha
@@ -651,7 +685,7 @@ def _group_cols(cfg, G, nb):
     return b0 * cfg.d, b1 * cfg.d, b0, b1
 
 
-def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, prev=None):
+def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, prev=None, pre_pv=None):
     """_online_step writing the state in place (after a first step gave it its buffers), with the same VectorE /
     ScalarE instruction counts: nbias = -scale * max(m, rowmax) in one op; the previous step's PV is flushed before
     alpha overwrites the pending one; then l and m are updated in place. pv / prev (ragged, see
@@ -673,6 +707,8 @@ def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, pr
         nisa.nc_transpose(dst=st.ps_t[:k, i, :rows], data=p[:rows, c0:c0 + (k - 1) * stride + 1:stride])
     kmax = blocks[0][2]
     nisa.activation(dst=pT[:kmax, :nblk, :rows], op=nl.copy, data=st.ps_t[:kmax, :nblk, :rows])   # ScalarE
+    if pre_pv is not None:
+        pre_pv()
     _flush_inplace(cfg, st, sm, rows, nb, prev)    # previous step's PV, in place: acc = acc * alpha_prev + PV
     nisa.activation(dst=sm.pending[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)  # alpha
     nisa.scalar_tensor_tensor(dst=sm.l[:rows], data=sm.l[:rows], op0=nl.multiply, operand0=sm.pending[:rows],
@@ -722,7 +758,7 @@ def _flush_inplace(cfg, st, sm, rows, nb, gates=None):
         nl.fori_loop(0, gate, group)
 
 
-def _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
+def _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0):
     """Position-major scores of one step: tile il of sc [128, ni, rows] holds position q*n + i0 + il on partition q
     (V block i0 + il of the slot layout): matmul(stationary = the K^T columns of those positions (stride n),
     moving = the pack's queries), over every K^T stack; the causal mask (key > the row's first new position - 1,
@@ -735,17 +771,21 @@ def _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
     nisa.tensor_tensor(dst=m3, data1=key[:, :ni].expand_dim(2).broadcast(2, rows),
                        data2=step.thr_hi[:, :rows].expand_dim(1).broadcast(1, ni), op=nl.greater,
                        engine=nisa.engine.gpsimd)
+    p0 = lane * cfg.kd      # one-sequence pack with the slot on the stack's other half (_Config.kt_alt)
     for il in range(ni):
         for jj in range(_stacks(cfg, nb)):
             kp = _stack_rows(cfg, jj, nb)
-            k3 = _kview(cfg, kT, jj, kp, n * P_MAX, (kp, P_MAX, n), (slice(None), slice(None), i0 + il))
-            nisa.nc_matmul(dst=s3[:, il, :], stationary=k3, moving=qm[:kp, jj, :rows],
+            if p0:
+                k3 = kT[p0:p0 + kp, jj, :n * P_MAX].reshape((kp, P_MAX, n))[:, :, i0 + il]
+            else:
+                k3 = _kview(cfg, kT, jj, kp, n * P_MAX, (kp, P_MAX, n), (slice(None), slice(None), i0 + il))
+            nisa.nc_matmul(dst=s3[:, il, :], stationary=k3, moving=qm[p0:p0 + kp, jj, :rows],
                            accumulate=(jj > 0))
     # one fold for every tile of the step (ni * rows <= one PSUM bank; accumulation is per element)
     nisa.nc_matmul(dst=s3, stationary=consts.neg_eye, moving=m3, accumulate=True)
 
 
-def _online_step_pm(cfg, consts, st, sm, sc, rows, nb, v, blocks, gate=None):
+def _online_step_pm(cfg, consts, st, sm, sc, rows, nb, v, blocks, gate=None, pre_pv=None):
     """One online-softmax update over position-major scores sc [128 positions, ni tiles, rows] (see
     _step_scores_pm); the state (m, l [rows, 1], acc [rows, nb*d]) keeps the row layout. Row max: per-partition
     max over the tiles, one fp32 TensorE transpose, a max over the 128 columns. The row bias -scale*m is broadcast
@@ -754,12 +794,13 @@ def _online_step_pm(cfg, consts, st, sm, sc, rows, nb, v, blocks, gate=None):
     bank of the score buffer holds the transposed maxima, the broadcast bias and the row sums. With a runtime gate
     (ragged contexts) the state is updated in place, as in _online_step_inplace."""
     if gate is not None:
-        nl.fori_loop(0, gate, lambda _i: _online_step_pm_body(cfg, consts, st, sm, sc, rows, nb, v, blocks, True))
+        nl.fori_loop(0, gate, lambda _i: _online_step_pm_body(cfg, consts, st, sm, sc, rows, nb, v, blocks, True,
+                                                              pre_pv))
         return
-    _online_step_pm_body(cfg, consts, st, sm, sc, rows, nb, v, blocks, False)
+    _online_step_pm_body(cfg, consts, st, sm, sc, rows, nb, v, blocks, False, pre_pv)
 
 
-def _online_step_pm_body(cfg, consts, st, sm, sc, rows, nb, v, blocks, inplace):
+def _online_step_pm_body(cfg, consts, st, sm, sc, rows, nb, v, blocks, inplace, pre_pv=None):
     d, scale, ni = cfg.d, cfg.scale, len(blocks)
     s3 = sc[:, :ni * rows].reshape((P_MAX, ni, rows))
     aux = sc[:, PSUM_F:2 * PSUM_F]
@@ -798,6 +839,8 @@ def _online_step_pm_body(cfg, consts, st, sm, sc, rows, nb, v, blocks, inplace):
     nisa.tensor_reduce(dst=psum_q[:, :rows], op=nl.add, data=p3.permute((0, 2, 1)), axis=(2,))
     l_t = aux[:rows, 2 * P_MAX:2 * P_MAX + 1]
     nisa.nc_matmul(dst=l_t, stationary=psum_q[:, :rows], moving=consts.ones_f32[:, :1], accumulate=False)
+    if pre_pv is not None:
+        pre_pv()
     n = nb * d
     if inplace:
         nisa.scalar_tensor_tensor(dst=sm.acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,

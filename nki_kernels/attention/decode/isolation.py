@@ -34,9 +34,12 @@ def _valid_ranges(cfg, position_ids, p0, nb):
     pv = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=pv[:, :nb], src=position_ids.ap([[0, P_MAX], [S, nb]], offset=p0 * S))
     pk = nl.ndarray((P_MAX, cfg.ngroups), dtype=nl.float32, buffer=nl.sbuf)
-    if nb % kpp:       # the last stack's missing batches: any finite value (their partitions are never read)
+    if cfg.kt_alt:     # one sequence, its K^T on either half of the stack (flash._kt_lanes): both halves hold it
+        npk = kpp * d
+        nisa.dma_copy(dst=pk[:npk, :1], src=position_ids.ap([[0, npk], [S, 1]], offset=p0 * S))
+    elif nb % kpp:     # the last stack's missing batches: any finite value (their partitions are never read)
         nisa.memset(dst=pk[:npk, nst - 1:nst], value=0.0)
-    for u in range(min(kpp, nb)):
+    for u in range(min(kpp, nb) if not cfg.kt_alt else 0):
         cnt = (nb - u + kpp - 1) // kpp
         nisa.dma_copy(dst=pk[u * d:(u + 1) * d, :cnt], src=position_ids.ap([[0, d], [kpp * S, cnt]],
                                                                            offset=(p0 + u) * S))
@@ -128,7 +131,7 @@ def _v_positions(cfg, st, w):
     return t
 
 
-def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=None):
+def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=None, lane=0):
     """Exclude, by selection, every K^T element of the slot [j0, j0 + w) whose position is outside its own
     sequence's valid range (st.cur_valid): rows past a sequence's length (a reused paged block's stale tail, which
     may hold NaN) and rows before a sliding window. Batch packing contracts other sequences' keys against zero
@@ -136,15 +139,17 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
     never reach a matmul. A bitwise AND of the bf16 bits with an int16 mask keeps a valid key exactly and leaves
     an invalid one finite (its score is masked anyway); never a multiply. Masks per stack on ScalarE, ANDs on
     GpSimd; V in _scrub_v. Each stack's / batch's scrub runs only when the slot holds one of its invalid rows (a
-    runtime trip count, see _slot_gates)."""
+    runtime trip count, see _slot_gates). lane: a one-sequence pack's K^T on partitions kd..2kd (_Config.kt_alt;
+    its valid-range table holds the sequence on both halves)."""
     vr = st.cur_valid
     d, kpp = cfg.kd, cfg.kpp       # kT: the load groups (fp8: the pairs before their cast)
     nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
+    p0 = lane * d
     # K^T mask = sign(key - hi + 1/2) as int16: 0xFFFF (-1) keeps a valid key's bits, 0x0001 (+1) leaves at most
     # the lowest mantissa bit of an invalid one (0 or a subnormal: finite, and masked anyway). On ScalarE (idle
     # here); windowed scans AND a second mask sign(lo - 1/2 - key).
-    b_hi = _slot_rel(vr.hi_k, npk, nst, j0, -1.0, 0.5)
-    b_lo = _slot_rel(vr.lo_k, npk, nst, j0, 1.0, -0.5)
+    b_hi = _slot_rel(vr.hi_k, p0 + npk, nst, j0, -1.0, 0.5)
+    b_lo = _slot_rel(vr.lo_k, p0 + npk, nst, j0, 1.0, -0.5)
     ramp = _k_ramp(cfg, st, w)
     st.gates = _slot_gates(cfg, vr, j0, w, nb, fresh_ring, relaxed, v_mode)
     for jj in range(nst):
@@ -155,9 +160,9 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
                 if bias is None:
                     continue
                 m = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.int16, buffer=nl.sbuf)
-                nisa.activation(dst=m[:kp, :w], op=nl.sign, data=ramp[:kp, :w], bias=bias[:kp, jj:jj + 1],
-                                scale=sc)
-                _and_bits(kT[:kp, jj, :w], m[:kp, :w], vector=jj % 2 == 1)
+                ps = slice(p0, p0 + kp)
+                nisa.activation(dst=m[ps, :w], op=nl.sign, data=ramp[ps, :w], bias=bias[ps, jj:jj + 1], scale=sc)
+                _and_bits(kT[ps, jj, :w], m[ps, :w], vector=jj % 2 == 1)
         nl.fori_loop(0, st.gates[0][jj], stack)    # runs only when a sequence of the stack has invalid rows here
 
 
@@ -230,12 +235,13 @@ def _slot_gates(cfg, vr, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=None)
     return tuple(regs)
 
 
-def _scrub_v(cfg, st, v, j0, w, nb, gates):
+def _scrub_v(cfg, st, v, j0, w, nb, gates, defer=False):
     """V half of _scrub_slot (issued after the first step's scores: PV needs it one step later): an int16 mask
     [128, batches, blocks] (-1 valid, 0 invalid; small, VectorE), ANDed on GpSimd. v4: a batch's V AND runs on
     the other engine than its K^T stack's (_scrub_slot alternates the stacks: even ones on GpSimd): VectorE as int32
     pairs, GpSimd as int16 (modelled trn3 B >= 8: with every V AND on VectorE, which also runs the softmax, VectorE
-    paced the steps)."""
+    paced the steps). defer: the masks now, the ANDs returned as a function to issue later (flash: inside the
+    step that first reads the slot, after its statistics)."""
     vr = st.cur_valid
     d = cfg.d
     n, rem = w // P_MAX, w % P_MAX
@@ -258,17 +264,22 @@ def _scrub_v(cfg, st, v, j0, w, nb, gates):
     if v4:      # see _and_bits: VectorE on int32 pairs
         mv32 = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=mv32[:, :nb, :], src=mv[:, :nb, :])
-    for j in range(nb):
+    def ands():
+        for j in range(nb):
 
-        def batch(_i, j=j):
-            if v4 and (j // cfg.kpp) % 2 == 0:     # VectorE where the K^T stack ANDs on GpSimd (even stacks)
-                v32 = v.view(nl.int32)
-                nisa.tensor_tensor(dst=v32[:, j, :nblk, :], data1=v32[:, j, :nblk, :],
-                                   data2=mv32[:, j, :].expand_dim(2).broadcast(2, d // 2), op=nl.bitwise_and,
-                                   engine=nisa.engine.vector)
-            else:
-                _and_bits(v[:, j, :nblk, :], mv[:, j, :].expand_dim(2).broadcast(2, d))
-        nl.fori_loop(0, gates[j], batch)     # only a batch with invalid rows in this slot
+            def batch(_i, j=j):
+                if v4 and (j // cfg.kpp) % 2 == 0:     # VectorE where the K^T stack ANDs on GpSimd (even stacks)
+                    v32 = v.view(nl.int32)
+                    nisa.tensor_tensor(dst=v32[:, j, :nblk, :], data1=v32[:, j, :nblk, :],
+                                       data2=mv32[:, j, :].expand_dim(2).broadcast(2, d // 2), op=nl.bitwise_and,
+                                       engine=nisa.engine.vector)
+                else:
+                    _and_bits(v[:, j, :nblk, :], mv[:, j, :].expand_dim(2).broadcast(2, d))
+            nl.fori_loop(0, gates[j], batch)     # only a batch with invalid rows in this slot
+    if defer:
+        return ands
+    ands()
+    return None
 
 
 def _and_bits(data, mask, vector=False):

@@ -26,15 +26,16 @@ def _cast_pairs(cfg, kg, kT, w, nb, dtype, k, gates=None):
              nisa.tensor_copy(dst=kT[:kp, 2 * jg:2 * jg + 2, :w], src=pairs, engine=eng))
 
 
-def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size):
+def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0):
     """Contiguous cache: K^T / V of positions [a, a + size) of the slot [j0, j0 + w) for batch j of the pack (the
-    whole slot, or a piece of it: whole V partitions of the slot layout, or its remainder block).
+    whole slot, or a piece of it: whole V partitions of the slot layout, or its remainder block). lane: the
+    partition block of batch j's K^T in its stack, (j + lane) % kpp (see _Config.kt_alt).
 
     fp8 cache: K rows are read as 2-byte pairs [size, d / 2] (a DMA transpose moves 2-byte elements only), so
     kT (the load group tile, uint16) gets partition i <-> dims (2i, 2i + 1) of each position; _cast_pairs splits
     them into the even / odd stacks. V is cast to bf16 by its DMA (same layout as bf16)."""
     d, n = cfg.d, w // P_MAX
-    u0, jj = (j % cfg.kpp) * cfg.kd, j // cfg.kpp
+    u0, jj = ((j + lane) % cfg.kpp) * cfg.kd, j // cfg.kpp
     off = a - j0
     k_rows = K_cache[b, g, a:a + size, :]
     if cfg.fp8:

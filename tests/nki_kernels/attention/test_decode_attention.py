@@ -415,6 +415,12 @@ def _same_bits(a, b):
     (GPT_OSS_20B_TP8, 4, 1, 1024, 0, 0, 2, None),       # LNC=2, sequences split between the cores
     (GPT_OSS_20B_TP8, 1, 1, 2048, 0, 0, 2, 300),        # LNC=2 context split: core 1's half is all stale
     (GPT_OSS_20B_TP8, 1, 1, 2048, 0, 0, 1, None),       # position-major steps (8 query rows), stacked K^T
+    # one sequence, d = 64: ring buffers 1 and 2 hold K^T on partitions 64..127 (_Config.kt_alt, flash._kt_lanes);
+    # slots 2048 x3 / 1024 x2 over 4 buffers: the stale rows start in buffer 1's slot (upper half), buffer 3's
+    # (lower half) and the wrapped buffer 0's (lower half)
+    (GPT_OSS_20B_TP8, 1, 1, 8192, 0, 0, 1, 3000),
+    (GPT_OSS_20B_TP8, 1, 1, 8192, 0, 0, 1, 6500),
+    (GPT_OSS_20B_TP8, 1, 1, 8192, 0, 0, 1, 7500),
     (LLAMA31_8B_TP8, 2, 1, 4096, 0, 0, 1, None),        # position-major steps, two sequences in one pack
 ])
 def test_nan_in_stale_cache_rows_stays_isolated(shape, B, S, ctx, window, bs, lnc, pos0):
