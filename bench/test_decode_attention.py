@@ -154,11 +154,18 @@ def test_decode_attention_lnc2_single_sequence_modelled(benchmark, model, ctx):
     benchmark.extra_info["lnc"] = 2
 
 
+# LNC=2 batch-split rows that meet issue 11's <= 0.6x LNC=1 (modelled; asserted): the 16K rows since the runtime-
+# balanced split (both cores on every sequence, alternating slots; DESIGN.md): GPT-OSS 88.0 / 150.7 us (0.58),
+# Llama-8B 152.9 / 279.7 (0.55). The 4K rows keep whole sequences per core (0.74 / 0.61: not met).
+LNC2_TARGET_ASSERTED = {("gpt-oss-20b-tp8", 16, 16384), ("llama-3.1-8b-tp8", 16, 16384)}
+
+
 @pytest.mark.parametrize("B,ctx", [(8, 4096), (16, 16384)])
 @pytest.mark.parametrize("model", sorted(SHAPES))
 def test_decode_attention_lnc2_batch_modelled(benchmark, model, B, ctx):
-    """LNC=2 with a batch split on trn2: each core loads half of each weight (QKV partial sums and o^T exchanged),
-    so HBM bytes stay LNC=1's; issue 11 target: latency <= 0.6x LNC=1's at B >= 8 (recorded, not asserted)."""
+    """LNC=2 with a batch split on trn2: each core loads half of each weight (QKV partial sums exchanged; o^T
+    exchanged, or at scans >= 8K the cores' softmax states merged), so HBM bytes stay LNC=1's; issue 11 target:
+    latency <= 0.6x LNC=1's at B >= 8 (asserted on the rows in LNC2_TARGET_ASSERTED, recorded elsewhere)."""
     rep, bound = benchmark.pedantic(modelled, args=(SHAPES[model], B, ctx, "trn2"), kwargs=dict(lnc=2),
                                     rounds=1, iterations=1)
     one, _ = modelled(SHAPES[model], B, ctx, "trn2")
@@ -167,6 +174,8 @@ def test_decode_attention_lnc2_batch_modelled(benchmark, model, B, ctx):
     benchmark.extra_info.update({"lnc": 2, "modelled_latency_over_lnc1": ratio, "modelled_meets_target": ratio <= 0.6,
                                  "modelled_hbm_bytes_over_lnc1": rep.hbm_bytes / one.hbm_bytes})
     assert rep.hbm_bytes <= 1.02 * one.hbm_bytes       # no weight read twice
+    if (model, B, ctx) in LNC2_TARGET_ASSERTED:
+        assert ratio <= 0.6, f"issue-11 LNC=2 target lost: {ratio:.3f}x LNC=1's latency > 0.6"
 
 
 @pytest.mark.parametrize("B,ctx", [(16, 16384)])

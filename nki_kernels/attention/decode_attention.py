@@ -88,9 +88,11 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
             add_bias_o), input dtype.
 
     Notes:
-        - LNC=2 splits the batch between the two cores (each core owns whole sequences). With B = 1 the cores
-          split the cache scan instead (and the QKV contraction over H, and the O-projection's H columns); the
-          partial softmax states and QKV sums are exchanged with nisa.sendrecv.
+        - LNC=2 splits the batch between the two cores (each core owns whole sequences; with split weights and a
+          scan >= 8K both cores attend every sequence over alternating slots, balanced whatever the runtime
+          lengths, and merge their softmax states). With B = 1 the cores split the cache scan instead (and the
+          QKV contraction over H, and the O-projection's H columns); the partial softmax states and QKV sums are
+          exchanged with nisa.sendrecv.
         - Sliding window: only the W - 1 keys before each sequence's first new position are read (dynamic start).
         - Paged cache: blocks are gathered with indirect DMAs (.ap(vector_offset=...)), see DESIGN.md.
         - Masks are generated in-kernel from position_ids; no mask tensor in HBM.
@@ -127,7 +129,9 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
     # cores run every sequence and split the cache scan; the partial softmax states are exchanged with sendrecv and
     # combined, then each core computes half of the O-projection's H columns. Batch split with split weights: each
     # core loads half of W_qkv's rows and half of W_o's columns; QKV partial sums (all tokens) and the attention
-    # outputs o^T (each core's sequences) are exchanged with sendrecv. Core 0 alone writes the cache then.
+    # outputs o^T (each core's sequences) are exchanged with sendrecv; at long scans (cfg.stride) both cores run
+    # every sequence over alternating slots and merge their softmax states instead (both then hold all of o^T).
+    # Core 0 alone writes the cache then.
     b_lo, b_hi = cfg.b_lo, cfg.b_hi
     if b_lo < b_hi:
         # DMA instructions issue in program order: small inputs first, then W_qkv, every K/V load of the attention,

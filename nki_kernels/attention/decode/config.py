@@ -30,6 +30,11 @@ FA_TILE_MAX = 4096     # context positions per K/V load (one DMA per batch and K
 # weights beyond 8K: q1 B2 S5 10K +7 %), position-major (B = 1) ones 0.4 %.
 FIRST_SPLIT = 12288
 FIRST_SPLIT_WSPLIT = 8192
+# LNC=2 batch split with split weights: scans of at least this many positions are balanced at run time (both cores
+# on every sequence, alternating slots: _split_stride); shorter ones keep whole sequences per core. Tuning, modelled
+# trn2 (bench positions, stride vs whole / LNC=1): 8K and 16K win in 12 of 14 cells (GPT-OSS B=16 16K 88.0 vs
+# 96.6 us), 4K loses in all four (GPT-OSS B=16 4K 50.1 vs 41.8); see DESIGN.md.
+STRIDE_MIN_SCAN = 8192
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
@@ -87,6 +92,22 @@ def _split_weights(cfg, core):
     half = (n_c + 1) // 2
     cfg.wsplit, cfg.core = True, core
     cfg.hc = (0, half) if core == 0 else (half, n_c)
+
+
+def _split_stride(cfg, core):
+    """LNC=2 batch split balanced at run time (see _use_stride): both cores attend every sequence, each the K/V
+    slots of the whole scan that planning._stride_slots gives it (alternating, a static interleaving), so each core
+    gets about half of every sequence's real positions whatever the runtime lengths; core 0 adds the new tokens
+    (active step), core 1 starts from an empty state. Each row's (m, l, own batch block of acc) are merged across
+    the cores as in the context split (flash._own_blocks, _combine_cores), after which both cores hold o^T of every
+    token (no o^T exchange). The weights stay split (_split_weights: W_qkv rows, W_o columns)."""
+    _split_weights(cfg, core)
+    cfg.split, cfg.stride = True, True
+    cfg.b_lo, cfg.b_hi = 0, cfg.B
+    # slots of one step (FA_SUB positions): the finest interleaving the plan has, so each core's share of every
+    # sequence is within one step of half; and the ring's first uses (which scrub every invalid lane, see
+    # flash._ring_mode) cost a step's width, not a whole slot's
+    cfg.fa_tile = min(cfg.fa_tile, FA_SUB)
 
 
 def _can_split_weights(cfg):
@@ -190,6 +211,7 @@ class _Config(nl.NKIObject):
         # Context split between the two cores of an LNC=2 launch (B < 2; see _split_context): defaults = no split.
         self.split, self.core, self.lo, self.hi, self.hc = False, 0, 0, self.scan, (0, H // P_MAX)
         self.wsplit = False    # LNC=2: W_qkv rows / W_o columns split between the cores (_split_weights)
+        self.stride = False    # LNC=2 batch split, both cores on every sequence, slots alternating (_split_stride)
         if self.paged:     # paged slots are 128 * 2^m positions (block-aligned gathers)
             ft = P_MAX
             while 2 * ft <= self.fa_tile:
@@ -204,7 +226,10 @@ class _Config(nl.NKIObject):
             self.b_lo, self.b_hi = 0, B
             _split_context(self, core)
         elif n_prog > 1 and _can_split_weights(self):
-            _split_weights(self, core)
+            if _use_stride(self):
+                _split_stride(self, core)
+            else:
+                _split_weights(self, core)
         # Position-major steps (few query rows in this core's packs, contiguous bf16 cache, full attention, whole
         # 128-position tiles): the score matmul puts 128 cache positions on the partitions (stationary = K^T
         # columns, moving = the queries), so the softmax's elementwise work is tiles x rows per partition instead
@@ -220,6 +245,13 @@ class _Config(nl.NKIObject):
         self.kt_alt = (self.pmajor and not self.paged and self.kpp == 2 and self.halves == 1 and self.kv_bufs % 2 == 0
                        and min(self.pack, self.b_hi - self.b_lo) == 1)
         self._frozen = True     # last: nothing changes the configuration from here on
+
+
+def _use_stride(cfg):
+    """Batch split with split weights: balance the cores at run time (_split_stride) on ragged (not windowed) scans
+    of at least STRIDE_MIN_SCAN positions; shorter scans keep whole sequences per core (_split_weights), where the
+    per-pack work both cores then repeat (every pack's active step, merge, normalisation) outweighs the balance."""
+    return cfg.ragged and cfg.scan >= STRIDE_MIN_SCAN
 
 
 def _slot_bytes(pack, ft, kpp, d, itemsize, halves=1):

@@ -60,6 +60,7 @@ class _AttnState(nl.NKIObject):
         self.pre, self.cur_valid = {}, None       # per pack: _PackInputs; the current pack's _ValidRange
         self.ramps, self.k_ramp = {}, (None, None)  # scrub position tables (see _scrub_slot)
         self.pos0, self.slot0 = None, None          # fp32 [1, steps / slots]: their starts (_step_gates)
+        self.pos0_run = None    # pos0 with step 0's start as -1 (it always runs), when > 0 (ragged._step_gates)
         self.pf_cols = None     # position-major: fp32 [128, rows] first new position of each row, every partition
 
     def iota_pm(self, n, ni):
@@ -169,7 +170,7 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
         for pi, pack in enumerate(packs):
             p0, nb = pack.p0, pack.nb
             # last pack: the selection matmuls also pick each row's own batch block (TensorE is idle by then)
-            last = direct and g == cfg.nkv - 1 and pi == n_packs - 1
+            last = direct and not cfg.stride and g == cfg.nkv - 1 and pi == n_packs - 1
             o_rows = _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0,
                                   nb, bmask, full=last)
             if direct:
@@ -245,7 +246,9 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
     if cfg.split:
         _flush_acc(cfg, st, sm, rows, nb)
-        _combine_cores(cfg, sm, rows, nb, g)
+        if cfg.stride:      # runtime-balanced batch split: only each row's own batch block is merged
+            _own_blocks(cfg, sm, rows, nb, bmask)
+        _combine_cores(cfg, sm, rows, 1 if cfg.stride else nb, g)
     # Final normalisation; sinks join the denominator only.
     l_fin = sm.l
     if sinks is not None:
@@ -262,6 +265,10 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         nisa.tensor_scalar(dst=rinv[:rows], data=rinv[:rows], op0=nl.multiply, operand0=consts.vs[:rows, g:g + 1])
     if full:
         return _normalise_full(cfg, st, sm, rows, nb, rinv, qkT.dtype)
+    if cfg.stride:      # merged own blocks [rows, d] (_own_blocks, _combine_cores)
+        o_rows = nl.ndarray((P_MAX, d), dtype=qkT.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=o_rows[:rows], data=sm.acc[:rows, :d], op0=nl.multiply, operand0=rinv[:rows])
+        return o_rows
     # The last step's PV is flushed only now: the denominator chain above needs only m and l, so VectorE runs it
     # while TensorE finishes the last PV.
     _flush_acc(cfg, st, sm, rows, nb)
@@ -297,6 +304,18 @@ def _normalise_full(cfg, st, sm, rows, nb, rinv, dtype):
                               op1=nl.add, operand1=acc_s[:rows, :n])
     sm.pending = None
     return o_n
+
+
+def _own_blocks(cfg, sm, rows, nb, bmask):
+    """sm.acc [rows, nb * d] (every batch's PV side by side) -> [rows, d]: each row's own batch block (the others
+    zeroed by bmask, then summed over the blocks, exactly; every block is finite: V is scrubbed)."""
+    d = cfg.d
+    o_m = nl.ndarray((P_MAX, cfg.pack, d), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=o_m[:rows, :nb, :], data1=sm.acc[:rows, :nb * d].reshape((rows, nb, d)),
+                       data2=bmask[:rows, :nb].expand_dim(2).broadcast(2, d), op=nl.multiply)
+    own = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=own[:rows, :d], op=nl.add, data=o_m[:rows, :nb, :].permute((0, 2, 1)), axis=(2,))
+    sm.acc = own
 
 
 def _combine_cores(cfg, sm, rows, nb, g):

@@ -103,6 +103,16 @@ def _slot_bounds(cfg, lo, hi):
     return bounds
 
 
+def _stride_slots(bounds, core):
+    """Indices of the slots (of bounds) core `core` scans in a runtime-balanced batch split (config._split_stride):
+    slot si goes to core ((si + 1) // 2) % 2, i.e. 0, 1, 1, 0, 0, 1, 1, 0, ... Equal-width slots in that order give
+    every sequence, whatever its length, shares that differ by at most one slot (a prefix of the pattern never
+    leads by more than one), and pairing the slots ABBA cancels a linear decrease of the work with the position
+    (fewer sequences reach the later slots), which alternating ABAB would leave to core 0 in every pair. Core 0 also
+    runs the new tokens' step; it gets the first slot, as many slots as core 1 or one more."""
+    return [si for si in range(len(bounds) - 1) if (si + 1) // 2 % 2 == core]
+
+
 def _plan(cfg):
     """Slots (_Slot: j0, w) of this core's cache scan [cfg.lo, cfg.hi) and the steps over them (static).
 
@@ -114,6 +124,7 @@ def _plan(cfg):
     """
     bounds = _slot_bounds(cfg, cfg.lo, cfg.hi)
     slots, steps = [], []
+    own = range(len(bounds) - 1) if not cfg.stride else _stride_slots(bounds, cfg.core)
     # tiles of 128 positions per step: FA_SUB / 128 (two PSUM banks of row-major scores); position-major steps take
     # as many as one bank of [128, tiles * rows] scores holds (fewer steps: the per-step chain is fixed work)
     ni_max = FA_SUB // P_MAX
@@ -121,7 +132,7 @@ def _plan(cfg):
         rows = min(cfg.pack, cfg.b_hi - cfg.b_lo) * cfg.R
         while 2 * ni_max * rows <= PSUM_F and 2 * ni_max <= PMAJOR_TILES:
             ni_max *= 2
-    for si in range(len(bounds) - 1):
+    for si in own:
         j0, w = bounds[si], bounds[si + 1] - bounds[si]
         n, rem = w // P_MAX, w % P_MAX
         k = len(slots)

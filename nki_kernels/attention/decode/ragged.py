@@ -49,10 +49,10 @@ def _group_max(cfg, vr, nb, per):
     return hmax, ngr
 
 
-def _group_step_regs(cfg, st, vr, ns, hmax, ngr, pending=True):
+def _group_step_regs(cfg, st, vr, ns, hmax, ngr, pending=True, first=0):
     """Per step a tuple of registers, per group 1 iff its largest hi is past the step's start (hmax > pos0), and
     with `pending` per group 1 iff it reaches the last step run (whose PV is still pending after the loop, see
-    _stack_gates)."""
+    _stack_gates). first: step 0's start."""
     f = nl.ndarray((1, ns, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=f[:, :, :ngr], data1=hmax[:, :ngr].expand_dim(1).broadcast(1, ns),
                        data2=st.pos0.expand_dim(2).broadcast(2, ngr), op=nl.greater)
@@ -63,8 +63,16 @@ def _group_step_regs(cfg, st, vr, ns, hmax, ngr, pending=True):
         return regs, None
     # The last step run starts at L = max(pos0 of the steps with max hi > pos0) (step 0 at least): a group's PV of
     # that step is still pending after the loop iff the group reaches it (hmax > L).
+    if first > 0 and st.pos0_run is None:
+        # a core scanning from a later slot (config._split_stride): step 0 runs even when no sequence reaches it,
+        # so the last step run starts at step 0's start or later: compare it as -1 (the table built once)
+        st.pos0_run = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=st.pos0_run[:, 0:1], value=-1.0, engine=nisa.engine.gpsimd)
+        if ns > 1:
+            nisa.tensor_copy(dst=st.pos0_run[:, 1:], src=st.pos0[:, 1:], engine=nisa.engine.gpsimd)
     lst = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=lst, data1=vr.max_hi.broadcast(1, ns), data2=st.pos0, op=nl.greater)
+    nisa.tensor_tensor(dst=lst, data1=vr.max_hi.broadcast(1, ns), data2=st.pos0 if st.pos0_run is None else
+                       st.pos0_run, op=nl.greater)
     nisa.tensor_tensor(dst=lst, data1=lst, data2=st.pos0, op=nl.multiply)
     last = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=last, op=nl.maximum, data=lst, axis=(1,))
@@ -91,12 +99,12 @@ def _stack_gates(cfg, st, steps, slots, nb):
     if vr.stack_regs is None:
         ns, kpp, per = len(steps), cfg.kpp, _pv_group(cfg)
         hmax, _ = _group_max(cfg, vr, nb, kpp)
-        sregs, fin = _group_step_regs(cfg, st, vr, ns, hmax, ngr, pending=per == kpp)
+        sregs, fin = _group_step_regs(cfg, st, vr, ns, hmax, ngr, pending=per == kpp, first=steps[0].pos0)
         if per == kpp:
             pregs = sregs
         else:
             hpv, npg = _group_max(cfg, vr, nb, per)
-            pregs, fin = _group_step_regs(cfg, st, vr, ns, hpv, npg)
+            pregs, fin = _group_step_regs(cfg, st, vr, ns, hpv, npg, first=steps[0].pos0)
         vr.stack_regs = (sregs, pregs, fin)
         # per slot: lanes with invalid rows (hi < j0 + w) whose load group reaches j0 (hmax > j0): what a fresh
         # ring buffer must scrub when the other groups are not read (isolation._slot_gates)

@@ -617,6 +617,64 @@ def test_ragged_load_groups_skip_their_matmuls(fp8):
     assert rep.flops_issued < (0.7 if fp8 else 0.6) * rep_full.flops_issued
 
 
+# ---- LNC=2 batch split balanced at run time: both cores on every sequence, alternating slots, states merged -------
+
+@pytest.mark.parametrize("shape,S,ctx,first,bs,fp8,min_scan", [
+    (GPT_OSS_20B_TP8, 1, 8192 + 128, (8190, 130, 1000, 4095, 2500, 6000), 0, False, None),  # the real threshold
+    (GPT_OSS_20B_TP8, 1, 4096 + 128, (1, 130, 1000, 4095, 2500, 3000), 64, False, 2048),   # paged
+    (MULTI_KV, 2, 4096 + 128, (4000, 17, 1500, 2900), 0, True, 2048),       # fp8 pairs, 2 KV heads, S_tkg 2
+    (LLAMA31_8B_TP8, 1, 4096 + 128, (5, 900, 1000, 300), 0, False, 2048),   # core 1's slots all masked
+    (LLAMA31_8B_TP8, 1, 4096 + 128, (4100, 1200), 0, False, 2048),          # 8 rows: position-major steps
+])
+def test_lnc2_stride_split(shape, S, ctx, first, bs, fp8, min_scan, monkeypatch):
+    """LNC=2 batch split at scans >= STRIDE_MIN_SCAN (lowered here for the shorter cases): each core scans
+    alternating slots of every sequence and the partial (m, l, own acc block) are merged. Ragged lengths, NaN past
+    every length (fp8: NaN bytes): finite, equal to the reference and to LNC=1 (merged states: fp32 order differs),
+    bit-identical to a clean cache; the cache is written once, correctly."""
+    from nki_kernels.attention.decode import config
+
+    if min_scan is not None:
+        monkeypatch.setattr(config, "STRIDE_MIN_SCAN", min_scan)
+    B = len(first)
+    args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=71, **shape)
+    args[4][:] = torch.tensor(first, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)
+    cfg = config._Config(B, S, shape["H"], shape["d"], shape["nkv"], shape["nq"], ctx, ctx, 1.0, shape["H"], 0, 2,
+                         bs, ctx // bs if bs else 0, fp8, n_prog=2, core=1)
+    assert cfg.stride, "the launch must take the runtime-balanced split"
+    if fp8:
+        nkv, f8 = shape["nkv"], torch.float8_e4m3fn
+        ks, vs = torch.tensor([1 / 64, 1 / 48][:nkv]), torch.tensor([1 / 80, 1 / 40][:nkv])
+        args = args[:2] + tuple((c.float() / sc[None, :, None, None]).to(f8) for c, sc in zip(args[2:4], (ks, vs))) \
+            + args[4:]
+        kw = dict(kw, k_scale=ks, v_scale=vs)
+    clean = [a.clone() if a is not None else None for a in args]
+    for b, p0 in enumerate(first):       # stale rows: NaN (fp8: 0x7F bytes)
+        for c in args[2:4]:
+            if fp8:
+                c.view(torch.uint8)[b, :, p0:] = 0x7F
+            else:
+                c[b, :, p0:] = float("nan")
+    if bs:
+        args, kw_p = to_paged(args, kw, bs, seed=71)
+        clean, _ = to_paged(clean, kw, bs, seed=71)
+        kw = kw_p
+    ref_args = [a.clone() if a is not None else None for a in args]
+    ref = decode_attention_torch(*ref_args, **kw).float()
+    assert torch.isfinite(ref).all()
+    out = decode_attention(*args, **kw, backend="nkisim", lnc=2)
+    assert torch.isfinite(out.float()).all()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    written = _written_rows(args, kw, B)
+    for got, want in ((args[2], ref_args[2]), (args[3], ref_args[3])):     # written once (core 0), rest untouched
+        sel = written[:, None, :, None].expand_as(got)
+        bits = torch.uint8 if got.element_size() == 1 else torch.int16
+        assert torch.equal(got.view(bits)[~sel], want.view(bits)[~sel])
+        assert torch.allclose(got[sel].float(), want[sel].float(), rtol=7e-2, atol=2e-2)
+    assert _same_bits(out, decode_attention(*[a.clone() if a is not None else None for a in clean], **kw,
+                                            backend="nkisim", lnc=2))
+    _assert_close_to_lnc1(out, decode_attention(*clean, **kw, backend="nkisim", lnc=1))
+
+
 # ---- fp8 (e4m3) KV cache: per-tensor or per-head scales, dequantised on load ------------------------------------
 
 @pytest.mark.parametrize("shape,B,S,ctx,per_head,lnc,ragged", [

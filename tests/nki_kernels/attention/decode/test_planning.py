@@ -99,3 +99,34 @@ def test_config_is_frozen():
     with pytest.raises(AttributeError, match="frozen"):
         cfg.pack = 1
     assert cfg.pack > 1
+
+
+# LNC=2 batch splits at or beyond STRIDE_MIN_SCAN: (B, S, H, d, nkv, nq, S_max, L, block size)
+STRIDE_CONFIGS = [
+    (16, 1, 3072, 64, 1, 8, 16384, 16384, 0),      # GPT-OSS-20B TP8
+    (8, 1, 4096, 128, 1, 4, 8192, 8192, 0),        # Llama-3.1-8B TP8
+    (4, 2, 1024, 128, 2, 8, 9000, 9000, 0),        # 2 KV heads, S_tkg 2, a remainder slot
+    (6, 1, 3072, 64, 1, 8, 64 * 160, 10240, 64),   # paged
+]
+
+
+@pytest.mark.parametrize("c", STRIDE_CONFIGS)
+def test_stride_split_shares_every_length_between_the_cores(c):
+    """Runtime-balanced batch split (config._split_stride): both cores plan every sequence, their slots partition
+    the whole scan's, and for EVERY cache length the two cores' real positions differ by at most one slot (FA_SUB):
+    the balance holds whatever the runtime lengths. Shorter scans keep whole sequences per core."""
+    B, S, H, d, nkv, nq, s_max, L, bs = c
+    mb = s_max // bs if bs else 0
+    cfgs = [_Config(B, S, H, d, nkv, nq, s_max, L, d ** -0.5, H, 0, 2, bs, mb, n_prog=2, core=k) for k in (0, 1)]
+    assert all(cf.stride and cf.split and cf.wsplit and (cf.b_lo, cf.b_hi) == (0, B) for cf in cfgs)
+    assert cfgs[0].fa_tile <= FA_SUB
+    plans = [_plan(cf)[0] for cf in cfgs]
+    whole = _slot_bounds(cfgs[0], 0, cfgs[0].scan)
+    assert sorted(j0 for p in plans for j0, _ in p) == whole[:-1]     # each slot on exactly one core
+    assert plans[0][0].j0 == 0                                          # core 0: the first slot (and the new tokens)
+    for length in range(0, cfgs[0].scan + 1, 64):
+        share = [sum(max(0, min(length, j0 + w) - j0) for j0, w in p) for p in plans]
+        assert abs(share[0] - share[1]) <= FA_SUB, (length, share)
+    short = _Config(B, S, H, d, nkv, nq, 4096, 4096, d ** -0.5, H, 0, 2, bs, 4096 // bs if bs else 0, n_prog=2,
+                    core=1)
+    assert short.wsplit and not short.stride and (short.b_lo, short.b_hi) == (B // 2, B)
