@@ -250,8 +250,12 @@ class _Config(nl.NKIObject):
 def _use_stride(cfg):
     """Batch split with split weights: balance the cores at run time (_split_stride) on ragged (not windowed) scans
     of at least STRIDE_MIN_SCAN positions; shorter scans keep whole sequences per core (_split_weights), where the
-    per-pack work both cores then repeat (every pack's active step, merge, normalisation) outweighs the balance."""
-    return cfg.ragged and cfg.scan >= STRIDE_MIN_SCAN
+    per-pack work both cores then repeat (every pack's active step, merge, normalisation) outweighs the balance; and
+    not where whole sequences per core would take the position-major steps (few query rows per core: the balanced
+    split's packs hold twice the rows, too many for them; modelled nki-library q1 B2 S5 10K 37.7 vs 40.7 us)."""
+    per_core_rows = min(cfg.pack, (cfg.B + 1) // 2) * cfg.R
+    pmajor_whole = (not cfg.imajor and cfg.window == 0 and cfg.scan % P_MAX == 0 and per_core_rows <= PMAJOR_ROWS)
+    return cfg.ragged and cfg.scan >= STRIDE_MIN_SCAN and not pmajor_whole
 
 
 def _slot_bytes(pack, ft, kpp, d, itemsize, halves=1):

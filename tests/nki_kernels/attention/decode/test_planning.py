@@ -130,3 +130,11 @@ def test_stride_split_shares_every_length_between_the_cores(c):
     short = _Config(B, S, H, d, nkv, nq, 4096, 4096, d ** -0.5, H, 0, 2, bs, 4096 // bs if bs else 0, n_prog=2,
                     core=1)
     assert short.wsplit and not short.stride and (short.b_lo, short.b_hi) == (B // 2, B)
+
+
+def test_stride_split_not_where_whole_sequences_take_position_major_steps():
+    """Few query rows per core (Llama-8B B=2: 4 rows each; nki-library q1 B2 S5: 5): whole sequences per core keep
+    the position-major steps, which the balanced split's doubled packs (8 / 10 rows) would lose."""
+    for B, S, nq in ((2, 1, 4), (2, 5, 1)):
+        cfg = _Config(B, S, 4096, 128, 1, nq, 16384, 16384, 128 ** -0.5, 4096, 0, 2, n_prog=2, core=0)
+        assert cfg.wsplit and not cfg.stride and cfg.pmajor and (cfg.b_lo, cfg.b_hi) == (0, 1)
