@@ -148,33 +148,39 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
     st = _AttnState(cfg, qkT.dtype, consts.qm)
     st.pre = pre
     st.block_ids, st.starts = block_ids, starts
-    # bmask[r, j] = 1.0 iff row r belongs to the pack's batch j (j*R <= r < (j+1)*R).
-    lo = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
-    ones = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=ones, value=1.0)
-    nisa.affine_select(dst=lo, pattern=[[-cfg.R, cfg.pack]], channel_multiplier=1, on_true_tile=ones,
-                       on_false_value=0.0, cmp_op=nl.greater_equal)
-    bmask = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.affine_select(dst=bmask, pattern=[[-cfg.R, cfg.pack]], channel_multiplier=1, on_true_tile=lo,
-                       on_false_value=0.0, cmp_op=nl.less, offset=-cfg.R)
     n_k = (cfg.nq * cfg.d + P_MAX - 1) // P_MAX
     # Direct o^T (one token tile, heads on legal partition starts, all of o^T in one PSUM bank): the selection
     # matmuls write o^T straight into the selection bank (every element exactly once), one eviction at the end.
+    # The last pack ends in the "full" form (_normalise_full): the selection matmuls also pick each row's own batch
+    # block (one small matmul per batch), no block mask and block reduction over the pack's nb * d accumulator
+    # columns on VectorE (two passes, one strided: ~1.9 us per pack for Llama-8B packs of 4). On NeuronCore-v4,
+    # where VectorE is the busy engine of B >= 8, every pack does (modelled trn3 B=16 4K GPT-OSS -2.6 %, Llama-8B
+    # -3.6 %). On trn2 it changes latencies by -6 .. +0.2 % but the DMA-paced GPT-OSS B=64 4K row keeps its latency
+    # while its issued-work bound (the VectorE roof) falls 169 -> 158 us, x1.12 -> x1.18 of it: see DESIGN.md.
     direct = len(tiles) == 1 and cfg.d in (32, 64, 128) and n_k * tiles[0].nt <= PSUM_F
+    full_all = direct and not cfg.stride and nisa.get_nc_version() >= nisa.nc_version.gen4
+    bmask = None
+    if not full_all:      # bmask[r, j] = 1.0 iff row r belongs to the pack's batch j (j*R <= r < (j+1)*R)
+        lo = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+        ones = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=ones, value=1.0)
+        nisa.affine_select(dst=lo, pattern=[[-cfg.R, cfg.pack]], channel_multiplier=1, on_true_tile=ones,
+                           on_false_value=0.0, cmp_op=nl.greater_equal)
+        bmask = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.affine_select(dst=bmask, pattern=[[-cfg.R, cfg.pack]], channel_multiplier=1, on_true_tile=lo,
+                           on_false_value=0.0, cmp_op=nl.less, offset=-cfg.R)
     o_acc = ()
     if not direct:
         o_acc = tuple(nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
     packs = _packs(cfg, b_lo, b_hi)
-    n_packs = len(packs)
     for g in range(cfg.nkv):
         for pi, pack in enumerate(packs):
             p0, nb = pack.p0, pack.nb
-            # last pack: the selection matmuls also pick each row's own batch block (TensorE is idle by then)
-            last = direct and not cfg.stride and g == cfg.nkv - 1 and pi == n_packs - 1
+            full = full_all or (direct and not cfg.stride and g == cfg.nkv - 1 and pi == len(packs) - 1)
             o_rows = _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0,
-                                  nb, bmask, full=last)
+                                  nb, bmask, full=full)
             if direct:
-                _rows_to_oT(cfg, consts, st, o_rows, tiles[0], g, p0, nb, full=last)
+                _rows_to_oT(cfg, consts, st, o_rows, tiles[0], g, p0, nb, full=full)
             else:
                 _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
     wo = _load_w_o(cfg, W_o) if W_o is not None else None    # attention DP loads its W_o shard itself

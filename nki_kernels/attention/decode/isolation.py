@@ -33,16 +33,28 @@ def _valid_ranges(cfg, position_ids, p0, nb):
     nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
     pv = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=pv[:, :nb], src=position_ids.ap([[0, P_MAX], [S, nb]], offset=p0 * S))
+    # NeuronCore-v4: the K^T layout's table is copied out of pv on chip (same partitions, strided columns) instead
+    # of loaded: its DMAs of 4-byte runs cost 0.25-0.5 us of every DMA engine they used, ahead of the weights and
+    # the K/V stream that paces trn3's B = 8 4K rows (modelled -0.2 .. -0.8 %). On trn2 it shifted the GpSimd
+    # schedule of the fp8 rows (+1 %), so trn2 keeps the loads.
+    on_chip = nisa.get_nc_version() >= nisa.nc_version.gen4
     pk = nl.ndarray((P_MAX, cfg.ngroups), dtype=nl.float32, buffer=nl.sbuf)
     if cfg.kt_alt:     # one sequence, its K^T on either half of the stack (flash._kt_lanes): both halves hold it
         npk = kpp * d
-        nisa.dma_copy(dst=pk[:npk, :1], src=position_ids.ap([[0, npk], [S, 1]], offset=p0 * S))
+        if on_chip:
+            nisa.tensor_copy(dst=pk[:npk, :1], src=pv[:npk, :1], engine=nisa.engine.gpsimd)
+        else:
+            nisa.dma_copy(dst=pk[:npk, :1], src=position_ids.ap([[0, npk], [S, 1]], offset=p0 * S))
     elif nb % kpp:     # the last stack's missing batches: any finite value (their partitions are never read)
         nisa.memset(dst=pk[:npk, nst - 1:nst], value=0.0)
     for u in range(min(kpp, nb) if not cfg.kt_alt else 0):
         cnt = (nb - u + kpp - 1) // kpp
-        nisa.dma_copy(dst=pk[u * d:(u + 1) * d, :cnt], src=position_ids.ap([[0, d], [kpp * S, cnt]],
-                                                                           offset=(p0 + u) * S))
+        if on_chip:
+            nisa.tensor_copy(dst=pk[u * d:(u + 1) * d, :cnt],
+                             src=pv[u * d:(u + 1) * d, u:u + kpp * (cnt - 1) + 1:kpp], engine=nisa.engine.gpsimd)
+        else:
+            nisa.dma_copy(dst=pk[u * d:(u + 1) * d, :cnt], src=position_ids.ap([[0, d], [kpp * S, cnt]],
+                                                                               offset=(p0 + u) * S))
     vr = _ValidRange()
     vr.hi_v, vr.lo_v = _range_bounds(cfg, pv, P_MAX, nb)
     vr.hi_k, vr.lo_k = _range_bounds(cfg, pk, npk, nst)

@@ -126,6 +126,7 @@ def test_odd_shapes_no_norm_no_rope():
 @pytest.mark.parametrize("B,S,ctx,shape,lnc,bs", [
     (3, 1, 4096, LLAMA31_8B_TP8, 1, 0),     # 3072-position slots on trn3 (2048 on trn2)
     (16, 1, 2048, GPT_OSS_20B_TP8, 1, 0),
+    (8, 1, 2048, LLAMA31_8B_TP8, 1, 0),     # two packs of 4, each ending in the full form (v4: flash.full_all)
     (5, 4, 512, LLAMA31_8B_TP8, 2, 0),
     (2, 2, 700, GPT_OSS_20B_TP8, 1, 256),   # paged, sub-block gathers (16 index rows per transpose, C22)
 ])
