@@ -55,6 +55,7 @@ class _AttnState(nl.NKIObject):
         self.ring_k = [[0, None] for _ in self.kg]
         self.ring_v = [[0, None] for _ in self.v]
         self.n_scores, self.n_slots, self.n_packs = 0, 0, 0
+        self.last_pack = True       # the pack being attended is the kernel's last (set per pack)
         self.block_ids, self.starts = None, None
         self.iotas = {}
         self.pre, self.cur_valid = {}, None       # per pack: _PackInputs; the current pack's _ValidRange
@@ -176,7 +177,8 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
     for g in range(cfg.nkv):
         for pi, pack in enumerate(packs):
             p0, nb = pack.p0, pack.nb
-            full = full_all or (direct and not cfg.stride and g == cfg.nkv - 1 and pi == len(packs) - 1)
+            st.last_pack = g == cfg.nkv - 1 and pi == len(packs) - 1      # isolation._tail_rule
+            full = full_all or (direct and not cfg.stride and st.last_pack)
             o_rows = _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0,
                                   nb, bmask, full=full)
             if direct:

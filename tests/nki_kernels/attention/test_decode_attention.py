@@ -454,7 +454,8 @@ def test_nan_in_stale_cache_rows_stays_isolated(shape, B, S, ctx, window, bs, ln
         assert torch.allclose(got[sel].float(), want[sel].float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("shape,B,ctx", [(GPT_OSS_20B_TP8, 4, 1024), (LLAMA31_8B_TP8, 3, 4096)])
+@pytest.mark.parametrize("shape,B,ctx", [(GPT_OSS_20B_TP8, 4, 1024), (LLAMA31_8B_TP8, 3, 4096),
+                                         (LLAMA31_8B_TP8, 8, 2048)])   # two packs: alternation, then _tail_rule
 def test_nan_in_stale_cache_rows_stays_isolated_on_trn3(shape, B, ctx, monkeypatch):
     """trn3 (NeuronCore-v4): the V scrub's ANDs are split by batch (VectorE as int32 pairs where the batch's K^T
     stack ANDs on GpSimd, GpSimd as int16 elsewhere; GPT-OSS B=4: two stacks of 2, Llama-8B B=3: one batch per
