@@ -537,7 +537,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         st.n_slots += 1
         if cfg.paged:
             lg = st.load_gates[j0] if cfg.ragged else (None,) * nb
-            _load_slot_paged(cfg, st, K_cache, V_cache, kg, v, g, p0, nb, j0, w, lg)
+            _load_slot_paged(cfg, st, K_cache, V_cache, kg, v, g, p0, nb, j0, w, lg, lane)
         else:
             for j in range(nb):
                 b = p0 + j
@@ -572,7 +572,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         _run(gate, lambda _i: _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane))
     else:
         key = st.iota(step.key_id, step.key_pattern, step.cols, nl.int16)
-        _run(gate, lambda _i: _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
+        _run(gate, lambda _i: _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane))
     # V is needed by the step's PV: the slot's V scrub is issued inside the step that first reads the slot, after
     # its statistics (pre_pv), so on VectorE / GpSimd it queues behind that step's row max instead of ahead of it
     # (the last slot's ANDs, after the last K/V load, delayed the last step's chain)
@@ -602,13 +602,14 @@ def _kt_lanes(cfg):
     return tuple(lanes)
 
 
-def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
+def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0):
     """Scores of one step (every K^T stack of the pack) with its masks folded in, chunk by chunk."""
     n = w // P_MAX
     masks = [_build_mask(cfg, rows, step.cols, key, step.thr_hi, nl.greater, 0.0)]
     if step.thr_lo is not None:
         masks.append(_build_mask(cfg, rows, step.cols, key, step.thr_lo, nl.less_equal, 0.0))
     sg = step.stack_gates
+    b0 = lane * cfg.kd      # one-sequence pack with the slot on the stack's other half (_Config.kt_alt)
     for c0, c1, inner in step.chunks:
         if sg is not None:      # ragged: the masks open the chunk's accumulation group, the stacks run gated
             for i, m in enumerate(masks):
@@ -619,22 +620,22 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
                 i0, K = step.pos0 - j0, _slot_split(cfg, w)
                 il0, il1 = i0 + c0 // P_MAX, i0 + c1 // P_MAX
                 if K == 1:
-                    mov = _kview(cfg, kT, jj, kp, w, (kp, w), (slice(None), slice(il0 * P_MAX, il1 * P_MAX)))
+                    mov = _kview(cfg, kT, jj, kp, w, (kp, w), (slice(None), slice(il0 * P_MAX, il1 * P_MAX)), b0)
                 else:
                     mov = _kview(cfg, kT, jj, kp, w, (kp, K, n, P_MAX // K),
-                                 (slice(None), slice(None), slice(il0, il1), slice(None))).permute((0, 2, 1, 3))
+                                 (slice(None), slice(None), slice(il0, il1), slice(None)), b0).permute((0, 2, 1, 3))
             elif inner > 0:
                 i0 = step.pos0 - j0
                 mov = _kview(cfg, kT, jj, kp, n * P_MAX, (kp, P_MAX, n),
-                             (slice(None), slice(c0 // inner, c1 // inner), slice(i0, i0 + inner)))
+                             (slice(None), slice(c0 // inner, c1 // inner), slice(i0, i0 + inner)), b0)
             else:
-                mov = _kview(cfg, kT, jj, kp, w, (kp, w), (slice(None), slice(n * P_MAX, w)))
+                mov = _kview(cfg, kT, jj, kp, w, (kp, w), (slice(None), slice(n * P_MAX, w)), b0)
             if sg is not None:
                 nl.fori_loop(0, sg[jj // cfg.halves], lambda _i, jj=jj, kp=kp, mov=mov, c=(c0, c1, inner):
-                             nisa.nc_matmul(dst=_cols(sc, rows, *c), stationary=qm[:kp, jj, :rows], moving=mov,
+                             nisa.nc_matmul(dst=_cols(sc, rows, *c), stationary=qm[b0:b0 + kp, jj, :rows], moving=mov,
                                             accumulate=True))
                 continue
-            nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=qm[:kp, jj, :rows], moving=mov,
+            nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=qm[b0:b0 + kp, jj, :rows], moving=mov,
                            accumulate=(jj > 0))
         if sg is not None:
             continue
@@ -642,12 +643,12 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
             _fold_chunk(consts, sc, rows, m, (c0, c1, inner))
 
 
-def _kview(cfg, kT, jj, kp, w, shape, index):
+def _kview(cfg, kT, jj, kp, w, shape, index, b0=0):
     """Stack jj of a K^T slot, columns [0, w) viewed as `shape` ([kp, ...], splitting w) and indexed by `index`:
     kT[:kp, jj, :w] (bf16 stacks), or with fp8_mm the fp8 bytes of its half (jj % 2: 0 even dims, 1 odd dims) in
     the pairs of load group jj // 2, a 2-byte stride the matmul streams at its full rate."""
     if not cfg.fp8_mm:
-        return kT[:kp, jj, :w].reshape(shape)[index]
+        return kT[b0:b0 + kp, jj, :w].reshape(shape)[index]
     pairs = kT[:kp, jj // 2, :w].view(cfg.kv_dtype).reshape(tuple(shape) + (2,))
     return pairs[tuple(index) + (jj % 2,)]
 

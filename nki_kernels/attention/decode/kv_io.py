@@ -141,7 +141,7 @@ def _load_block_ids(cfg, block_table, b_lo, b_hi, starts=None):
     return ids
 
 
-def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w, gates):
+def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w, gates, lane=0):
     """K^T / V of scan positions [j0, j0 + w) for every batch of the pack from a paged cache (indirect DMAs).
 
     K^T lands in the natural order of a DMA transpose (one contiguous range per partition), "i-major":
@@ -159,10 +159,11 @@ def _load_slot_paged(cfg, st, K_cache, V_cache, kT, v, g, p0, nb, j0, w, gates):
     K = _slot_split(cfg, w)
     off = g * cfg.bs * cfg.d
     for j in range(nb):     # a sequence's gathers stop at its length (ragged contexts)
-        _run(gates[j], lambda _i, j=j: _gather_batch(cfg, K_cache, V_cache, kT, v, idx, K, off, row, j, n, w))
+        _run(gates[j], lambda _i, j=j: _gather_batch(cfg, K_cache, V_cache, kT, v, idx, K, off, row, j, n, w,
+                                                     lane))
 
 
-def _gather_batch(cfg, K_cache, V_cache, kT, v, idx, K, off, row, j, n, w):
+def _gather_batch(cfg, K_cache, V_cache, kT, v, idx, K, off, row, j, n, w, lane=0):
     """The paged gathers of batch j of the pack for one slot (see _load_slot_paged). fp8 cache: the K rows are
     gathered as 2-byte pairs (`.ap(dtype=uint16)`, every K element count halved: the indirect transpose takes
     2-byte data only) into the load group tile, as in _load_piece; V is cast to bf16 by its gathers."""
@@ -170,7 +171,7 @@ def _gather_batch(cfg, K_cache, V_cache, kT, v, idx, K, off, row, j, n, w):
     kd = cfg.kd                                  # K elements per position in the gathers (d, or d / 2 pairs)
     swdge = nisa.dge_mode.swdge
     kdt = nl.uint16 if cfg.fp8 else None
-    u0, jj = (j % cfg.kpp) * kd, j // cfg.kpp
+    u0, jj = ((j + lane) % cfg.kpp) * kd, j // cfg.kpp     # lane: see _load_piece
     if K == 1:
         for i in range(n // bs):
             vo = idx[:, j, i]

@@ -422,6 +422,10 @@ def _same_bits(a, b):
     (GPT_OSS_20B_TP8, 1, 1, 8192, 0, 0, 1, 3000),
     (GPT_OSS_20B_TP8, 1, 1, 8192, 0, 0, 1, 6500),
     (GPT_OSS_20B_TP8, 1, 1, 8192, 0, 0, 1, 7500),
+    # the same with a paged cache (row-major steps, i-major K^T): slots 2048 / 1024 / 1024, buffers 1 and 2 upper
+    (GPT_OSS_20B_TP8, 1, 1, 4096, 0, 32, 1, 1000),
+    (GPT_OSS_20B_TP8, 1, 1, 4096, 0, 32, 1, 2500),
+    (GPT_OSS_20B_TP8, 1, 1, 4096, 0, 128, 1, 3500),
     (LLAMA31_8B_TP8, 2, 1, 4096, 0, 0, 1, None),        # position-major steps, two sequences in one pack
 ])
 def test_nan_in_stale_cache_rows_stays_isolated(shape, B, S, ctx, window, bs, lnc, pos0):
