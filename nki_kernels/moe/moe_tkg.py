@@ -40,6 +40,7 @@ XT_DMA_MAX_TOKENS = 8  # up to this T, x is loaded straight into the transposed 
 W_BUFS = 3             # expert weight slots (ring): the next experts' DMAs run while one is computed ...
 W_BUFS_MIN = 2         # ... at least double-buffered, or the expert is refused as too large for SBUF
 SBUF_RESERVE = 48 * 1024   # bytes per partition kept for everything but the weight ring
+GU_PIECES_LAST = 2     # T = 1: the last expert's gate/up in this many kt pieces (its matmuls start on the first)
 
 
 def tkg_argument_error(x_shape, w_router_shape, w_gate_up_shape, w_down_shape, *, top_k, b_router_shape=None,
@@ -261,8 +262,6 @@ class _Consts(RouterConsts):
 
     def __init__(self, E, T, eps):
         super().__init__(E)
-        self.ones_bf = nl.ndarray((1, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.memset(dst=self.ones_bf, value=1.0)
         self.eps = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.memset(dst=self.eps, value=eps)
         self.part_idx = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -381,7 +380,33 @@ def _dense_step(cfg, consts, idx, aff):
     return dense, denseT
 
 
-def _schedule_step(cfg, consts, dense, denseT, split_odd=True):
+def _touched_step(cfg, consts, idx):
+    """touched [1, E] fp32: 1.0 for every expert some token chose, from the top-k indices alone (before the
+    affinities: the weight DMAs wait for this list, the affinities are needed only at the first activation). With
+    the experts on the partitions the work is T * k elements per partition: the index rows of the T tokens are
+    placed block-diagonally (x identity) and broadcast to E partitions by a ones matmul (fp32: exact integers),
+    compared with the partition index, reduced over (t, j), and the [E, 1] column turned into a row by an fp32
+    identity matmul."""
+    T, E, k = cfg.T, cfg.E, cfg.k
+    idx_f = nl.ndarray((P_MAX, MAX_TOP_K), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=idx_f[:T, :k], src=idx[:T, :k])
+    blk = nl.ndarray((P_MAX, T, k), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=blk[:T], data1=consts.ident[:T, :T].expand_dim(2).broadcast(2, k),
+                       data2=idx_f[:T, :k].expand_dim(1).broadcast(1, T), op=nl.multiply)
+    bc = nl.ndarray((P_MAX, T, k), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=bc[:E], stationary=consts.ones_f32[:T, :E], moving=blk[:T], accumulate=False)
+    eq = nl.ndarray((P_MAX, T, k), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=eq[:E], data=bc[:E], op0=nl.equal, operand0=consts.part_idx[:E, :])
+    col = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=col[:E, :], op=nl.maximum, data=eq[:E], axis=(1, 2))
+    row = nl.ndarray((1, P_MAX), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=row[:, :E], stationary=col[:E, 0:1], moving=consts.ident[:E, :E], accumulate=False)
+    touched = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=touched, src=row[:, :E])
+    return touched
+
+
+def _schedule_step(cfg, consts, dense, denseT, split_odd=True, touched=None, dense_fn=None):
     """Selective mode: the touched experts as a compact list and per-slot registers.
 
     touched = column sums of dense (> 0 iff some token chose the expert with a nonzero affinity; a zero-affinity
@@ -390,13 +415,18 @@ def _schedule_step(cfg, consts, dense, denseT, split_odd=True):
     once or not at all. affc [T, S] = dense gathered by the list (a one-hot fp32 matmul: exact), so slot s scales
     by a static column. LNC=2 also returns `half` = (expert register, gate register, affinities [T, 1]) of an odd
     count's last expert, which both cores serve by halves of I (else None); split_odd False: no such split, the
-    cores take alternate slots of the whole list (the MXFP4 path)."""
+    cores take alternate slots of the whole list (the MXFP4 path).
+
+    touched given (_touched_step: from the indices, every chosen expert): the list, count and gates come first
+    in program order and dense_fn() -> (dense, denseT) is called after them (the affinity gathers need it); the
+    dense pair is returned last."""
     T, E = cfg.T, cfg.E
     S = min(E, T * cfg.k)
-    cnt = nl.ndarray((1, P_MAX), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=cnt[:, :E], stationary=consts.ones_f32[:T, 0:1], moving=dense[:T, :], accumulate=False)
-    touched = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=touched, src=cnt[:, :E])
+    if touched is None:
+        cnt = nl.ndarray((1, P_MAX), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=cnt[:, :E], stationary=consts.ones_f32[:T, 0:1], moving=dense[:T, :], accumulate=False)
+        touched = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=touched, src=cnt[:, :E])
     lst = nl.ndarray((1, E + 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.nonzero_with_count(dst=lst, src=touched, index_offset=0, padding_val=-1)
     lst_f = nl.ndarray((1, E + 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -416,6 +446,11 @@ def _schedule_step(cfg, consts, dense, denseT, split_odd=True):
         hx = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=hx[0:1, 0:1], src=last_f)
         nisa.tensor_copy(dst=hx[0:1, 1:2], src=odd)
+    gate = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=gate, data=consts.col_idx[0:1, :S], op0=nl.less, operand0=n_run)
+    if dense_fn is not None:
+        dense, denseT = dense_fn()
+    if half is None and cfg.ncores > 1 and split_odd:
         # its affinities dense[:, last]: a one-hot of `last` over E (broadcast by a ones matmul), gathered by an
         # fp32 matmul (exact)
         bl = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.psum)
@@ -427,8 +462,6 @@ def _schedule_step(cfg, consts, dense, denseT, split_odd=True):
         affh = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=affh[:T, :], src=pa[:T, :])
         half = (hx, affh)
-    gate = nl.ndarray((1, S), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=gate, data=consts.col_idx[0:1, :S], op0=nl.less, operand0=n_run)
     bc = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=bc[:E, :S], stationary=consts.ones_f32[0:1, :E], moving=lst_f[0:1, :S], accumulate=False)
     onehot = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
@@ -439,6 +472,8 @@ def _schedule_step(cfg, consts, dense, denseT, split_odd=True):
     nisa.tensor_copy(dst=affc[:T, :S], src=ps[:T, :S])
     # slot s's registers are loaded just before its loop (_slot_registers), not all here: register loads run in
     # order on one sequencer, so S of them up front would delay the first weight DMA by S SBUF reads
+    if dense_fn is not None:
+        return affc, (lst, gate), half, dense, denseT
     return affc, (lst, gate), half
 
 
@@ -544,12 +579,14 @@ class _Ring(nl.NKIObject):
         self.tmp = tuple(tuple(nl.ndarray((P_MAX, GS), dtype=nl.float32, buffer=nl.sbuf) for _ in range(5))
                          for _ in range(2))
         self.n = 0      # experts issued so far (ring position)
+        self.par = None     # tile_off's parity when set (the LNC=2 T=1 H split: the slot's, both cores agree)
 
     def tile_off(self, pt, m):
         """First partition of I tile m for the expert now issued. A partial tile of <= 64 rows sits at partition 64
         on every other expert: a DMA engine serves 8 partitions, so a tile at partition 0 always loads through the
         low engines (GPT-OSS-120B TP16: 52 rows, engines 0-6); alternating spreads the down rows over the 16."""
-        if m > 0 and pt.rows[m] <= HALF_P and self.n % 2 == 1:
+        par = self.n % 2 if self.par is None else self.par
+        if m > 0 and pt.rows[m] <= HALF_P and par == 1:
             return HALF_P
         return 0
 
@@ -561,7 +598,7 @@ def _load_expert_step(cfg, pt, ring, b, e, w_gate_up, w_down, b_gate_up, last=Fa
     down [rows, MT, H] per I tile m (I row m * 128 + p at partition tile_off + p: rows of H contiguous elements), the
     gate/up bias row. The last expert of a static schedule (`last`) loads gate/up in two kt halves instead: nothing
     streams behind it, so its gate/up matmuls on the first half overlap the second half's load (the tail)."""
-    KT, inter, H, n, c0 = cfg.KT, cfg.inter, cfg.H, pt.inter, pt.col0
+    KT, inter, n, c0 = cfg.KT, cfg.inter, pt.inter, pt.col0
     I2 = 2 * inter
     if b_gate_up is not None:
         if n == inter:
@@ -569,7 +606,14 @@ def _load_expert_step(cfg, pt, ring, b, e, w_gate_up, w_down, b_gate_up, last=Fa
         else:
             nisa.dma_copy(dst=ring.bgu[b].ap([[I2, 1], [n, 2], [1, n]], offset=0),
                           src=_expert_src(b_gate_up, e, [[I2, 1], [inter, 2], [1, n]], c0, I2))
-    halves = 2 if last and KT >= 2 else 1
+    _load_gate_up_step(cfg, pt, ring, b, e, w_gate_up, halves=2 if last and KT >= 2 else 1)
+    _load_down_step(cfg, pt, ring, b, e, w_down)
+
+
+def _load_gate_up_step(cfg, pt, ring, b, e, w_gate_up, halves=1):
+    """Expert e's gate/up rows into slot b (see _load_expert_step), in `halves` kt pieces."""
+    KT, inter, H, n, c0 = cfg.KT, cfg.inter, cfg.H, pt.inter, pt.col0
+    I2 = 2 * inter
     for i in range(halves):
         k0, k1 = i * KT // halves, (i + 1) * KT // halves
         if n == inter:
@@ -579,10 +623,24 @@ def _load_expert_step(cfg, pt, ring, b, e, w_gate_up, w_down, b_gate_up, last=Fa
             src = _expert_src(w_gate_up, e, [[KT * I2, P_MAX], [I2, k1 - k0], [inter, 2], [1, n]], k0 * I2 + c0, H * I2)
             dst = ring.wgu[b].ap([[KT * I2, P_MAX], [I2, k1 - k0], [n, 2], [1, n]], offset=k0 * I2)
             nisa.dma_copy(dst=dst, src=src)
-    for m in range(pt.MT):
+
+
+def _tail_tiles(pt):
+    """I tiles in the order the last expert loads and contracts them: partial tiles first, so that the tile whose
+    rows arrive last is a full one over all 16 DMA engines and only its KT matmuls follow the last weight byte."""
+    return [m for m in range(pt.MT) if pt.rows[m] < I_TILE] + [m for m in range(pt.MT) if pt.rows[m] == I_TILE]
+
+
+def _load_down_step(cfg, pt, ring, b, e, w_down, h0=0, hw=None, dst=None, tiles=None):
+    """Expert e's down rows (I columns of pt) per I tile into slot b: H columns [h0, h0 + hw) of each row (default
+    all) into dst [128, MT, hw] (default the slot's [128, MT, H]); tiles: their order (default 0 .. MT-1)."""
+    inter, H, c0 = cfg.inter, cfg.H, pt.col0
+    hw = H if hw is None else hw
+    dst = ring.wd[b] if dst is None else dst
+    for m in (range(pt.MT) if tiles is None else tiles):
         rows, o = pt.rows[m], ring.tile_off(pt, m)
-        src = _expert_src(w_down, e, [[H, rows], [1, H]], (c0 + m * I_TILE) * H, inter * H)
-        nisa.dma_copy(dst=ring.wd[b][o:o + rows, m, :], src=src)
+        src = _expert_src(w_down, e, [[H, rows], [1, hw]], (c0 + m * I_TILE) * H + h0, inter * H)
+        nisa.dma_copy(dst=dst[o:o + rows, m, :], src=src)
 
 
 def _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, has_bias):
@@ -659,14 +717,14 @@ def _activation_tok_step(cfg, pt, ring, ps, aff_col):
     return act
 
 
-def _activation_step(cfg, pt, ring, ps):
+def _activation_step(cfg, pt, ring, ps, act=None):
     """act^T [rows, T] = aff · act(gate, up) (I on partitions: the down projection's contraction), the weights'
     dtype; fp32 until that rounding.
 
     clamped_swiglu (GPT-OSS): g = min(gate, L); act = (clip(up, −L, L) + 1) · aff · g · sigmoid(α g).
     swiglu: act = silu(gate) · up · aff."""
     T, MT = cfg.T, pt.MT
-    act = ring.act[ring.n % 2]
+    act = ring.act[ring.n % 2] if act is None else act
     g, sg, glu, u, _ = ring.tmp[ring.n % 2]
     for m in range(MT):
         o = ring.tile_off(pt, m)
@@ -690,7 +748,7 @@ def _activation_step(cfg, pt, ring, ps):
     return act
 
 
-def _down_step(cfg, pt, ring, b, act, acc):
+def _down_step(cfg, pt, ring, b, act, acc, tiles=None):
     """acc += act @ W_down (the affinity is already in act), contracted over the I tiles (tile m as soon as its rows
     arrived). outT: the down rows stationary (128 H columns h = p * KT + kt), act^T moving (T columns) into
     out^T tile kt. Else the tokens' activations stationary (M = T), the down rows moving (512 H columns per PSUM
@@ -701,7 +759,7 @@ def _down_step(cfg, pt, ring, b, act, acc):
         if cfg.ncores > 1:      # the other core's kt half first: its eviction and send start before our half ends
             half = cfg.KT // 2
             kts = kts[half:] + kts[:half] if cfg.core == 0 else kts
-        for m in range(pt.MT):
+        for m in (range(pt.MT) if tiles is None else tiles):
             o = ring.tile_off(pt, m)
             r = slice(o, o + pt.rows[m])
             for kt in kts:
@@ -731,17 +789,28 @@ def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_ga
     """One expert on all T tokens: load (slot n % nbuf), gate/up, activation (× affinity), down into acc. pt: the
     part of the expert's I columns (default: all, cfg.part)."""
     pt = cfg.part if pt is None else pt
+    _load_expert_step(cfg, pt, ring, ring.n % cfg.nbuf, e, w_gate_up, w_down, b_gate_up, last)
+    return _expert_compute_step(cfg, consts, ring, aff_col, hT, acc, b_gate_up, pt)
+
+
+def _expert_compute_step(cfg, consts, ring, aff_col, hT, acc, b_gate_up, pt=None, tiles=None):
+    """The compute of the expert at ring position ring.n (its weights loaded into slot n % nbuf): gate/up,
+    activation (x affinity), down into acc; advances the ring."""
+    pt = cfg.part if pt is None else pt
+    act = _expert_front_step(cfg, consts, ring, aff_col, hT, b_gate_up, pt)
+    _down_step(cfg, pt, ring, ring.n % cfg.nbuf, act, acc, tiles)
+    ring.n += 1
+
+
+def _expert_front_step(cfg, consts, ring, aff_col, hT, b_gate_up, pt=None):
+    """Gate/up and the activation (x affinity) of the expert at ring position ring.n: its act^T tile."""
+    pt = cfg.part if pt is None else pt
     b = ring.n % cfg.nbuf
-    _load_expert_step(cfg, pt, ring, b, e, w_gate_up, w_down, b_gate_up, last)
     if cfg.flip:
         ps = _gate_up_tok_step(cfg, pt, consts, ring, b, hT, b_gate_up is not None)
-        act = _activation_tok_step(cfg, pt, ring, ps, aff_col)
-    else:
-        ps = _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, b_gate_up is not None)
-        act = _activation_step(cfg, pt, ring, ps)
-    _down_step(cfg, pt, ring, b, act, acc)
-    ring.n += 1
-    return ps
+        return _activation_tok_step(cfg, pt, ring, ps, aff_col)
+    ps = _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, b_gate_up is not None)
+    return _activation_step(cfg, pt, ring, ps)
 
 
 def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate_up, b_down, out):
@@ -760,16 +829,173 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
         nisa.register_load(dst=r, src=idx[0:1, s:s + 1])
         regs.append(r)
     acc = _init_acc_step(cfg, consts, None, None, False)
-    for j, s in enumerate(slots):
+    n = len(slots)
+    blk = None
+    if b_down is not None and n >= 2 and n == cfg.k and _BiasBlock.fits(n):
+        blk = _BiasBlock(cfg, consts, aff, n, cfg.H, cfg.KT)
+    for j, s in enumerate(slots[:n - 2] if n >= 2 else slots):
         _expert_step(cfg, consts, ring, regs[j], aff[0:1, s:s + 1], hT, acc, w_gate_up, w_down, b_gate_up,
-                     last=j == len(slots) - 1)
-    _store_out_step(cfg, acc, out, _slot_bias_step(cfg, consts, slots, regs, aff, b_down))
+                     last=j == n - 1)
+    if n >= 2:
+        # the last two: both gate/up loads before both down loads, so the last expert's gate/up and activation
+        # run under the down rows' stream and only its down matmuls follow the last weight byte
+        base, pt, I2 = ring.n, cfg.part, 2 * cfg.inter
+        for j in (n - 2, n - 1):
+            ring.n = base + j - (n - 2)
+            b = ring.n % cfg.nbuf
+            if b_gate_up is not None:
+                nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, regs[j], [[I2, 1], [1, I2]], 0, I2))
+            _load_gate_up_step(cfg, pt, ring, b, regs[j], w_gate_up, halves=GU_PIECES_LAST if j == n - 1 else 1)
+        if blk is not None:
+            blk.load(cfg, regs, b_down, 0)
+        for j in (n - 2, n - 1):
+            ring.n = base + j - (n - 2)
+            _load_down_step(cfg, pt, ring, ring.n % cfg.nbuf, regs[j], w_down, tiles=_tail_tiles(pt))
+        if blk is not None:
+            blk.add(lambda kt: acc.col(cfg, kt))
+        ring.n = base
+        for j in (n - 2, n - 1):
+            _expert_compute_step(cfg, consts, ring, aff[0:1, slots[j]:slots[j] + 1], hT, acc, b_gate_up,
+                                 tiles=_tail_tiles(pt))
+    bsum = None if blk is not None else _slot_bias_step(cfg, consts, slots, regs, aff, b_down)
+    _store_out_step(cfg, acc, out, bsum)
 
 
-def _slot_bias_step(cfg, consts, slots, regs, aff, b_down):
+class _BiasBlock(nl.NKIObject):
+    """T = 1: the k routed experts' down biases as one more contraction block of the out^T accumulation, on the
+    quadrant [96, 128): weight rows b_down[idx_s] (H columns h0 + p * KT + kt) at partitions q_s = 128 - 2k + s (hi)
+    and q_s + k (lo), a moving column holding bf16 hi / lo parts of slot s's affinity there (a = hi + lo to 2^-18:
+    exact bf16 products, fp32 sums in PSUM) and zeros on the other rows of the quadrant (whose weight rows are zeroed
+    once: never-written memory must not meet a 0). KT matmuls of K = 32 add Σ_s a_s b_down[idx_s] into out^T.
+    The rows are 2k KT*128-element runs through the DMA engine of partitions 120-127 (and 112-119 at k > 4), which
+    the weight stream leaves the least loaded at I = 360 (104-row last tile) and I = 180 (52-row tiles at 0 / 64);
+    the per-slot rows of _slot_bias_step were 2k-byte runs over all 16 engines (0.27-0.3 us on each per token)."""
+
+    Q0 = 96
+
+    @staticmethod
+    def fits(k):
+        return 2 * k <= P_MAX - _BiasBlock.Q0
+
+    def __init__(self, cfg, consts, aff, k, W, KT):
+        self.k, self.W, self.KT = k, W, KT
+        Q0, r0 = self.Q0, P_MAX - 2 * k
+        self.rows = nl.ndarray((P_MAX, W), dtype=cfg.dtype, buffer=nl.sbuf)
+        if r0 > Q0:
+            nisa.memset(dst=self.rows[Q0:r0, :], value=0.0, engine=nisa.engine.gpsimd)
+        hl = nl.ndarray((1, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=hl, value=0.0)
+        hi = nl.ndarray((1, MAX_TOP_K), dtype=cfg.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=hi[0:1, :k], src=aff[0:1, :k])
+        nisa.tensor_copy(dst=hl[0:1, r0:r0 + k], src=hi[0:1, :k])
+        lo = nl.ndarray((1, MAX_TOP_K), dtype=cfg.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=lo[0:1, :k], data1=aff[0:1, :k], data2=hl[0:1, r0:r0 + k], op=nl.subtract)
+        nisa.tensor_copy(dst=hl[0:1, r0 + k:P_MAX], src=lo[0:1, :k])
+        ps = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=ps, stationary=hl, moving=consts.ones_f32[0:1, 0:1], accumulate=False)
+        self.mv = nl.ndarray((P_MAX, 1), dtype=cfg.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=self.mv[Q0:P_MAX, :], src=ps[Q0:P_MAX, :])
+
+    def load(self, cfg, regs, b_down, h0):
+        """The k slots' rows (registers regs[s]), hi and lo copies."""
+        r0 = P_MAX - 2 * self.k
+        for s in range(self.k):
+            for q in (r0 + s, r0 + self.k + s):
+                nisa.dma_copy(dst=self.rows[q:q + 1, :],
+                              src=_expert_src(b_down, regs[s], [[self.W, 1], [1, self.W]], h0, cfg.H))
+
+    def add(self, col):
+        """acc += the block: col(kt) is out^T column tile kt of the accumulator."""
+        Q0 = self.Q0
+        for kt in range(self.KT):
+            nisa.nc_matmul(dst=col(kt), stationary=_h_cols(self.rows[Q0:P_MAX, :], kt, self.KT),
+                           moving=self.mv[Q0:P_MAX, 0:1], accumulate=True)
+
+
+def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate_up, b_down, out):
+    """T = 1, LNC=2, k even: the cores split the DOWN projection by H halves instead of exchanging partial outputs.
+    Core c computes gate/up and the activation of its slots (s % 2 == c, whole experts: each gate/up weight read by
+    one core) and swaps each activation ([rows, MT] bf16, already x affinity) with the other core's (sendrecv);
+    then it loads the H half [c * H/2, (c + 1) * H/2) of EVERY slot's down rows (each down weight byte read by one
+    core; 3 KiB runs at H 3072) and accumulates out^T of its half, h = c * H/2 + p * KH + j (KH = KT/2), in PSUM,
+    plus the k down biases of its half (_BiasBlock); it stores its half. The tail after the last weight byte is that
+    tile's KH matmuls, the eviction and the store: no exchange of partial outputs after the stream.
+    Program order: gate/up loads, their compute and the swaps, then the down loads: a swap is issued as soon as its
+    activation is ready and is served by the DMA engines ahead of the (later in program order) down loads. A
+    partial I tile sits at the offset of its SLOT's parity (ring.par) on both cores, so a swapped activation's rows
+    are where the receiving core contracts them."""
+    k, c, T, KT, H, MT = cfg.k, cfg.core, cfg.T, cfg.KT, cfg.H, cfg.MT
+    H2, KH = H // 2, KT // 2
+    pt = cfg.part
+    blk = None
+    if b_down is not None and _BiasBlock.fits(k):
+        blk = _BiasBlock(cfg, consts, aff, k, H2, KH)
+    regs = []
+    for s in range(k):
+        r = nisa.register_alloc()
+        nisa.register_load(dst=r, src=idx[0:1, s:s + 1])
+        regs.append(r)
+    mine = [s for s in range(k) if s % 2 == c]
+    acts = {}
+    for j, s in enumerate(mine):     # this core's gate/up weights, then its activations (swapped as they come)
+        b = j % cfg.nbuf
+        if b_gate_up is not None:
+            I2 = 2 * cfg.inter
+            nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, regs[s], [[I2, 1], [1, I2]], 0, I2))
+        ring.par = s % 2
+        _load_gate_up_step(cfg, pt, ring, b, regs[s], w_gate_up,
+                           halves=GU_PIECES_LAST if j == len(mine) - 1 and KT >= 2 else 1)
+    for j, s in enumerate(mine):
+        b = j % cfg.nbuf
+        ring.par = s % 2
+        ps = _gate_up_step(cfg, pt, consts, ring, b, hT, aff[0:1, s:s + 1], b_gate_up is not None)
+        act = nl.ndarray((P_MAX, MT, cfg.GS), dtype=cfg.dtype, buffer=nl.sbuf)
+        _activation_step(cfg, pt, ring, ps, act)
+        theirs = nl.ndarray((P_MAX, MT, cfg.GS), dtype=cfg.dtype, buffer=nl.sbuf)
+        nisa.sendrecv(src=act[:, :, :T], dst=theirs[:, :, :T], send_to_rank=1 - c, recv_from_rank=1 - c,
+                      pipe_id=1)
+        acts[s] = act
+        acts[s + (1 if c == 0 else -1)] = theirs
+        ring.n += 1
+    # the out^T half in PSUM, opened with zeros
+    acc = nl.ndarray((P_MAX, KH, cfg.GS), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=acc[:, :, :T], stationary=consts.ones_bf[0:1, :], moving=consts.zeros_bf[0:1, :KH * T],
+                   accumulate=False)
+    order = []
+    for j in range(len(mine)):          # pairs: ours, then the other core's (its activation comes by the swap)
+        order += [mine[j], mine[j] + (1 if c == 0 else -1)]
+    for i, s in enumerate(order):
+        b = (i // 2) % cfg.nbuf
+        half = ring.wd[b][:, :, (i % 2) * H2:(i % 2) * H2 + H2]
+        ring.par = s % 2
+        tiles = _tail_tiles(pt) if i == len(order) - 1 else None
+        _load_down_step(cfg, pt, ring, b, regs[s], w_down, h0=c * H2, hw=H2, dst=half, tiles=tiles)
+        for m in (range(MT) if tiles is None else tiles):
+            o = ring.tile_off(pt, m)
+            r = slice(o, o + pt.rows[m])
+            for jj in range(KH):
+                nisa.nc_matmul(dst=acc[:, jj, :T], stationary=_h_cols(half[r, m, :], jj, KH),
+                               moving=acts[s][r, m, :T], accumulate=True)
+        if blk is not None and i == min(1, len(order) - 1):
+            blk.load(cfg, regs, b_down, c * H2)
+            blk.add(lambda kt: acc[:, kt, :T])
+    ring.par = None
+    bsum = None
+    if blk is None:
+        bsum = _slot_bias_step(cfg, consts, list(range(k)), regs, aff, b_down, KT=KH, h0=c * H2)
+    o_sb = nl.ndarray((P_MAX, cfg.GS, KH), dtype=out.dtype, buffer=nl.sbuf)
+    if bsum is None:
+        nisa.tensor_copy(dst=o_sb[:, 0, :], src=acc[:, :, 0])
+    else:
+        nisa.tensor_tensor(dst=o_sb[:, 0, :], data1=acc[:, :, 0], data2=bsum, op=nl.add)
+    nisa.dma_copy(dst=out.ap([[KH, P_MAX], [H, T], [1, KH]], offset=c * H2), src=o_sb[:, :T, :])
+
+
+def _slot_bias_step(cfg, consts, slots, regs, aff, b_down, KT=None, h0=0):
     """T = 1: this core's down biases Σ_s aff_s * b_down[idx_s] as bsum [128, KT] fp32 in the out^T layout (None
-    without b_down); slot s's row loaded through its expert register."""
-    KT = cfg.KT
+    without b_down); slot s's row loaded through its expert register. KT / h0: the H columns h0 + p * KT + kt
+    (default all H, h0 = 0: the LNC=2 H split passes its half)."""
+    KT = cfg.KT if KT is None else KT
     if b_down is None:
         return None
     # after every weight DMA in program order: the DMA engines serve these last, off the weight stream, and
@@ -782,7 +1008,7 @@ def _slot_bias_step(cfg, consts, slots, regs, aff, b_down):
     rows = nl.ndarray((P_MAX, len(slots), KT), dtype=b_down.dtype, buffer=nl.sbuf)
     bsum = nl.ndarray((P_MAX, KT), dtype=nl.float32, buffer=nl.sbuf)
     for j, s in enumerate(slots):
-        nisa.dma_copy(dst=rows[:, j, :], src=_expert_src(b_down, regs[j], [[KT, P_MAX], [1, KT]], 0, cfg.H))
+        nisa.dma_copy(dst=rows[:, j, :], src=_expert_src(b_down, regs[j], [[KT, P_MAX], [1, KT]], h0, cfg.H))
         if j == 0:
             nisa.tensor_scalar(dst=bsum, data=rows[:, j, :], op0=nl.multiply, operand0=affb[:, s:s + 1])
         else:
@@ -966,29 +1192,31 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
         if cfg.core == 0:
             store_routing_step(idx, aff, T, top_k, index_out, aff_out)
         return out, index_out, aff_out
+    if cfg.mode == "selective" and T == 1 and cfg.outT and cfg.ncores == 2 and top_k % 2 == 0:
+        _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate_up,
+                          b_down if add_down_bias else None, out)
+        if cfg.core == 0:
+            store_routing_step(idx, aff, T, top_k, index_out, aff_out)
+        return out, index_out, aff_out
     if cfg.mode == "selective" and T == 1 and cfg.outT:
         _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate_up,
                            b_down if add_down_bias else None, out)
         if cfg.core == 0:
             store_routing_step(idx, aff, T, top_k, index_out, aff_out)
         return out, index_out, aff_out
-    dense, denseT = _dense_step(cfg, consts, idx, aff)
     if cfg.mode == "all":
+        dense, denseT = _dense_step(cfg, consts, idx, aff)
         acc = _init_acc_step(cfg, consts, denseT, b_down, add_down_bias)
         mine = list(range(cfg.core, cfg.E, cfg.ncores))
         for e in mine:
             _expert_step(cfg, consts, ring, e, dense[:T, e:e + 1], hT, acc, w_gate_up, w_down, b_gate_up,
                          last=e == mine[-1])
     else:
-        affc, sched, half = _schedule_step(cfg, consts, dense, denseT)
+        touched = _touched_step(cfg, consts, idx)
+        affc, sched, half, dense, denseT = _schedule_step(
+            cfg, consts, None, None, touched=touched, dense_fn=lambda: _dense_step(cfg, consts, idx, aff))
         acc = _init_acc_step(cfg, consts, denseT, b_down, add_down_bias)
-        for s in range(cfg.core, min(cfg.E, T * cfg.k), cfg.ncores):
-            r, g = _slot_registers(sched, s)
-
-            def body(_i, s=s, r=r):
-                _expert_step(cfg, consts, ring, r, affc[:T, s:s + 1], hT, acc, w_gate_up, w_down, b_gate_up)
-
-            nl.fori_loop(0, g, body)
+        _selective_slots(cfg, consts, ring, sched, affc, hT, acc, w_gate_up, w_down, b_gate_up)
         if half is not None:
             hx, affh = half
             he, hg = _slot_registers((hx[0:1, 0:1], hx[0:1, 1:2]), 0)
@@ -1003,6 +1231,55 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
     if cfg.core == 0:
         store_routing_step(idx, aff, T, top_k, index_out, aff_out)
     return out, index_out, aff_out
+
+
+def _selective_slots(cfg, consts, ring, sched, affc, hT, acc, w_gate_up, w_down, b_gate_up):
+    """Selective mode: this core's static slots s (s < min(E, T k), every ncores-th), each a loop of 0 or 1 trips
+    (its gate register). Loads are software-pipelined by one slot: slot j's loop loads slot j+1's gate/up (a nested
+    loop on slot j+1's gate) BEFORE its own down rows, so the DMA stream runs gu0, gu1, d0, gu2, d1, ... and the
+    last slot's gate/up and activation run under the previous slot's and its own down rows: only its down
+    matmuls (partial I tiles loaded first, _tail_tiles) follow the last weight byte. Slot j always takes ring
+    position base + j (weights slot (base + j) % nbuf), whether or not earlier slots ran."""
+    T, pt, I2 = cfg.T, cfg.part, 2 * cfg.inter
+    slots = list(range(cfg.core, min(cfg.E, T * cfg.k), cfg.ncores))
+    base = ring.n
+    tiles = _tail_tiles(pt)
+
+    def load_gu(j, r):
+        ring.n = base + j
+        b = ring.n % cfg.nbuf
+        if b_gate_up is not None:
+            nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, r, [[I2, 1], [1, I2]], 0, I2))
+        _load_gate_up_step(cfg, pt, ring, b, r, w_gate_up)
+
+    acts = {}
+
+    def front(j, r):
+        load_gu(j, r)
+        ring.n = base + j
+        acts[j] = _expert_front_step(cfg, consts, ring, affc[:T, slots[j]:slots[j] + 1], hT, b_gate_up)
+
+    regs = [_slot_registers(sched, slots[0])] if slots else []
+    if slots:
+        r0, g0 = regs[0]
+        nl.fori_loop(0, g0, lambda _i: front(0, r0))
+    for j in range(len(slots)):
+        r, g = regs[j]
+        nxt = None
+        if j + 1 < len(slots):
+            regs.append(_slot_registers(sched, slots[j + 1]))
+            nxt = regs[j + 1]
+
+        def body(_i, j=j, r=r, nxt=nxt):
+            if nxt is not None:       # the next slot's gate/up load and compute come first in program order
+                nl.fori_loop(0, nxt[1], lambda _k: front(j + 1, nxt[0]))
+            ring.n = base + j
+            b = ring.n % cfg.nbuf
+            _load_down_step(cfg, pt, ring, b, r, w_down, tiles=tiles)
+            _down_step(cfg, pt, ring, b, acts[j], acc, tiles)
+
+        nl.fori_loop(0, g, body)
+    ring.n = base + len(slots)
 
 
 def _mx_experts(cfg, consts, ring, idx, aff, x, gamma, rstd, weights, b_gate_up, b_down, out):
