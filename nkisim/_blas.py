@@ -16,16 +16,20 @@ import threading
 import numpy as np
 
 
-def _openblas():
-    """(set, get) of the OpenBLAS NumPy was built with, or None."""
+def _openblas_libs():
+    """The OpenBLAS libraries bundled with NumPy that load (wheels: numpy.libs/ on Linux, .dylibs/ on macOS)."""
     base = os.path.dirname(np.__file__)
-    candidates = glob.glob(os.path.join(base, os.pardir, "numpy.libs", "*openblas*")) + \
-        glob.glob(os.path.join(base, ".dylibs", "*openblas*"))
-    for path in candidates:
+    for path in glob.glob(os.path.join(base, os.pardir, "numpy.libs", "*openblas*")) + \
+            glob.glob(os.path.join(base, ".dylibs", "*openblas*")):
         try:
-            lib = ctypes.CDLL(path)
+            yield ctypes.CDLL(path)
         except OSError:
             continue
+
+
+def _openblas():
+    """(set, get) of the OpenBLAS NumPy was built with, or None."""
+    for lib in _openblas_libs():
         for prefix, suffix in (("scipy_openblas", "64_"), ("scipy_openblas", ""), ("openblas", "64_"),
                                ("openblas", "")):
             setter = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
@@ -42,14 +46,7 @@ _API = _openblas()
 
 def _openblas_sgemm():
     """NumPy's own OpenBLAS cblas_sgemm as (function, integer type), or None."""
-    base = os.path.dirname(np.__file__)
-    candidates = glob.glob(os.path.join(base, os.pardir, "numpy.libs", "*openblas*")) + \
-        glob.glob(os.path.join(base, ".dylibs", "*openblas*"))
-    for path in candidates:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
+    for lib in _openblas_libs():
         for name in ("scipy_cblas_sgemm64_", "cblas_sgemm64_", "scipy_cblas_sgemm", "cblas_sgemm"):
             fn = getattr(lib, name, None)
             if fn is None:
