@@ -387,6 +387,16 @@ def test_sliding_window_reads_only_the_window():
 
 # ---- isolation: stale cache rows (NaN) never reach another row ---------------------------------------------------
 
+def _poison_past(args, lens, fp8):
+    """Stale cache rows from each sequence's length on: NaN (fp8: 0x7F bytes)."""
+    for b, p0 in enumerate(lens):
+        for c in args[2:4]:
+            if fp8:
+                c.view(torch.uint8)[b, :, p0:] = 0x7F
+            else:
+                c[b, :, p0:] = float("nan")
+
+
 def _poison_stale_rows(args, window):
     """NaN in every cache row no query of its sequence may use: positions >= the first new position (the new tokens'
     rows before the update, and the stale tail of a reused block) and, with a sliding window, positions before the
@@ -603,12 +613,7 @@ def test_ragged_load_groups_skip_their_matmuls(fp8):
         args = args[:2] + tuple(c.float().to(torch.float8_e4m3fn) for c in args[2:4]) + args[4:]
         kw = dict(kw, k_scale=one, v_scale=one)
     clean = [a.clone() if a is not None else None for a in args]
-    for b, p0 in enumerate(lens):        # stale rows: NaN (fp8: 0x7F bytes)
-        for c in args[2:4]:
-            if fp8:
-                c.view(torch.uint8)[b, :, p0:] = 0x7F
-            else:
-                c[b, :, p0:] = float("nan")
+    _poison_past(args, lens, fp8)
     ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
     assert torch.isfinite(ref).all()
     out = decode_attention(*args, **kw, backend="nkisim")
@@ -653,12 +658,7 @@ def test_lnc2_stride_split(shape, S, ctx, first, bs, fp8, min_scan, monkeypatch)
             + args[4:]
         kw = dict(kw, k_scale=ks, v_scale=vs)
     clean = [a.clone() if a is not None else None for a in args]
-    for b, p0 in enumerate(first):       # stale rows: NaN (fp8: 0x7F bytes)
-        for c in args[2:4]:
-            if fp8:
-                c.view(torch.uint8)[b, :, p0:] = 0x7F
-            else:
-                c[b, :, p0:] = float("nan")
+    _poison_past(args, first, fp8)
     if bs:
         args, kw_p = to_paged(args, kw, bs, seed=71)
         clean, _ = to_paged(clean, kw, bs, seed=71)
