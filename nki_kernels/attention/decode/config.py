@@ -42,6 +42,16 @@ PACK_MIN = 4           # smallest batch pack the K/V ring sizing may shrink to (
 KV_SBUF_MAX = 128 * 1024   # bytes per partition for the K/V ring (less when the resident weights are large)
 KV_SBUF_MIN = 32 * 1024    # ... but never less than this (the weights then stream through a smaller ring)
 SBUF_RESERVE = 24 * 1024   # bytes per partition kept for everything else (q, masks, P tiles, accumulators)
+# Weights resident or streamed (_weight_plan). Decode uses each weight byte once, so holding a weight whole in SBUF
+# buys nothing but an early, queue-free load; a weight whose share does not fit (nki-library's q16 d128 H7168 shape
+# at LNC=1: W_qkv 252 KiB and W_o 224 KiB per partition, 208 KiB usable on trn2) streams through a ring of buffers
+# in contraction chunks instead (W_qkv: H/128 tiles accumulating in PSUM; W_o: 128-row K chunks, partial sums in
+# fp32 SBUF), its loads overlapping the matmuls of the previous chunks.
+W_STREAM_BUFS = 3          # ring buffers of a streamed weight: TensorE reads one while the next two load
+W_STREAM_CHUNK = 32 * 1024  # target bytes per partition of one streamed chunk (whole contraction tiles: the DMA
+                            # runs are whole rows, >= 4 KiB at the shapes that stream)
+WEIGHT_ROOM = None         # bytes per partition a weight may take (None: from the target's SBUF, see _weight_plan);
+                           # tests lower it to stream small shapes
 # X of at most this many tokens (a token tile) is DMA'd straight into the transposed layout [128, tokens, H/128]
 # (partition p: H rows p * KT .. p * KT + KT - 1 of each token, runs of KT elements) instead of [tokens, H] rows
 # on `tokens` partitions: a DMA engine serves 8 SBUF partitions, so the row layout put all of X on one or two
@@ -186,8 +196,19 @@ class _Config(nl.NKIObject):
         self.pack = max(1, min(B, P_MAX // self.R, PV_COLS // d))   # batches sharing one score tile
         # K/V ring: KV_BUFS slots of pack x FT positions (K^T stacks [128, FT] + V [128, FT/128, d] per batch).
         n_k = (nq * d + P_MAX - 1) // P_MAX
-        resident = self.KT * self.C * itemsize + n_k * H * itemsize     # W_qkv and W_o, bytes per partition
         sbuf = nl.tile_size.sbuf_fmax_bytes    # usable SBUF bytes per partition of this target
+        # W_qkv / W_o resident or streamed, from this core's share (the larger one of an LNC=2 weight split, decided
+        # below by _split_context / _split_weights, so both cores take the same plan)
+        n_c = H // P_MAX
+        wsplit = n_prog > 1 and ((B < n_prog and self.scan >= 2 * self.unit) or _can_split_weights(self))
+        kt_share = self.KT - self.KT // 2 if wsplit and self.KT >= 2 else self.KT
+        hc_share = (n_c + 1) // 2 if wsplit else n_c
+        self.wq_chunk, self.wq_bufs, self.wo_chunk, self.wo_bufs = _weight_plan(
+            self.C * itemsize, kt_share, hc_share * P_MAX * itemsize, n_k, sbuf)
+        resident = self.KT * self.C * itemsize + n_k * H * itemsize     # W_qkv and W_o, bytes per partition
+        if self.wq_chunk or self.wo_chunk:      # streamed: what the attention's K/V ring lives beside
+            resident = _weight_bytes(self.C * itemsize, kt_share, self.wq_chunk, self.wq_bufs) + \
+                _weight_bytes(hc_share * P_MAX * itemsize, n_k, self.wo_chunk, self.wo_bufs)
         budget = min(KV_SBUF_MAX, max(KV_SBUF_MIN, sbuf - SBUF_RESERVE - resident))
         # FT target: V runs of >= 4 KiB per partition (DMA efficiency), i.e. FT * d * itemsize / 128 >= 4 KiB.
         self.kv_bufs = KV_BUFS if d <= 64 else KV_BUFS + 1
@@ -230,6 +251,7 @@ class _Config(nl.NKIObject):
                 _split_stride(self, core)
             else:
                 _split_weights(self, core)
+        assert self.wsplit == wsplit, "the weight plan assumed another LNC split"
         # Position-major steps (few query rows in this core's packs, contiguous bf16 cache, full attention, whole
         # 128-position tiles): the score matmul puts 128 cache positions on the partitions (stationary = K^T
         # columns, moving = the queries), so the softmax's elementwise work is tiles x rows per partition instead
@@ -257,6 +279,37 @@ def _use_stride(cfg):
     per_core_rows = min(cfg.pack, (cfg.B + 1) // 2) * cfg.R
     pmajor_whole = (not cfg.imajor and cfg.window == 0 and cfg.scan % P_MAX == 0 and per_core_rows <= PMAJOR_ROWS)
     return cfg.ragged and cfg.scan >= STRIDE_MIN_SCAN and not pmajor_whole
+
+
+def _weight_plan(wq_row, n_kt, wo_row, n_k, sbuf):
+    """How W_qkv and W_o sit in SBUF: (wq_chunk, wq_bufs, wo_chunk, wo_bufs); chunk = contraction tiles per streamed
+    chunk (W_qkv: 128-row H tiles, wq_row bytes per partition each, n_kt of them in this core's share; W_o: 128-row
+    K chunks of wo_row bytes, n_k of them), bufs = its ring buffers; (0, 0) = resident.
+    A weight is resident when its share fits its room: W_qkv beside SBUF_RESERVE (its last matmul precedes the first
+    K/V load, so it never lives beside the K/V ring), W_o beside SBUF_RESERVE and the smallest K/V ring (KV_SBUF_MIN:
+    W_o loads under the attention). Otherwise it streams through min(W_STREAM_BUFS, chunks) buffers of about
+    W_STREAM_CHUNK bytes (whole tiles, at most a W_STREAM_BUFS-th of the share each), within the same room.
+    WEIGHT_ROOM (tests) replaces both rooms."""
+    wq_room = sbuf - SBUF_RESERVE if WEIGHT_ROOM is None else WEIGHT_ROOM
+    wo_room = sbuf - SBUF_RESERVE - KV_SBUF_MIN if WEIGHT_ROOM is None else WEIGHT_ROOM
+    plan = ()
+    for row, n, room, name in ((wq_row, n_kt, wq_room, "W_qkv"), (wo_row, n_k, wo_room, "W_o")):
+        if n * row <= room:
+            plan += (0, 0)
+            continue
+        chunk = max(1, min(W_STREAM_CHUNK // row, room // (W_STREAM_BUFS * row),
+                           (n + W_STREAM_BUFS - 1) // W_STREAM_BUFS))
+        bufs = min(W_STREAM_BUFS, (n + chunk - 1) // chunk)
+        assert bufs * chunk * row <= room, \
+            (f"{name}: {bufs} buffers of one {row}-byte contraction tile per partition exceed the {room} bytes "
+             "left for it in SBUF (too many columns to stream)")
+        plan += (chunk, bufs)
+    return plan
+
+
+def _weight_bytes(row, n, chunk, bufs):
+    """SBUF bytes per partition of a weight of n contraction tiles of row bytes: whole, or its streaming ring."""
+    return n * row if chunk == 0 else bufs * chunk * row
 
 
 def _slot_bytes(pack, ft, kpp, d, itemsize, halves=1):

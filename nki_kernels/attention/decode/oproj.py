@@ -87,13 +87,45 @@ def _rows_to_oT(cfg, consts, st, o_rows, tile, g, p0, nb, full=False):
                            moving=sel[:rows, h0 + i0 * dup:h0 + (i1 - 1) * dup + 1:dup, :c1 - c0], accumulate=False)
 
 
+class _WoStream(nl.NKIObject):
+    """W_o streamed (cfg.wo_chunk, config._weight_plan): a ring of cfg.wo_bufs buffers [128 (K rows), wo_chunk K
+    chunks, this core's H columns], the K-chunk ranges of the stream, and its source."""
+
+    def __init__(self, cfg, W_o):
+        K = cfg.nq * cfg.d
+        n_k = (K + P_MAX - 1) // P_MAX
+        hc0, hc1 = cfg.hc
+        self.src, self.K, self.hc0, self.hc1 = W_o, K, hc0, hc1
+        self.ring = nl.ndarray((P_MAX, cfg.wo_bufs, cfg.wo_chunk, (hc1 - hc0) * P_MAX), dtype=W_o.dtype,
+                               buffer=nl.sbuf)
+        self.chunks = tuple((k0, min(k0 + cfg.wo_chunk, n_k)) for k0 in range(0, n_k, cfg.wo_chunk))
+
+
+def _load_wo_chunk(ws, i):
+    """The DMAs of W_o stream chunk i (one per 128-row K chunk: rows of this core's H columns, >= 4 KiB runs at the
+    shapes that stream) into ring buffer i % bufs."""
+    k0, k1 = ws.chunks[i]
+    nbuf = ws.ring.shape[1]
+    for k in range(k0, k1):
+        kn = min(P_MAX, ws.K - k * P_MAX)
+        nisa.dma_copy(dst=ws.ring[:kn, i % nbuf, k - k0, :],
+                      src=ws.src[k * P_MAX:k * P_MAX + kn, ws.hc0 * P_MAX:ws.hc1 * P_MAX])
+
+
 def _load_w_o(cfg, W_o):
-    """W_o resident in SBUF as [128 (head, dim) rows, K chunk, H]; one DMA per K chunk (issued after the K/V loads,
-    its arrival paces the O-projection, which therefore streams instead of running after the last load)."""
+    """W_o resident in SBUF as [128 (head, dim) rows, K chunk, this core's H columns]; one DMA per K chunk (issued
+    after the K/V loads, its arrival paces the O-projection, which therefore streams instead of running after the
+    last load). Streamed (cfg.wo_chunk): a _WoStream whose first ring buffers' loads are issued here (they load under
+    the attention); the O-projection issues the others as buffers free up."""
+    if cfg.wo_chunk:
+        ws = _WoStream(cfg, W_o)
+        for i in range(min(cfg.wo_bufs, len(ws.chunks))):
+            _load_wo_chunk(ws, i)
+        return ws
     K = cfg.nq * cfg.d
     n_k = (K + P_MAX - 1) // P_MAX
-    wo = nl.ndarray((P_MAX, n_k, cfg.H), dtype=W_o.dtype, buffer=nl.sbuf)
     hc0, hc1 = cfg.hc                                  # this core's output chunks (all of H unless split)
+    wo = nl.ndarray((P_MAX, n_k, (hc1 - hc0) * P_MAX), dtype=W_o.dtype, buffer=nl.sbuf)
     # W_o arrives last: in column pieces (>= 4 KiB runs; shorter ones cost DMA efficiency), so the O-projection's
     # first chunks start on the first pieces while the last one streams, instead of after the whole load.
     n_pc = max(1, min(W_O_DMAS, (hc1 - hc0) * P_MAX * W_o.dtype.itemsize // (4 * 1024)))
@@ -101,7 +133,7 @@ def _load_w_o(cfg, W_o):
         kn = min(P_MAX, K - k * P_MAX)
         for i in range(n_pc):
             c0, c1 = hc0 + i * (hc1 - hc0) // n_pc, hc0 + (i + 1) * (hc1 - hc0) // n_pc
-            nisa.dma_copy(dst=wo[:kn, k, c0 * P_MAX:c1 * P_MAX],
+            nisa.dma_copy(dst=wo[:kn, k, (c0 - hc0) * P_MAX:(c1 - hc0) * P_MAX],
                           src=W_o[k * P_MAX:k * P_MAX + kn, c0 * P_MAX:c1 * P_MAX])
     return wo
 
@@ -133,21 +165,16 @@ def _transpose_o(cfg, o_tok, tiles):
     return tuple(oTs)
 
 
-def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
-    """out[tokens, H] = o @ W_o (+ bias), computed transposed: out^T chunk c [128 (H), tokens] = sum over K chunks
-    of matmul(stationary = W_o rows [K chunk, 128 H columns], moving = o^T [K chunk, tokens]) -- max(tokens, 64)
-    cycles per matmul instead of 512 with W_o moving. The bias is a per-partition scalar of out^T (added by the
-    eviction), then TensorE transposes bring [tokens, H] back for one contiguous store per token tile (few tokens:
-    several chunks per transpose, see _store_packed).
-    """
-    K = cfg.nq * cfg.d
-    n_k = (K + P_MAX - 1) // P_MAX
-    n_c = (cfg.H + P_MAX - 1) // P_MAX
-    hc0, hc1 = cfg.hc                                        # this core's 128-column chunks of H
-    for ti, tl in enumerate(tiles):
-        t0, nt = tl.t0, tl.nt
+class _OutLayout(nl.NKIObject):
+    """How one token tile's out^T chunks are evicted and stored (see _output_projection): unpacked outT
+    [128, H/128, tokens], or packed outP [128, group, token, chunk of the group] (cpt chunks per group, rem in the
+    last), ev chunks per PSUM eviction."""
+
+    def __init__(self, cfg, nt, dtype):
+        n_c = (cfg.H + P_MAX - 1) // P_MAX
+        hc0, hc1 = cfg.hc                                        # this core's 128-column chunks of H
         per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, 128] fp32 per bank
-        outT = nl.ndarray((P_MAX, n_c, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
+        self.outT = nl.ndarray((P_MAX, n_c, P_MAX), dtype=dtype, buffer=nl.sbuf)
         nr = hc1 - hc0
         # chunks per packed group (<= 128 / tokens: whole banks, dividing the range when possible; otherwise the
         # last group is partial)
@@ -157,59 +184,149 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
             cpt -= per_bank
         if cpt == 0 and cmax > 0:
             cpt = min(cmax, nr)
-        packed = cpt > 0
-        if packed:        # [128, group, token, chunk of the group] (groups relative to hc0): see _store_packed
+        self.packed, self.cpt, self.outP, self.rem = cpt > 0, cpt, None, 0
+        if self.packed:        # [128, group, token, chunk of the group] (groups relative to hc0): see _store_packed
             n_g = (nr + cpt - 1) // cpt
-            rem = nr - (n_g - 1) * cpt
-            outP = nl.ndarray((P_MAX, n_g, nt, cpt), dtype=out.dtype, buffer=nl.sbuf)
-            if rem < cpt:     # the partial group's unused chunks: finite (they are transposed, never stored)
-                nisa.memset(dst=outP[:, n_g - 1, :, rem:], value=0.0)
+            self.rem = nr - (n_g - 1) * cpt
+            self.outP = nl.ndarray((P_MAX, n_g, nt, cpt), dtype=dtype, buffer=nl.sbuf)
+            if self.rem < cpt:     # the partial group's unused chunks: finite (they are transposed, never stored)
+                nisa.memset(dst=self.outP[:, n_g - 1, :, self.rem:], value=0.0)
         # Chunks per eviction: a bank holds PSUM_F // nt chunks of [128, nt] (few tokens: many chunks per
         # eviction instead of one small eviction per 4 chunks, whose fixed costs paced the tail), but at most half
         # of the range, so two evictions alternate engines while TensorE works; packed: whole groups.
         ev = max(per_bank, min(PSUM_F // nt, (nr + 1) // 2))
-        if packed:
+        if self.packed:
             ev = max(cpt, ev // cpt * cpt)
-        for c0 in range(hc0, hc1, ev):
-            ncb = min(ev, hc1 - c0)
+        self.ev = ev
+
+
+def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
+    """out[tokens, H] = o @ W_o (+ bias), computed transposed: out^T chunk c [128 (H), tokens] = sum over K chunks
+    of matmul(stationary = W_o rows [K chunk, 128 H columns], moving = o^T [K chunk, tokens]) -- max(tokens, 64)
+    cycles per matmul instead of 512 with W_o moving. The bias is a per-partition scalar of out^T (added by the
+    eviction), then TensorE transposes bring [tokens, H] back for one contiguous store per token tile (few tokens:
+    several chunks per transpose, see _store_packed). A streamed W_o (_WoStream): see _output_projection_streamed.
+    """
+    if isinstance(wo, _WoStream):
+        _output_projection_streamed(cfg, oTs, wo, bias_T, out, tiles)
+        return
+    K = cfg.nq * cfg.d
+    n_k = (K + P_MAX - 1) // P_MAX
+    hc0, hc1 = cfg.hc                                        # this core's 128-column chunks of H
+    for ti, tl in enumerate(tiles):
+        t0, nt = tl.t0, tl.nt
+        lay = _OutLayout(cfg, nt, out.dtype)
+        for c0 in range(hc0, hc1, lay.ev):
+            ncb = min(lay.ev, hc1 - c0)
             ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
             pv = ps[:, :ncb * nt].reshape((P_MAX, ncb, nt))
             for c in range(c0, c0 + ncb):                   # one accumulation group at a time per bank
                 for k in range(n_k):
                     kn = min(P_MAX, K - k * P_MAX)
-                    nisa.nc_matmul(dst=pv[:, c - c0, :], stationary=wo[:kn, k, c * P_MAX:(c + 1) * P_MAX],
+                    nisa.nc_matmul(dst=pv[:, c - c0, :], stationary=wo[:kn, k, (c - hc0) * P_MAX:(c - hc0 + 1) * P_MAX],
                                    moving=oTs[ti][:kn, k, :nt], accumulate=(k > 0))
-            n_ev = (c0 - hc0) // ev
-            if not packed:
-                _evict_out(n_ev, outT[:, c0:c0 + ncb, :nt], pv, bias_T, c0, ncb, nt)
-            else:     # whole groups as [128, groups, chunk, token] views of both sides, then a partial group
-                g0, nfull, part = (c0 - hc0) // cpt, ncb // cpt, ncb % cpt
-                if nfull:
-                    _evict_out(n_ev, outP[:, g0:g0 + nfull, :, :].permute((0, 1, 3, 2)),
-                               ps[:, :nfull * cpt * nt].reshape((P_MAX, nfull, cpt, nt)), bias_T, c0, nfull * cpt,
-                               nt, cpt)
-                if part:
-                    _evict_out(n_ev + 1, outP[:, g0 + nfull, :, :part].permute((0, 2, 1)), pv[:, nfull * cpt:, :],
-                               bias_T, c0 + nfull * cpt, part, nt)
+            _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T)
             ps = None
-        if packed:
-            _store_packed(cfg, outP, out, t0, nt, cpt, rem)
-            continue
-        res = nl.ndarray((P_MAX, cfg.H), dtype=out.dtype, buffer=nl.sbuf)
-        for c0 in range(hc0, hc1, TRANSPOSE_GROUP):
-            nc = min(TRANSPOSE_GROUP, hc1 - c0)
-            pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
-            for c in range(nc):
-                nisa.nc_transpose(dst=pt[:nt, c, :], data=outT[:, c0 + c, :nt])
-            evict((c0 - hc0) // TRANSPOSE_GROUP, res[:nt, c0 * P_MAX:(c0 + nc) * P_MAX].reshape((nt, nc, P_MAX)),
-                   pt[:nt, :nc, :])
-            pt = None
-        nisa.dma_copy(dst=out[t0:t0 + nt, hc0 * P_MAX:hc1 * P_MAX], src=res[:nt, hc0 * P_MAX:hc1 * P_MAX])
+        _store_tile(cfg, lay, out, t0, nt)
 
 
-def _evict_out(i, dst, src, bias_T, c0, n, nt, cpt=0):
+def _output_projection_streamed(cfg, oTs, ws, bias_T, out, tiles):
+    """The O-projection with W_o streamed in 128-row K chunks (config._weight_plan): for each stream chunk (ring
+    buffer i % bufs), every token tile's out^T groups accumulate that chunk's K rows in PSUM (one accumulation group
+    per bank at a time, as resident), and the partial sums go to an fp32 SBUF accumulator per tile (the first chunk
+    with the bias, the last one straight into the store layout: acc + PSUM). The next load into the buffer is
+    issued after the chunk's matmuls (it waits for them), so the ring stays cfg.wo_bufs - 1 chunks ahead."""
+    hc0, hc1 = ws.hc0, ws.hc1
+    nr = hc1 - hc0
+    lays = tuple(_OutLayout(cfg, tl.nt, out.dtype) for tl in tiles)
+    n_s = len(ws.chunks)
+    accs = ()
+    if n_s > 1:
+        accs = tuple(nl.ndarray((P_MAX, nr * tl.nt), dtype=nl.float32, buffer=nl.sbuf) for tl in tiles)
+    nbuf = ws.ring.shape[1]
+    n_ev = 0
+    for i, (k0, k1) in enumerate(ws.chunks):
+        for ti, tl in enumerate(tiles):
+            nt, lay = tl.nt, lays[ti]
+            for c0 in range(hc0, hc1, lay.ev):
+                ncb = min(lay.ev, hc1 - c0)
+                ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
+                pv = ps[:, :ncb * nt].reshape((P_MAX, ncb, nt))
+                for c in range(c0, c0 + ncb):               # one accumulation group at a time per bank
+                    h0 = (c - hc0) * P_MAX
+                    for k in range(k0, k1):
+                        kn = min(P_MAX, ws.K - k * P_MAX)
+                        nisa.nc_matmul(dst=pv[:, c - c0, :], stationary=ws.ring[:kn, i % nbuf, k - k0, h0:h0 + P_MAX],
+                                       moving=oTs[ti][:kn, k, :nt], accumulate=(k > k0))
+                if i == n_s - 1:        # last chunk: into the store layout (the partial sums added)
+                    _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T if n_s == 1 else None,
+                                 accs[ti] if n_s > 1 else None)
+                else:
+                    a = accs[ti][:, (c0 - hc0) * nt:(c0 - hc0 + ncb) * nt].reshape((P_MAX, ncb, nt))
+                    if i == 0:
+                        _evict_out(n_ev, a, pv, bias_T, c0, ncb, nt)
+                        n_ev += 1
+                    else:
+                        nisa.tensor_tensor(dst=a, data1=a, data2=pv, op=nl.add)
+                ps = None
+        if i + nbuf < n_s:
+            _load_wo_chunk(ws, i + nbuf)
+    for ti, tl in enumerate(tiles):
+        _store_tile(cfg, lays[ti], out, tl.t0, tl.nt)
+
+
+def _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T, acc=None):
+    """out^T chunks [c0, c0 + ncb) from PSUM bank ps ([128, ncb * nt] used) into the tile's store layout (+ bias,
+    or + the streamed O-projection's fp32 partial sums acc [128, (H/128 of this core) * nt], bias included)."""
+    hc0 = cfg.hc[0]
+    pv = ps[:, :ncb * nt].reshape((P_MAX, ncb, nt))
+    n_ev = (c0 - hc0) // lay.ev
+
+    def part_of(c, n, shape):
+        return None if acc is None else acc[:, (c - hc0) * nt:(c - hc0 + n) * nt].reshape(shape)
+
+    if not lay.packed:
+        _evict_out(n_ev, lay.outT[:, c0:c0 + ncb, :nt], pv, bias_T, c0, ncb, nt,
+                   acc=part_of(c0, ncb, (P_MAX, ncb, nt)))
+        return
+    # whole groups as [128, groups, chunk, token] views of both sides, then a partial group
+    cpt = lay.cpt
+    g0, nfull, part = (c0 - hc0) // cpt, ncb // cpt, ncb % cpt
+    if nfull:
+        _evict_out(n_ev, lay.outP[:, g0:g0 + nfull, :, :].permute((0, 1, 3, 2)),
+                   ps[:, :nfull * cpt * nt].reshape((P_MAX, nfull, cpt, nt)), bias_T, c0, nfull * cpt, nt, cpt,
+                   acc=part_of(c0, nfull * cpt, (P_MAX, nfull, cpt, nt)))
+    if part:
+        _evict_out(n_ev + 1, lay.outP[:, g0 + nfull, :, :part].permute((0, 2, 1)), pv[:, nfull * cpt:, :],
+                   bias_T, c0 + nfull * cpt, part, nt, acc=part_of(c0 + nfull * cpt, part, (P_MAX, part, nt)))
+
+
+def _store_tile(cfg, lay, out, t0, nt):
+    """One token tile's out^T (lay) back to [tokens, H] rows of out: packed (_store_packed) or by TensorE transposes
+    of 128-chunk groups and one contiguous store."""
+    hc0, hc1 = cfg.hc
+    if lay.packed:
+        _store_packed(cfg, lay.outP, out, t0, nt, lay.cpt, lay.rem)
+        return
+    res = nl.ndarray((P_MAX, cfg.H), dtype=out.dtype, buffer=nl.sbuf)
+    for c0 in range(hc0, hc1, TRANSPOSE_GROUP):
+        nc = min(TRANSPOSE_GROUP, hc1 - c0)
+        pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
+        for c in range(nc):
+            nisa.nc_transpose(dst=pt[:nt, c, :], data=lay.outT[:, c0 + c, :nt])
+        evict((c0 - hc0) // TRANSPOSE_GROUP, res[:nt, c0 * P_MAX:(c0 + nc) * P_MAX].reshape((nt, nc, P_MAX)),
+              pt[:nt, :nc, :])
+        pt = None
+    nisa.dma_copy(dst=out[t0:t0 + nt, hc0 * P_MAX:hc1 * P_MAX], src=res[:nt, hc0 * P_MAX:hc1 * P_MAX])
+
+
+def _evict_out(i, dst, src, bias_T, c0, n, nt, cpt=0, acc=None):
     """out^T chunks [c0, c0 + n) from PSUM (src) to dst (+ the bias, a per-partition scalar of chunk c), viewed
-    [128, n, nt], or [128, n / cpt, cpt, nt] when cpt > 0."""
+    [128, n, nt], or [128, n / cpt, cpt, nt] when cpt > 0. acc (a streamed W_o's fp32 partial sums, same view as
+    src, bias included): dst = src + acc instead."""
+    if acc is not None:
+        nisa.tensor_tensor(dst=dst, data1=src, data2=acc, op=nl.add)
+        return
     if bias_T is None:
         evict(i, dst, src)
         return

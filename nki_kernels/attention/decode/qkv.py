@@ -164,8 +164,10 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
     """qkv[tile] = [tokens, C] bf16 = xn @ W_qkv (+ bias), fp32 accumulation in PSUM over H/128 tiles.
 
     W_qkv is resident in SBUF as [128, KT, C] (row p * KT + kt on partition p: KT * C contiguous elements per
-    partition), loaded in W_QKV_DMAS large DMAs so the first accumulation group starts on the first part. The bias
-    is one more K=1 matmul (ones x bias) into the same accumulator.
+    partition), loaded in W_QKV_DMAS large DMAs so the first accumulation group starts on the first part; or, when
+    this core's share does not fit (cfg.wq_chunk, config._weight_plan), streamed through a ring of cfg.wq_bufs
+    buffers of cfg.wq_chunk tiles (see _qkv_streamed). The bias is one more K=1 matmul (ones x bias) into the same
+    accumulator.
     Context split (LNC=2, B < 2): each core contracts half of the KT tiles (and loads only those rows of W_qkv);
     the fp32 partial sums are exchanged with sendrecv and added (same bits on both cores; bias on core 0's part).
     """
@@ -174,32 +176,40 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
     kt0, kt1 = (0, KT) if not qsplit else ((0, KT // 2) if cfg.core == 0 else (KT // 2, KT))
     if qsplit and cfg.core == 1:
         bias = None
-    wq = nl.ndarray((P_MAX, KT, C), dtype=W_qkv.dtype, buffer=nl.sbuf)
     w3 = W_qkv.reshape((P_MAX, KT, C))
-    n_dma = min(W_QKV_DMAS, kt1 - kt0)
-    for i in range(n_dma):
-        k0, k1 = kt0 + i * (kt1 - kt0) // n_dma, kt0 + (i + 1) * (kt1 - kt0) // n_dma
-        nisa.dma_copy(dst=wq[:, k0:k1, :], src=w3[:, k0:k1, :])
+    wq = None
+    if not cfg.wq_chunk:
+        wq = nl.ndarray((P_MAX, kt1 - kt0, C), dtype=W_qkv.dtype, buffer=nl.sbuf)     # this core's rows only
+        n_dma = min(W_QKV_DMAS, kt1 - kt0)
+        for i in range(n_dma):
+            k0, k1 = kt0 + i * (kt1 - kt0) // n_dma, kt0 + (i + 1) * (kt1 - kt0) // n_dma
+            nisa.dma_copy(dst=wq[:, k0 - kt0:k1 - kt0, :], src=w3[:, k0:k1, :])
     qkv = tuple(_qkv_tile(cfg, W_qkv.dtype, tiles[ti].nt) for ti in range(len(tiles)))
     part = ()
     if qsplit:
         part = tuple(nl.ndarray((P_MAX, C), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
     n_chunks = (C + PSUM_F - 1) // PSUM_F
     pairs = [(ti, ch) for ch in range(n_chunks) for ti in range(len(tiles))]
+    # streamed: groups of whole column chunks (every token tile), as many as the PSUM banks hold, so each weight
+    # column is loaded once (one group: whole rows of W_qkv per DMA)
+    per = QKV_BANKS if not cfg.wq_chunk else max(1, nl.tile_size.psum_num_banks // len(tiles)) * len(tiles)
     n_ev = 0
-    for g0 in range(0, len(pairs), QKV_BANKS):
-        group = pairs[g0:g0 + QKV_BANKS]
+    for g0 in range(0, len(pairs), per):
+        group = pairs[g0:g0 + per]
         accs = [nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in group]
         if bias is not None:
             for i, (ti, ch) in enumerate(group):
                 nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
                 nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=_ones_row(consts, bias.dtype, nt),
                                moving=bias[:1, c0:c0 + cw], accumulate=False)
-        for kt in range(kt0, kt1):
-            for i, (ti, ch) in enumerate(group):
-                nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
-                nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=xT[ti][:, kt, :nt], moving=wq[:, kt, c0:c0 + cw],
-                               accumulate=(kt > kt0 or bias is not None))
+        if cfg.wq_chunk:
+            _qkv_streamed(cfg, xT, w3, tiles, group, accs, kt0, kt1, bias is not None)
+        else:
+            for kt in range(kt0, kt1):
+                for i, (ti, ch) in enumerate(group):
+                    nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
+                    nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=xT[ti][:, kt, :nt],
+                                   moving=wq[:, kt - kt0, c0:c0 + cw], accumulate=(kt > kt0 or bias is not None))
         for i, (ti, ch) in enumerate(group):
             nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
             if qsplit:
@@ -216,6 +226,35 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
         nisa.tensor_tensor(dst=qkv[ti][:nt, cfg.pad:cfg.pad + C], data1=part[ti][:nt, :], data2=other[:nt, :],
                            op=nl.add)
     return qkv
+
+
+def _qkv_streamed(cfg, xT, w3, tiles, group, accs, kt0, kt1, opened):
+    """The matmuls of one group of (tile, column chunk) accumulators over this core's H tiles [kt0, kt1), with W_qkv
+    (w3 = [128, KT, C] view of HBM) streamed through a ring of cfg.wq_bufs buffers of cfg.wq_chunk tiles and the
+    group's columns: the first buffers' loads are issued up front, each later one right after the matmuls of the
+    chunk whose buffer it reuses (the DMA waits for them), so the loads run ahead of TensorE by the ring's depth.
+    opened: the accumulators already hold the bias (every matmul accumulates)."""
+    kc, nbuf = cfg.wq_chunk, cfg.wq_bufs
+    c_lo = group[0][1] * PSUM_F
+    c_hi = min(cfg.C, (group[-1][1] + 1) * PSUM_F)
+    ring = nl.ndarray((P_MAX, nbuf, kc, c_hi - c_lo), dtype=w3.dtype, buffer=nl.sbuf)
+    chunks = tuple((k0, min(k0 + kc, kt1)) for k0 in range(kt0, kt1, kc))
+
+    def load(i):
+        k0, k1 = chunks[i]
+        nisa.dma_copy(dst=ring[:, i % nbuf, :k1 - k0, :], src=w3[:, k0:k1, c_lo:c_hi])
+
+    for i in range(min(nbuf, len(chunks))):
+        load(i)
+    for i, (k0, k1) in enumerate(chunks):
+        for kt in range(k0, k1):
+            for a, (ti, ch) in enumerate(group):
+                nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, cfg.C - ch * PSUM_F)
+                nisa.nc_matmul(dst=accs[a][:nt, :cw], stationary=xT[ti][:, kt, :nt],
+                               moving=ring[:, i % nbuf, kt - k0, c0 - c_lo:c0 - c_lo + cw],
+                               accumulate=(kt > kt0 or opened))
+        if i + nbuf < len(chunks):
+            load(i + nbuf)
 
 
 def _qkv_tile(cfg, dtype, nt):

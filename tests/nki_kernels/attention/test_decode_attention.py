@@ -121,6 +121,51 @@ def test_odd_shapes_no_norm_no_rope():
     run_and_check(2, 8, s_max=129, ctx=129, shape=SMALL_D)
 
 
+# ---- weights larger than SBUF: streamed in contraction chunks (config._weight_plan) -----------------------------
+
+Q16_H7168 = dict(H=7168, d=128, nkv=1, nq=16, gamma=True, bias=False, sinks=False)    # nki-library's q16 family
+Q16_SMALL = dict(H=1024, d=128, nkv=1, nq=16, gamma=True, bias=True, sinks=True)
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_weights_larger_than_sbuf(lnc):
+    """nki-library's q16 d128 H7168 B8 shape (W_qkv 252 KiB, W_o 224 KiB per partition; 208 KiB usable on trn2),
+    shorter context: LNC=1 streams both weights, LNC=2 holds each core's halves resident."""
+    from nki_kernels.attention.decode import config
+
+    cfg = config._Config(8, 1, 7168, 128, 1, 16, 1024, 1024, 1.0, 7168, 0, 2, n_prog=lnc, core=lnc - 1)
+    assert (bool(cfg.wq_chunk), bool(cfg.wo_chunk)) == ((True, True) if lnc == 1 else (False, False))
+    run_and_check(8, 1, s_max=1024, ctx=1024, shape=Q16_H7168, lnc=lnc)
+
+
+@pytest.mark.parametrize("B,S,ctx,shape,lnc,room", [
+    (20, 8, 300, MULTI_KV, 1, 12 * 1024),     # biases + sinks, 2 KV heads, two token tiles share each W_o chunk
+    (8, 1, 600, Q16_SMALL, 2, 14000),         # LNC=2 split weights: each core streams its W_qkv rows / W_o columns
+    (20, 7, 300, dict(Q16_SMALL, H=512), 1, 14000),   # 10 QKV accumulators > 8 PSUM banks: two column groups
+    (8, 1, 1000, GPT_OSS_20B_TP8, 1, 20 * 1024),      # d = 64 (stacked o^T), hidden_actual 2880, W_qkv 24 = 5 * 4 + 4
+])
+def test_streamed_weights(B, S, ctx, shape, lnc, room, monkeypatch):
+    """Weights forced to stream (WEIGHT_ROOM lowered) on small shapes, each through more chunks than ring buffers:
+    same output as the reference; every weight byte read once (HBM traffic equal to the resident launch's)."""
+    import nkisim
+    from nki_kernels.attention.decode import config
+
+    args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, **shape)
+    prof = decode_attention_nki if lnc == 1 else decode_attention_nki[2]
+    resident = nkisim.profile(prof, *args, target="trn2", **kw).report
+    monkeypatch.setattr(config, "WEIGHT_ROOM", room)
+    for core in range(lnc):
+        cfg = config._Config(B, S, shape["H"], shape["d"], shape["nkv"], shape["nq"], ctx, ctx, 1.0, shape["H"], 0, 2,
+                             n_prog=lnc, core=core)
+        n_kt = cfg.KT - cfg.KT // 2 if cfg.wsplit else cfg.KT
+        n_k = -(-shape["nq"] * shape["d"] // 128)
+        assert cfg.wq_chunk and -(-n_kt // cfg.wq_chunk) > cfg.wq_bufs >= 2
+        assert cfg.wo_chunk and -(-n_k // cfg.wo_chunk) > cfg.wo_bufs >= 2
+    streamed = nkisim.profile(prof, *args, target="trn2", **kw).report
+    assert streamed.hbm_read_bytes == resident.hbm_read_bytes
+    run_and_check(B, S, s_max=ctx, ctx=ctx, shape=shape, lnc=lnc)
+
+
 # ---- trn3 (sizes from nl.tile_size: a larger usable SBUF gives longer K/V slots) --------------------------------
 
 @pytest.mark.parametrize("B,S,ctx,shape,lnc,bs", [

@@ -9,11 +9,17 @@ nkisim.install()
 
 import nki.language as nl  # noqa: E402
 
+from nki_kernels.attention.decode import config  # noqa: E402
 from nki_kernels.attention.decode.config import (  # noqa: E402
     KV_SBUF_MAX,
+    KV_SBUF_MIN,
     P_MAX,
+    SBUF_RESERVE,
+    W_STREAM_BUFS,
+    W_STREAM_CHUNK,
     _Config,
     _ring_bytes,
+    _weight_plan,
 )
 
 
@@ -48,3 +54,74 @@ def test_kv_dtype_is_kept_for_the_matmul_views():
                 kv_dtype=nl.float8_e4m3)
     assert c.fp8_mm and c.kv_dtype == nl.float8_e4m3
     assert not _Config(4, 1, 3072, 64, 1, 8, 4096, 4096, 0.125, 3072, 0, 2, fp8_mm=True).fp8_mm   # bf16 cache
+
+
+# ---- weights resident or streamed (_weight_plan) ------------------------------------------------------------------
+
+# (B, S, H, d, nkv, nq): nki-library's envelope rows (bench/test_decode_attention_nkilib.py) and model rank shards
+RESIDENT_SHAPES = [
+    (1, 1, 8192, 128, 1, 1), (2, 5, 5120, 128, 1, 1), (8, 1, 5376, 128, 1, 2), (16, 1, 4096, 128, 1, 4),
+    (8, 1, 8192, 128, 1, 4), (4, 1, 3072, 64, 1, 8), (64, 1, 3072, 64, 1, 8), (16, 1, 4096, 128, 1, 4),
+    (64, 4, 8192, 128, 1, 8), (16, 1, 3072, 64, 1, 8), (8, 1, 1024, 128, 2, 8),
+]
+
+
+def _cfg_lnc(B, S, H, d, nkv, nq, lnc, core, ctx=4096):
+    return _Config(B, S, H, d, nkv, nq, ctx, ctx, d ** -0.5, H, 0, 2, n_prog=lnc, core=core)
+
+
+@pytest.mark.parametrize("shape", RESIDENT_SHAPES)
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_weights_that_fit_stay_resident(shape, lnc):
+    """Every shape that ran before streaming existed keeps both weights resident (its figures do not move)."""
+    for core in range(lnc):
+        c = _cfg_lnc(*shape, lnc, core)
+        assert (c.wq_chunk, c.wq_bufs, c.wo_chunk, c.wo_bufs) == (0, 0, 0, 0)
+
+
+def test_q16_h7168_streams_at_lnc1_and_is_resident_per_core_at_lnc2():
+    """nki-library's q16 d128 H7168 B8 shape: W_qkv (56 tiles of 4608 B = 252 KiB per partition) and W_o (16 K chunks
+    of 14 KiB = 224 KiB) exceed the usable SBUF (trn2: 208 KiB) at LNC=1 and stream; an LNC=2 weight split leaves each
+    core half of each (126 / 112 KiB), resident. The streaming rings fit beside the K/V ring's floor."""
+    sbuf = nl.tile_size.sbuf_fmax_bytes
+    c1 = _cfg_lnc(8, 1, 7168, 128, 1, 16, 1, 0, ctx=10240)
+    assert c1.wq_chunk and c1.wo_chunk
+    assert c1.wq_bufs == c1.wo_bufs == W_STREAM_BUFS
+    assert c1.wq_bufs * c1.wq_chunk * c1.C * 2 <= sbuf - SBUF_RESERVE
+    assert c1.wo_bufs * c1.wo_chunk * 7168 * 2 <= sbuf - SBUF_RESERVE - KV_SBUF_MIN
+    assert -(-56 // c1.wq_chunk) > c1.wq_bufs and -(-16 // c1.wo_chunk) > c1.wo_bufs     # buffers are reused
+    for core in (0, 1):
+        c2 = _cfg_lnc(8, 1, 7168, 128, 1, 16, 2, core, ctx=10240)
+        assert c2.wsplit and (c2.wq_chunk, c2.wo_chunk) == (0, 0)
+
+
+@pytest.mark.parametrize("row,n", [(4608, 56), (14336, 16), (3072, 8), (2048, 8), (1024, 16), (40000, 7), (512, 3)])
+@pytest.mark.parametrize("room", [None, 8 * 1024, 14000, 64 * 1024])
+@pytest.mark.parametrize("which", [0, 1])
+def test_weight_plan_rings_fit_their_room(row, n, room, which, monkeypatch):
+    """Resident iff the share fits its room; a streamed weight's ring (whole tiles, two or more buffers, no more
+    buffers than chunks) fits the room, with chunks of about W_STREAM_CHUNK bytes; a weight of which even
+    W_STREAM_BUFS single tiles do not fit is refused, named."""
+    monkeypatch.setattr(config, "WEIGHT_ROOM", room)
+    sbuf = nl.tile_size.sbuf_fmax_bytes
+    rm = (sbuf - SBUF_RESERVE - which * KV_SBUF_MIN) if room is None else room
+    args = (row, n, 2, 1) if which == 0 else (2, 1, row, n)        # the other weight: one tiny tile, resident
+    if n * row > rm and W_STREAM_BUFS * row > rm:
+        with pytest.raises(AssertionError, match=("W_qkv", "W_o")[which]):
+            _weight_plan(*args, sbuf)
+        return
+    plan = _weight_plan(*args, sbuf)
+    chunk, bufs = plan[2 * which:2 * which + 2]
+    assert plan[2 - 2 * which:4 - 2 * which] == (0, 0)
+    if n * row <= rm:
+        assert (chunk, bufs) == (0, 0)
+        return
+    n_chunks = -(-n // chunk)
+    assert 1 <= chunk and 2 <= bufs <= min(W_STREAM_BUFS, n_chunks)
+    assert bufs * chunk * row <= rm and (chunk == 1 or chunk * row <= W_STREAM_CHUNK)
+
+
+def test_weight_plan_names_a_weight_too_wide_to_stream(monkeypatch):
+    monkeypatch.setattr(config, "WEIGHT_ROOM", 8 * 1024)
+    with pytest.raises(AssertionError, match="W_o: 3 buffers of one 4096-byte"):
+        _weight_plan(1024, 100, 4096, 8, nl.tile_size.sbuf_fmax_bytes)
