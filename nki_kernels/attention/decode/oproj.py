@@ -207,7 +207,7 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
     eviction), then TensorE transposes bring [tokens, H] back for one contiguous store per token tile (few tokens:
     several chunks per transpose, see _store_packed). A streamed W_o (_WoStream): see _output_projection_streamed.
     """
-    if isinstance(wo, _WoStream):
+    if cfg.wo_chunk:          # W_o streamed (wo is its _WoStream)
         _output_projection_streamed(cfg, oTs, wo, bias_T, out, tiles)
         return
     K = cfg.nq * cfg.d
