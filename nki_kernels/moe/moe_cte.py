@@ -42,6 +42,10 @@ WEIGHT_RUN_MIN = 1024
 # scatter (+10% as transposes): with n tiles per expert the DMA path wins on trn2 once 11.5 n >= 21 + 4.6 n, i.e.
 # n >= 3 tiles. On trn3 (0.61 TB/s per core, the same TensorE rate) it wins from about one tile.
 DMA_TRANSPOSE_MIN_ROWS = {"gen3": 3 * 128, "gen4": 0}
+# PSUM bank (of the down banks) for the narrow tile's per-partition gate/up bias columns, built at each weight load;
+# the broadcast bias tile uses the banks from 0 (banks 0-1 while 2I <= 1024), so the two builds do not wait on
+# each other
+BIAS_COL_BANK = 2
 SBUF_RESERVE = 8 * 1024    # bytes per partition left for the small tiles (ids, affinities, schedule, constants)
 DGE = nisa.dge_mode.swdge   # indirect (vector_offset) DMAs are software-DGE transfers
 
@@ -291,6 +295,10 @@ class _Tiles(nl.NKIObject):
         self.aff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         self.xt = None if cfg.dma_transpose else nl.ndarray((P_MAX, H), dtype=dt, buffer=nl.sbuf)
         self.xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=dt, buffer=nl.sbuf)
+        # the narrow tile's x^T when a DMA gather-transpose writes it: [128, KT, HALF_ROWS] contiguous, so that each
+        # partition's write is one KT x 64-column run (into xT[:, :, :64] it would be KT runs of 128 B, 1/3 of the
+        # DMA efficiency); its SBUF fits in the gathered-rows tile xt this path does not allocate (tile_bytes)
+        self.xTn = nl.ndarray((P_MAX, KT, HALF_ROWS), dtype=dt, buffer=nl.sbuf) if cfg.dma_transpose else self.xT
         cw = min(inter, cfg.I_CH)
         self.g = nl.ndarray((P_MAX, cw), dtype=nl.float32, buffer=nl.sbuf)
         self.u = nl.ndarray((P_MAX, cw), dtype=nl.float32, buffer=nl.sbuf)
@@ -326,7 +334,7 @@ class _Slot(nl.NKIObject):
 
     def __init__(self, w, t, psum, i):
         self.wgu, self.wd, self.bgu, self.brow = w.wgu, w.wd, w.bgu, w.brow
-        self.gid, self.sid, self.aff, self.xt, self.xT = t.gid, t.sid, t.aff, t.xt, t.xT
+        self.gid, self.sid, self.aff, self.xt, self.xT, self.xTn = t.gid, t.sid, t.aff, t.xt, t.xT, t.xTn
         self.g, self.u, self.s, self.a, self.aT, self.y = t.g, t.u, t.s, t.a, t.aT, t.y
         self.bcol, self.aTh, self.gh, self.uh, self.sh = w.bcol, t.aTh, t.gh, t.uh, t.sh
         self.sgu, self.sd, self.bdrow = w.sgu, w.sd, w.bdrow
@@ -467,17 +475,26 @@ def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down, scal
         nisa.dma_copy(dst=slot.brow, src=b_gate_up.ap([[row, 1], [1, row]], offset=0, scalar_offset=e,
                                                       indirect_dim=0))
     if cfg.bias_gu and not cfg.mx:
-        # the bias with I on the partitions for the narrow tile: one small DMA per gate/up and chunk shape, cast
+        # the bias with I on the partitions for the narrow tile (column j: gate chunk j, n_ic + j: up chunk j), from
+        # the bias row already in SBUF by K=1 matmuls (bias chunk stationary, a single 1 moving: out[i, 0] =
+        # bias[i0 + i], exact in fp32); a DMA reads it with 2-byte runs per partition (~1% DMA efficiency, on
+        # every DMA engine: ~10 us per engine per 16 experts on trn3)
         full = inter // P_MAX
         rem = inter - full * P_MAX
+        ps = psum.d[BIAS_COL_BANK]
+        for gu in range(2):
+            for j in range(cfg.n_ic):
+                i0 = j * P_MAX
+                w = min(P_MAX, inter - i0)
+                col = gu * cfg.n_ic + j
+                nisa.nc_matmul(dst=ps[:w, col:col + 1], stationary=slot.brow[:, gu * inter + i0:gu * inter + i0 + w],
+                               moving=psum.ones[:, 0:1], accumulate=False)
         for gu in range(2):
             c = gu * cfg.n_ic
             if full:
-                nisa.dma_copy(dst=slot.bcol[:, c:c + full], src=b_gate_up.ap(
-                    [[1, P_MAX], [P_MAX, full]], offset=gu * inter, scalar_offset=e, indirect_dim=0))
+                nisa.tensor_copy(dst=slot.bcol[:, c:c + full], src=ps[:, c:c + full])
             if rem:
-                nisa.dma_copy(dst=slot.bcol[:rem, c + full:c + full + 1], src=b_gate_up.ap(
-                    [[1, rem], [1, 1]], offset=gu * inter + full * P_MAX, scalar_offset=e, indirect_dim=0))
+                nisa.tensor_copy(dst=slot.bcol[:rem, c + full:c + full + 1], src=ps[:rem, c + full:c + full + 1])
         # the bias row goes to all 128 token partitions by a ones-matmul (a partition-stride-0 DMA would read it
         # from HBM 128 times): added to each token's gate/up row
         for c0 in range(0, row, PSUM_F):
@@ -535,7 +552,8 @@ def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, 
     nisa.dma_copy(dst=slot.aff[pb:pb + n, :], src=row_affinity[nl.ds(row, n), :])
     if cfg.dma_transpose:
         # xT[p, kt, j] = x[ids[j], kt * 128 + p]: one gather-transpose of the tile's rows
-        nisa.dma_transpose(dst=slot.xT[:, :, :n], src=x.ap([[cfg.H, n], [P_MAX, cfg.KT], [1, P_MAX]], offset=0,
+        xT = slot.xT if n == P_MAX else slot.xTn
+        nisa.dma_transpose(dst=xT[:, :, :n], src=x.ap([[cfg.H, n], [P_MAX, cfg.KT], [1, P_MAX]], offset=0,
                                                             vector_offset=slot.gid[:n, :]), dge_mode=DGE)
     else:
         nisa.dma_copy(dst=slot.xt[b:b + n, :], src=x.ap([[cfg.H, n], [1, cfg.H]], offset=0,
@@ -600,9 +618,9 @@ def _half_gate_up_act(cfg, slot):
         w = min(P_MAX, inter - i0)
         pg, pu = slot.pg[:w, j * n:(j + 1) * n], slot.pu[:w, j * n:(j + 1) * n]
         for kt in range(KT):
-            nisa.nc_matmul(dst=pg, stationary=slot.wgu[:, kt, i0:i0 + w], moving=slot.xT[:, kt, :n],
+            nisa.nc_matmul(dst=pg, stationary=slot.wgu[:, kt, i0:i0 + w], moving=slot.xTn[:, kt, :n],
                            accumulate=kt > 0)
-            nisa.nc_matmul(dst=pu, stationary=slot.wgu[:, kt, inter + i0:inter + i0 + w], moving=slot.xT[:, kt, :n],
+            nisa.nc_matmul(dst=pu, stationary=slot.wgu[:, kt, inter + i0:inter + i0 + w], moving=slot.xTn[:, kt, :n],
                            accumulate=kt > 0)
         g, u, sg = slot.gh[:w, :], slot.uh[:w, :], slot.sh[:w, :]
         a = slot.aTh[:w, j, :]
