@@ -30,8 +30,21 @@ SCHED_FIELDS = 6
 # gathers / scatters only these rows (64: the TensorE minimum of 64 cycles per matmul makes narrower ones no faster)
 HALF_ROWS = 64
 # schedule header per core: expert pairs, prologue flag (0/1: the first expert's weights load before out is zeroed,
-# so that the first matmuls do not wait behind the zero-fill in the DMA queues; its own load flag is then 0)
-SCHED_HEADER = 2
+# so that the first matmuls do not wait behind the zero-fill in the DMA queues; its own load flag is then 0), index
+# of the H-split block (LNC=2 with bf16 weights, below; 0 when absent)
+SCHED_HEADER = 3
+# LNC=2 with bf16 weights: the down projection split by H halves (see _hsplit). Block of a core's schedule row at
+# the index in header field 2: [step pairs, zero-first flag (1: the core has no tile of its own, it zeroes its half
+# of out first)], then S2 (even) steps, then the tile-steps
+HS_HEADER = 2
+# per step: own expert, own load flag (gate/up + this core's H half of the down weights), peer expert, peer load
+# flag (this core's H half of the peer's down weights), tile-step pairs, odd tile-step (0/1), index of its first
+# tile-step in the row
+STEP_FIELDS = 7
+# per tile-step: own full tile (0/1), own narrow tile (0/1), own first row, peer full (0/1), peer narrow (0/1), peer
+# first row, zero-fill flag (1 on the core's first own tile: its half of out is zeroed after that tile's rows)
+TILE_FIELDS = 7
+PIPE_ACT = 7           # sendrecv pipe of the activation swaps
 COMBINE_ROWS = 256     # rows per DMA when the LNC=2 partial is added into out (>= 1.5 MiB per transfer)
 # shortest per-partition weight DMA run worth the natural H tiling of DMA transposes: run / (run + 256 B) >= 80%
 # (AWS DMA bandwidth guide: < 256 B per descriptor severely overhead-bound, >= 2 KiB near peak; nkisim.cost rule 6)
@@ -87,6 +100,11 @@ class _Config(nl.NKIObject):
         self.H_CH = PSUM_F                     # output columns per down-projection PSUM bank
         self.n_hch = (H + self.H_CH - 1) // self.H_CH
         self.n_ic = (inter + P_MAX - 1) // P_MAX   # 128-row I chunks of the narrow tile (gate in one PSUM bank)
+        # LNC=2 with bf16 weights: each core owns one H half of out (see _hsplit); the MX path keeps the expert
+        # split with a partial (its down operand is the MXFP8-quantised act^T: not swapped, not done)
+        self.hsplit = n_cores == 2 and not mx
+        self.Hh = H // 2
+        self.n_hch_half = (self.Hh + self.H_CH - 1) // self.H_CH
 
     def weight_bytes(self):
         """SBUF bytes per partition of one expert's resident weights (gate/up, down, gate/up bias)."""
@@ -99,7 +117,8 @@ class _Config(nl.NKIObject):
     def tile_bytes(self):
         """SBUF bytes per partition of one token tile's working set."""
         mx = (2 * self.H + 5 * self.KC * P_MAX + 4 * self.KDm * MX_CHUNK + 5 * self.KDm * P_MAX) if self.mx else 0
-        return mx + (2 * self.H * 3 + 2 * self.KD * P_MAX + 2 * self.I_aug + 4 * 4 * min(self.I, self.I_CH)
+        hs = (2 * self.KD * P_MAX + 2 * self.Hh + 4 * 2) if self.hsplit else 0   # received act^T, peer rows
+        return mx + hs + (2 * self.H * 3 + 2 * self.KD * P_MAX + 2 * self.I_aug + 4 * 4 * min(self.I, self.I_CH)
                 + 4 * 3 + 2 * self.KD * HALF_ROWS + 4 * 3 * HALF_ROWS)
 
 
@@ -118,10 +137,11 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         gather_ids ([R, 1] uint32 @ HBM): token of each mapping row; padding rows name any valid token.
         scatter_ids ([R, 1] int32 @ HBM): token of each mapping row, -1 for padding (its output is dropped).
         row_affinity ([R, 1] fp32 @ HBM): affinity of each mapping row, 0 for padding.
-        schedule ([n_cores, 2 + 5 S] int32 @ HBM): per core: the number of expert pairs it serves, the prologue
-            flag (1: the first entry's weights are loaded before the loop, and its own load flag is 0), then S (even)
-            entries (expert id, first row, pairs of 128-row tiles, odd last tile 0/1, load flag 0/1); the entries
-            past a core's experts have no tiles and flag 0.
+        schedule ([n_cores, W] int32 @ HBM): per core: the number of expert pairs it serves, the prologue flag (1:
+            the first entry's weights are loaded before the loop, and its own load flag is 0), the index of the
+            H-split block, then S (even) entries (expert id, first row, pairs of 128-row tiles, odd last tile 0/1,
+            load flag 0/1, narrow last tile 0/1); the entries past a core's experts have no tiles and flag 0. With
+            two cores the H-split block follows (steps and tile-steps, see HS_HEADER; expert_schedule builds both).
         b_gate_up ([E, 2, I] @ HBM): optional gate/up bias.
         b_down ([E, H] @ HBM): optional down bias (pass None on the TP ranks that must not add it).
         activation (str): "clamped_swiglu" (GPT-OSS) or "swiglu".
@@ -139,9 +159,11 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         - Experts are served in pairs (two weight slots): the second expert's weights load while the first
           computes. An expert with no rows is never scheduled; a tile past an expert's rows is never run (the tile
           loop's bound is data), so padding costs at most the rest of an expert's last 128-row tile.
-        - Each expert's weights are read from HBM once per launch. LNC=2 splits the experts between the two cores
-          (balanced on tiles on the host); core 0 accumulates into out, core 1 into an HBM partial, and after a
-          barrier the cores add the partial into out (half the rows each, DMA read-modify-writes).
+        - Each expert's weights are read from HBM once per launch. LNC=2, bf16 weights: each core computes gate/up
+          for its own experts and the down projection of every expert for its half of H (the tile's act^T swapped
+          with the other core, sendrecv), so each core read-modify-writes only its half of out's columns (_hsplit).
+          LNC=2, MXFP4: the experts are split (balanced on tiles on the host); core 0 accumulates into out, core 1
+          into an HBM partial, and after a barrier the cores add the partial into out (half the rows each).
         - Orientation: gate/up with the gathered tokens' x^T [128 (H), 128 (tokens)] stationary and the weights
           moving (the I columns stream, no I padding); the down projection with act^T stationary.
         - x^T: DMA gather-transposes or TensorE transposes, by generation and rows per expert (see _Config).
@@ -158,8 +180,16 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
                            b_down, activation, routed_rows, w_gate_up_scale, w_down_scale)
     out = nl.ndarray((cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
     core = nl.program_id(0) if cfg.n_cores > 1 else 0
-    # LNC=2: core 0 accumulates into out, core 1 into a partial of its own (two cores' read-modify-writes of one
-    # token row would race); after a barrier the cores add the partial into out, half the rows each
+    if cfg.hsplit:
+        sched = _load_schedule(cfg, schedule, core)
+        weights = [_Weights(cfg) for _ in range(2)]
+        tiles = [_Tiles(cfg) for _ in range(2)]
+        _hsplit(cfg, out, sched, core, weights, tiles, _Psum(cfg), x, w_gate_up, w_down, b_gate_up, b_down,
+                gather_ids, scatter_ids, row_affinity)
+        return out
+    # LNC=2 with MXFP4 weights (the experts split between the cores): core 0 accumulates into out, core 1 into a
+    # partial of its own (two cores' read-modify-writes of one token row would race); after a barrier the cores add
+    # the partial into out, half the rows each
     acc = out
     if cfg.n_cores > 1:
         part = nl.ndarray((cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
@@ -327,6 +357,15 @@ class _Tiles(nl.NKIObject):
         self.sh = nl.ndarray((P_MAX, HALF_ROWS), dtype=nl.float32, buffer=nl.sbuf)
         if cfg.bias_d:   # row I of act^T is the down-bias row's input: the I chunks overwrite the rows above it
             nisa.memset(dst=self.aTh[:, inter // P_MAX, :], value=1.0)
+        # H split (LNC=2): the peer's act^T of the same tile-step (sendrecv), the peer rows' ids, affinities, output
+        self.aTr = self.psid = self.paff = self.py = None
+        if cfg.hsplit:
+            self.aTr = nl.ndarray((P_MAX, KD, P_MAX), dtype=dt, buffer=nl.sbuf)
+            self.psid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+            self.paff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+            self.py = nl.ndarray((P_MAX, cfg.Hh), dtype=dt, buffer=nl.sbuf)
+            if cfg.bias_d:   # a narrow tile writes its act^T into aT (the swapped tile): the bias row as in aTh
+                nisa.memset(dst=self.aT[:, inter // P_MAX, :], value=1.0)
 
 
 class _Slot(nl.NKIObject):
@@ -340,6 +379,7 @@ class _Slot(nl.NKIObject):
         self.sgu, self.sd, self.bdrow = w.sgu, w.sd, w.bdrow
         self.xTm, self.xq, self.xs, self.aTm, self.aq, self.as_ = t.xTm, t.xq, t.xs, t.aTm, t.aq, t.as_
         self.pg, self.pu = psum.gs[i % len(psum.gs)], psum.us[i % len(psum.us)]
+        self.aTr, self.psid, self.paff, self.py = t.aTr, t.psid, t.paff, t.py
 
 
 class _Psum(nl.NKIObject):
@@ -361,13 +401,14 @@ class _Psum(nl.NKIObject):
         nisa.memset(dst=self.ones, value=1.0)
 
 
-def _zero_rows(cfg, dst, r0, r1):
-    """dst[r0:r1, :] = 0 from one zeroed SBUF tile, 128 rows per DMA."""
-    z = nl.ndarray((P_MAX, cfg.H), dtype=cfg.dtype, buffer=nl.sbuf)
+def _zero_rows(cfg, dst, r0, r1, c0=0, width=None):
+    """dst[r0:r1, c0:c0 + width] = 0 (default: all columns) from one zeroed SBUF tile, 128 rows per DMA."""
+    width = cfg.H if width is None else width
+    z = nl.ndarray((P_MAX, width), dtype=cfg.dtype, buffer=nl.sbuf)
     nisa.memset(dst=z, value=0.0)
     for t0 in range(r0, r1, P_MAX):
         n = min(P_MAX, r1 - t0)
-        nisa.dma_copy(dst=dst[t0:t0 + n, :], src=z[:n, :])
+        nisa.dma_copy(dst=dst[t0:t0 + n, c0:c0 + width], src=z[:n, :])
 
 
 def _load_schedule(cfg, schedule, core):
@@ -433,10 +474,16 @@ def _load_mx_weights(cfg, slot, e, w_gate_up, w_down, b_down, scales):
                                                     indirect_dim=0))
 
 
-def _load_bf16_weights(cfg, slot, e, w_gate_up, w_down, b_down):
-    """Gate/up in the contraction tiles' H order (_Config.dma_transpose); down: partition p of tile k holds I row
-    k*128 + p; b_down is row I of the down weights."""
-    KT, inter, H = cfg.KT, cfg.I, cfg.H
+def _load_bf16_weights(cfg, slot, e, w_gate_up, w_down, b_down, down_cols=None):
+    """Gate/up and down (down_cols: (c0, width), only those H columns, e.g. the H split's half)."""
+    _load_bf16_gate_up(cfg, slot, e, w_gate_up)
+    c0, width = down_cols if down_cols is not None else (0, cfg.H)
+    _load_bf16_down(cfg, slot, e, w_down, b_down, c0, width)
+
+
+def _load_bf16_gate_up(cfg, slot, e, w_gate_up):
+    """Gate/up in the contraction tiles' H order (_Config.dma_transpose)."""
+    KT, inter = cfg.KT, cfg.I
     row = 2 * inter
     step = (KT + W_GU_DMAS - 1) // W_GU_DMAS
     for k0 in range(0, KT, step):
@@ -448,28 +495,37 @@ def _load_bf16_weights(cfg, slot, e, w_gate_up, w_down, b_down):
             src = w_gate_up.ap([[KT * row, P_MAX], [1, (k1 - k0) * row]], offset=k0 * row, scalar_offset=e,
                                indirect_dim=0)
         nisa.dma_copy(dst=slot.wgu[:, k0:k1, :], src=src)
+
+
+def _load_bf16_down(cfg, slot, e, w_down, b_down, c0=0, width=None, d0=0):
+    """Down: partition p of tile k holds I row k*128 + p; b_down is row I of the down weights. Columns
+    c0..c0+width of H (default all) into the slot's columns d0..d0+width (the H split loads halves)."""
+    inter, H = cfg.I, cfg.H
+    width = H if width is None else width
     full = inter // P_MAX
     if full:
-        nisa.dma_copy(dst=slot.wd[:, 0:full, :],
-                      src=w_down.ap([[H, P_MAX], [P_MAX * H, full], [1, H]], offset=0, scalar_offset=e,
+        nisa.dma_copy(dst=slot.wd[:, 0:full, d0:d0 + width],
+                      src=w_down.ap([[H, P_MAX], [P_MAX * H, full], [1, width]], offset=c0, scalar_offset=e,
                                     indirect_dim=0))
     rem = inter - full * P_MAX
     if rem:
-        nisa.dma_copy(dst=slot.wd[0:rem, full, :],
-                      src=w_down.ap([[H, rem], [1, H]], offset=full * P_MAX * H, scalar_offset=e, indirect_dim=0))
+        nisa.dma_copy(dst=slot.wd[0:rem, full, d0:d0 + width],
+                      src=w_down.ap([[H, rem], [1, width]], offset=full * P_MAX * H + c0, scalar_offset=e,
+                                    indirect_dim=0))
     if cfg.bias_d:
-        nisa.dma_copy(dst=slot.wd[rem:rem + 1, full, :], src=b_down.ap([[H, 1], [1, H]], offset=0, scalar_offset=e,
-                                                                      indirect_dim=0))
+        nisa.dma_copy(dst=slot.wd[rem:rem + 1, full, d0:d0 + width],
+                      src=b_down.ap([[H, 1], [1, width]], offset=c0, scalar_offset=e, indirect_dim=0))
 
 
-def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down, scales=(None, None)):
-    """Expert e's weights → the slot (bf16 or MXFP4), and its gate/up bias in the two layouts the tiles use."""
+def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down, scales=(None, None), down_cols=None):
+    """Expert e's weights → the slot (bf16 or MXFP4), and its gate/up bias in the two layouts the tiles use
+    (down_cols: bf16 down columns (c0, width) only, into the slot's first width columns)."""
     inter = cfg.I
     row = 2 * inter
     if cfg.mx:
         _load_mx_weights(cfg, slot, e, w_gate_up, w_down, b_down, scales)
     else:
-        _load_bf16_weights(cfg, slot, e, w_gate_up, w_down, b_down)
+        _load_bf16_weights(cfg, slot, e, w_gate_up, w_down, b_down, down_cols)
     if cfg.bias_gu:
         # the bias row, read once: the MX path adds it in PSUM as a K=1 matmul (_gate_up_mx) and needs nothing else
         nisa.dma_copy(dst=slot.brow, src=b_gate_up.ap([[row, 1], [1, row]], offset=0, scalar_offset=e,
@@ -607,7 +663,7 @@ def _down_mx(cfg, slot, psum, n=P_MAX, pb=0):
         _scale_rows(slot, ps, 0, h0, hw, n, pb)     # all on ScalarE: VectorE carries the quantize_mx work
 
 
-def _half_gate_up_act(cfg, slot):
+def _half_gate_up_act(cfg, slot, aT=None):
     """Narrow tile (HALF_ROWS tokens): gate/up with the weights stationary ([128 H, <=128 I] per chunk) and the
     tokens moving, so each matmul takes max(HALF_ROWS, 64) cycles instead of the 2I-column stream of a full tile;
     the result has I on the partitions, so the activation writes act^T (the down projection's stationary) with no
@@ -623,7 +679,7 @@ def _half_gate_up_act(cfg, slot):
             nisa.nc_matmul(dst=pu, stationary=slot.wgu[:, kt, inter + i0:inter + i0 + w], moving=slot.xTn[:, kt, :n],
                            accumulate=kt > 0)
         g, u, sg = slot.gh[:w, :], slot.uh[:w, :], slot.sh[:w, :]
-        a = slot.aTh[:w, j, :]
+        a = (slot.aTh if aT is None else aT)[:w, j, :n]
         if cfg.bias_gu:
             nisa.tensor_scalar(dst=g, data=pg, op0=nl.add, operand0=slot.bcol[:w, j:j + 1])
             nisa.tensor_scalar(dst=u, data=pu, op0=nl.add, operand0=slot.bcol[:w, cfg.n_ic + j:cfg.n_ic + j + 1])
@@ -732,6 +788,112 @@ def _add_partial(cfg, part, out, core):
         nisa.dma_compute(dst=out[t0:t0 + n, :], srcs=[out[t0:t0 + n, :], part[t0:t0 + n, :]], reduce_op=nl.add)
 
 
+def _hsplit(cfg, out, sched, core, weights, tiles, psum, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids,
+            scatter_ids, row_affinity):
+    """LNC=2 with bf16 weights: the down projection split by H halves. The host pairs the experts into steps
+    (similar tile counts: one expert per core and step, each core's own gate/up weights only). A step runs in
+    tile-steps: each core gathers its own tile's rows, computes gate/up and the activation, its down projection for
+    its half of H (columns core * H/2 ...) and scatter-adds it into out; then the two cores swap the tile's act^T
+    (sendrecv, SBUF to SBUF) and each computes the peer tile's down projection for its own half of H. Each core
+    reads its H half of both step experts' down weights (no weight is read twice) and read-modify-writes only its
+    half of out's columns: no partial, no zero-fill of one, no combine after a barrier."""
+    hb = nisa.scalar_load(sched[0:1, 2:3])
+    n_pairs = _field(cfg, sched, hb, 0)
+    zero_first = _field(cfg, sched, hb, 1)
+    c0 = core * cfg.Hh
+    nl.fori_loop(0, zero_first, lambda _: _zero_rows(cfg, out, 0, cfg.T, c0, cfg.Hh))
+    refs = (x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids, row_affinity, out)
+
+    def pair(p):
+        for s in range(2):
+            base = hb + HS_HEADER + p * (2 * STEP_FIELDS) + s * STEP_FIELDS
+            slots = [_Slot(weights[s], t, psum, i) for i, t in enumerate(tiles)]
+            _hsplit_step(cfg, slots, psum, sched, base, refs, core, s == 1)
+
+    nl.fori_loop(0, n_pairs, pair)
+
+
+def _hsplit_step(cfg, slots, psum, sched, base, refs, core, second):
+    """One step of the H split: own expert e (gate/up + the H half of its down weights), the peer's expert pe (the
+    H half of its down weights), then the tile-steps, two at a time on alternate tile buffer sets."""
+    x, w_gate_up, w_down, b_gate_up, b_down = refs[:5]
+    e, load, pe, pload, t_pairs, t_odd, t0 = (_field(cfg, sched, base, k) for k in range(STEP_FIELDS))
+    c0 = core * cfg.Hh
+    nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], psum, e, w_gate_up, w_down, b_gate_up, b_down,
+                                                  down_cols=(c0, cfg.Hh)))
+    nl.fori_loop(0, pload, lambda _: _load_bf16_down(cfg, slots[0], pe, w_down, b_down, c0, cfg.Hh, cfg.Hh))
+    # as _serve_expert: the second step of a pair takes the tile sets in the other order; narrow tiles on set 1 put
+    # their rows on partitions 64..127 (the DMA engines' other half)
+    order = slots[::-1] if second else slots
+    pb = [(P_MAX - HALF_ROWS) if order[k] is slots[1] else 0 for k in range(2)]
+
+    def two(i):
+        for k in range(2):
+            _tile_step(cfg, order[k], psum, sched, t0 + (2 * i + k) * TILE_FIELDS, refs, core, pb[k])
+
+    nl.fori_loop(0, t_pairs, two)
+    nl.fori_loop(0, t_odd, lambda _: _tile_step(cfg, order[0], psum, sched, t0 + 2 * t_pairs * TILE_FIELDS, refs,
+                                                core, pb[0]))
+
+
+def _tile_step(cfg, slot, psum, sched, tb, refs, core, pb):
+    """Own tile (full, narrow or none): rows, gate/up, activation, act^T, down for this core's H half, scatter-add;
+    the act^T swap with the other core; the peer's tile (full, narrow or none): its ids and affinities, down for
+    this core's H half from the received act^T, scatter-add. A narrow tile's act^T sits in columns 0..63."""
+    x, _, _, _, _, gather_ids, scatter_ids, row_affinity, out = refs
+    of, on, orow, pf, pn, prow, zero = (_field(cfg, sched, tb, k) for k in range(TILE_FIELDS))
+    c0, Hh = core * cfg.Hh, cfg.Hh
+
+    def own(n, p):
+        _load_tile_inputs(cfg, slot, orow, x, gather_ids, scatter_ids, row_affinity, n, p)
+        nl.fori_loop(0, zero, lambda _: _zero_rows(cfg, out, 0, cfg.T, c0, Hh))
+        if n == P_MAX:
+            if not cfg.dma_transpose:
+                _transpose_x(cfg, slot, psum, n)
+            for c in range(cfg.n_ich):
+                _gate_up_step(cfg, slot, psum, c)
+                _activation_step(cfg, slot, psum, c)
+            _transpose_act(cfg, slot, psum)
+        else:
+            if not cfg.dma_transpose:
+                _transpose_x(cfg, slot, psum, n, p)
+            _half_gate_up_act(cfg, slot, slot.aT)
+        _down_half(cfg, psum, slot.aT, slot.wd, 0, slot.y, slot.aff, slot.sid, n, p, out, c0, 0)
+
+    def peer(n, p):
+        nisa.dma_copy(dst=slot.psid[p:p + n, :], src=scatter_ids[nl.ds(prow, n), :])
+        nisa.dma_copy(dst=slot.paff[p:p + n, :], src=row_affinity[nl.ds(prow, n), :])
+        _down_half(cfg, psum, slot.aTr, slot.wd, Hh, slot.py, slot.paff, slot.psid, n, p, out, c0, cfg.n_hch_half)
+
+    nl.fori_loop(0, of, lambda _: own(P_MAX, 0))
+    nl.fori_loop(0, on, lambda _: own(HALF_ROWS, pb))
+    nisa.sendrecv(src=slot.aT, dst=slot.aTr, send_to_rank=1 - core, recv_from_rank=1 - core, pipe_id=PIPE_ACT)
+    nl.fori_loop(0, pf, lambda _: peer(P_MAX, 0))
+    nl.fori_loop(0, pn, lambda _: peer(HALF_ROWS, pb))
+
+
+def _down_half(cfg, psum, aT, wd, w0, y, aff, sid, n, pb, out, c0, b0):
+    """y[pb:pb+n, :H/2] = affinity * (a @ Wd[:, c0:c0 + H/2] (+ bd)) (the weights' half in wd columns w0..), rounded
+    to x's dtype, then out[ids, c0:c0 + H/2] += y by one DMA read-modify-write (padding rows skipped). PSUM banks
+    and the ScalarE / VectorE evictions rotate from b0 (the peer tile's chunks continue the own tile's rotation)."""
+    tiling = dict(tile_position=(0, pb), tile_size=(P_MAX, n)) if n < P_MAX else {}
+    r = slice(pb, pb + n)
+    for h in range(cfg.n_hch_half):
+        h0 = h * cfg.H_CH
+        hw = min(cfg.H_CH, cfg.Hh - h0)
+        ps = psum.d[(b0 + h) % DOWN_BANKS]
+        for k in range(cfg.KD):
+            w = min(P_MAX, cfg.I_aug - k * P_MAX)
+            nisa.nc_matmul(dst=ps[r, :hw], stationary=aT[:w, k, :n], moving=wd[:w, k, w0 + h0:w0 + h0 + hw],
+                           accumulate=k > 0, **tiling)
+        if (b0 + h) % 2 == 0:
+            nisa.activation(dst=y[r, h0:h0 + hw], op=nl.copy, data=ps[r, :hw], scale=aff[r, :])
+        else:
+            nisa.tensor_scalar(dst=y[r, h0:h0 + hw], data=ps[r, :hw], op0=nl.multiply, operand0=aff[r, :])
+    view = out.ap([[cfg.H, n], [1, cfg.Hh]], offset=c0, vector_offset=sid[r, :])
+    nisa.dma_compute(dst=view, srcs=[view, y[r, :cfg.Hh]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+
+
 moe_cte_nki = nki.jit(moe_cte_kernel)
 
 
@@ -750,9 +912,11 @@ def kernel_inputs(expert_index, affinities, num_experts, block_size, n_cores=1):
 
 
 def expert_schedule(m, n_cores=1):
-    """[n_cores, 2 + 5 S] int32: each core's expert pairs, prologue flag, and its (expert, first row, tile pairs,
-    odd tile, load) entries (the first entry's weights load in the prologue). Experts
-    go to the core with fewer tiles so far, largest first (LPT), then each core serves its experts in id order."""
+    """[n_cores, W] int32 per core: header (expert pairs, prologue flag, index of the H-split block or 0), the
+    (expert, first row, tile pairs, odd tile, load, half) entries of the expert split (the first entry's weights load
+    in the prologue), and with two cores the H-split block (_hsplit_block; LNC=2 with bf16 weights uses it, MXFP4
+    the expert split). Expert split: experts go to the core with fewer tiles so far, largest first (LPT), then each
+    core serves its experts in id order."""
     n = m.num_active
     rows = m.tokens_per_expert[m.active_experts[:n]]
     tiles = -(-rows // P_MAX_HOST)
@@ -765,18 +929,77 @@ def expert_schedule(m, n_cores=1):
         load[c] += int(tiles[j])
     S = max(2, max(len(c) + len(c) % 2 for c in cores))
     H0 = SCHED_HEADER
-    out = np.zeros((n_cores, H0 + SCHED_FIELDS * S), np.int32)
+    parts = [np.zeros(H0 + SCHED_FIELDS * S, np.int32) for _ in range(n_cores)]
     for c, js in enumerate(cores):
         js = sorted(js)
-        out[c, 0] = (len(js) + 1) // 2
-        out[c, 1] = 1 if js else 0
+        out = parts[c]
+        out[0] = (len(js) + 1) // 2
+        out[1] = 1 if js else 0
         for i, j in enumerate(js):
             # an expert whose last tile has <= HALF_ROWS rows serves it as a narrow tile after its 128-row tiles
             half = int(rows[j] - P_MAX_HOST * (tiles[j] - 1) <= HALF_ROWS)
             full = tiles[j] - half
-            out[c, H0 + SCHED_FIELDS * i:H0 + SCHED_FIELDS * (i + 1)] = (m.active_experts[j], firsts[j], full // 2,
-                                                                         full % 2, int(i > 0), half)
+            out[H0 + SCHED_FIELDS * i:H0 + SCHED_FIELDS * (i + 1)] = (m.active_experts[j], firsts[j], full // 2,
+                                                                     full % 2, int(i > 0), half)
+    if n_cores == 2:
+        for c, blk in enumerate(_hsplit_block(m, rows, tiles, firsts)):
+            pos = len(parts[c])
+            parts[c][2] = pos
+            n_steps = 2 * int(blk[0])
+            blk[HS_HEADER + 6:HS_HEADER + STEP_FIELDS * n_steps:STEP_FIELDS] += pos    # tile-step indices: absolute
+            parts[c] = np.concatenate([parts[c], blk])
+    width = max(len(r) for r in parts)
+    width += -(width - H0) % (2 * SCHED_FIELDS)     # whole expert-split entry pairs (the kernel's shape check)
+    out = np.zeros((n_cores, width), np.int32)
+    for c, r in enumerate(parts):
+        out[c, :len(r)] = r
     return out
+
+
+def _hsplit_block(m, rows, tiles, firsts):
+    """The two cores' H-split blocks (without their position): experts sorted by tile count, paired into steps
+    (core 0 the first of each pair, core 1 the second), each step's tile-steps: tile q of each core's own expert
+    (full or narrow last tile, or none when its expert has fewer) beside the peer's tile q. Returns one int32 row
+    per core; the steps' tile-step indices are relative to the block (expert_schedule adds its position)."""
+    n = len(rows)
+
+    def tile_list(j):
+        half = int(rows[j] - P_MAX_HOST * (tiles[j] - 1) <= HALF_ROWS)
+        full = int(tiles[j]) - half
+        return [(1, 0, int(firsts[j]) + P_MAX_HOST * i) for i in range(full)] + (
+            [(0, 1, int(firsts[j]) + P_MAX_HOST * full)] if half else [])
+
+    order = sorted(range(n), key=lambda j: (-int(tiles[j]), -int(rows[j]), j))
+    steps = [(order[i], order[i + 1] if i + 1 < n else None) for i in range(0, n, 2)]
+    steps += [(None, None)] * (len(steps) % 2)      # whole step pairs
+    lists = {j: tile_list(j) for j in range(n)}
+    blocks = []
+    for c in range(2):
+        own_first = [True]
+        head = [len(steps) // 2, 0]
+        step_rows, tile_rows = [], []
+        for a, b in steps:
+            mine, theirs = (a, b) if c == 0 else (b, a)
+            lm = lists[mine] if mine is not None else []
+            lt = lists[theirs] if theirs is not None else []
+            q_n = max(len(lm), len(lt))
+            step_rows.append([int(m.active_experts[mine]) if mine is not None else 0, int(mine is not None),
+                              int(m.active_experts[theirs]) if theirs is not None else 0, int(theirs is not None),
+                              q_n // 2, q_n % 2, len(tile_rows)])
+            for q in range(q_n):
+                of, on, orow = lm[q] if q < len(lm) else (0, 0, 0)
+                pf, pn, prow = lt[q] if q < len(lt) else (0, 0, 0)
+                zero = int((of or on) and own_first[0])
+                if zero:
+                    own_first[0] = False
+                tile_rows.append([of, on, orow, pf, pn, prow, zero])
+        head[1] = int(own_first[0])      # no own tile at all: zero this core's half of out first
+        t_base = HS_HEADER + STEP_FIELDS * len(step_rows)
+        for r in step_rows:
+            r[6] = t_base + TILE_FIELDS * r[6]
+        blocks.append((np.array(head, np.int32), step_rows, tile_rows))
+    return [np.concatenate([h, np.array(sr, np.int32).reshape(-1), np.array(tr, np.int32).reshape(-1)])
+            for h, sr, tr in blocks]
 
 
 P_MAX_HOST = 128       # the kernel's token tile (nl.tile_size.pmax on every target), for the host-side schedule

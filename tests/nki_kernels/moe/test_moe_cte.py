@@ -116,6 +116,22 @@ def test_kernel_skewed_routing(skew, lnc):
     run_and_check(300, 256, 8, 96, 3, lnc=lnc, skew=skew, block_size=128)
 
 
+@pytest.mark.parametrize("counts", [(200,), (100, 30, 20)])
+def test_kernel_lnc2_h_split_uneven_steps(counts):
+    """LNC=2, bf16 (down projection split by H halves, activations swapped per tile-step): one active expert (core 1
+    has no tile of its own: it zeroes its half of out first and only runs the peer's tiles), and three experts
+    (the last step has no peer expert; experts with fewer tiles than their step partner; narrow last tiles)."""
+    T, H, E, inter = sum(counts), 256, 4, 96
+    x, _, _, w_gu, w_d, b_gu, b_d = make_inputs(T, H, E, inter, 1)
+    idx = torch.cat([torch.full((c, 1), e + 1, dtype=torch.int64) for e, c in enumerate(counts)])
+    idx = idx[torch.randperm(T, generator=torch.Generator().manual_seed(1))]
+    aff = torch.rand(T, 1, generator=torch.Generator().manual_seed(2))
+    args = (x, idx, aff, w_gu, w_d)
+    opts = dict(b_gate_up=b_gu, b_down=b_d, activation="clamped_swiglu", add_down_bias=True, block_size=128)
+    out = moe_cte(*args, **opts, backend="nkisim", lnc=2)
+    assert_close(out, moe_cte(*args, **opts, backend="torch"))
+
+
 @pytest.mark.parametrize("T,inter,lnc", [(1, 96, 1), (1, 96, 2), (130, 128, 1), (129, 600, 2)])
 def test_kernel_edge_shapes(T, inter, lnc):
     """One token; I a multiple of 128 (the down-bias row opens a contraction tile of its own); I > 512 (gate/up in
@@ -203,7 +219,7 @@ def test_kernel_reads_each_expert_weight_once(lnc):
                          b_down=b_d).report
     weights = sum(t.numel() * 2 for t in (w_gu, w_d, b_gu, b_d))
     tiles = sum(-(-int((idx == e).sum()) // 128) for e in range(E))
-    rows = 2 * tiles * 128 * H * 2 + (2 * T * H * 2 if lnc == 2 else 0)   # gathers, scatter reads (+ partial add)
+    rows = 2 * tiles * 128 * H * 2     # gathers, scatter-add reads (LNC=2: each core reads its H half of a row)
     assert weights <= rep.hbm_read_bytes <= weights + rows + 64 * 1024, (rep.hbm_read_bytes, weights, rows)
 
 
