@@ -44,7 +44,7 @@ STEP_FIELDS = 7
 # per tile-step: own full tile (0/1), own narrow tile (0/1), own first row, peer full (0/1), peer narrow (0/1), peer
 # first row, zero-fill flag (1 on the core's first own tile: its half of out is zeroed after that tile's rows)
 TILE_FIELDS = 7
-PIPE_ACT = 7           # sendrecv pipe of the activation swaps
+PIPE_ACT = 7           # sendrecv pipe of the act^T swaps (any id; all swaps on one pipe: the k-th of each core pair)
 COMBINE_ROWS = 256     # rows per DMA when the LNC=2 partial is added into out (>= 1.5 MiB per transfer)
 # shortest per-partition weight DMA run worth the natural H tiling of DMA transposes: run / (run + 256 B) >= 80%
 # (AWS DMA bandwidth guide: < 256 B per descriptor severely overhead-bound, >= 2 KiB near peak; nkisim.cost rule 6)
