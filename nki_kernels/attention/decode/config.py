@@ -267,6 +267,20 @@ class _Config(nl.NKIObject):
         # Paged caches (row-major steps, i-major K^T) do the same (GPT-OSS B=1 4K paged: engines 27.0 / 22.4 us busy).
         self.kt_alt = ((self.pmajor or (self.paged and not self.dyn)) and self.kpp == 2 and self.halves == 1
                        and self.kv_bufs % 2 == 0 and min(self.pack, self.b_hi - self.b_lo) == 1)
+        # A ragged pack's slot is loaded per sequence in pieces of one step (_load_pieces), V's a block of
+        # consecutive partitions (partition q holds positions q*n ..), and a sequence loads the pieces up to its
+        # length: the early pieces, on the low partitions, are loaded by more sequences than the late ones, so the
+        # 8 DMA rings of partitions 0..63 carried more V bytes than the others (Llama-8B ragged B=16: V 91.8 vs
+        # 74.9 us of each ring). The odd batches of a pack hold such slots rotated by half (their V partition q
+        # holds the plain layout's partition (q + 64) % 128, their K^T columns likewise), so a sequence's first
+        # piece lands on the low or the high rings by its parity (planning._v_rotated). The score and PV matmuls
+        # are unchanged (score column block q <-> V partition q for every batch); the rotated rows' mask thresholds
+        # (+-64n on each half of the columns) and the scrubs' position tables follow.
+        # NeuronCore-v3 (trn2) only, where the K/V stream paces B >= 8; on v4 (trn3: faster HBM, TensorE / VectorE
+        # pace those rows) it only adds work (modelled GPT-OSS B=16 16K +2 %).
+        v3 = nisa.get_nc_version() < nisa.nc_version.gen4
+        self.v_rot = (v3 and self.ragged and not self.imajor and not self.pmajor
+                      and min(self.pack, self.b_hi - self.b_lo) >= 2)
         self._frozen = True     # last: nothing changes the configuration from here on
 
 

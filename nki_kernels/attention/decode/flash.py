@@ -21,7 +21,7 @@ from .config import (
 from .isolation import _scrub_slot, _scrub_v, _valid_ranges
 from .kv_io import _cast_pairs, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
 from .oproj import _load_w_o, _rows_to_oT, _rows_to_tokens, _transpose_o
-from .planning import _load_pieces, _packs, _plan, _slot_split
+from .planning import _load_pieces, _packs, _plan, _rot_batch, _slot_split, _v_rotated
 from .ragged import _load_gates, _pv_group, _stack_gates, _step_gates
 
 
@@ -63,6 +63,7 @@ class _AttnState(nl.NKIObject):
         self.pos0, self.slot0 = None, None          # fp32 [1, steps / slots]: their starts (_step_gates)
         self.pos0_run = None    # pos0 with step 0's start as -1 (it always runs), when > 0 (ragged._step_gates)
         self.pf_cols = None     # position-major: fp32 [128, rows] first new position of each row, every partition
+        self.rot_tabs = None    # _Config.v_rot: constant tables of _rot_thresholds (built once)
 
     def iota_pm(self, n, ni):
         """Position-major steps: fp32 [128, ni] key offsets q*n + il of score tile il on partition q (relative to
@@ -457,12 +458,20 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
     slots, steps = _plan(cfg)
     if len(steps) == 0:
         return
+    rot_thr = _rot_thresholds(cfg, st, slots, steps, p_first, rows)
     # Per-step mask thresholds (tiny, all issued up front so the GpSimd masks never wait for VectorE).
     for step in steps:
         if cfg.pmajor:      # per query row (free axis), the same on every partition
             step.thr_hi = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=step.thr_hi[:, :rows], data=st.pf_cols[:, :rows], op0=nl.add,
                                operand0=-1.0 - step.pos0)
+            continue
+        sl = slots[step.slot]
+        if step.chunks[0][2] > 0 and _v_rotated(cfg, sl.j0, sl.w):
+            # rotated batches (planning._v_rotated): their key offsets are key + 64n on the first half of the
+            # columns and key - 64n on the second, i.e. thresholds shifted the other way on their rows
+            k = steps.index(step)
+            step.thr_rot = tuple(t[:, k:k + 1] for t in rot_thr)
             continue
         step.thr_hi = _step_threshold(p_first, rows, -1.0 - step.pos0)    # invalid if j > pos[b, 0] - 1
         if cfg.window > 0:                                                       # invalid if j <= pos - W
@@ -495,6 +504,62 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
             nisa.memset(dst=sm.acc[:rows, :nb * cfg.d], value=0.0)
     if fin is not None:
         sm.fin_gates = fin
+
+
+def _rot_thresholds(cfg, st, slots, steps, p_first, rows):
+    """Rotated batches (planning._v_rotated): int16 [rows, steps] mask thresholds of every step for the first and
+    the second half of its columns, p_first - 1 - pos0 -/+ 64n on the rows of the pack's rotated batches (their key
+    offsets are key +/- 64n there), in three instructions per pack (no per-step ones); None when no slot is
+    rotated. Constant tables (built once): pos0 + 1 and 64n per step on every partition, 1.0 on the rotated rows."""
+    if not any(_v_rotated(cfg, sl.j0, sl.w) for sl in slots):
+        return None
+    ns = len(steps)
+    if st.rot_tabs is None:
+        p1 = nl.ndarray((P_MAX, ns), dtype=nl.float32, buffer=nl.sbuf)
+        hv = nl.ndarray((P_MAX, ns), dtype=nl.float32, buffer=nl.sbuf)
+        # the rotated slots' body steps only (the other columns are never read): one iota and one memset per run
+        # of consecutive slots of one width whose steps start at pos0 = j0 + i*ni (per-step memsets otherwise)
+        runs = []       # [first column, j0, w, ni, steps per slot, slots]
+        for si, sl in enumerate(slots):
+            ks = [k for k, sp in enumerate(steps) if sp.slot == si and sp.chunks[0][2] > 0]
+            if not ks or not _v_rotated(cfg, sl.j0, sl.w):
+                continue
+            ni, r = len(steps[ks[0]].blocks), runs[-1] if runs else None
+            if ks != list(range(ks[0], ks[0] + len(ks))) or any(steps[k].pos0 != sl.j0 + i * ni
+                                                                 for i, k in enumerate(ks)):
+                for k in ks:
+                    nisa.memset(dst=p1[:, k:k + 1], value=float(steps[k].pos0 + 1), engine=nisa.engine.gpsimd)
+                    nisa.memset(dst=hv[:, k:k + 1], value=float(P_MAX // 2 * (sl.w // P_MAX)),
+                                engine=nisa.engine.gpsimd)
+            elif (r is not None and (r[2], r[3], r[4]) == (sl.w, ni, len(ks)) and r[0] + r[5] * r[4] == ks[0]
+                  and r[1] + r[5] * r[2] == sl.j0):
+                r[5] += 1
+            else:
+                runs.append([ks[0], sl.j0, sl.w, ni, len(ks), 1])
+        for k0, j0, w, ni, per, nsl in runs:
+            cols = nsl * per
+            nisa.iota(dst=p1[:, k0:k0 + cols].reshape((P_MAX, nsl, per)), pattern=[[w, nsl], [ni, per]],
+                      offset=j0 + 1, channel_multiplier=0)
+            nisa.memset(dst=hv[:, k0:k0 + cols], value=float(P_MAX // 2 * (w // P_MAX)), engine=nisa.engine.gpsimd)
+        r = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)      # row r of batch r // R: odd batches
+        nisa.iota(dst=r, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+        rr = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=rr, data=r, op0=nl.mod, operand0=float(2 * cfg.R), op1=nl.greater_equal,
+                           operand1=float(cfg.R))
+        nrr = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=nrr, data=rr, op0=nl.multiply, operand0=-1.0)
+        st.rot_tabs = (p1, hv, rr, nrr)
+    p1, hv, rr, nrr = st.rot_tabs
+    base = nl.ndarray((P_MAX, ns), dtype=nl.float32, buffer=nl.sbuf)      # p_first - pos0 - 1
+    nisa.tensor_scalar(dst=base[:rows], data=p1[:rows], op0=nl.subtract, operand0=p_first[:rows], op1=nl.multiply,
+                       operand1=-1.0)
+    out = []
+    for sgn in (nrr, rr):
+        t = nl.ndarray((P_MAX, ns), dtype=nl.int16, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=t[:rows], data=hv[:rows], op0=nl.multiply, operand0=sgn[:rows], op1=nl.add,
+                                  operand1=base[:rows])
+        out.append(t)
+    return tuple(out)
 
 
 def _step_threshold(base, rows, shift):
@@ -534,6 +599,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         kg = st.kg[st.n_slots % len(st.kg)]     # = kT unless fp8
         v = st.v[st.n_slots % cfg.kv_bufs]
         lane = st.kt_lanes[st.n_slots % cfg.kv_bufs]
+        rot = _v_rotated(cfg, j0, w)     # the pack's odd batches hold the slot rotated by half
         st.n_slots += 1
         if cfg.paged:
             lg = st.load_gates[j0] if cfg.ragged else (None,) * nb
@@ -551,7 +617,8 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                     continue
                 for a, size in _load_pieces(cfg, j0, w):    # a sequence's loads stop at its length
                     _run(st.load_gates[a][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v,
-                         lane=lane: _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane))
+                         lane=lane, r=rot and _rot_batch(j): _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0,
+                                                                         w, a, size, lane, r))
         # Ragged, per-group gated scores / PV (_stack_gates): a load group none of whose sequences reaches j0 is
         # neither loaded nor read in this slot (nor in any later slot of this pack), so a fresh ring buffer scrubs
         # the groups reaching j0 only; its other lanes keep their content. This pack's later uses of the buffer at
@@ -559,11 +626,11 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         # buffers (kg: the fp8 pairs, a ring of their own) and the V buffers are tracked apart.
         k_mode = _ring_mode(st, st.ring_k, (st.n_slots - 1) % len(st.kg), p0, j0, w)
         v_mode = _ring_mode(st, st.ring_v, (st.n_slots - 1) % cfg.kv_bufs, p0, j0, w)
-        _scrub_slot(cfg, st, kg, j0, w, nb, *k_mode, v_mode=v_mode, lane=lane)
+        _scrub_slot(cfg, st, kg, j0, w, nb, *k_mode, v_mode=v_mode, lane=lane, rot=rot)
         if cfg.fp8 and not cfg.fp8_mm:     # after the scrub: every lane cast (the groups reaching j0) is finite
             _cast_pairs(cfg, kg, kT, w, nb, K_cache.dtype, st.n_slots, st.cur_valid.slot_act.get(j0))
         views.append((kT, v, lane))
-        fresh.append((v, j0, w, st.gates[1]))
+        fresh.append((v, j0, w, st.gates[1], rot))
     kT, lane = views[step.slot][0], views[step.slot][2]
     j0, w = slots[step.slot].j0, slots[step.slot].w
     sc = st.scores()
@@ -577,8 +644,8 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
     # its statistics (pre_pv), so on VectorE / GpSimd it queues behind that step's row max instead of ahead of it
     # (the last slot's ANDs, after the last K/V load, delayed the last step's chain)
     step.pre_pv = None
-    for v, j0, w, gates in fresh:
-        ands = _scrub_v(cfg, st, v, j0, w, nb, gates, defer=j0 == slots[step.slot].j0)
+    for v, j0, w, gates, rot in fresh:
+        ands = _scrub_v(cfg, st, v, j0, w, nb, gates, defer=j0 == slots[step.slot].j0, rot=rot)
         if ands is not None:
             step.pre_pv = ands
     step.sc = sc
@@ -605,7 +672,15 @@ def _kt_lanes(cfg):
 def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0):
     """Scores of one step (every K^T stack of the pack) with its masks folded in, chunk by chunk."""
     n = w // P_MAX
-    masks = [_build_mask(cfg, rows, step.cols, key, step.thr_hi, nl.greater, 0.0)]
+    if step.thr_rot is not None:    # rotated batches (planning._v_rotated): each half of the columns its thresholds
+        m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
+        hc = step.cols // 2
+        for h, thr in enumerate(step.thr_rot):
+            nisa.tensor_tensor(dst=m[:rows, h * hc:(h + 1) * hc], data1=key[:rows, h * hc:(h + 1) * hc],
+                               data2=thr[:rows].broadcast(1, hc), op=nl.greater, engine=nisa.engine.gpsimd)
+        masks = [m]
+    else:
+        masks = [_build_mask(cfg, rows, step.cols, key, step.thr_hi, nl.greater, 0.0)]
     if step.thr_lo is not None:
         masks.append(_build_mask(cfg, rows, step.cols, key, step.thr_lo, nl.less_equal, 0.0))
     sg = step.stack_gates

@@ -111,18 +111,22 @@ def _k_ramp(cfg, st, w):
     return st.k_ramp[1]
 
 
-def _v_positions(cfg, st, w):
+def _v_positions(cfg, st, w, rot=False):
     """fp32 [128, blocks]: key offset of V slot block i on partition q (see _issue_scores / _load_slot_paged):
     q*n + i (i < n), the remainder block n*128 + q; paged K > 1: partition r*T + t holds t*m + r*n + i
-    (T = 128 / K gathered rows of m = K*n positions, see _slot_split)."""
+    (T = 128 / K gathered rows of m = K*n positions, see _slot_split). rot (planning._v_rotated): blocks i < n
+    hold ((q + 64) % 128)*n + i = (q*n + i + 64n) mod 128n."""
     n, rem, K = w // P_MAX, w % P_MAX, _slot_split(cfg, w)
-    key = (n, rem, K)
+    key = (n, rem, K, rot)
     if key in st.ramps:
         return st.ramps[key]
     t = nl.ndarray((P_MAX, n + 1), dtype=nl.float32, buffer=nl.sbuf)
     if K == 1:
         if n > 0:
             nisa.iota(dst=t[:, :n], pattern=[[1, n]], offset=0, channel_multiplier=n)
+            if rot:
+                nisa.tensor_scalar(dst=t[:, :n], data=t[:, :n], op0=nl.add, operand0=float(P_MAX // 2 * n),
+                                   op1=nl.mod, operand1=float(P_MAX * n))
         if rem:
             nisa.iota(dst=t[:, n:n + 1], pattern=[[0, 1]], offset=n * P_MAX, channel_multiplier=1)
     else:
@@ -143,7 +147,7 @@ def _v_positions(cfg, st, w):
     return t
 
 
-def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=None, lane=0):
+def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=None, lane=0, rot=False):
     """Exclude, by selection, every K^T element of the slot [j0, j0 + w) whose position is outside its own
     sequence's valid range (st.cur_valid): rows past a sequence's length (a reused paged block's stale tail, which
     may hold NaN) and rows before a sliding window. Batch packing contracts other sequences' keys against zero
@@ -152,7 +156,8 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
     an invalid one finite (its score is masked anyway); never a multiply. Masks per stack on ScalarE, ANDs on
     GpSimd; V in _scrub_v. Each stack's / batch's scrub runs only when the slot holds one of its invalid rows (a
     runtime trip count, see _slot_gates). lane: a one-sequence pack's K^T on partitions kd..2kd (_Config.kt_alt;
-    its valid-range table holds the sequence on both halves)."""
+    its valid-range table holds the sequence on both halves). rot: the pack's odd batches hold the slot rotated
+    by half (planning._v_rotated): their partitions' masks use the rotated key offsets (_rot_ramp)."""
     vr = st.cur_valid
     d, kpp = cfg.kd, cfg.kpp       # kT: the load groups (fp8: the pairs before their cast)
     nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
@@ -164,6 +169,7 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
     b_lo = _slot_rel(vr.lo_k, p0 + npk, nst, j0, 1.0, -0.5)
     ramp = _k_ramp(cfg, st, w)
     st.gates = _slot_gates(cfg, vr, j0, w, nb, fresh_ring, relaxed, v_mode)
+    rramp = _rot_ramp(cfg, st, w, lane) if rot else None     # the rotated batches' key offsets
     for jj in range(nst):
         kp = min(kpp, nb - jj * kpp) * d
 
@@ -173,9 +179,34 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
                     continue
                 m = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.int16, buffer=nl.sbuf)
                 ps = slice(p0, p0 + kp)
-                nisa.activation(dst=m[ps, :w], op=nl.sign, data=ramp[ps, :w], bias=bias[ps, jj:jj + 1], scale=sc)
+                # kpp even: the table holds each partition's own layout; kpp = 1: the odd stacks are rotated
+                rp = rramp if rramp is not None and (cfg.kpp % 2 == 0 or jj % 2 == 1) else ramp
+                nisa.activation(dst=m[ps, :w], op=nl.sign, data=rp[ps, :w], bias=bias[ps, jj:jj + 1], scale=sc)
                 _and_bits(kT[ps, jj, :w], m[ps, :w], vector=not _tail_rule(cfg, st) and jj % 2 == 1)
         nl.fori_loop(0, st.gates[0][jj], stack)    # runs only when a sequence of the stack has invalid rows here
+
+
+def _rot_ramp(cfg, st, w, lane):
+    """_k_ramp of the rotated batches (planning._v_rotated, _rot_batch: the odd batches) of a contiguous slot of w
+    positions: key offset (c + 64n) mod 128n of column c < 128n (the remainder columns as the plain ramp). kpp
+    even: only on the partitions of the odd batches (batch jj*kpp + (u + lane) % kpp on partitions u*kd.., see
+    kv_io._load_piece), the plain ramp elsewhere; kpp = 1: every partition (the odd stacks use it). int16 (exact:
+    offsets < FA_TILE_MAX), built once per (lane, n)."""
+    n = w // P_MAX
+    key = ("rot", n, lane if cfg.kpp % 2 == 0 else 0)
+    if key in st.ramps:
+        return st.ramps[key]
+    hv = P_MAX // 2 * n
+    t = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.int16, buffer=nl.sbuf)
+    nisa.iota(dst=t[:, :w], pattern=[[1, w]], offset=0, channel_multiplier=0)
+    for u in range(cfg.kpp if cfg.kpp % 2 == 0 else 1):
+        if cfg.kpp % 2 == 0 and (u + lane) % 2 == 0:
+            continue     # an even batch's partitions: plain
+        ps = slice(u * cfg.kd, (u + 1) * cfg.kd) if cfg.kpp % 2 == 0 else slice(0, P_MAX)
+        nisa.iota(dst=t[ps, :hv], pattern=[[1, hv]], offset=hv, channel_multiplier=0)
+        nisa.iota(dst=t[ps, hv:2 * hv], pattern=[[1, hv]], offset=0, channel_multiplier=0)
+    st.ramps[key] = t
+    return t
 
 
 def _lane_flags(cfg, vr, j0, w, nb, fresh_ring, relaxed):
@@ -247,7 +278,24 @@ def _slot_gates(cfg, vr, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=None)
     return tuple(regs)
 
 
-def _scrub_v(cfg, st, v, j0, w, nb, gates, defer=False):
+def _v_positions_rot(cfg, st, w):
+    """fp32 [128, pack, blocks]: _v_positions per batch of a pack, the odd batches' rotated (_v_rotated), built
+    once per slot width."""
+    n, rem = w // P_MAX, w % P_MAX
+    key = ("vrot", n, rem)
+    if key not in st.ramps:
+        t = nl.ndarray((P_MAX, cfg.pack, n + 1), dtype=nl.float32, buffer=nl.sbuf)
+        nblk = n + (1 if rem else 0)
+        for j1 in range(min(2, cfg.pack)):
+            cnt = (cfg.pack - j1 + 1) // 2
+            nisa.tensor_copy(dst=t[:, j1:j1 + 2 * (cnt - 1) + 1:2, :nblk],
+                             src=_v_positions(cfg, st, w, j1 == 1)[:, :nblk].expand_dim(1).broadcast(1, cnt),
+                             engine=nisa.engine.gpsimd)
+        st.ramps[key] = t
+    return st.ramps[key]
+
+
+def _scrub_v(cfg, st, v, j0, w, nb, gates, defer=False, rot=False):
     """V half of _scrub_slot (issued after the first step's scores: PV needs it one step later): an int16 mask
     [128, batches, blocks] (-1 valid, 0 invalid; small, VectorE), ANDed on GpSimd. v4: a batch's V AND runs on
     the other engine than its K^T stack's (_scrub_slot alternates the stacks: even ones on GpSimd): VectorE as int32
@@ -259,10 +307,16 @@ def _scrub_v(cfg, st, v, j0, w, nb, gates, defer=False):
     n, rem = w // P_MAX, w % P_MAX
     nblk = n + (1 if rem else 0)
     th_v, tl_v = _slot_rel(vr.hi_v, P_MAX, nb, j0), _slot_rel(vr.lo_v, P_MAX, nb, j0)
-    vpos = _v_positions(cfg, st, w)[:, :nblk].expand_dim(1).broadcast(1, nb)
+    vplain = _v_positions(cfg, st, w)[:, :nblk]
+    vpos = vplain.expand_dim(1).broadcast(1, nb)
     mf = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=mf[:, :nb, :], data1=vpos, data2=th_v[:, :nb].expand_dim(2).broadcast(2, nblk),
-                       op=nl.less)
+    if rot:      # the odd batches hold the slot rotated (planning._v_rotated): a per-batch table
+        vb = _v_positions_rot(cfg, st, w)
+        nisa.tensor_tensor(dst=mf[:, :nb, :], data1=vb[:, :nb, :nblk],
+                           data2=th_v[:, :nb].expand_dim(2).broadcast(2, nblk), op=nl.less)
+    else:
+        nisa.tensor_tensor(dst=mf[:, :nb, :], data1=vpos, data2=th_v[:, :nb].expand_dim(2).broadcast(2, nblk),
+                           op=nl.less)
     mv = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.int16, buffer=nl.sbuf)
     if tl_v is None:
         nisa.tensor_scalar(dst=mv[:, :nb, :], data=mf[:, :nb, :], op0=nl.multiply, operand0=-1.0)

@@ -7,7 +7,7 @@ import nki.language as nl
 
 from .common import _run
 from .config import P_MAX
-from .planning import _packs, _plan, _slot_split
+from .planning import _packs, _plan, _slot_split, _v_parts
 
 
 def _cast_pairs(cfg, kg, kT, w, nb, dtype, k, gates=None):
@@ -26,10 +26,12 @@ def _cast_pairs(cfg, kg, kT, w, nb, dtype, k, gates=None):
              nisa.tensor_copy(dst=kT[:kp, 2 * jg:2 * jg + 2, :w], src=pairs, engine=eng))
 
 
-def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0):
+def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, rot=False):
     """Contiguous cache: K^T / V of positions [a, a + size) of the slot [j0, j0 + w) for batch j of the pack (the
     whole slot, or a piece of it: whole V partitions of the slot layout, or its remainder block). lane: the
-    partition block of batch j's K^T in its stack, (j + lane) % kpp (see _Config.kt_alt).
+    partition block of batch j's K^T in its stack, (j + lane) % kpp (see _Config.kt_alt). rot: batch j
+    holds the slot rotated by half (planning._v_rotated: K^T column c / V partition q hold the plain layout's
+    column (c + 64n) mod 128n / partition (q + 64) % 128; the remainder block is not rotated).
 
     fp8 cache: K rows are read as 2-byte pairs [size, d / 2] (a DMA transpose moves 2-byte elements only), so
     kT (the load group tile, uint16) gets partition i <-> dims (2i, 2i + 1) of each position; _cast_pairs splits
@@ -40,11 +42,19 @@ def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0):
     k_rows = K_cache[b, g, a:a + size, :]
     if cfg.fp8:
         k_rows = k_rows.view(nl.uint16)
-    nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, off:off + size], src=k_rows)
     body = max(0, min(size, n * P_MAX - off))        # positions of the piece in the n-per-partition layout
+    if rot and body:     # the body's columns in each half of the slot, each moved by half (64n columns)
+        for p_s, p_e, p_d in _v_parts(off // n, (off + body) // n, rot):
+            nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, p_d * n:p_e * n - p_s * n + p_d * n],
+                               src=k_rows[p_s * n - off:p_e * n - off, :])
+        if size > body:
+            nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, off + body:off + size], src=k_rows[body:size, :])
+    else:
+        nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, off:off + size], src=k_rows)
     if body:
-        nisa.dma_copy(dst=v[off // n:(off + body) // n, j, :n, :],
-                      src=V_cache[b, g, a:a + body, :].reshape((body // n, n * d)))
+        for p_s, p_e, p_d in _v_parts(off // n, (off + body) // n, rot):
+            nisa.dma_copy(dst=v[p_d:p_d + p_e - p_s, j, :n, :],
+                          src=V_cache[b, g, j0 + p_s * n:j0 + p_e * n, :].reshape((p_e - p_s, n * d)))
     rem = size - body
     if rem:
         nisa.dma_copy(dst=v[:rem, j, n, :], src=V_cache[b, g, a + body:a + size, :])

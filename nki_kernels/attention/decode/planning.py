@@ -61,6 +61,7 @@ class _Step(nl.NKIObject):
         self.key_id, self.key_pattern, self.blocks = key_id, key_pattern, blocks
         self.cols = chunks[-1][1]
         self.sc, self.thr_hi, self.thr_lo = None, None, None
+        self.thr_rot = None     # a step over a rotated slot (_v_rotated): thresholds of each half of the columns
         self.stack_gates = None     # ragged: per K^T load group, a runtime trip count (ragged._stack_gates)
 
 
@@ -187,3 +188,26 @@ def _load_pieces(cfg, j0, w):
     step = max(n, FA_SUB // n * n) if n else FA_SUB     # whole V partitions of n positions each
     pieces = tuple((j0 + a, min(step, body - a)) for a in range(0, body, step))
     return pieces + (((j0 + body, w - body),) if w > body else ())
+
+
+
+def _v_rotated(cfg, j0, w):
+    """Whether the odd batches of a pack hold the slot [j0, j0 + w) rotated by half (config._Config.v_rot: K^T
+    column c and V partition q hold the positions of column (c + 64n) mod 128n / partition (q + 64) % 128 of the
+    plain layout, n = w // 128; the remainder block is not rotated): slots loaded in more than one piece (a
+    one-piece slot covers every partition whatever the layout)."""
+    return cfg.v_rot and len(_load_pieces(cfg, j0, w)) > 1
+
+
+def _rot_batch(j):
+    """Batch j of a pack is rotated in the slots _v_rotated selects iff j is odd."""
+    return j % 2 == 1
+
+
+def _v_parts(pa, pb, rot):
+    """(first plain partition, end, first partition in the slot) of the V partitions [pa, pb) of a load piece:
+    one run, or rotated (_v_rotated) its parts in each half of the partitions, each moved by half."""
+    if not rot:
+        return ((pa, pb, pa),)
+    half = P_MAX // 2
+    return tuple((s, e, (s + half) % P_MAX) for s, e in ((pa, min(pb, half)), (max(pa, half), pb)) if s < e)

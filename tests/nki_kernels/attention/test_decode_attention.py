@@ -14,6 +14,7 @@ import nki_kernels  # noqa: F401 - registers the nki layer
 # by tests/modules too)
 from modules.model_specs import GPT_OSS_20B, LLAMA_31_8B, LLAMA_33_70B
 from nki_kernels.attention import check_positions, decode_attention, decode_attention_torch
+from nki_kernels.attention.decode import config as cfg_mod
 from nki_kernels.attention.decode_attention import decode_attention_nki
 from nki_kernels.attention.decode_inputs import make_inputs, rank_shard, to_paged  # noqa: F401 (make_inputs: used
 
@@ -671,6 +672,61 @@ def test_ragged_load_groups_skip_their_matmuls(fp8):
     _, rep_full = nkisim.profile(decode_attention_nki, *full, target="trn2", **kw)
     # modelled: 0.49 (bf16) / 0.56 (fp8) of the full-length batch's issued FLOPs (real keys: 0.29); ungated 1.0
     assert rep.flops_issued < (0.7 if fp8 else 0.6) * rep_full.flops_issued
+
+
+@pytest.mark.parametrize("shape,S,ctx,lens,fp8", [
+    (GPT_OSS_20B_TP8, 1, 8192, (1, 900, 2047, 2049, 3000, 5000, 7000), False),   # odd pack: one-batch last stack
+    (LLAMA31_8B_TP8, 2, 8192 + 200, (700, 1500, 2100, 4000, 8190), False),       # kpp 1, S_tkg 2, remainder slot
+    (LLAMA31_8B_TP8, 1, 8192, (300, 3100, 5000), True),                          # fp8 pairs (kd 64, 2 per stack)
+])
+def test_ragged_rotated_slots_with_nan_tails(shape, S, ctx, lens, fp8):
+    """Ragged packs on trn2 hold their odd batches' multi-piece slots rotated by half (_Config.v_rot: V partition q
+    and K^T column block q hold the plain layout's (q + 64) % 128; masks and scrubs follow). NaN past every
+    length, sequences ending in either half of a rotated slot: finite, equal to the reference and bit-identical to
+    a clean cache."""
+    from nki_kernels.attention.decode.planning import _plan, _v_rotated
+
+    args, kw = make_inputs(len(lens), S, s_max=ctx, ctx=ctx, seed=71, **shape)
+    args[4][:] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)
+    if fp8:
+        one = torch.ones(1)
+        args = args[:2] + tuple(c.float().to(torch.float8_e4m3fn) for c in args[2:4]) + args[4:]
+        kw = dict(kw, k_scale=one, v_scale=one)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, fp8)
+    seen = []
+    orig = cfg_mod._Config.__init__
+
+    def spy(self, *a, **k):
+        orig(self, *a, **k)
+        seen.append(self.v_rot and any(_v_rotated(self, sl.j0, sl.w) for sl in _plan(self)[0]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cfg_mod._Config, "__init__", spy)
+        out = decode_attention(*args, **kw, backend="nkisim")
+    assert seen and all(seen), "no rotated slot: the case does not test the rotation"
+    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
+    assert torch.isfinite(ref).all() and torch.isfinite(out.float()).all()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim"))
+
+
+def test_ragged_v_balances_the_dma_rings():
+    """GPT-OSS B=8, 8K (slots 1024 / 1024 / 2048 / ...): every sequence ends inside the first piece of the 2048-
+    position slot, so each loads only that piece's V (64 partitions, 8 DMA rings). Those loads used to land on
+    partitions 0..63 (rings 0..7) only; with the odd batches rotated both halves of the rings carry the same V
+    bytes (modelled, trn2; main: 1050112 / 1024 bytes)."""
+    import nkisim
+
+    lens = (2100, 2200, 2300, 2400, 2500, 2600, 2700, 2800)
+    args, kw = make_inputs(len(lens), 1, s_max=8192, ctx=8192, seed=72, **GPT_OSS_20B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    _, rep = nkisim.profile(decode_attention_nki, *args, target="trn2", **kw)
+    halves = [0, 0]
+    for e in rep.events:      # DMA copies over 64 partitions: the V pieces
+        if e.engine == "dma" and e.op == "dma_copy" and not e.cost.note and len(e.pieces) == 8:
+            for q, _s, _e in e.pieces:
+                halves[q // 8] += e.cost.dma_bytes / len(e.pieces)
+    assert 0.9 < halves[0] / halves[1] < 1.1, halves
 
 
 # ---- LNC=2 batch split balanced at run time: both cores on every sequence, alternating slots, states merged -------
