@@ -433,6 +433,13 @@ def test_sliding_window_reads_only_the_window():
 
 # ---- isolation: stale cache rows (NaN) never reach another row ---------------------------------------------------
 
+def _fp8_cache(args, kw):
+    """The same inputs with K/V caches cast to fp8 e4m3 and unit per-tensor scales."""
+    one = torch.ones(1)
+    args = args[:2] + tuple(c.float().to(torch.float8_e4m3fn) for c in args[2:4]) + args[4:]
+    return args, dict(kw, k_scale=one, v_scale=one)
+
+
 def _poison_past(args, lens, fp8):
     """Stale cache rows from each sequence's length on: NaN (fp8: 0x7F bytes)."""
     for b, p0 in enumerate(lens):
@@ -655,9 +662,7 @@ def test_ragged_load_groups_skip_their_matmuls(fp8):
     args, kw = make_inputs(8, 1, s_max=ctx, ctx=ctx, seed=61, **GPT_OSS_20B_TP8)
     args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
     if fp8:
-        one = torch.ones(1)
-        args = args[:2] + tuple(c.float().to(torch.float8_e4m3fn) for c in args[2:4]) + args[4:]
-        kw = dict(kw, k_scale=one, v_scale=one)
+        args, kw = _fp8_cache(args, kw)
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, fp8)
     ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
@@ -689,9 +694,7 @@ def test_ragged_rotated_slots_with_nan_tails(shape, S, ctx, lens, fp8):
     args, kw = make_inputs(len(lens), S, s_max=ctx, ctx=ctx, seed=71, **shape)
     args[4][:] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)
     if fp8:
-        one = torch.ones(1)
-        args = args[:2] + tuple(c.float().to(torch.float8_e4m3fn) for c in args[2:4]) + args[4:]
-        kw = dict(kw, k_scale=one, v_scale=one)
+        args, kw = _fp8_cache(args, kw)
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, fp8)
     seen = []
@@ -880,9 +883,8 @@ def test_fp8_cache_halves_the_kv_bytes():
     reads = {}
     _, rep = nkisim.profile(decode_attention_nki, *args, target="trn2", **kw)
     reads["bf16"] = rep.hbm_read_bytes
-    one = torch.ones(1)
-    a8 = args[:2] + tuple(c.float().to(torch.float8_e4m3fn) for c in args[2:4]) + args[4:]
-    _, rep8 = nkisim.profile(decode_attention_nki, *a8, target="trn2", **dict(kw, k_scale=one, v_scale=one))
+    a8, kw8 = _fp8_cache(args, kw)
+    _, rep8 = nkisim.profile(decode_attention_nki, *a8, target="trn2", **kw8)
     kv_bf16 = 4 * 4095 * 2 * 64 * 2
     assert reads["bf16"] - rep8.hbm_read_bytes == pytest.approx(kv_bf16 / 2, rel=0.02)
 
