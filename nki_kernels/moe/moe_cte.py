@@ -29,13 +29,11 @@ SCHED_FIELDS = 6
 # stationary and the tokens moving (gate/up in max(n, 64) TensorE cycles per I chunk instead of 2I per H tile) and
 # gathers / scatters only these rows (64: the TensorE minimum of 64 cycles per matmul makes narrower ones no faster)
 HALF_ROWS = 64
-# schedule header per core: expert pairs, prologue flag (0/1: the first expert's weights load before out is zeroed,
-# so that the first matmuls do not wait behind the zero-fill in the DMA queues; its own load flag is then 0), index
-# of the H-split block (LNC=2 with bf16 weights, below; 0 when absent)
-SCHED_HEADER = 3
-# LNC=2 with bf16 weights: the down projection split by H halves (see _hsplit). Block of a core's schedule row at
-# the index in header field 2: [step pairs, zero-first flag (1: the core has no tile of its own, it zeroes its half
-# of out first)], then S2 (even) steps, then the tile-steps
+# LNC=1 schedule header: expert pairs, prologue flag (0/1: the first expert's weights load before out is zeroed, so
+# that the first matmuls do not wait behind the zero-fill in the DMA queues; its own load flag is then 0)
+SCHED_HEADER = 2
+# LNC=2: the down projection split by H halves (see _hsplit). A core's schedule row: [step pairs, zero-first flag
+# (1: the core has no tile of its own, it zeroes its half of out first)], then S2 (even) steps, then the tile-steps
 HS_HEADER = 2
 # per step: own expert, own load flag (gate/up + this core's H half of the down weights), peer expert, peer load
 # flag (this core's H half of the peer's down weights), tile-step pairs, odd tile-step (0/1), index of its first
@@ -44,8 +42,10 @@ STEP_FIELDS = 7
 # per tile-step: own full tile (0/1), own narrow tile (0/1), own first row, peer full (0/1), peer narrow (0/1), peer
 # first row, zero-fill flag (1 on the core's first own tile: its half of out is zeroed after that tile's rows)
 TILE_FIELDS = 7
-PIPE_ACT = 7           # sendrecv pipe of the act^T swaps (any id; all swaps on one pipe: the k-th of each core pair)
-COMBINE_ROWS = 256     # rows per DMA when the LNC=2 partial is added into out (>= 1.5 MiB per transfer)
+# sendrecv pipes of the act^T swaps (any ids; the k-th sendrecv of each core on a pipe pair up): bf16 act^T, or the
+# MXFP8 act^T words on PIPE_ACT and their scales on PIPE_ACT_SCALE (two dtypes: one sendrecv each)
+PIPE_ACT = 7
+PIPE_ACT_SCALE = 8
 # shortest per-partition weight DMA run worth the natural H tiling of DMA transposes: run / (run + 256 B) >= 80%
 # (AWS DMA bandwidth guide: < 256 B per descriptor severely overhead-bound, >= 2 KiB near peak; nkisim.cost rule 6)
 WEIGHT_RUN_MIN = 1024
@@ -100,9 +100,8 @@ class _Config(nl.NKIObject):
         self.H_CH = PSUM_F                     # output columns per down-projection PSUM bank
         self.n_hch = (H + self.H_CH - 1) // self.H_CH
         self.n_ic = (inter + P_MAX - 1) // P_MAX   # 128-row I chunks of the narrow tile (gate in one PSUM bank)
-        # LNC=2 with bf16 weights: each core owns one H half of out (see _hsplit); the MX path keeps the expert
-        # split with a partial (its down operand is the MXFP8-quantised act^T: not swapped, not done)
-        self.hsplit = n_cores == 2 and not mx
+        # LNC=2: each core owns one H half of out (see _hsplit)
+        self.hsplit = n_cores == 2
         self.Hh = H // 2
         self.n_hch_half = (self.Hh + self.H_CH - 1) // self.H_CH
 
@@ -117,7 +116,9 @@ class _Config(nl.NKIObject):
     def tile_bytes(self):
         """SBUF bytes per partition of one token tile's working set."""
         mx = (2 * self.H + 5 * self.KC * P_MAX + 4 * self.KDm * MX_CHUNK + 5 * self.KDm * P_MAX) if self.mx else 0
-        hs = (2 * self.KD * P_MAX + 2 * self.Hh + 4 * 2) if self.hsplit else 0   # received act^T, peer rows
+        # H split: the received act^T (bf16, or MXFP8 words and scales), the peer rows' ids, affinities and output
+        recv = 5 * self.KDm * P_MAX if self.mx else 2 * self.KD * P_MAX
+        hs = (recv + 2 * self.Hh + 4 * 2) if self.hsplit else 0
         return mx + hs + (2 * self.H * 3 + 2 * self.KD * P_MAX + 2 * self.I_aug + 4 * 4 * min(self.I, self.I_CH)
                 + 4 * 3 + 2 * self.KD * HALF_ROWS + 4 * 3 * HALF_ROWS)
 
@@ -137,11 +138,11 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         gather_ids ([R, 1] uint32 @ HBM): token of each mapping row; padding rows name any valid token.
         scatter_ids ([R, 1] int32 @ HBM): token of each mapping row, -1 for padding (its output is dropped).
         row_affinity ([R, 1] fp32 @ HBM): affinity of each mapping row, 0 for padding.
-        schedule ([n_cores, W] int32 @ HBM): per core: the number of expert pairs it serves, the prologue flag (1:
-            the first entry's weights are loaded before the loop, and its own load flag is 0), the index of the
-            H-split block, then S (even) entries (expert id, first row, pairs of 128-row tiles, odd last tile 0/1,
-            load flag 0/1, narrow last tile 0/1); the entries past a core's experts have no tiles and flag 0. With
-            two cores the H-split block follows (steps and tile-steps, see HS_HEADER; expert_schedule builds both).
+        schedule ([n_cores, W] int32 @ HBM): LNC=1: the number of expert pairs, the prologue flag (1: the first
+            entry's weights are loaded before the loop, and its own load flag is 0), then S (even) entries (expert
+            id, first row, pairs of 128-row tiles, odd last tile 0/1, load flag 0/1, narrow last tile 0/1); the
+            entries past the experts have no tiles and flag 0. LNC=2: per core the H-split steps and tile-steps
+            (see HS_HEADER). expert_schedule builds both.
         b_gate_up ([E, 2, I] @ HBM): optional gate/up bias.
         b_down ([E, H] @ HBM): optional down bias (pass None on the TP ranks that must not add it).
         activation (str): "clamped_swiglu" (GPT-OSS) or "swiglu".
@@ -159,11 +160,10 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         - Experts are served in pairs (two weight slots): the second expert's weights load while the first
           computes. An expert with no rows is never scheduled; a tile past an expert's rows is never run (the tile
           loop's bound is data), so padding costs at most the rest of an expert's last 128-row tile.
-        - Each expert's weights are read from HBM once per launch. LNC=2, bf16 weights: each core computes gate/up
-          for its own experts and the down projection of every expert for its half of H (the tile's act^T swapped
-          with the other core, sendrecv), so each core read-modify-writes only its half of out's columns (_hsplit).
-          LNC=2, MXFP4: the experts are split (balanced on tiles on the host); core 0 accumulates into out, core 1
-          into an HBM partial, and after a barrier the cores add the partial into out (half the rows each).
+        - Each expert's weights are read from HBM once per launch. LNC=2: each core computes gate/up for its own
+          experts and the down projection of every expert for its half of H (the tile's act^T -- bf16, or with
+          MXFP4 weights its MXFP8 words and scales -- swapped with the other core, sendrecv), so each core
+          read-modify-writes only its half of out's columns (_hsplit).
         - Orientation: gate/up with the gathered tokens' x^T [128 (H), 128 (tokens)] stationary and the weights
           moving (the I columns stream, no I padding); the down projection with act^T stationary.
         - x^T: DMA gather-transposes or TensorE transposes, by generation and rows per expert (see _Config).
@@ -180,46 +180,34 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
                            b_down, activation, routed_rows, w_gate_up_scale, w_down_scale)
     out = nl.ndarray((cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
     core = nl.program_id(0) if cfg.n_cores > 1 else 0
-    if cfg.hsplit:
-        sched = _load_schedule(cfg, schedule, core)
-        weights = [_Weights(cfg) for _ in range(2)]
-        tiles = [_Tiles(cfg) for _ in range(2)]
-        _hsplit(cfg, out, sched, core, weights, tiles, _Psum(cfg), x, w_gate_up, w_down, b_gate_up, b_down,
-                gather_ids, scatter_ids, row_affinity)
-        return out
-    # LNC=2 with MXFP4 weights (the experts split between the cores): core 0 accumulates into out, core 1 into a
-    # partial of its own (two cores' read-modify-writes of one token row would race); after a barrier the cores add
-    # the partial into out, half the rows each
-    acc = out
-    if cfg.n_cores > 1:
-        part = nl.ndarray((cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
-        acc = out if core == 0 else part
+    scales = (w_gate_up_scale, w_down_scale)
     sched = _load_schedule(cfg, schedule, core)
     weights = [_Weights(cfg) for _ in range(2)]
     tiles = [_Tiles(cfg) for _ in range(2)]
     psum = _Psum(cfg)
-    # acc is zeroed before the first scatter-add, but in program order (the DMA engines' priority) after the first
+    if cfg.hsplit:
+        _hsplit(cfg, out, sched, core, weights, tiles, psum, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids,
+                scatter_ids, row_affinity, scales)
+        return out
+    # out is zeroed before the first scatter-add, but in program order (the DMA engines' priority) after the first
     # expert's weights and its first tile's rows, so that those do not wait behind the T x H zero-fill: the
-    # weights in this prologue, the zero-fill inside the first expert's tile loop (_serve_expert); a core with no
-    # expert zeroes here
+    # weights in this prologue, the zero-fill inside the first expert's tile loop (_serve_expert); no expert at
+    # all: zeroed here
     e0 = _field(cfg, sched, SCHED_HEADER, 0)
     prologue = nisa.scalar_load(sched[0:1, 1:2])
     nl.fori_loop(0, prologue, lambda _: _load_weights(cfg, weights[0], psum, e0, w_gate_up, w_down, b_gate_up,
-                                                      b_down, (w_gate_up_scale, w_down_scale)))
-    nl.fori_loop(0, 1 - prologue, lambda _: _zero_rows(cfg, acc, 0, cfg.T))
+                                                      b_down, scales))
+    nl.fori_loop(0, 1 - prologue, lambda _: _zero_rows(cfg, out, 0, cfg.T))
 
     def pair(p):
         for s in range(2):
             base = p * (2 * SCHED_FIELDS) + s * SCHED_FIELDS + SCHED_HEADER
             slots = [_Slot(weights[s], t, psum, i) for i, t in enumerate(tiles)]
             _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids,
-                          scatter_ids, row_affinity, acc, (w_gate_up_scale, w_down_scale), s == 1)
+                          scatter_ids, row_affinity, out, scales, s == 1)
 
     n_pairs = nisa.scalar_load(sched[0:1, 0:1])
     nl.fori_loop(0, n_pairs, pair)
-    if cfg.n_cores > 1:
-        nisa.core_barrier(part, cores=(0, 1))
-        _add_partial(cfg, part, out, core)
     return out
 
 
@@ -274,9 +262,13 @@ def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity
     assert tuple(scatter_ids.shape) == (R, 1) and tuple(row_affinity.shape) == (R, 1), \
         f"scatter_ids and row_affinity must be [R={R}, 1], got {tuple(scatter_ids.shape)}, {tuple(row_affinity.shape)}"
     n_cores = nl.num_programs()
-    assert len(schedule.shape) == 2 and schedule.shape[0] == n_cores and (schedule.shape[1] - SCHED_HEADER) % (
-        2 * SCHED_FIELDS) == 0, \
-        f"schedule must be [n_cores={n_cores}, {SCHED_HEADER} + {2 * SCHED_FIELDS} p], got {tuple(schedule.shape)}"
+    if n_cores == 1:
+        assert len(schedule.shape) == 2 and schedule.shape[0] == 1 and (schedule.shape[1] - SCHED_HEADER) % (
+            2 * SCHED_FIELDS) == 0, \
+            f"schedule must be [1, {SCHED_HEADER} + {2 * SCHED_FIELDS} p], got {tuple(schedule.shape)}"
+    else:
+        assert len(schedule.shape) == 2 and schedule.shape[0] == n_cores and schedule.shape[1] >= HS_HEADER, \
+            f"schedule must be [n_cores={n_cores}, >= {HS_HEADER}] (expert_schedule), got {tuple(schedule.shape)}"
     weights = (("b_gate_up", b_gate_up), ("b_down", b_down)) + (() if mx else (("w_gate_up", w_gate_up),
                                                                                ("w_down", w_down)))
     for name, w in weights:
@@ -357,14 +349,20 @@ class _Tiles(nl.NKIObject):
         self.sh = nl.ndarray((P_MAX, HALF_ROWS), dtype=nl.float32, buffer=nl.sbuf)
         if cfg.bias_d:   # row I of act^T is the down-bias row's input: the I chunks overwrite the rows above it
             nisa.memset(dst=self.aTh[:, inter // P_MAX, :], value=1.0)
-        # H split (LNC=2): the peer's act^T of the same tile-step (sendrecv), the peer rows' ids, affinities, output
-        self.aTr = self.psid = self.paff = self.py = None
+        # H split (LNC=2): the peer's act^T of the same tile-step (sendrecv; MX: its MXFP8 words and scales), the
+        # peer rows' ids, affinities, output
+        self.aTr = self.aqr = self.asr = self.psid = self.paff = self.py = None
         if cfg.hsplit:
-            self.aTr = nl.ndarray((P_MAX, KD, P_MAX), dtype=dt, buffer=nl.sbuf)
+            if cfg.mx:
+                self.aqr = nl.ndarray((P_MAX, cfg.KDm, P_MAX), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+                self.asr = nl.ndarray((P_MAX, cfg.KDm, P_MAX), dtype=nl.uint8, buffer=nl.sbuf)
+            else:
+                self.aTr = nl.ndarray((P_MAX, KD, P_MAX), dtype=dt, buffer=nl.sbuf)
             self.psid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
             self.paff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
             self.py = nl.ndarray((P_MAX, cfg.Hh), dtype=dt, buffer=nl.sbuf)
-            if cfg.bias_d:   # a narrow tile writes its act^T into aT (the swapped tile): the bias row as in aTh
+            # bf16: a narrow tile writes its act^T into aT (the swapped tile): the bias row as in aTh
+            if cfg.bias_d and not cfg.mx:
                 nisa.memset(dst=self.aT[:, inter // P_MAX, :], value=1.0)
 
 
@@ -379,7 +377,7 @@ class _Slot(nl.NKIObject):
         self.sgu, self.sd, self.bdrow = w.sgu, w.sd, w.bdrow
         self.xTm, self.xq, self.xs, self.aTm, self.aq, self.as_ = t.xTm, t.xq, t.xs, t.aTm, t.aq, t.as_
         self.pg, self.pu = psum.gs[i % len(psum.gs)], psum.us[i % len(psum.us)]
-        self.aTr, self.psid, self.paff, self.py = t.aTr, t.psid, t.paff, t.py
+        self.aTr, self.aqr, self.asr, self.psid, self.paff, self.py = t.aTr, t.aqr, t.asr, t.psid, t.paff, t.py
 
 
 class _Psum(nl.NKIObject):
@@ -412,7 +410,7 @@ def _zero_rows(cfg, dst, r0, r1, c0=0, width=None):
 
 
 def _load_schedule(cfg, schedule, core):
-    """This core's schedule row → SBUF [1, 2 + 5 S] (scalar loads then cost an SBUF access, not a DMA each)."""
+    """This core's schedule row → SBUF [1, W] (scalar loads then cost an SBUF access, not a DMA each)."""
     sched = nl.ndarray((1, cfg.sched_len), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=sched, src=schedule[core:core + 1, :])
     return sched
@@ -424,10 +422,10 @@ def _field(cfg, sched, base, k):
 
 
 def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids,
-                  row_affinity, acc, scales, second):
-    """One scheduled expert: its weights (if it has rows), then its 128-row tiles, two at a time (alternate tile
-    buffers), and an odd last one. The first entry of a core (load flag 0: its weights came in the prologue) zeroes
-    acc after its first tile's rows are in, before that tile's scatter-add: trip count 1 - load - (tiles before), 1
+                  row_affinity, out, scales, second):
+    """One scheduled expert (LNC=1): its weights (if it has rows), then its 128-row tiles, two at a time (alternate
+    tile buffers), and an odd last one. The first entry (load flag 0: its weights came in the prologue) zeroes out
+    after its first tile's rows are in, before that tile's scatter-add: trip count 1 - load - (tiles before), 1
     once, else <= 0."""
     e = _field(cfg, sched, base, 0)
     row0 = _field(cfg, sched, base, 1)
@@ -439,8 +437,8 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
                                                   scales))
 
     def tile(slot, row, zero_trips=0, n=P_MAX, pb=0):
-        _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc,
-                    lambda: nl.fori_loop(0, zero_trips, lambda _: _zero_rows(cfg, acc, 0, cfg.T)), n, pb)
+        _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, out,
+                    lambda: nl.fori_loop(0, zero_trips, lambda _: _zero_rows(cfg, out, 0, cfg.T)), n, pb)
 
     # the second expert of a pair takes the tile buffer sets in the other order, so that experts with a single
     # (narrow) tile alternate sets; a narrow tile on set 1 puts its output rows on partitions 64..127, on set 0 on
@@ -462,16 +460,40 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
     nl.fori_loop(0, half * (1 - odd), lambda _: tile(order[0], row_h, zero_h, nh, pb[0]))
 
 
-def _load_mx_weights(cfg, slot, e, w_gate_up, w_down, b_down, scales):
+def _load_mx_weights(cfg, slot, e, w_gate_up, w_down, b_down, scales, down_cols=None):
     """MXFP4 expert e → the slot: x4 words one contiguous run per partition; the 16 scale rows of each projection
-    into the quadrant layout (4 DMAs: groups 4Q..4Q+3 → partitions 32Q..32Q+3); b_down as a row (a K=1 matmul)."""
-    for w, sc, dw, ds in ((w_gate_up, scales[0], slot.wgu, slot.sgu), (w_down, scales[1], slot.wd, slot.sd)):
-        row = w.shape[2] * w.shape[3]
-        nisa.dma_copy(dst=dw, src=w.ap([[row, P_MAX], [1, row]], offset=0, scalar_offset=e, indirect_dim=0))
-        load_mx_scales(ds, row, lambda pat, off, sc=sc: sc.ap(pat, offset=off, scalar_offset=e, indirect_dim=0))
+    into the quadrant layout (4 DMAs: groups 4Q..4Q+3 → partitions 32Q..32Q+3); b_down as a row (a K=1 matmul).
+    down_cols = (c0, width): only those H columns of the down projection (the H split's half)."""
+    row = w_gate_up.shape[2] * w_gate_up.shape[3]
+    nisa.dma_copy(dst=slot.wgu, src=w_gate_up.ap([[row, P_MAX], [1, row]], offset=0, scalar_offset=e, indirect_dim=0))
+    load_mx_scales(slot.sgu, row, lambda pat, off: scales[0].ap(pat, offset=off, scalar_offset=e, indirect_dim=0))
+    c0, width = down_cols if down_cols is not None else (0, cfg.H)
+    _load_mx_down(cfg, slot, e, w_down, scales[1], b_down, c0, width)
+
+
+def _load_mx_down(cfg, slot, e, w_down, w_down_scale, b_down, c0=0, width=None, d0=0):
+    """MXFP4 down projection of expert e, H columns c0..c0+width (default all) into the slot's columns d0..: the
+    words [128, KDm, H] and the 16 scale rows [16, KDm, H] are H-minor (mx_weights.pack), so an H range is one run
+    of `width` per partition and contraction chunk; b_down's columns as a row."""
+    H, KDm = cfg.H, cfg.KDm
+    width = H if width is None else width
+    row = KDm * H
+    if width == H:     # whole rows: one contiguous run per partition
+        nisa.dma_copy(dst=slot.wd, src=w_down.ap([[row, P_MAX], [1, row]], offset=0, scalar_offset=e,
+                                                 indirect_dim=0))
+        load_mx_scales(slot.sd, row, lambda pat, off: w_down_scale.ap(pat, offset=off, scalar_offset=e,
+                                                                       indirect_dim=0))
+    else:
+        nisa.dma_copy(dst=slot.wd[:, :, d0:d0 + width],
+                      src=w_down.ap([[row, P_MAX], [H, KDm], [1, width]], offset=c0, scalar_offset=e,
+                                    indirect_dim=0))
+        for k in range(KDm):
+            load_mx_scales(slot.sd[:, k, d0:d0 + width], row,
+                           lambda pat, off: w_down_scale.ap(pat, offset=off, scalar_offset=e, indirect_dim=0),
+                           cols=(k * H + c0, width))
     if cfg.bias_d:
-        nisa.dma_copy(dst=slot.bdrow, src=b_down.ap([[cfg.H, 1], [1, cfg.H]], offset=0, scalar_offset=e,
-                                                    indirect_dim=0))
+        nisa.dma_copy(dst=slot.bdrow[:, d0:d0 + width], src=b_down.ap([[H, 1], [1, width]], offset=c0,
+                                                                      scalar_offset=e, indirect_dim=0))
 
 
 def _load_bf16_weights(cfg, slot, e, w_gate_up, w_down, b_down, down_cols=None):
@@ -519,11 +541,11 @@ def _load_bf16_down(cfg, slot, e, w_down, b_down, c0=0, width=None, d0=0):
 
 def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down, scales=(None, None), down_cols=None):
     """Expert e's weights → the slot (bf16 or MXFP4), and its gate/up bias in the two layouts the tiles use
-    (down_cols: bf16 down columns (c0, width) only, into the slot's first width columns)."""
+    (down_cols: down columns (c0, width) only, into the slot's first width columns)."""
     inter = cfg.I
     row = 2 * inter
     if cfg.mx:
-        _load_mx_weights(cfg, slot, e, w_gate_up, w_down, b_down, scales)
+        _load_mx_weights(cfg, slot, e, w_gate_up, w_down, b_down, scales, down_cols)
     else:
         _load_bf16_weights(cfg, slot, e, w_gate_up, w_down, b_down, down_cols)
     if cfg.bias_gu:
@@ -560,18 +582,14 @@ def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down, scal
             nisa.tensor_copy(dst=slot.bgu[:, c0:c0 + cw], src=ps[:, :cw])
 
 
-def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, acc, after_inputs, n=P_MAX, pb=0):
+def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, out, after_inputs, n=P_MAX, pb=0):
     """One tile of an expert's rows (n = 128, or HALF_ROWS for a narrow last tile whose output rows sit on
     partitions pb..pb+n): gather, gate/up, activation, down, scale, scatter-add (after_inputs() runs in program
     order after the tile's input DMAs: the core's zero-fill, once)."""
     _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n, pb)
     after_inputs()
     if cfg.mx:
-        _mx_operand(cfg, slot.xt, cfg.H, cfg.KC, slot.xTm, slot.xq, slot.xs, psum.t, 1)
-        for c in range(cfg.n_ich):
-            _gate_up_mx(cfg, slot, psum, c)
-            _activation_step(cfg, slot, psum, c)
-        _mx_operand(cfg, slot.a, cfg.KDm * MX_CHUNK, cfg.KDm, slot.aTm, slot.aq, slot.as_, [psum.at], 0)
+        _mx_act(cfg, slot, psum)
         _down_mx(cfg, slot, psum, n, pb)
     elif n == P_MAX:
         if not cfg.dma_transpose:
@@ -586,9 +604,8 @@ def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, 
             _transpose_x(cfg, slot, psum, n, pb)
         _half_gate_up_act(cfg, slot)
         _down_step(cfg, slot, psum, slot.aTh, n, pb)
-    # scatter-add: out[ids] = out[ids] + y in the DMA engine (fp32 add, x's dtype stored); padding rows (-1) skipped.
-    # (acc: out, or core 1's partial under LNC=2)
-    view = acc.ap([[cfg.H, n], [1, cfg.H]], offset=0, vector_offset=slot.sid[pb:pb + n, :])
+    # scatter-add: out[ids] = out[ids] + y in the DMA engine (fp32 add, x's dtype stored); padding rows (-1) skipped
+    view = out.ap([[cfg.H, n], [1, cfg.H]], offset=0, vector_offset=slot.sid[pb:pb + n, :])
     nisa.dma_compute(dst=view, srcs=[view, slot.y[pb:pb + n, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
 
 
@@ -614,6 +631,16 @@ def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, 
     else:
         nisa.dma_copy(dst=slot.xt[b:b + n, :], src=x.ap([[cfg.H, n], [1, cfg.H]], offset=0,
                                                         vector_offset=slot.gid[b:b + n, :]), dge_mode=DGE)
+
+
+def _mx_act(cfg, slot, psum):
+    """MX tile (all 128 token rows): x^T quantised to MXFP8, gate/up (nc_matmul_mx), the activation, its act^T
+    quantised to MXFP8 (slot.aq words, slot.as_ scales): the down projection's stationary."""
+    _mx_operand(cfg, slot.xt, cfg.H, cfg.KC, slot.xTm, slot.xq, slot.xs, psum.t, 1)
+    for c in range(cfg.n_ich):
+        _gate_up_mx(cfg, slot, psum, c)
+        _activation_step(cfg, slot, psum, c)
+    _mx_operand(cfg, slot.a, cfg.KDm * MX_CHUNK, cfg.KDm, slot.aTm, slot.aq, slot.as_, [psum.at], 0)
 
 
 def _mx_operand(cfg, src, width, chunks, dstT, q, scale, banks, engine):
@@ -778,35 +805,25 @@ def _scale_rows(slot, ps, h, h0, hw, n, pb=0):
         nisa.tensor_scalar(dst=slot.y[r, h0:h0 + hw], data=ps[r, :hw], op0=nl.multiply, operand0=slot.aff[r, :])
 
 
-def _add_partial(cfg, part, out, core):
-    """LNC=2: out += part for this core's half of the rows, in HBM -> HBM DMA read-modify-writes (fp32 add, x's
-    dtype stored), COMBINE_ROWS rows each."""
-    half = (cfg.T + cfg.n_cores - 1) // cfg.n_cores
-    r0, r1 = core * half, min(cfg.T, (core + 1) * half)
-    for t0 in range(r0, r1, COMBINE_ROWS):
-        n = min(COMBINE_ROWS, r1 - t0)
-        nisa.dma_compute(dst=out[t0:t0 + n, :], srcs=[out[t0:t0 + n, :], part[t0:t0 + n, :]], reduce_op=nl.add)
-
-
 def _hsplit(cfg, out, sched, core, weights, tiles, psum, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids,
-            scatter_ids, row_affinity):
-    """LNC=2 with bf16 weights: the down projection split by H halves. The host pairs the experts into steps
-    (similar tile counts: one expert per core and step, each core's own gate/up weights only). A step runs in
-    tile-steps: each core gathers its own tile's rows, computes gate/up and the activation, its down projection for
-    its half of H (columns core * H/2 ...) and scatter-adds it into out; then the two cores swap the tile's act^T
-    (sendrecv, SBUF to SBUF) and each computes the peer tile's down projection for its own half of H. Each core
-    reads its H half of both step experts' down weights (no weight is read twice) and read-modify-writes only its
-    half of out's columns: no partial, no zero-fill of one, no combine after a barrier."""
-    hb = nisa.scalar_load(sched[0:1, 2:3])
-    n_pairs = _field(cfg, sched, hb, 0)
-    zero_first = _field(cfg, sched, hb, 1)
+            scatter_ids, row_affinity, scales):
+    """LNC=2: the down projection split by H halves. The host pairs the experts into steps (similar tile counts:
+    one expert per core and step, each core's own gate/up weights only). A step runs in tile-steps: each core
+    gathers its own tile's rows, computes gate/up and the activation, its down projection for its half of H
+    (columns core * H/2 ...) and scatter-adds it into out; then the two cores swap the tile's down operand (bf16
+    act^T, or with MXFP4 weights its MXFP8 words and scales; sendrecv, SBUF to SBUF) and each computes the peer
+    tile's down projection for its own half of H. Each core reads its H half of both step experts' down weights (no
+    weight is read twice) and read-modify-writes only its half of out's columns: no partial, no zero-fill of one,
+    no combine after a barrier."""
+    n_pairs = nisa.scalar_load(sched[0:1, 0:1])
+    zero_first = nisa.scalar_load(sched[0:1, 1:2])
     c0 = core * cfg.Hh
     nl.fori_loop(0, zero_first, lambda _: _zero_rows(cfg, out, 0, cfg.T, c0, cfg.Hh))
-    refs = (x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids, row_affinity, out)
+    refs = (x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids, row_affinity, out, scales)
 
     def pair(p):
         for s in range(2):
-            base = hb + HS_HEADER + p * (2 * STEP_FIELDS) + s * STEP_FIELDS
+            base = HS_HEADER + p * (2 * STEP_FIELDS) + s * STEP_FIELDS
             slots = [_Slot(weights[s], t, psum, i) for i, t in enumerate(tiles)]
             _hsplit_step(cfg, slots, psum, sched, base, refs, core, s == 1)
 
@@ -817,11 +834,16 @@ def _hsplit_step(cfg, slots, psum, sched, base, refs, core, second):
     """One step of the H split: own expert e (gate/up + the H half of its down weights), the peer's expert pe (the
     H half of its down weights), then the tile-steps, two at a time on alternate tile buffer sets."""
     x, w_gate_up, w_down, b_gate_up, b_down = refs[:5]
+    scales = refs[9]
     e, load, pe, pload, t_pairs, t_odd, t0 = (_field(cfg, sched, base, k) for k in range(STEP_FIELDS))
     c0 = core * cfg.Hh
     nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], psum, e, w_gate_up, w_down, b_gate_up, b_down,
-                                                  down_cols=(c0, cfg.Hh)))
-    nl.fori_loop(0, pload, lambda _: _load_bf16_down(cfg, slots[0], pe, w_down, b_down, c0, cfg.Hh, cfg.Hh))
+                                                  scales, down_cols=(c0, cfg.Hh)))
+    if cfg.mx:
+        nl.fori_loop(0, pload, lambda _: _load_mx_down(cfg, slots[0], pe, w_down, scales[1], b_down, c0, cfg.Hh,
+                                                       cfg.Hh))
+    else:
+        nl.fori_loop(0, pload, lambda _: _load_bf16_down(cfg, slots[0], pe, w_down, b_down, c0, cfg.Hh, cfg.Hh))
     # as _serve_expert: the second step of a pair takes the tile sets in the other order; narrow tiles on set 1 put
     # their rows on partitions 64..127 (the DMA engines' other half)
     order = slots[::-1] if second else slots
@@ -837,17 +859,23 @@ def _hsplit_step(cfg, slots, psum, sched, base, refs, core, second):
 
 
 def _tile_step(cfg, slot, psum, sched, tb, refs, core, pb):
-    """Own tile (full, narrow or none): rows, gate/up, activation, act^T, down for this core's H half, scatter-add;
-    the act^T swap with the other core; the peer's tile (full, narrow or none): its ids and affinities, down for
-    this core's H half from the received act^T, scatter-add. A narrow tile's act^T sits in columns 0..63."""
-    x, _, _, _, _, gather_ids, scatter_ids, row_affinity, out = refs
+    """Own tile (full, narrow or none): rows, gate/up, activation, act^T (MX: quantised), down for this core's H
+    half, scatter-add; the act^T swap with the other core; the peer's tile (full, narrow or none): its ids and
+    affinities, down for this core's H half from the received act^T, scatter-add. A bf16 narrow tile's act^T sits
+    in columns 0..63; an MX narrow tile is computed on all 128 token rows, its real rows pb..pb+64 (both cores use
+    the same tile set for a tile-step, so the peer's rows sit on the same partitions)."""
+    x, _, _, _, _, gather_ids, scatter_ids, row_affinity, out, _ = refs
     of, on, orow, pf, pn, prow, zero = (_field(cfg, sched, tb, k) for k in range(TILE_FIELDS))
     c0, Hh = core * cfg.Hh, cfg.Hh
+    own_op = (slot.aq, slot.as_) if cfg.mx else slot.aT
+    peer_op = (slot.aqr, slot.asr) if cfg.mx else slot.aTr
 
     def own(n, p):
         _load_tile_inputs(cfg, slot, orow, x, gather_ids, scatter_ids, row_affinity, n, p)
         nl.fori_loop(0, zero, lambda _: _zero_rows(cfg, out, 0, cfg.T, c0, Hh))
-        if n == P_MAX:
+        if cfg.mx:
+            _mx_act(cfg, slot, psum)
+        elif n == P_MAX:
             if not cfg.dma_transpose:
                 _transpose_x(cfg, slot, psum, n)
             for c in range(cfg.n_ich):
@@ -858,35 +886,51 @@ def _tile_step(cfg, slot, psum, sched, tb, refs, core, pb):
             if not cfg.dma_transpose:
                 _transpose_x(cfg, slot, psum, n, p)
             _half_gate_up_act(cfg, slot, slot.aT)
-        _down_half(cfg, psum, slot.aT, slot.wd, 0, slot.y, slot.aff, slot.sid, n, p, out, c0, 0)
+        _down_half(cfg, psum, own_op, slot, 0, slot.y, slot.aff, slot.sid, n, p, out, c0, 0)
 
     def peer(n, p):
         nisa.dma_copy(dst=slot.psid[p:p + n, :], src=scatter_ids[nl.ds(prow, n), :])
         nisa.dma_copy(dst=slot.paff[p:p + n, :], src=row_affinity[nl.ds(prow, n), :])
-        _down_half(cfg, psum, slot.aTr, slot.wd, Hh, slot.py, slot.paff, slot.psid, n, p, out, c0, cfg.n_hch_half)
+        _down_half(cfg, psum, peer_op, slot, Hh, slot.py, slot.paff, slot.psid, n, p, out, c0, cfg.n_hch_half)
 
     nl.fori_loop(0, of, lambda _: own(P_MAX, 0))
     nl.fori_loop(0, on, lambda _: own(HALF_ROWS, pb))
-    nisa.sendrecv(src=slot.aT, dst=slot.aTr, send_to_rank=1 - core, recv_from_rank=1 - core, pipe_id=PIPE_ACT)
+    if cfg.mx:
+        nisa.sendrecv(src=slot.aq, dst=slot.aqr, send_to_rank=1 - core, recv_from_rank=1 - core, pipe_id=PIPE_ACT)
+        nisa.sendrecv(src=slot.as_, dst=slot.asr, send_to_rank=1 - core, recv_from_rank=1 - core,
+                      pipe_id=PIPE_ACT_SCALE)
+    else:
+        nisa.sendrecv(src=slot.aT, dst=slot.aTr, send_to_rank=1 - core, recv_from_rank=1 - core, pipe_id=PIPE_ACT)
     nl.fori_loop(0, pf, lambda _: peer(P_MAX, 0))
     nl.fori_loop(0, pn, lambda _: peer(HALF_ROWS, pb))
 
 
-def _down_half(cfg, psum, aT, wd, w0, y, aff, sid, n, pb, out, c0, b0):
-    """y[pb:pb+n, :H/2] = affinity * (a @ Wd[:, c0:c0 + H/2] (+ bd)) (the weights' half in wd columns w0..), rounded
-    to x's dtype, then out[ids, c0:c0 + H/2] += y by one DMA read-modify-write (padding rows skipped). PSUM banks
-    and the ScalarE / VectorE evictions rotate from b0 (the peer tile's chunks continue the own tile's rotation)."""
-    tiling = dict(tile_position=(0, pb), tile_size=(P_MAX, n)) if n < P_MAX else {}
+def _down_half(cfg, psum, op, w, w0, y, aff, sid, n, pb, out, c0, b0):
+    """y[pb:pb+n, :H/2] = affinity * (a @ Wd[:, c0:c0 + H/2] (+ bd)) (the weights' half in the slot's down columns
+    w0..), rounded to x's dtype, then out[ids, c0:c0 + H/2] += y by one DMA read-modify-write (padding rows
+    skipped). op: act^T [I_aug, tokens] (bf16), or the MXFP8 act^T (words, scales) with MXFP4 weights (nc_matmul_mx,
+    the bias a K=1 matmul; computed on all 128 token rows, rows pb..pb+n kept). PSUM banks (and the bf16 path's
+    ScalarE / VectorE evictions) rotate from b0 (the peer tile's chunks continue the own tile's rotation)."""
+    tiling = dict(tile_position=(0, pb), tile_size=(P_MAX, n)) if n < P_MAX and not cfg.mx else {}
     r = slice(pb, pb + n)
     for h in range(cfg.n_hch_half):
         h0 = h * cfg.H_CH
         hw = min(cfg.H_CH, cfg.Hh - h0)
         ps = psum.d[(b0 + h) % DOWN_BANKS]
-        for k in range(cfg.KD):
-            w = min(P_MAX, cfg.I_aug - k * P_MAX)
-            nisa.nc_matmul(dst=ps[r, :hw], stationary=aT[:w, k, :n], moving=wd[:w, k, w0 + h0:w0 + h0 + hw],
-                           accumulate=k > 0, **tiling)
-        if (b0 + h) % 2 == 0:
+        cols = slice(w0 + h0, w0 + h0 + hw)
+        if cfg.mx:
+            aq, as_ = op
+            for k in range(cfg.KDm):
+                nisa.nc_matmul_mx(dst=ps[:, :hw], stationary=aq[:, k, :], moving=w.wd[:, k, cols],
+                                  stationary_scale=as_[:, k, :], moving_scale=w.sd[:, k, cols], accumulate=k > 0)
+            if cfg.bias_d:
+                nisa.nc_matmul(dst=ps[:, :hw], stationary=psum.ones, moving=w.bdrow[:, cols], accumulate=True)
+        else:
+            for k in range(cfg.KD):
+                kw = min(P_MAX, cfg.I_aug - k * P_MAX)
+                nisa.nc_matmul(dst=ps[r, :hw], stationary=op[:kw, k, :n], moving=w.wd[:kw, k, cols],
+                               accumulate=k > 0, **tiling)
+        if cfg.mx or (b0 + h) % 2 == 0:    # MX: all on ScalarE (VectorE carries the quantize_mx work)
             nisa.activation(dst=y[r, h0:h0 + hw], op=nl.copy, data=ps[r, :hw], scale=aff[r, :])
         else:
             nisa.tensor_scalar(dst=y[r, h0:h0 + hw], data=ps[r, :hw], op0=nl.multiply, operand0=aff[r, :])
@@ -912,55 +956,38 @@ def kernel_inputs(expert_index, affinities, num_experts, block_size, n_cores=1):
 
 
 def expert_schedule(m, n_cores=1):
-    """[n_cores, W] int32 per core: header (expert pairs, prologue flag, index of the H-split block or 0), the
-    (expert, first row, tile pairs, odd tile, load, half) entries of the expert split (the first entry's weights load
-    in the prologue), and with two cores the H-split block (_hsplit_block; LNC=2 with bf16 weights uses it, MXFP4
-    the expert split). Expert split: experts go to the core with fewer tiles so far, largest first (LPT), then each
-    core serves its experts in id order."""
+    """[n_cores, W] int32. LNC=1: header (expert pairs, prologue flag) and the (expert, first row, tile pairs, odd
+    tile, load, half) entries, experts in id order (the first entry's weights load in the prologue). LNC=2: per core
+    its H-split block (_hsplit_block)."""
     n = m.num_active
     rows = m.tokens_per_expert[m.active_experts[:n]]
     tiles = -(-rows // P_MAX_HOST)
     firsts = m.expert_first_block[:n] * m.block_size
-    cores = [[] for _ in range(n_cores)]
-    load = [0] * n_cores
-    for j in sorted(range(n), key=lambda j: -tiles[j]):
-        c = min(range(n_cores), key=lambda c: load[c])
-        cores[c].append(j)
-        load[c] += int(tiles[j])
-    S = max(2, max(len(c) + len(c) % 2 for c in cores))
-    H0 = SCHED_HEADER
-    parts = [np.zeros(H0 + SCHED_FIELDS * S, np.int32) for _ in range(n_cores)]
-    for c, js in enumerate(cores):
-        js = sorted(js)
-        out = parts[c]
-        out[0] = (len(js) + 1) // 2
-        out[1] = 1 if js else 0
-        for i, j in enumerate(js):
-            # an expert whose last tile has <= HALF_ROWS rows serves it as a narrow tile after its 128-row tiles
-            half = int(rows[j] - P_MAX_HOST * (tiles[j] - 1) <= HALF_ROWS)
-            full = tiles[j] - half
-            out[H0 + SCHED_FIELDS * i:H0 + SCHED_FIELDS * (i + 1)] = (m.active_experts[j], firsts[j], full // 2,
-                                                                     full % 2, int(i > 0), half)
     if n_cores == 2:
-        for c, blk in enumerate(_hsplit_block(m, rows, tiles, firsts)):
-            pos = len(parts[c])
-            parts[c][2] = pos
-            n_steps = 2 * int(blk[0])
-            blk[HS_HEADER + 6:HS_HEADER + STEP_FIELDS * n_steps:STEP_FIELDS] += pos    # tile-step indices: absolute
-            parts[c] = np.concatenate([parts[c], blk])
-    width = max(len(r) for r in parts)
-    width += -(width - H0) % (2 * SCHED_FIELDS)     # whole expert-split entry pairs (the kernel's shape check)
-    out = np.zeros((n_cores, width), np.int32)
-    for c, r in enumerate(parts):
-        out[c, :len(r)] = r
+        parts = _hsplit_block(m, rows, tiles, firsts)
+        out = np.zeros((2, max(len(r) for r in parts)), np.int32)
+        for c, r in enumerate(parts):
+            out[c, :len(r)] = r
+        return out
+    assert n_cores == 1, f"n_cores={n_cores} must be 1 or 2"
+    S = max(2, n + n % 2)
+    H0 = SCHED_HEADER
+    out = np.zeros((1, H0 + SCHED_FIELDS * S), np.int32)
+    out[0, 0] = (n + 1) // 2
+    out[0, 1] = 1 if n else 0
+    for j in range(n):
+        # an expert whose last tile has <= HALF_ROWS rows serves it as a narrow tile after its 128-row tiles
+        half = int(rows[j] - P_MAX_HOST * (tiles[j] - 1) <= HALF_ROWS)
+        full = tiles[j] - half
+        out[0, H0 + SCHED_FIELDS * j:H0 + SCHED_FIELDS * (j + 1)] = (m.active_experts[j], firsts[j], full // 2,
+                                                                    full % 2, int(j > 0), half)
     return out
 
 
 def _hsplit_block(m, rows, tiles, firsts):
-    """The two cores' H-split blocks (without their position): experts sorted by tile count, paired into steps
-    (core 0 the first of each pair, core 1 the second), each step's tile-steps: tile q of each core's own expert
-    (full or narrow last tile, or none when its expert has fewer) beside the peer's tile q. Returns one int32 row
-    per core; the steps' tile-step indices are relative to the block (expert_schedule adds its position)."""
+    """The two cores' H-split schedule rows (LNC=2): experts sorted by tile count, paired into steps (core 0 the
+    first of each pair, core 1 the second), each step's tile-steps: tile q of each core's own expert (full or narrow
+    last tile, or none when its expert has fewer) beside the peer's tile q. Returns one int32 row per core."""
     n = len(rows)
 
     def tile_list(j):

@@ -116,18 +116,27 @@ def test_kernel_skewed_routing(skew, lnc):
     run_and_check(300, 256, 8, 96, 3, lnc=lnc, skew=skew, block_size=128)
 
 
+@pytest.mark.parametrize("mx", [False, True], ids=["bf16", "mxfp4"])
 @pytest.mark.parametrize("counts", [(200,), (100, 30, 20)])
-def test_kernel_lnc2_h_split_uneven_steps(counts):
-    """LNC=2, bf16 (down projection split by H halves, activations swapped per tile-step): one active expert (core 1
-    has no tile of its own: it zeroes its half of out first and only runs the peer's tiles), and three experts
-    (the last step has no peer expert; experts with fewer tiles than their step partner; narrow last tiles)."""
-    T, H, E, inter = sum(counts), 256, 4, 96
+def test_kernel_lnc2_h_split_uneven_steps(counts, mx, monkeypatch):
+    """LNC=2 (down projection split by H halves, the down operand swapped per tile-step: bf16 act^T, or with MXFP4
+    weights on trn3 the MXFP8 act^T words and scales): one active expert (core 1 has no tile of its own: it zeroes
+    its half of out first and only runs the peer's tiles), and three experts (the last step has no peer expert;
+    experts with fewer tiles than their step partner; narrow last tiles, on both tile buffer sets)."""
+    T, E, inter = sum(counts), 4, 96
+    H = 512 if mx else 256      # MXFP4: H in whole 512-element contraction chunks
     x, _, _, w_gu, w_d, b_gu, b_d = make_inputs(T, H, E, inter, 1)
     idx = torch.cat([torch.full((c, 1), e + 1, dtype=torch.int64) for e, c in enumerate(counts)])
     idx = idx[torch.randperm(T, generator=torch.Generator().manual_seed(1))]
     aff = torch.rand(T, 1, generator=torch.Generator().manual_seed(2))
-    args = (x, idx, aff, w_gu, w_d)
     opts = dict(b_gate_up=b_gu, b_down=b_d, activation="clamped_swiglu", add_down_bias=True, block_size=128)
+    if mx:
+        from nki_kernels.moe.cte_inputs import make_cte_mx_weights
+        monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+        _, _, mxw = make_cte_mx_weights(E, H, inter)
+        w_gu, w_d = mxw.pop("w_gate_up"), mxw.pop("w_down")
+        opts.update(mxw)
+    args = (x, idx, aff, w_gu, w_d)
     out = moe_cte(*args, **opts, backend="nkisim", lnc=2)
     assert_close(out, moe_cte(*args, **opts, backend="torch"))
 
@@ -239,13 +248,16 @@ def _run_mx(T, H, E, inter, k, lnc=1, **kw):
 
 
 @pytest.mark.parametrize("T,H,E,inter,k,lnc,skew", [(200, 512, 4, 96, 2, 1, None), (300, 1024, 4, 360, 3, 2, "one"),
-                                                     (40, 512, 8, 96, 4, 1, None)])
+                                                     (40, 512, 8, 96, 4, 1, None), (40, 512, 8, 96, 4, 2, None),
+                                                     (150, 512, 2, 600, 1, 2, None)])
 def test_kernel_mxfp4_trn3_matches_mx_reference(T, H, E, inter, k, lnc, skew, monkeypatch):
     """MXFP4 weights on trn3: x and the activations quantised to MXFP8 on chip, every projection an nc_matmul_mx;
     against the reference that models the same quantisation (I = 360: the last 32-block zero-padded). The MX
     reference differs visibly from the bf16-weight one (the activation quantisation), so matching it is a check.
     Narrow (<= 64-row) last tiles: expert 0 of the skewed case (300 rows: 128 + 128 + 44), and every expert of the
-    decode-sized case (T 40, k 4, E 8: ~20 rows each, on both tile buffer sets, most slots' first use)."""
+    decode-sized cases (T 40, k 4, E 8: ~20 rows each, on both tile buffer sets, most slots' first use). LNC=2
+    splits the down projection by H halves (the MXFP8 act^T swapped); I = 600: two 512-element down contraction
+    chunks (each core's H half of the down words and scales read per chunk)."""
     from nki_kernels.moe.moe_cte_torch import moe_cte_torch
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
     out, ref, (x, idx, aff, w_gu, w_d, b_gu, b_d) = _run_mx(T, H, E, inter, k, lnc, skew=skew)
