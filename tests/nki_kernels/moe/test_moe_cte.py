@@ -267,6 +267,30 @@ def test_kernel_mxfp4_trn3_matches_mx_reference(T, H, E, inter, k, lnc, skew, mo
     assert (ref.float() - bf16_weights.float()).abs().max() > 2 * (ATOL + RTOL * ref.float().abs().max())
 
 
+def test_kernel_mxfp4_lnc2_reads_each_weight_once(monkeypatch):
+    """MXFP4, LNC=2 (H split): each core reads its H half of the step experts' down words, scales and b_down, so
+    the two cores together read what LNC=1 reads, plus only the peer tiles' scatter ids and affinities and the
+    schedule rows; a down half read twice would add >= 64 KiB here (one expert's half: 64 KiB of words)."""
+    import nkisim
+    from nki_kernels.moe.cte_inputs import make_cte_mx_weights
+    from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    T, H, E, inter, k = 300, 512, 4, 360, 2
+    x, idx, aff, _, _, b_gu, b_d = make_inputs(T, H, E, inter, k)
+    _, _, mxw = make_cte_mx_weights(E, H, inter)
+    reads = {}
+    for lnc in (1, 2):
+        _, *arrays = kernel_inputs(idx, aff, E, 128, lnc)
+        kernel = moe_cte_nki if lnc == 1 else moe_cte_nki[lnc]
+        reads[lnc] = nkisim.profile(kernel, x, *[mxw[n] for n in ("w_gate_up", "w_down")],
+                                    *[torch.from_numpy(a) for a in arrays], b_gate_up=b_gu, b_down=b_d,
+                                    target="trn3", w_gate_up_scale=mxw["w_gate_up_scale"],
+                                    w_down_scale=mxw["w_down_scale"]).report.hbm_read_bytes
+    weights = sum(int(np.asarray(mxw[n]).nbytes) for n in ("w_gate_up_scale", "w_down_scale")) + sum(
+        int(mxw[n].nbytes) for n in ("w_gate_up", "w_down")) + sum(t.numel() * 2 for t in (b_gu, b_d))
+    assert weights <= reads[1] <= reads[2] <= reads[1] + 16 * 1024, (weights, reads)
+
+
 def test_kernel_mxfp4_refused_on_trn2():
     with pytest.raises(AssertionError, match="nc_matmul_mx.*trn3"):
         _run_mx(64, 512, 2, 64, 1)
