@@ -588,25 +588,32 @@ def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, 
     order after the tile's input DMAs: the core's zero-fill, once)."""
     _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n, pb)
     after_inputs()
+    _gate_up_act(cfg, slot, psum, n, pb, slot.aTh)
     if cfg.mx:
-        _mx_act(cfg, slot, psum)
         _down_mx(cfg, slot, psum, n, pb)
-    elif n == P_MAX:
-        if not cfg.dma_transpose:
-            _transpose_x(cfg, slot, psum, n)
-        for c in range(cfg.n_ich):
-            _gate_up_step(cfg, slot, psum, c)
-            _activation_step(cfg, slot, psum, c)
-        _transpose_act(cfg, slot, psum)
-        _down_step(cfg, slot, psum, slot.aT, n)
     else:
-        if not cfg.dma_transpose:
-            _transpose_x(cfg, slot, psum, n, pb)
-        _half_gate_up_act(cfg, slot)
-        _down_step(cfg, slot, psum, slot.aTh, n, pb)
+        _down_step(cfg, slot, psum, slot.aT if n == P_MAX else slot.aTh, n, pb)
     # scatter-add: out[ids] = out[ids] + y in the DMA engine (fp32 add, x's dtype stored); padding rows (-1) skipped
     view = out.ap([[cfg.H, n], [1, cfg.H]], offset=0, vector_offset=slot.sid[pb:pb + n, :])
     nisa.dma_compute(dst=view, srcs=[view, slot.y[pb:pb + n, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+
+
+def _gate_up_act(cfg, slot, psum, n, pb, narrow_aT):
+    """A tile's gate/up and activation, up to the down projection's operand: MX, the quantised act^T; bf16 full
+    tile, x^T (TensorE path), gate/up, activation and act^T in slot.aT; bf16 narrow tile (n rows at pb), the
+    weights-stationary gate/up writing act^T straight into narrow_aT."""
+    if cfg.mx:
+        _mx_act(cfg, slot, psum)
+        return
+    if not cfg.dma_transpose:
+        _transpose_x(cfg, slot, psum, n, pb)
+    if n < P_MAX:
+        _half_gate_up_act(cfg, slot, narrow_aT)
+        return
+    for c in range(cfg.n_ich):
+        _gate_up_step(cfg, slot, psum, c)
+        _activation_step(cfg, slot, psum, c)
+    _transpose_act(cfg, slot, psum)
 
 
 def _gather_base(cfg, n, pb):
@@ -873,19 +880,7 @@ def _tile_step(cfg, slot, psum, sched, tb, refs, core, pb):
     def own(n, p):
         _load_tile_inputs(cfg, slot, orow, x, gather_ids, scatter_ids, row_affinity, n, p)
         nl.fori_loop(0, zero, lambda _: _zero_rows(cfg, out, 0, cfg.T, c0, Hh))
-        if cfg.mx:
-            _mx_act(cfg, slot, psum)
-        elif n == P_MAX:
-            if not cfg.dma_transpose:
-                _transpose_x(cfg, slot, psum, n)
-            for c in range(cfg.n_ich):
-                _gate_up_step(cfg, slot, psum, c)
-                _activation_step(cfg, slot, psum, c)
-            _transpose_act(cfg, slot, psum)
-        else:
-            if not cfg.dma_transpose:
-                _transpose_x(cfg, slot, psum, n, p)
-            _half_gate_up_act(cfg, slot, slot.aT)
+        _gate_up_act(cfg, slot, psum, n, p, slot.aT)
         _down_half(cfg, psum, own_op, slot, 0, slot.y, slot.aff, slot.sid, n, p, out, c0, 0)
 
     def peer(n, p):
