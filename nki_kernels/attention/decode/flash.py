@@ -20,7 +20,7 @@ from .config import (
 )
 from .isolation import _scrub_slot, _scrub_v, _valid_ranges
 from .kv_io import _cast_pairs, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
-from .oproj import _load_w_o, _rows_to_oT, _rows_to_tokens, _transpose_o
+from .oproj import _load_w_o, _oT_token_major, _rows_to_oT, _rows_to_tokens, _transpose_o
 from .planning import _load_pieces, _packs, _plan, _rot_batch, _slot_split, _v_rotated
 from .ragged import _load_gates, _pv_group, _stack_gates, _step_gates
 
@@ -189,7 +189,10 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
     wo = _load_w_o(cfg, W_o) if W_o is not None else None    # attention DP loads its W_o shard itself
     if direct:
         nt, K = tiles[0].nt, cfg.nq * cfg.d
-        oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=qkT.dtype, buffer=nl.sbuf)
+        if _oT_token_major(cfg, n_k, qkT.dtype.itemsize):     # [128, tokens, K chunk] viewed [128, K chunk, tokens]
+            oT = nl.ndarray((P_MAX, P_MAX, n_k), dtype=qkT.dtype, buffer=nl.sbuf).permute((0, 2, 1))
+        else:
+            oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=qkT.dtype, buffer=nl.sbuf)
         ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
         if K % P_MAX == 0:
             nisa.tensor_copy(dst=oT[:, :, :nt], src=ps)

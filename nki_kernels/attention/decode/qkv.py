@@ -185,6 +185,10 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
             k0, k1 = kt0 + i * (kt1 - kt0) // n_dma, kt0 + (i + 1) * (kt1 - kt0) // n_dma
             nisa.dma_copy(dst=wq[:, k0 - kt0:k1 - kt0, :], src=w3[:, k0:k1, :])
     qkv = tuple(_qkv_tile(cfg, W_qkv.dtype, tiles[ti].nt) for ti in range(len(tiles)))
+    n_cc = (C + P_MAX - 1) // P_MAX
+    if qsplit and not cfg.wq_chunk and len(tiles) == 1 and n_cc * tiles[0].nt <= PSUM_F:
+        _qkv_split_transposed(cfg, consts, xT[0], wq, bias, tiles[0].nt, kt0, kt1, qkv[0])
+        return qkv
     part = ()
     if qsplit:
         part = tuple(nl.ndarray((P_MAX, C), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
@@ -226,6 +230,58 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
         nisa.tensor_tensor(dst=qkv[ti][:nt, cfg.pad:cfg.pad + C], data1=part[ti][:nt, :], data2=other[:nt, :],
                            op=nl.add)
     return qkv
+
+
+def _qkv_split_transposed(cfg, consts, xT, wq, bias, nt, kt0, kt1, dst):
+    """LNC=2 split contraction (one token tile, resident W_qkv share wq = rows [kt0, kt1)): this core's partial sums
+    computed transposed, partT [128 (C rows of chunk j), chunk j, tokens] fp32 in one PSUM bank (stationary = a
+    128-column block of W_qkv, moving = x^T: max(tokens, 64) cycles per matmul instead of 512 with W_qkv moving),
+    exchanged with the other core in that layout and added; the bf16 sum goes back to the token layout dst
+    [tokens, pad | C | pad] by TensorE transposes.
+    Why transposed: the token layout holds the partial sums on `tokens` partitions, i.e. on ONE DMA engine (8
+    partitions each) for up to 8 tokens, so the exchange (tokens x C x 4 bytes) queued on that engine ahead of
+    its K/V shares (modelled, Llama-3.1-8B TP8 B=8 4K LNC=2: engine 0 1.2 us busier than the others); [128, ...]
+    spreads it over all 16. Same sums (the same products accumulated over the same H tiles), same bf16 rounding
+    of fp32 own + other (fp32 addition commutes: both cores hold the same bits); bias on core 0's part."""
+    C = cfg.C
+    n_cc = (C + P_MAX - 1) // P_MAX
+    nf = C // P_MAX                     # full 128-row chunks; a last partial one holds cl rows
+    cl = C - nf * P_MAX
+    ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
+    pv = ps[:, :n_cc * nt].reshape((P_MAX, n_cc, nt))
+    # accumulation groups interleaved in one bank (one per chunk), H tiles outer: each W_qkv DMA's tiles are
+    # used as they arrive
+    if bias is not None:
+        for j in range(n_cc):
+            cw = min(P_MAX, C - j * P_MAX)
+            nisa.nc_matmul(dst=pv[:cw, j, :], stationary=bias[:1, j * P_MAX:j * P_MAX + cw],
+                           moving=_ones_row(consts, bias.dtype, nt), accumulate=False)
+    for kt in range(kt0, kt1):
+        for j in range(n_cc):
+            cw = min(P_MAX, C - j * P_MAX)
+            nisa.nc_matmul(dst=pv[:cw, j, :], stationary=wq[:, kt - kt0, j * P_MAX:j * P_MAX + cw],
+                           moving=xT[:, kt, :nt], accumulate=(kt > kt0 or bias is not None))
+    part = nl.ndarray((P_MAX, n_cc, nt), dtype=nl.float32, buffer=nl.sbuf)
+    if cl:          # the partial chunk's unused rows: zeros (exchanged and added, never read back)
+        nisa.memset(dst=part[:, nf, :], value=0.0, engine=nisa.engine.gpsimd)
+    if nf:
+        evict(0, part[:, :nf, :], pv[:, :nf, :])
+    if cl:
+        evict(1, part[:cl, nf, :], pv[:cl, nf, :])
+    other = nl.ndarray((P_MAX, n_cc, nt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.sendrecv(src=part, dst=other, send_to_rank=1 - cfg.core, recv_from_rank=1 - cfg.core, pipe_id=cfg.nkv)
+    sT = nl.ndarray((P_MAX, n_cc, nt), dtype=dst.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=sT, data1=part, data2=other, op=nl.add)
+    pad = cfg.pad
+    for j0 in range(0, n_cc, TRANSPOSE_GROUP):
+        n = min(TRANSPOSE_GROUP, n_cc - j0)
+        pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=dst.dtype, buffer=nl.psum)
+        for j in range(j0, j0 + n):
+            nisa.nc_transpose(dst=pt[:nt, j - j0, :], data=sT[:, j, :nt])
+        w = min(C, (j0 + n) * P_MAX) - j0 * P_MAX       # the partial chunk's zero columns are not copied
+        nisa.tensor_copy(dst=dst[:nt, pad + j0 * P_MAX:pad + j0 * P_MAX + w],
+                         src=pt[:nt, :n, :].reshape((nt, n * P_MAX))[:, :w])
+        pt = None
 
 
 def _qkv_streamed(cfg, xT, w3, tiles, group, accs, kt0, kt1, opened):
