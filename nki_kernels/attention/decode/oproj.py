@@ -18,7 +18,8 @@ def _oT_token_major(cfg, n_k, itemsize):
     batch split's o^T exchange, whose per-partition runs are then a core's tokens x K chunks (contiguous) instead of
     one run of its tokens per K chunk (Llama-3.1-8B TP8 B=8: 8 B runs, 3 % DMA efficiency, 0.37 us on every DMA
     engine after the last W_o byte, modelled). Only while the O-projection's moving o^T (stride n_k elements) still
-    streams at full rate."""
+    streams at full rate. The batch split always takes the attention's direct o^T path (config._can_split_weights:
+    d in 32 / 64 / 128, o^T in one PSUM bank), which allocates o^T in this layout (flash._attention_flash_decode)."""
     return cfg.wsplit and not cfg.split and not cfg.stride and n_k * itemsize <= SBUF_FAST_STRIDE_BYTES
 
 

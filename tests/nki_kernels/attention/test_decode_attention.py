@@ -26,6 +26,7 @@ LLAMA31_8B_TP8 = rank_shard(LLAMA_31_8B, 8)
 LLAMA33_70B_TP16 = rank_shard(LLAMA_33_70B, 16)     # KV replicated x2
 MULTI_KV = dict(H=1024, d=128, nkv=2, nq=8, gamma=True, bias=True, sinks=True)           # 2 KV heads, GQA 4
 SMALL_D = dict(H=256, d=32, nkv=3, nq=6, gamma=False, bias=False, sinks=False)           # any even d, no norm
+PARTIAL_QKV_CHUNK = dict(H=256, d=64, nkv=1, nq=1, gamma=True, bias=True, sinks=True)   # C % 128 = 64
 
 
 def _written_rows(args, kw, B):
@@ -189,7 +190,8 @@ def test_trn3(B, S, ctx, shape, lnc, bs, monkeypatch):
     (1, 1, 512, 0, GPT_OSS_20B_TP8),      # context split
     (4, 2, 256, 0, MULTI_KV),             # split weights, 2 KV heads
     (6, 4, 512, 0, LLAMA31_8B_TP8),       # split weights, S_tkg 4
-])
+    (4, 1, 256, 0, PARTIAL_QKV_CHUNK),    # split weights, QKV columns C = 192: the transposed partials' last chunk
+])                                        # holds 64 of 128 rows
 def test_lnc2(B, S, ctx, window, shape, monkeypatch):
     # Same bits as LNC=1 holds on TensorE (an output element's accumulation depends only on its own row and column)
     # but not with NumPy's fp32 BLAS, whose summation order changes with the tile shape (a core's pack of 3 batches
