@@ -32,7 +32,10 @@ class _Constants(nl.NKIObject):
         # j's keys. Zeroed once (early, while VectorE is idle); every pack rewrites the same blocks.
         self.qm = tuple(nl.ndarray((P_MAX, cfg.nst, cfg.pack * cfg.R), dtype=dtype, buffer=nl.sbuf)
                         for _ in range(2))
-        for q in self.qm:
+        # _Config.kt_swap: the same with the halves of each stack swapped (batch j on partitions ((j + 1) % 2)*d..)
+        self.qm_sw = tuple(nl.ndarray((P_MAX, cfg.nst, cfg.pack * cfg.R), dtype=dtype, buffer=nl.sbuf)
+                           for _ in range(2)) if cfg.kt_swap else (None, None)
+        for q in self.qm + (self.qm_sw if cfg.kt_swap else ()):
             nisa.memset(dst=q[:cfg.kpp * cfg.kd], value=0.0)
 
 

@@ -281,7 +281,29 @@ class _Config(nl.NKIObject):
         v3 = nisa.get_nc_version() < nisa.nc_version.gen4
         self.v_rot = (v3 and self.ragged and not self.imajor and not self.pmajor
                       and min(self.pack, self.b_hi - self.b_lo) >= 2)
+        # Several sequences per pack on 2-batch stacks (d = 64, bf16, row-major steps): batch j's K^T lands on the
+        # stack half j % 2, so the 8 DMA rings of partitions 0..63 carried the even batches' K bytes and the other
+        # 8 the odd ones': with ragged lengths the halves differed by up to 2.4x (GPT-OSS B=8 16K, bench
+        # positions: K^T 37.1 vs 15.4 us of each ring). The ring buffers of odd index swap the halves (batch j on
+        # (j + 1) % 2; the score matmuls contract against a copy of the queries with the halves swapped, the
+        # scrub against a swapped valid-range table), so every sequence's K bytes alternate between both halves
+        # slot by slot, whatever the lengths (_kt_lanes). Only where that imbalance is real, as v_rot: trn2
+        # (on trn3 TensorE / VectorE pace these rows: modelled +1..5 %), contiguous caches (paged gathers are paced
+        # by their fixed costs: +1..2 %), and scans with slots loaded in more than one piece (_kt_swap_pays).
+        self.kt_swap = (v3 and not self.pmajor and not self.dyn and not self.paged and self.kpp == 2
+                        and self.halves == 1 and self.kv_bufs % 2 == 0 and min(self.pack, self.b_hi - self.b_lo) >= 2
+                        and _kt_swap_pays(self))
         self._frozen = True     # last: nothing changes the configuration from here on
+
+
+def _kt_swap_pays(cfg):
+    """Whether this core's scan has a slot loaded in more than one piece (planning._load_pieces, as _v_rotated):
+    only such scans (2048-position slots: the 16K rows) leave a sequence's K on one half of the DMA rings for
+    long enough to pay for the swap's extra query copies and scrub table; with one-piece slots (the 4K rows,
+    LNC=2 stride) the K^T halves are balanced already and alternating them per slot only moved the imbalance
+    (modelled GPT-OSS B=16 4K +1.6 %)."""
+    from .planning import _load_pieces, _plan  # planning imports this module
+    return any(len(_load_pieces(cfg, sl.j0, sl.w)) > 1 for sl in _plan(cfg)[0])
 
 
 def _use_stride(cfg):

@@ -48,6 +48,7 @@ class _AttnState(nl.NKIObject):
         self.kg = tuple(nl.ndarray((P_MAX, cfg.ngroups, cfg.fa_tile), dtype=nl.uint16, buffer=nl.sbuf)
                         for _ in range(PAIR_BUFS)) if cfg.fp8 and not cfg.fp8_mm else self.kT
         self.qm = qm
+        self.qm_sw_bufs, self.qm_sw = (None, None), None   # _Config.kt_swap: swapped-half queries (this pack's)
         self.kt_lanes = _kt_lanes(cfg)     # per ring buffer: K^T on the stack's first or second half
         # per K^T load buffer (kg) and per V buffer: [positions scrubbed or loaded in every lane so far, (pack p0,
         # j0, w) of its last partial scrub (ragged, per-group gates: the lanes of the load groups reaching j0 are
@@ -148,6 +149,7 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
     if pre is None:
         pre = _prefetch_packs(cfg, position_ids, sinks, b_lo, b_hi)
     st = _AttnState(cfg, qkT.dtype, consts.qm)
+    st.qm_sw_bufs = consts.qm_sw
     st.pre = pre
     st.block_ids, st.starts = block_ids, starts
     n_k = (cfg.nq * cfg.d + P_MAX - 1) // P_MAX
@@ -220,6 +222,7 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     rows = nb * R
     base = tiles[0].t0
     qm = st.qm[st.n_packs % 2]
+    st.qm_sw = st.qm_sw_bufs[st.n_packs % 2]
     st.n_packs += 1
     kact = nl.ndarray((P_MAX, cfg.nst, MAX_S_TKG), dtype=qkT.dtype, buffer=nl.sbuf)   # new keys, stacked
     kd = cfg.kd
@@ -232,6 +235,11 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
             nisa.tensor_copy(dst=qm[u0:u0 + kd, jj, j * R:(j + 1) * R].reshape((kd, S, G)),
                              src=qkT[u0:u0 + kd, u, t:t + S, g * G:(g + 1) * G, hf], engine=nisa.engine.gpsimd)
             nisa.tensor_copy(dst=kact[u0:u0 + kd, jj, :S], src=qkT[u0:u0 + kd, u, t:t + S, cfg.nq + g, hf],
+                             engine=nisa.engine.gpsimd)
+        if cfg.kt_swap:     # batch j on the stack's other half, for the ring buffers that swap them (_kt_lanes)
+            us = (u + 1) % cfg.kpp * kd
+            nisa.tensor_copy(dst=st.qm_sw[us:us + kd, j // cfg.kpp, j * R:(j + 1) * R].reshape((kd, S, G)),
+                             src=qkT[us:us + kd, (u + 1) % cfg.kpp, t:t + S, g * G:(g + 1) * G, 0],
                              engine=nisa.engine.gpsimd)
         if cfg.kt_alt:      # the slots on the stack's other half (_kt_lanes) contract against a copy there
             nisa.tensor_copy(dst=qm[kd:2 * kd, 0, :R].reshape((kd, S, G)),
@@ -642,7 +650,8 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         _run(gate, lambda _i: _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane))
     else:
         key = st.iota(step.key_id, step.key_pattern, step.cols, nl.int16)
-        _run(gate, lambda _i: _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane))
+        q = st.qm_sw if cfg.kt_swap and lane else qm
+        _run(gate, lambda _i: _step_scores(cfg, consts, q, kT, sc, key, rows, nb, step, j0, w, lane))
     # V is needed by the step's PV: the slot's V scrub is issued inside the step that first reads the slot, after
     # its statistics (pre_pv), so on VectorE / GpSimd it queues behind that step's row max instead of ahead of it
     # (the last slot's ANDs, after the last K/V load, delayed the last step's chain)
@@ -658,7 +667,13 @@ def _kt_lanes(cfg):
     """Per K/V ring buffer, the partition block (0 or 1) of a one-sequence pack's K^T in it (see _Config.kt_alt;
     all 0 otherwise). Fixed per buffer, so the ring's scrub bookkeeping (_ring_mode) holds per buffer; chosen so
     that both halves receive about the same K bytes over the scan (greedy over the buffers' total widths in the
-    first pack's slot sequence: GPT-OSS B=1 16K, buffers of 5120 / 4096 / 4096 / 3072 positions -> 8192 each)."""
+    first pack's slot sequence: GPT-OSS B=1 16K, buffers of 5120 / 4096 / 4096 / 3072 positions -> 8192 each).
+    Several sequences per pack (_Config.kt_swap): 1 = the stack's halves swapped (batch j on (j + 1) % 2), on
+    every other buffer, so consecutive slots alternate and each sequence's K bytes split between the halves
+    within one slot whatever its (runtime) length. A swap stays inside a load group, so the group-level scrub
+    bookkeeping (_ring_mode, ragged._stack_gates) is unchanged."""
+    if cfg.kt_swap:
+        return tuple(b % 2 for b in range(cfg.kv_bufs))
     if not cfg.kt_alt:
         return (0,) * cfg.kv_bufs
     width = [0] * cfg.kv_bufs
@@ -687,13 +702,15 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0):
     if step.thr_lo is not None:
         masks.append(_build_mask(cfg, rows, step.cols, key, step.thr_lo, nl.less_equal, 0.0))
     sg = step.stack_gates
-    b0 = lane * cfg.kd      # one-sequence pack with the slot on the stack's other half (_Config.kt_alt)
     for c0, c1, inner in step.chunks:
         if sg is not None:      # ragged: the masks open the chunk's accumulation group, the stacks run gated
             for i, m in enumerate(masks):
                 _fold_chunk(consts, sc, rows, m, (c0, c1, inner), accumulate=i > 0)
         for jj in range(_stacks(cfg, nb)):
             kp = _stack_rows(cfg, jj, nb)
+            # a one-batch stack whose slot is on the stack's other half (_Config.kt_alt, or kt_swap's last stack
+            # of an odd pack); a full stack with swapped halves contracts against the swapped queries (qm)
+            b0 = lane * cfg.kd if kp == cfg.kd else 0
             if inner < 0:                   # paged, i-major: columns (il, q') of K^T, q' = r*T + t
                 i0, K = step.pos0 - j0, _slot_split(cfg, w)
                 il0, il1 = i0 + c0 // P_MAX, i0 + c1 // P_MAX
@@ -709,7 +726,7 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0):
             else:
                 mov = _kview(cfg, kT, jj, kp, w, (kp, w), (slice(None), slice(n * P_MAX, w)), b0)
             if sg is not None:
-                nl.fori_loop(0, sg[jj // cfg.halves], lambda _i, jj=jj, kp=kp, mov=mov, c=(c0, c1, inner):
+                nl.fori_loop(0, sg[jj // cfg.halves], lambda _i, jj=jj, kp=kp, mov=mov, c=(c0, c1, inner), b0=b0:
                              nisa.nc_matmul(dst=_cols(sc, rows, *c), stationary=qm[b0:b0 + kp, jj, :rows], moving=mov,
                                             accumulate=True))
                 continue

@@ -19,6 +19,8 @@ class _ValidRange(nl.NKIObject):
 
     def __init__(self):
         self.hi_k, self.lo_k, self.hi_v, self.lo_v = None, None, None, None
+        self.hi_k_sw, self.lo_k_sw = None, None     # _Config.kt_swap: hi_k / lo_k with each stack's halves
+        # swapped (partition u*kd + e of load group jj <-> batch jj*kpp + 1 - u)
         self.max_hi = None                  # fp32 [1, 1]: the pack's largest hi (its longest sequence)
         self.step_regs, self.load_regs = None, {}   # runtime trip counts, shared by the KV heads
         self.stack_regs = None              # per step, per K^T load group (ragged, row-major: _stack_gates)
@@ -58,6 +60,18 @@ def _valid_ranges(cfg, position_ids, p0, nb):
     vr = _ValidRange()
     vr.hi_v, vr.lo_v = _range_bounds(cfg, pv, P_MAX, nb)
     vr.hi_k, vr.lo_k = _range_bounds(cfg, pk, npk, nst)
+    if cfg.kt_swap:     # the ring buffers with swapped halves (flash._kt_lanes): partition u*d + e <-> 2jj + 1 - u
+        ps = nl.ndarray((P_MAX, cfg.ngroups), dtype=nl.float32, buffer=nl.sbuf)
+        if nb % kpp:    # the last stack's missing batch: any finite value (never read)
+            nisa.memset(dst=ps[:d, nst - 1:nst], value=0.0)
+        for u in range(kpp):
+            cnt = (nb - (1 - u) + kpp - 1) // kpp
+            if cnt == 0:
+                continue
+            nisa.tensor_copy(dst=ps[u * d:(u + 1) * d, :cnt],
+                             src=pv[u * d:(u + 1) * d, 1 - u:1 - u + kpp * (cnt - 1) + 1:kpp],
+                             engine=nisa.engine.gpsimd)
+        vr.hi_k_sw, vr.lo_k_sw = _range_bounds(cfg, ps, kpp * d, nst)
     vr.max_hi = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=vr.max_hi, op=nl.maximum, data=vr.hi_v[0:1, :nb], axis=(1,))
     return vr
@@ -156,17 +170,22 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
     an invalid one finite (its score is masked anyway); never a multiply. Masks per stack on ScalarE, ANDs on
     GpSimd; V in _scrub_v. Each stack's / batch's scrub runs only when the slot holds one of its invalid rows (a
     runtime trip count, see _slot_gates). lane: a one-sequence pack's K^T on partitions kd..2kd (_Config.kt_alt;
-    its valid-range table holds the sequence on both halves). rot: the pack's odd batches hold the slot rotated
-    by half (planning._v_rotated): their partitions' masks use the rotated key offsets (_rot_ramp)."""
+    its valid-range table holds the sequence on both halves), or each stack's halves swapped (_Config.kt_swap:
+    the swapped valid-range table, a last one-batch stack on partitions kd..2kd). rot: the pack's odd batches hold
+    the slot rotated by half (planning._v_rotated): their partitions' masks use the rotated key offsets
+    (_rot_ramp)."""
     vr = st.cur_valid
     d, kpp = cfg.kd, cfg.kpp       # kT: the load groups (fp8: the pairs before their cast)
     nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
-    p0 = lane * d
+    if cfg.kt_swap and lane:    # swapped halves: the swapped tables, on every partition of the stacks
+        hi_k, lo_k, n_rows = vr.hi_k_sw, vr.lo_k_sw, kpp * d
+    else:                       # kt_alt: a one-sequence pack's table holds it on both halves
+        hi_k, lo_k, n_rows = vr.hi_k, vr.lo_k, lane * d + npk
     # K^T mask = sign(key - hi + 1/2) as int16: 0xFFFF (-1) keeps a valid key's bits, 0x0001 (+1) leaves at most
     # the lowest mantissa bit of an invalid one (0 or a subnormal: finite, and masked anyway). On ScalarE (idle
     # here); windowed scans AND a second mask sign(lo - 1/2 - key).
-    b_hi = _slot_rel(vr.hi_k, p0 + npk, nst, j0, -1.0, 0.5)
-    b_lo = _slot_rel(vr.lo_k, p0 + npk, nst, j0, 1.0, -0.5)
+    b_hi = _slot_rel(hi_k, n_rows, nst, j0, -1.0, 0.5)
+    b_lo = _slot_rel(lo_k, n_rows, nst, j0, 1.0, -0.5)
     ramp = _k_ramp(cfg, st, w)
     st.gates = _slot_gates(cfg, vr, j0, w, nb, fresh_ring, relaxed, v_mode)
     rramp = _rot_ramp(cfg, st, w, lane) if rot else None     # the rotated batches' key offsets
@@ -178,7 +197,8 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
                 if bias is None:
                     continue
                 m = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.int16, buffer=nl.sbuf)
-                ps = slice(p0, p0 + kp)
+                q0 = lane * d if kp == d else 0     # a one-batch stack on the other half (kt_alt / kt_swap)
+                ps = slice(q0, q0 + kp)
                 # kpp even: the table holds each partition's own layout; kpp = 1: the odd stacks are rotated
                 rp = rramp if rramp is not None and (cfg.kpp % 2 == 0 or jj % 2 == 1) else ramp
                 nisa.activation(dst=m[ps, :w], op=nl.sign, data=rp[ps, :w], bias=bias[ps, jj:jj + 1], scale=sc)

@@ -715,6 +715,45 @@ def test_ragged_rotated_slots_with_nan_tails(shape, S, ctx, lens, fp8):
     assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim"))
 
 
+@pytest.mark.parametrize("S,ctx,lens", [
+    # odd pack: the last stack's one batch (4700) on partitions 64..127 in the swapped buffers; 1100 / 1500 end in
+    # the swapped 1024-position slot, 4500 / 5800 in either piece of the swapped 2048-position one, their stack
+    # partners beyond
+    (1, 8192, (1100, 7000, 4500, 1500, 5800, 2100, 4700)),
+    (2, 8192 + 200, (1100, 6000, 4200, 1900, 5300, 3000, 8000, 4900)),    # S_tkg 2, even pack, remainder slot
+])
+def test_ragged_swapped_kt_lanes_with_nan_tails(S, ctx, lens):
+    """GPT-OSS ragged packs on trn2 swap each K^T stack's halves on the odd ring buffers (_Config.kt_swap: batch j
+    on partitions ((j + 1) % 2) * 64.., the score matmuls against the swapped queries, the scrub against the
+    swapped valid-range table), on top of the odd batches' rotated multi-piece slots (v_rot). NaN past every
+    length, sequences ending in swapped slots while their stack partner goes on (a scrub by the partner's length
+    would keep their NaN rows): finite, equal to the reference and bit-identical to a clean cache."""
+    from nki_kernels.attention.decode.flash import _kt_lanes
+    from nki_kernels.attention.decode.planning import _plan
+
+    args, kw = make_inputs(len(lens), S, s_max=ctx, ctx=ctx, seed=73, **GPT_OSS_20B_TP8)
+    args[4][:] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    seen = []
+    orig = cfg_mod._Config.__init__
+
+    def spy(self, *a, **k):
+        orig(self, *a, **k)
+        lanes, slots = _kt_lanes(self), _plan(self)[0]
+        # the swapped slots holding a sequence's first stale row (its NaN tail starts there)
+        ends = [k for k, sl in enumerate(slots) for n in lens if sl.j0 <= n < sl.j0 + sl.w and lanes[k % self.kv_bufs]]
+        seen.append(self.kt_swap and self.v_rot and len(ends) >= 3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cfg_mod._Config, "__init__", spy)
+        out = decode_attention(*args, **kw, backend="nkisim")
+    assert seen and all(seen), "no sequence ends in a swapped slot: the case does not test the swap"
+    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
+    assert torch.isfinite(ref).all() and torch.isfinite(out.float()).all()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim"))
+
+
 def test_ragged_v_balances_the_dma_rings():
     """GPT-OSS B=8, 8K (slots 1024 / 1024 / 2048 / ...): every sequence ends inside the first piece of the 2048-
     position slot, so each loads only that piece's V (64 partitions, 8 DMA rings). Those loads used to land on
