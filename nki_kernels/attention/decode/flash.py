@@ -236,14 +236,11 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
                              src=qkT[u0:u0 + kd, u, t:t + S, g * G:(g + 1) * G, hf], engine=nisa.engine.gpsimd)
             nisa.tensor_copy(dst=kact[u0:u0 + kd, jj, :S], src=qkT[u0:u0 + kd, u, t:t + S, cfg.nq + g, hf],
                              engine=nisa.engine.gpsimd)
-        if cfg.kt_swap:     # batch j on the stack's other half, for the ring buffers that swap them (_kt_lanes)
-            us = (u + 1) % cfg.kpp * kd
-            nisa.tensor_copy(dst=st.qm_sw[us:us + kd, j // cfg.kpp, j * R:(j + 1) * R].reshape((kd, S, G)),
-                             src=qkT[us:us + kd, (u + 1) % cfg.kpp, t:t + S, g * G:(g + 1) * G, 0],
-                             engine=nisa.engine.gpsimd)
         if cfg.kt_alt:      # the slots on the stack's other half (_kt_lanes) contract against a copy there
             nisa.tensor_copy(dst=qm[kd:2 * kd, 0, :R].reshape((kd, S, G)),
                              src=qkT[kd:2 * kd, 1, t:t + S, g * G:(g + 1) * G, 0], engine=nisa.engine.gpsimd)
+    if cfg.kt_swap:
+        _swapped_queries(cfg, st.qm_sw, qkT, p0 * S - base, g, nb)
     # First new position of each row's sequence, and each row's own position (fp32, [rows, 1]).
     pk = st.pre[p0]
     p_first, q_pos, st.pf_cols = pk.p_first, pk.q_pos, pk.pf_cols
@@ -661,6 +658,24 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         if ands is not None:
             step.pre_pv = ands
     step.sc = sc
+
+
+def _swapped_queries(cfg, qm_sw, qkT, t0, g, nb):
+    """_Config.kt_swap: the pack's queries with each stack's halves swapped (batch j on partitions
+    ((j + 1) % 2) * kd.., block j of the columns; kpp = 2), for the ring buffers that swap them (_kt_lanes). One
+    GpSimd copy per batch parity, not per batch (the copies queue on the pack's GpSimd work: modelled ragged
+    GPT-OSS B=8 68.04 -> 67.54 us): the batches j = 2i + p are a regular access pattern on both sides (qm_sw stack
+    i, columns (2i + p) * R: stride (pack + 2) * R; qkT tokens t0 + (2i + p) * S: stride 2S; the transposes hold
+    every token on both halves, qkT[:, u]). t0: the pack's first token in the tile."""
+    kd, S, G, R = cfg.kd, cfg.S, cfg.group, cfg.R
+    _, kpp, n_tok, nh, halves = qkT.shape
+    fq, fk = qm_sw.shape[1] * qm_sw.shape[2], kpp * n_tok * nh * halves    # free elements per partition
+    for p in range(min(2, nb)):
+        cnt, us = (nb - p + 1) // 2, (p + 1) % 2 * kd      # batches 2i + p, on the other half
+        dst = qm_sw.ap([[fq, kd], [cfg.pack * R + 2 * R, cnt], [G, S], [1, G]], offset=us * fq + p * R)
+        src = qkT.ap([[fk, kd], [2 * S * nh * halves, cnt], [nh * halves, S], [halves, G]],
+                     offset=us * fk + (((p + 1) % 2 * n_tok + t0 + p * S) * nh + g * G) * halves)
+        nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.gpsimd)
 
 
 def _kt_lanes(cfg):

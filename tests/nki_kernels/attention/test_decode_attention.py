@@ -721,6 +721,7 @@ def test_ragged_rotated_slots_with_nan_tails(shape, S, ctx, lens, fp8):
     # partners beyond
     (1, 8192, (1100, 7000, 4500, 1500, 5800, 2100, 4700)),
     (2, 8192 + 200, (1100, 6000, 4200, 1900, 5300, 3000, 8000, 4900)),    # S_tkg 2, even pack, remainder slot
+    (1, 8192, (1100, 7000, 4500, 1500, 5800, 2100, 4700, 300, 8100) * 2),  # two packs of 9 (the second's queries)
 ])
 def test_ragged_swapped_kt_lanes_with_nan_tails(S, ctx, lens):
     """GPT-OSS ragged packs on trn2 swap each K^T stack's halves on the odd ring buffers (_Config.kt_swap: batch j
