@@ -35,6 +35,13 @@ FIRST_SPLIT_WSPLIT = 8192
 # trn2 (bench positions, stride vs whole / LNC=1): 8K and 16K win in 12 of 14 cells (GPT-OSS B=16 16K 88.0 vs
 # 96.6 us), 4K loses in all four (GPT-OSS B=16 4K 50.1 vs 41.8); see DESIGN.md.
 STRIDE_MIN_SCAN = 8192
+# Ragged loads (planning._first_prefixes): the scan's first piece is loaded as one of FIRST_PIECE_SPLITS + 1 prefixes,
+# each half the next (at least FIRST_PIECE_MIN positions: one K^T tile), so a sequence shorter than half the piece
+# reads half of it, not all. One split: each prefix is one more runtime gate per batch and pack, and a K^T transpose
+# of s positions moves 2s-byte runs (DMA efficiency s / (s + 128)); modelled trn2 Llama-8B ragged B=8 / B=16 with
+# 1 / 2 / 3 splits: 91.54 / 152.95, 91.14 / 154.74, 91.52 / 154.64 us (92.75 / 154.27 without).
+FIRST_PIECE_MIN = 128
+FIRST_PIECE_SPLITS = 1
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
@@ -281,6 +288,11 @@ class _Config(nl.NKIObject):
         v3 = nisa.get_nc_version() < nisa.nc_version.gen4
         self.v_rot = (v3 and self.ragged and not self.imajor and not self.pmajor
                       and min(self.pack, self.b_hi - self.b_lo) >= 2)
+        # The scan's first piece loaded as prefix alternatives (planning._first_prefixes) where the K/V stream paces
+        # the ragged rows: trn2 (with the rotation) and d = 128 (Llama-8B; GPT-OSS's d = 64 packs are TensorE /
+        # VectorE-paced, where the extra gates cost more than the skipped bytes save: modelled ragged B=8 / B=16
+        # +2.1 / +1.3 %, fp8 B=16 16K +1.6 %).
+        self.first_prefixes = self.v_rot and self.d == P_MAX
         # Several sequences per pack on 2-batch stacks (d = 64, bf16, row-major steps): batch j's K^T lands on the
         # stack half j % 2, so the 8 DMA rings of partitions 0..63 carried the even batches' K bytes and the other
         # 8 the odd ones': with ragged lengths the halves differed by up to 2.4x (GPT-OSS B=8 16K, bench
@@ -303,7 +315,7 @@ def _kt_swap_pays(cfg):
     LNC=2 stride) the K^T halves are balanced already and alternating them per slot only moved the imbalance
     (modelled GPT-OSS B=16 4K +1.6 %)."""
     from .planning import _load_pieces, _plan  # planning imports this module
-    return any(len(_load_pieces(cfg, sl.j0, sl.w)) > 1 for sl in _plan(cfg)[0])
+    return any(len({a for a, _ in _load_pieces(cfg, sl.j0, sl.w)}) > 1 for sl in _plan(cfg)[0])
 
 
 def _use_stride(cfg):

@@ -610,7 +610,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         rot = _v_rotated(cfg, j0, w)     # the pack's odd batches hold the slot rotated by half
         st.n_slots += 1
         if cfg.paged:
-            lg = st.load_gates[j0] if cfg.ragged else (None,) * nb
+            lg = st.load_gates[(j0, w)] if cfg.ragged else (None,) * nb
             _load_slot_paged(cfg, st, K_cache, V_cache, kg, v, g, p0, nb, j0, w, lg, lane)
         else:
             for j in range(nb):
@@ -624,7 +624,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                     _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, j0, w, lane)
                     continue
                 for a, size in _load_pieces(cfg, j0, w):    # a sequence's loads stop at its length
-                    _run(st.load_gates[a][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v,
+                    _run(st.load_gates[(a, size)][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v,
                          lane=lane, r=rot and _rot_batch(j): _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0,
                                                                          w, a, size, lane, r))
         # Ragged, per-group gated scores / PV (_stack_gates): a load group none of whose sequences reaches j0 is

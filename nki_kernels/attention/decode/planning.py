@@ -4,7 +4,17 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 
 import nki.language as nl
 
-from .config import FA_SUB, FIRST_SPLIT, FIRST_SPLIT_WSPLIT, GATHER_ROWS_MIN, P_MAX, PMAJOR_TILES, PSUM_F
+from .config import (
+    FA_SUB,
+    FIRST_PIECE_MIN,
+    FIRST_PIECE_SPLITS,
+    FIRST_SPLIT,
+    FIRST_SPLIT_WSPLIT,
+    GATHER_ROWS_MIN,
+    P_MAX,
+    PMAJOR_TILES,
+    PSUM_F,
+)
 
 
 class _TokenTile(nl.NKIObject):
@@ -187,7 +197,35 @@ def _load_pieces(cfg, j0, w):
     body = n * P_MAX
     step = max(n, FA_SUB // n * n) if n else FA_SUB     # whole V partitions of n positions each
     pieces = tuple((j0 + a, min(step, body - a)) for a in range(0, body, step))
+    if j0 == 0 and pieces and cfg.first_prefixes:      # the scan's first piece as prefix alternatives (_first_prefixes)
+        pieces = _first_prefixes(pieces[0][1], n) + pieces[1:]
     return pieces + (((j0 + body, w - body),) if w > body else ())
+
+
+def _first_prefixes(size, n):
+    """The scan's first piece [0, size) as alternatives (config._Config.first_prefixes): prefixes [0, size / 2^k)
+    for k = FIRST_PIECE_SPLITS .. 0 (whole V partitions of n positions, at least FIRST_PIECE_MIN positions),
+    smallest first. A sequence loads exactly one of them, the shortest holding its rows (ragged._load_gates: a
+    prefix runs iff the previous one is too short and it is not, the last one iff the previous one is too short):
+    the short sequences of a ragged batch end in the first piece, and each loaded all of it (Llama-8B ragged B=8:
+    4096 positions for 1920 rows; 2560 with one split). One DMA per sequence and cache either way, so a long
+    sequence's first piece keeps its DMA efficiency (a K^T transpose of s positions moves 2s-byte runs: splitting
+    the piece into consecutive parts, tried first, cost the long sequences what it saved the short ones)."""
+    sizes = [size]
+    while len(sizes) <= FIRST_PIECE_SPLITS and sizes[-1] // 2 >= max(n, FIRST_PIECE_MIN) and sizes[-1] // 2 % n == 0:
+        sizes.append(sizes[-1] // 2)
+    return tuple((0, s) for s in sizes[::-1])
+
+
+def _piece_thresholds(pieces):
+    """Per load piece (_load_pieces) the gate's threshold (it runs iff its sequence's hi > threshold) and whether it
+    is a prefix alternative with a longer one after it (then it runs only iff hi <= its end, see _first_prefixes)."""
+    out = []
+    for i, (a, _size) in enumerate(pieces):
+        alt_prev = i > 0 and pieces[i - 1][0] == a
+        alt_next = i + 1 < len(pieces) and pieces[i + 1][0] == a
+        out.append((a + pieces[i - 1][1] if alt_prev else a, alt_next))
+    return tuple(out)
 
 
 
@@ -196,7 +234,7 @@ def _v_rotated(cfg, j0, w):
     column c and V partition q hold the positions of column (c + 64n) mod 128n / partition (q + 64) % 128 of the
     plain layout, n = w // 128; the remainder block is not rotated): slots loaded in more than one piece (a
     one-piece slot covers every partition whatever the layout)."""
-    return cfg.v_rot and len(_load_pieces(cfg, j0, w)) > 1
+    return cfg.v_rot and len({a for a, _ in _load_pieces(cfg, j0, w)}) > 1
 
 
 def _rot_batch(j):

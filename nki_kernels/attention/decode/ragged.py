@@ -8,7 +8,7 @@ import nki.language as nl
 from .common import _registers
 from .config import P_MAX
 from .isolation import _flag_ints
-from .planning import _load_pieces
+from .planning import _load_pieces, _piece_thresholds
 
 
 def _step_gates(cfg, st, steps):
@@ -134,18 +134,22 @@ def _stack_gates(cfg, st, steps, slots, nb):
 
 
 def _load_gates(cfg, st, slots, nb):
-    """Ragged contexts: per load piece (_load_pieces) and batch of the pack, a runtime trip count 1 iff its
-    sequence has a valid row in the piece (hi > its start): loads past a sequence's length are skipped, so the HBM
-    traffic follows the real lengths. What the skipped loads leave in the ring (another slot's rows, or
-    uninitialised SBUF) is excluded like any other invalid row (_scrub_slot: the gate is 1 for such a batch). All
-    computed at the pack's start: a load must never wait for a gate computed behind the attention's VectorE work.
+    """Ragged contexts: per load piece (_load_pieces, keyed (start, size)) and batch of the pack, a runtime trip count
+    1 iff its sequence has a valid row in the piece (hi > its start; the first piece's prefix alternatives: iff it
+    is the shortest holding the sequence's rows, see planning._first_prefixes): loads past a sequence's length are
+    skipped, so the HBM traffic follows the real lengths. What the skipped loads leave in the ring (another slot's
+    rows, or uninitialised SBUF) is excluded like any other invalid row (_scrub_slot: the gate is 1 for such a
+    batch). All computed at the pack's start: a load must never wait for a gate computed behind the attention's
+    VectorE work.
     Also vr.scrub[j0]: per batch (fp32 [1, stacks * kpp]), 1 iff its sequence ends inside the slot (j0 < hi <
     j0 + w): only those lanes hold rows to exclude. A lane whose load was skipped (hi <= j0) keeps finite data (the
     ring starts zeroed, see _AttnState, and every load is scrubbed): its keys are masked, its probabilities exactly 0,
     and 0 * finite = 0; a slot past every sequence is not touched at all."""
     vr = st.cur_valid
     if not vr.load_regs:
-        starts = [a for j0, w in slots for a, _ in _load_pieces(cfg, j0, w)]
+        pieces = [pc for j0, w in slots for pc in _load_pieces(cfg, j0, w)]
+        thr = _piece_thresholds(pieces)
+        starts = [t for t, _ in thr]
         ns, npc = len(slots), len(starts)
         if st.slot0 is None:      # the plan's slot starts and ends and piece starts, built once (same plan per pack)
             st.slot0 = nl.ndarray((1, 2 * ns + npc), dtype=nl.float32, buffer=nl.sbuf)
@@ -156,6 +160,15 @@ def _load_gates(cfg, st, slots, nb):
                            data2=st.slot0[:, 2 * ns:].expand_dim(2).broadcast(2, nb), op=nl.greater)
         fi = nl.ndarray((1, npc, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=fi[:, :, :nb], src=f[:, :, :nb])
+        k = 0
+        while k < npc:      # prefix alternatives (planning._first_prefixes): 1 iff hi > threshold and not the next's
+            m = 0
+            while thr[k + m][1]:
+                m += 1
+            if m:
+                nisa.tensor_tensor(dst=fi[:, k:k + m, :nb], data1=f[:, k:k + m, :nb], data2=f[:, k + 1:k + m + 1, :nb],
+                                   op=nl.subtract)
+            k += m + 1
         w_pad = cfg.ngroups * cfg.kpp
         hi = vr.hi_v[0:1, :nb].expand_dim(1).broadcast(1, ns)
         inside = nl.ndarray((1, ns, w_pad), dtype=nl.float32, buffer=nl.sbuf)   # j0 < hi < j0 + w
@@ -167,8 +180,8 @@ def _load_gates(cfg, st, slots, nb):
         nisa.tensor_tensor(dst=below[:, :, :nb], data1=hi,
                            data2=st.slot0[:, ns:2 * ns].expand_dim(2).broadcast(2, nb), op=nl.less)
         nisa.tensor_tensor(dst=inside[:, :, :nb], data1=inside[:, :, :nb], data2=below[:, :, :nb], op=nl.multiply)
-        for k, a in enumerate(starts):
-            vr.load_regs[a] = _registers(fi[:, k, :], nb)
+        for k, pc in enumerate(pieces):
+            vr.load_regs[pc] = _registers(fi[:, k, :], nb)
         ik, iv = _flag_ints(cfg, inside, ns, nb)
         for k, (j0, _w) in enumerate(slots):
             vr.scrub[j0] = inside[:, k, :]

@@ -774,6 +774,37 @@ def test_ragged_v_balances_the_dma_rings():
     assert 0.9 < halves[0] / halves[1] < 1.1, halves
 
 
+def test_ragged_short_sequences_load_a_prefix_of_the_first_piece():
+    """Llama-8B (d = 128) on trn2, two packs of sequences ending in the scan's first piece: each loads the shortest
+    prefix of that piece holding its rows (planning._first_prefixes), not the whole piece; with NaN past every
+    length (the second pack's prefixes leave the first pack's rows in the reused ring buffers) the output is finite,
+    equal to the reference and bit-identical to a clean cache. Modelled K/V bytes: real rows <= read <= 0.7x the
+    whole first piece per sequence (each reads 1024 positions without the prefixes)."""
+    import nkisim
+    from nki_kernels.attention.decode.config import FA_SUB
+
+    ctx, d = 4096, LLAMA31_8B_TP8["d"]
+    lens = (90, 3000, 300, 600, 150, 2000, 400, 700)      # packs of 4: the first piece's prefixes in both
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=73, **LLAMA31_8B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
+    out = decode_attention(*args, **kw, backend="nkisim")
+    assert torch.isfinite(ref).all() and torch.isfinite(out.float()).all()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim"))
+    short = [n for n in lens if n < FA_SUB]
+    reads = {}
+    for name, first in (("short", short), ("empty", (0,) * len(short))):
+        a, k = make_inputs(len(short), 1, s_max=ctx, ctx=ctx, seed=73, **LLAMA31_8B_TP8)
+        a[4][:, 0] = torch.tensor(first, dtype=torch.int32)
+        _, rep = nkisim.profile(decode_attention_nki, *a, target="trn2", **k)
+        reads[name] = rep.hbm_read_bytes
+    kv, row = reads["short"] - reads["empty"], 2 * d * 2
+    assert sum(short) * row <= kv <= 0.7 * len(short) * FA_SUB * row, (kv, sum(short) * row)
+
+
 # ---- LNC=2 batch split balanced at run time: both cores on every sequence, alternating slots, states merged -------
 
 @pytest.mark.parametrize("shape,S,ctx,first,bs,fp8,min_scan", [

@@ -59,10 +59,16 @@ def test_load_pieces_partition_each_slot(c):
     cfg = _cfg(*c)
     for j0, w in _plan(cfg)[0]:
         pieces = _load_pieces(cfg, j0, w)
+        # the scan's first piece as prefix alternatives (_first_prefixes): growing prefixes of the same start, one
+        # of which a sequence loads; the longest is the piece that partitions the slot with the others
+        alts = [pc for pc in pieces if pc[0] == pieces[0][0]]
+        assert all(a == j0 and s < s2 for (a, s), (_, s2) in zip(alts, alts[1:]))
+        assert len(alts) == 1 or j0 == 0
+        pieces = [pc for k, pc in enumerate(pieces) if k + 1 == len(pieces) or pieces[k + 1][0] != pc[0]]
         assert pieces[0][0] == j0 and sum(size for _, size in pieces) == w
         assert all(a + s == b for (a, s), (b, _) in zip(pieces, pieces[1:]))
         n = w // P_MAX
-        body = [(a, s) for a, s in pieces if a < j0 + n * P_MAX]
+        body = [(a, s) for a, s in pieces + alts if a < j0 + n * P_MAX]
         assert all(s % n == 0 and (a - j0) % n == 0 for a, s in body)    # whole V partitions
 
 
