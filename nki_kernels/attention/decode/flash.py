@@ -21,7 +21,7 @@ from .config import (
 from .isolation import _scrub_slot, _scrub_v, _valid_ranges
 from .kv_io import _cast_pairs, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
 from .oproj import _load_w_o, _oT_token_major, _rows_to_oT, _rows_to_tokens, _transpose_o
-from .planning import _load_pieces, _packs, _plan, _rot_batch, _slot_split, _v_rotated
+from .planning import _load_pieces, _packs, _plan, _rot_batch, _slot_split, _v_rotated, _whole_k
 from .ragged import _load_gates, _pv_group, _stack_gates, _step_gates
 
 
@@ -623,10 +623,17 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                 if not cfg.ragged:
                     _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, j0, w, lane)
                     continue
-                for a, size in _load_pieces(cfg, j0, w):    # a sequence's loads stop at its length
+                pieces = _load_pieces(cfg, j0, w)
+                kw = None if rot and _rot_batch(j) else _whole_k(cfg, j0, w)
+                for k, (a, size) in enumerate(pieces):    # a sequence's loads stop at its length
                     _run(st.load_gates[(a, size)][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v,
-                         lane=lane, r=rot and _rot_batch(j): _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0,
-                                                                         w, a, size, lane, r))
+                         lane=lane, r=rot and _rot_batch(j), pt="v" if kw is not None and k >= kw else "kv":
+                         _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane, r, pt))
+                if kw is not None:     # K^T: the first piece alone, or the whole slot (planning._whole_k)
+                    for a, size, gt in ((j0, pieces[kw][1], st.load_gates[("k1", j0)][j]),
+                                        (j0, w, st.load_gates[pieces[kw + 1]][j])):
+                        _run(gt, lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v, lane=lane:
+                             _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane, False, "k"))
         # Ragged, per-group gated scores / PV (_stack_gates): a load group none of whose sequences reaches j0 is
         # neither loaded nor read in this slot (nor in any later slot of this pack), so a fresh ring buffer scrubs
         # the groups reaching j0 only; its other lanes keep their content. This pack's later uses of the buffer at

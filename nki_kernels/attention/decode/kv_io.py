@@ -26,7 +26,7 @@ def _cast_pairs(cfg, kg, kT, w, nb, dtype, k, gates=None):
              nisa.tensor_copy(dst=kT[:kp, 2 * jg:2 * jg + 2, :w], src=pairs, engine=eng))
 
 
-def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, rot=False):
+def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, rot=False, parts="kv"):
     """Contiguous cache: K^T / V of positions [a, a + size) of the slot [j0, j0 + w) for batch j of the pack (the
     whole slot, or a piece of it: whole V partitions of the slot layout, or its remainder block). lane: the
     partition block of batch j's K^T in its stack, (j + lane) % kpp (see _Config.kt_alt). rot: batch j
@@ -35,7 +35,8 @@ def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, r
 
     fp8 cache: K rows are read as 2-byte pairs [size, d / 2] (a DMA transpose moves 2-byte elements only), so
     kT (the load group tile, uint16) gets partition i <-> dims (2i, 2i + 1) of each position; _cast_pairs splits
-    them into the even / odd stacks. V is cast to bf16 by its DMA (same layout as bf16)."""
+    them into the even / odd stacks. V is cast to bf16 by its DMA (same layout as bf16).
+    parts: "kv", or "k" / "v" for K^T / V alone (planning._whole_k)."""
     d, n = cfg.d, w // P_MAX
     u0, jj = ((j + lane) % cfg.kpp) * cfg.kd, j // cfg.kpp
     off = a - j0
@@ -43,7 +44,9 @@ def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, r
     if cfg.fp8:
         k_rows = k_rows.view(nl.uint16)
     body = max(0, min(size, n * P_MAX - off))        # positions of the piece in the n-per-partition layout
-    if rot and body:     # the body's columns in each half of the slot, each moved by half (64n columns)
+    if "k" not in parts:
+        pass
+    elif rot and body:     # the body's columns in each half of the slot, each moved by half (64n columns)
         for p_s, p_e, p_d in _v_parts(off // n, (off + body) // n, rot):
             nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, p_d * n:p_e * n - p_s * n + p_d * n],
                                src=k_rows[p_s * n - off:p_e * n - off, :])
@@ -51,6 +54,8 @@ def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, r
             nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, off + body:off + size], src=k_rows[body:size, :])
     else:
         nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, off:off + size], src=k_rows)
+    if "v" not in parts:
+        return
     if body:
         for p_s, p_e, p_d in _v_parts(off // n, (off + body) // n, rot):
             nisa.dma_copy(dst=v[p_d:p_d + p_e - p_s, j, :n, :],

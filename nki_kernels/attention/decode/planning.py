@@ -217,6 +217,19 @@ def _first_prefixes(size, n):
     return tuple((0, s) for s in sizes[::-1])
 
 
+def _whole_k(cfg, j0, w):
+    """Index in _load_pieces(cfg, j0, w) of the slot's first piece (its longest prefix alternative) when an unrotated
+    batch loads the slot's K^T as alternatives too (config._Config.first_prefixes): the first piece alone iff the
+    sequence ends inside it, else the whole slot in one transpose (SBUF runs of 2w bytes instead of two of w: DMA
+    efficiency 0.85 instead of 0.80 at w = 2048); V stays in pieces (its runs are n * d whatever the DMA). None
+    when the slot is not two pieces without a remainder block."""
+    pieces = _load_pieces(cfg, j0, w)
+    starts = sorted({a for a, _ in pieces})
+    if not cfg.first_prefixes or len(starts) != 2 or w % P_MAX or pieces[-1][0] + pieces[-1][1] != j0 + w:
+        return None
+    return max(k for k, (a, _s) in enumerate(pieces) if a == j0)
+
+
 def _piece_thresholds(pieces):
     """Per load piece (_load_pieces) the gate's threshold (it runs iff its sequence's hi > threshold) and whether it
     is a prefix alternative with a longer one after it (then it runs only iff hi <= its end, see _first_prefixes)."""

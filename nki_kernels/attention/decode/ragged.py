@@ -8,7 +8,7 @@ import nki.language as nl
 from .common import _registers
 from .config import P_MAX
 from .isolation import _flag_ints
-from .planning import _load_pieces, _piece_thresholds
+from .planning import _load_pieces, _piece_thresholds, _rot_batch, _whole_k
 
 
 def _step_gates(cfg, st, steps):
@@ -160,15 +160,12 @@ def _load_gates(cfg, st, slots, nb):
                            data2=st.slot0[:, 2 * ns:].expand_dim(2).broadcast(2, nb), op=nl.greater)
         fi = nl.ndarray((1, npc, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=fi[:, :, :nb], src=f[:, :, :nb])
-        k = 0
-        while k < npc:      # prefix alternatives (planning._first_prefixes): 1 iff hi > threshold and not the next's
-            m = 0
-            while thr[k + m][1]:
-                m += 1
-            if m:
-                nisa.tensor_tensor(dst=fi[:, k:k + m, :nb], data1=f[:, k:k + m, :nb], data2=f[:, k + 1:k + m + 1, :nb],
-                                   op=nl.subtract)
-            k += m + 1
+        # 1 iff hi passes a piece's threshold and not the next piece's: the prefix alternatives' gates (planning.
+        # _first_prefixes) and a first piece's alone (planning._whole_k), one instruction for every piece
+        df = None
+        if npc > 1 and (any(t[1] for t in thr) or any(_whole_k(cfg, j0, w) is not None for j0, w in slots)):
+            df = nl.ndarray((1, npc - 1, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=df[:, :, :nb], data1=f[:, :npc - 1, :nb], data2=f[:, 1:, :nb], op=nl.subtract)
         w_pad = cfg.ngroups * cfg.kpp
         hi = vr.hi_v[0:1, :nb].expand_dim(1).broadcast(1, ns)
         inside = nl.ndarray((1, ns, w_pad), dtype=nl.float32, buffer=nl.sbuf)   # j0 < hi < j0 + w
@@ -181,7 +178,14 @@ def _load_gates(cfg, st, slots, nb):
                            data2=st.slot0[:, ns:2 * ns].expand_dim(2).broadcast(2, nb), op=nl.less)
         nisa.tensor_tensor(dst=inside[:, :, :nb], data1=inside[:, :, :nb], data2=below[:, :, :nb], op=nl.multiply)
         for k, pc in enumerate(pieces):
-            vr.load_regs[pc] = _registers(fi[:, k, :], nb)
+            vr.load_regs[pc] = _registers((df if thr[k][1] else fi)[:, k, :], nb)
+        k0 = 0
+        for j0, w in slots:     # unrotated batches: their K^T of the first piece alone (planning._whole_k)
+            kw = _whole_k(cfg, j0, w)
+            if kw is not None:
+                vr.load_regs[("k1", j0)] = tuple(
+                    None if _rot_batch(j) else _registers(df[:, k0 + kw, j:j + 1], 1)[0] for j in range(nb))
+            k0 += len(_load_pieces(cfg, j0, w))
         ik, iv = _flag_ints(cfg, inside, ns, nb)
         for k, (j0, _w) in enumerate(slots):
             vr.scrub[j0] = inside[:, k, :]
