@@ -36,12 +36,14 @@ FIRST_SPLIT_WSPLIT = 8192
 # 96.6 us), 4K loses in all four (GPT-OSS B=16 4K 50.1 vs 41.8); see DESIGN.md.
 STRIDE_MIN_SCAN = 8192
 # Ragged loads (planning._first_prefixes): the scan's first piece is loaded as one of FIRST_PIECE_SPLITS + 1 prefixes,
-# each half the next (at least FIRST_PIECE_MIN positions: one K^T tile), so a sequence shorter than half the piece
-# reads half of it, not all. One split: each prefix is one more runtime gate per batch and pack, and a K^T transpose
+# each half the next (at least FIRST_PIECE_MIN positions: one K^T tile), so a sequence shorter than a quarter of the
+# piece reads a quarter of it, not all. Each prefix is one more runtime gate per batch and pack, and a K^T transpose
 # of s positions moves 2s-byte runs (DMA efficiency s / (s + 128)); modelled trn2 Llama-8B ragged B=8 / B=16 with
-# 1 / 2 / 3 splits: 91.54 / 152.95, 91.14 / 154.74, 91.52 / 154.64 us (92.75 / 154.27 without).
+# 1 / 2 / 3 splits: 91.04 / 152.73, 90.64 / 152.13, 90.54 / 155.12 us (92.75 / 154.27 without; with _whole_k).
+# fp8 caches: one split (fp8 Llama-8B B=16 16K 232.59 us with one, 233.93 with two, 233.40 without).
 FIRST_PIECE_MIN = 128
-FIRST_PIECE_SPLITS = 1
+FIRST_PIECE_SPLITS = 2
+FIRST_PIECE_SPLITS_FP8 = 1
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
@@ -288,11 +290,13 @@ class _Config(nl.NKIObject):
         v3 = nisa.get_nc_version() < nisa.nc_version.gen4
         self.v_rot = (v3 and self.ragged and not self.imajor and not self.pmajor
                       and min(self.pack, self.b_hi - self.b_lo) >= 2)
-        # The scan's first piece loaded as prefix alternatives (planning._first_prefixes) where the K/V stream paces
-        # the ragged rows: trn2 (with the rotation) and d = 128 (Llama-8B; GPT-OSS's d = 64 packs are TensorE /
-        # VectorE-paced, where the extra gates cost more than the skipped bytes save: modelled ragged B=8 / B=16
-        # +2.1 / +1.3 %, fp8 B=16 16K +1.6 %).
-        self.first_prefixes = self.v_rot and self.d == P_MAX
+        # Where the K/V stream paces the ragged rows, trn2 (with the rotation) and d = 128 (Llama-8B; GPT-OSS's d = 64
+        # packs are TensorE / VectorE-paced, where the extra gates cost more than the skipped bytes save: modelled
+        # ragged B=8 / B=16 +2.1 / +1.3 %, fp8 B=16 16K +1.6 %): the scan's first piece loaded as prefix
+        # alternatives (planning._first_prefixes, this many splits; 0: off) and the unrotated batches' K^T of
+        # two-piece slots as the first piece or the whole slot (planning._whole_k).
+        self.k_whole = self.v_rot and self.d == P_MAX
+        self.first_prefixes = (FIRST_PIECE_SPLITS_FP8 if fp8 else FIRST_PIECE_SPLITS) if self.k_whole else 0
         # Several sequences per pack on 2-batch stacks (d = 64, bf16, row-major steps): batch j's K^T lands on the
         # stack half j % 2, so the 8 DMA rings of partitions 0..63 carried the even batches' K bytes and the other
         # 8 the odd ones': with ragged lengths the halves differed by up to 2.4x (GPT-OSS B=8 16K, bench

@@ -7,7 +7,6 @@ import nki.language as nl
 from .config import (
     FA_SUB,
     FIRST_PIECE_MIN,
-    FIRST_PIECE_SPLITS,
     FIRST_SPLIT,
     FIRST_SPLIT_WSPLIT,
     GATHER_ROWS_MIN,
@@ -198,34 +197,34 @@ def _load_pieces(cfg, j0, w):
     step = max(n, FA_SUB // n * n) if n else FA_SUB     # whole V partitions of n positions each
     pieces = tuple((j0 + a, min(step, body - a)) for a in range(0, body, step))
     if j0 == 0 and pieces and cfg.first_prefixes:      # the scan's first piece as prefix alternatives (_first_prefixes)
-        pieces = _first_prefixes(pieces[0][1], n) + pieces[1:]
+        pieces = _first_prefixes(pieces[0][1], n, cfg.first_prefixes) + pieces[1:]
     return pieces + (((j0 + body, w - body),) if w > body else ())
 
 
-def _first_prefixes(size, n):
+def _first_prefixes(size, n, splits):
     """The scan's first piece [0, size) as alternatives (config._Config.first_prefixes): prefixes [0, size / 2^k)
-    for k = FIRST_PIECE_SPLITS .. 0 (whole V partitions of n positions, at least FIRST_PIECE_MIN positions),
+    for k = splits .. 0 (whole V partitions of n positions, at least FIRST_PIECE_MIN positions),
     smallest first. A sequence loads exactly one of them, the shortest holding its rows (ragged._load_gates: a
     prefix runs iff the previous one is too short and it is not, the last one iff the previous one is too short):
     the short sequences of a ragged batch end in the first piece, and each loaded all of it (Llama-8B ragged B=8:
-    4096 positions for 1920 rows; 2560 with one split). One DMA per sequence and cache either way, so a long
+    4096 positions for 1920 rows; 2048 with two splits). One DMA per sequence and cache either way, so a long
     sequence's first piece keeps its DMA efficiency (a K^T transpose of s positions moves 2s-byte runs: splitting
     the piece into consecutive parts, tried first, cost the long sequences what it saved the short ones)."""
     sizes = [size]
-    while len(sizes) <= FIRST_PIECE_SPLITS and sizes[-1] // 2 >= max(n, FIRST_PIECE_MIN) and sizes[-1] // 2 % n == 0:
+    while len(sizes) <= splits and sizes[-1] // 2 >= max(n, FIRST_PIECE_MIN) and sizes[-1] // 2 % n == 0:
         sizes.append(sizes[-1] // 2)
     return tuple((0, s) for s in sizes[::-1])
 
 
 def _whole_k(cfg, j0, w):
     """Index in _load_pieces(cfg, j0, w) of the slot's first piece (its longest prefix alternative) when an unrotated
-    batch loads the slot's K^T as alternatives too (config._Config.first_prefixes): the first piece alone iff the
+    batch loads the slot's K^T as alternatives too (config._Config.k_whole): the first piece alone iff the
     sequence ends inside it, else the whole slot in one transpose (SBUF runs of 2w bytes instead of two of w: DMA
     efficiency 0.85 instead of 0.80 at w = 2048); V stays in pieces (its runs are n * d whatever the DMA). None
     when the slot is not two pieces without a remainder block."""
     pieces = _load_pieces(cfg, j0, w)
     starts = sorted({a for a, _ in pieces})
-    if not cfg.first_prefixes or len(starts) != 2 or w % P_MAX or pieces[-1][0] + pieces[-1][1] != j0 + w:
+    if not cfg.k_whole or len(starts) != 2 or w % P_MAX or pieces[-1][0] + pieces[-1][1] != j0 + w:
         return None
     return max(k for k, (a, _s) in enumerate(pieces) if a == j0)
 
