@@ -435,6 +435,26 @@ def test_sliding_window_reads_only_the_window():
 
 # ---- isolation: stale cache rows (NaN) never reach another row ---------------------------------------------------
 
+def _check_nan_tails_where(args, clean, kw, probe, why):
+    """Run the kernel on the poisoned args, recording probe(cfg) for every _Config it builds (each must hold, else
+    the case does not test what it says: `why`), then the NaN-tail checks: finite, equal to the reference and
+    bit-identical to the clean cache's output."""
+    seen = []
+    orig = cfg_mod._Config.__init__
+
+    def spy(self, *a, **k):
+        orig(self, *a, **k)
+        seen.append(probe(self))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cfg_mod._Config, "__init__", spy)
+        out = decode_attention(*args, **kw, backend="nkisim")
+    assert seen and all(seen), why
+    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
+    assert torch.isfinite(ref).all() and torch.isfinite(out.float()).all()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim"))
+
+
 def _fp8_cache(args, kw):
     """The same inputs with K/V caches cast to fp8 e4m3 and unit per-tensor scales."""
     one = torch.ones(1)
@@ -699,20 +719,9 @@ def test_ragged_rotated_slots_with_nan_tails(shape, S, ctx, lens, fp8):
         args, kw = _fp8_cache(args, kw)
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, fp8)
-    seen = []
-    orig = cfg_mod._Config.__init__
-
-    def spy(self, *a, **k):
-        orig(self, *a, **k)
-        seen.append(self.v_rot and any(_v_rotated(self, sl.j0, sl.w) for sl in _plan(self)[0]))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cfg_mod._Config, "__init__", spy)
-        out = decode_attention(*args, **kw, backend="nkisim")
-    assert seen and all(seen), "no rotated slot: the case does not test the rotation"
-    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
-    assert torch.isfinite(ref).all() and torch.isfinite(out.float()).all()
-    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
-    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim"))
+    _check_nan_tails_where(args, clean, kw,
+                           lambda cfg: cfg.v_rot and any(_v_rotated(cfg, sl.j0, sl.w) for sl in _plan(cfg)[0]),
+                           "no rotated slot: the case does not test the rotation")
 
 
 @pytest.mark.parametrize("S,ctx,lens", [
@@ -736,23 +745,14 @@ def test_ragged_swapped_kt_lanes_with_nan_tails(S, ctx, lens):
     args[4][:] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
-    seen = []
-    orig = cfg_mod._Config.__init__
-
-    def spy(self, *a, **k):
-        orig(self, *a, **k)
-        lanes, slots = _kt_lanes(self), _plan(self)[0]
+    def swapped_ends(cfg):
+        lanes, slots = _kt_lanes(cfg), _plan(cfg)[0]
         # the swapped slots holding a sequence's first stale row (its NaN tail starts there)
-        ends = [k for k, sl in enumerate(slots) for n in lens if sl.j0 <= n < sl.j0 + sl.w and lanes[k % self.kv_bufs]]
-        seen.append(self.kt_swap and self.v_rot and len(ends) >= 3)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cfg_mod._Config, "__init__", spy)
-        out = decode_attention(*args, **kw, backend="nkisim")
-    assert seen and all(seen), "no sequence ends in a swapped slot: the case does not test the swap"
-    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
-    assert torch.isfinite(ref).all() and torch.isfinite(out.float()).all()
-    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
-    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim"))
+        ends = [k for k, sl in enumerate(slots) for n in lens if sl.j0 <= n < sl.j0 + sl.w and lanes[k % cfg.kv_bufs]]
+        return cfg.kt_swap and cfg.v_rot and len(ends) >= 3
+
+    _check_nan_tails_where(args, clean, kw, swapped_ends,
+                           "no sequence ends in a swapped slot: the case does not test the swap")
 
 
 def test_ragged_v_balances_the_dma_rings():
