@@ -68,6 +68,13 @@ WEIGHT_ROOM = None         # bytes per partition a weight may take (None: from t
 # 39.7 us for the others). Spread over 16 engines the short runs cost less than that queue; it also saves the x^T
 # TensorE transposes. More tokens keep the rows (enough engines; the 2-byte-per-KT runs would cost more).
 XT_DIRECT_TOKENS = 16
+# First partition of a token tile's RoPE tables (cos / sin rows, _Config.small_p0) when the tile has at most 32 rows:
+# a DMA is served by the DMA engines owning its SBUF partitions (8 each), and partitions 0..7 (engine 0) also carry
+# the token rows' other small transfers (positions, pack tables, cache-update stores) and a ragged pack's first V
+# pieces, while engines 4..7 (partitions 32..63) carry the least K/V (modelled, DESIGN.md "ring 0's small
+# transfers"). A compute operand of at most 32 partitions may start at partition 0 / 32 / 64 / 96 (C13).
+SMALL_P0 = 32
+SMALL_ROWS_MAX = P_MAX // 4   # ... for tiles of at most a quadrant's rows (C13: <= 32 partitions may start at 32)
 W_QKV_DMAS = 4         # W_qkv is loaded in this many DMAs (>= 2 KiB contiguous per partition each)
 W_O_DMAS = 4           # ... and W_o in up to this many column pieces per 128-row chunk (>= 4 KiB runs)
 # Position-major steps (scores^T: cache positions on the partitions, query rows on the free axis) for packs of at
@@ -297,6 +304,11 @@ class _Config(nl.NKIObject):
         # two-piece slots as the first piece or the whole slot (planning._whole_k).
         self.k_whole = self.v_rot and self.d == P_MAX
         self.first_prefixes = (FIRST_PIECE_SPLITS_FP8 if fp8 else FIRST_PIECE_SPLITS) if self.k_whole else 0
+        # The RoPE tables of token tiles of <= 32 rows land on partitions SMALL_P0.. (DMA engines 4..7) instead of
+        # 0.. (engine 0, the busiest ring of the DMA-paced rows: Llama-8B ragged B=8 -0.25 %). Where the K/V stream
+        # paces the rows, as k_whole: trn2 and d = 128; on GPT-OSS's compute-paced packs and on trn3 the earlier
+        # start only reorders the list schedule (modelled GPT-OSS ragged B=16 +2.4 %, trn3 Llama B=16 4K +0.6 %).
+        self.small_p0 = SMALL_P0 if v3 and self.d == P_MAX else 0
         # Several sequences per pack on 2-batch stacks (d = 64, bf16, row-major steps): batch j's K^T lands on the
         # stack half j % 2, so the 8 DMA rings of partitions 0..63 carried the even batches' K bytes and the other
         # 8 the odd ones': with ragged lengths the halves differed by up to 2.4x (GPT-OSS B=8 16K, bench

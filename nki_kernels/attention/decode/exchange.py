@@ -41,6 +41,7 @@ from .qkv import (
     _Inputs,
     _load_kv_scales,
     _load_small_inputs,
+    _load_table_rows,
     _qkv_projection,
     _qkv_tile,
     _quantize_kv,
@@ -122,12 +123,8 @@ def _load_own_inputs(cfg, cos, sin, tiles, k_scale, v_scale):
     cos2, sin2 = cos.reshape((cfg.B * cfg.S, h2)), sin.reshape((cfg.B * cfg.S, h2))
     cs, sn = [], []
     for tl in tiles:
-        c = nl.ndarray((P_MAX, h2), dtype=cos.dtype, buffer=nl.sbuf)
-        s = nl.ndarray((P_MAX, h2), dtype=sin.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=c[:tl.nt], src=cos2[tl.t0:tl.t0 + tl.nt, :])
-        nisa.dma_copy(dst=s[:tl.nt], src=sin2[tl.t0:tl.t0 + tl.nt, :])
-        cs.append(c)
-        sn.append(s)
+        cs.append(_load_table_rows(cfg, cos2[tl.t0:tl.t0 + tl.nt, :], tl.nt))
+        sn.append(_load_table_rows(cfg, sin2[tl.t0:tl.t0 + tl.nt, :], tl.nt))
     ins.cos, ins.sin = tuple(cs), tuple(sn)
     return ins
 

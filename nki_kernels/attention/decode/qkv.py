@@ -8,7 +8,7 @@ import nki.language as nl
 
 from ...common.tiles import evict, transpose_tokens
 from .common import _ones_row
-from .config import P_MAX, PSUM_F, QKV_BANKS, TRANSPOSE_GROUP, W_QKV_DMAS, XT_DIRECT_TOKENS
+from .config import P_MAX, PSUM_F, QKV_BANKS, SMALL_ROWS_MAX, TRANSPOSE_GROUP, W_QKV_DMAS, XT_DIRECT_TOKENS
 
 
 class _Inputs(nl.NKIObject):
@@ -69,14 +69,20 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale
         cs, sn = [], []
         for tl in tiles:
             t0, nt = tl.t0, tl.nt
-            c = nl.ndarray((P_MAX, h2), dtype=cos.dtype, buffer=nl.sbuf)
-            s = nl.ndarray((P_MAX, h2), dtype=sin.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=c[:nt], src=cos2[t0:t0 + nt, :])
-            nisa.dma_copy(dst=s[:nt], src=sin2[t0:t0 + nt, :])
-            cs.append(c)
-            sn.append(s)
+            cs.append(_load_table_rows(cfg, cos2[t0:t0 + nt, :], nt))
+            sn.append(_load_table_rows(cfg, sin2[t0:t0 + nt, :], nt))
         ins.cos, ins.sin = tuple(cs), tuple(sn)
     return ins
+
+
+def _load_table_rows(cfg, src, nt):
+    """A token tile's RoPE table rows src [nt, d / 2] in SBUF; returns their [nt, d / 2] view. On partitions
+    cfg.small_p0 .. + nt when the tile has at most 32 rows (off DMA engine 0, see SMALL_P0; the RoPE products read
+    them there, a legal quadrant start), else 0 .. nt - 1."""
+    p0 = cfg.small_p0 if nt <= SMALL_ROWS_MAX else 0
+    t = nl.ndarray((P_MAX, cfg.d // 2), dtype=src.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t[p0:p0 + nt], src=src)
+    return t[p0:p0 + nt]
 
 
 def _quantize_kv(cfg, qkv, ins, tiles, cache_dtype):
