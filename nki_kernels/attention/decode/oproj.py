@@ -148,10 +148,10 @@ def _load_w_o(cfg, W_o):
     # W_o arrives last: in column pieces (>= 4 KiB runs; shorter ones cost DMA efficiency), so the O-projection's
     # first chunks start on the first pieces while the last one streams, instead of after the whole load.
     n_pc = max(1, min(W_O_DMAS, (hc1 - hc0) * P_MAX * W_o.dtype.itemsize // (4 * 1024)))
-    for k in range(n_k):
-        kn = min(P_MAX, K - k * P_MAX)
-        for i in range(n_pc):
-            c0, c1 = hc0 + i * (hc1 - hc0) // n_pc, hc0 + (i + 1) * (hc1 - hc0) // n_pc
+    for i in range(n_pc):
+        c0, c1 = hc0 + i * (hc1 - hc0) // n_pc, hc0 + (i + 1) * (hc1 - hc0) // n_pc
+        for k in range(n_k):
+            kn = min(P_MAX, K - k * P_MAX)
             nisa.dma_copy(dst=wo[:kn, k, (c0 - hc0) * P_MAX:(c1 - hc0) * P_MAX],
                           src=W_o[k * P_MAX:k * P_MAX + kn, c0 * P_MAX:c1 * P_MAX])
     return wo
@@ -327,6 +327,9 @@ def _store_tile(cfg, lay, out, t0, nt):
     if lay.packed:
         _store_packed(cfg, lay.outP, out, t0, nt, lay.cpt, lay.rem)
         return
+    if 2 * nt <= P_MAX and (hc1 - hc0) % 2 == 0:
+        _store_halves(cfg, lay, out, t0, nt)
+        return
     res = nl.ndarray((P_MAX, cfg.H), dtype=out.dtype, buffer=nl.sbuf)
     for c0 in range(hc0, hc1, TRANSPOSE_GROUP):
         nc = min(TRANSPOSE_GROUP, hc1 - c0)
@@ -337,6 +340,32 @@ def _store_tile(cfg, lay, out, t0, nt):
               pt[:nt, :nc, :])
         pt = None
     nisa.dma_copy(dst=out[t0:t0 + nt, hc0 * P_MAX:hc1 * P_MAX], src=res[:nt, hc0 * P_MAX:hc1 * P_MAX])
+
+
+def _store_halves(cfg, lay, out, t0, nt):
+    """_store_tile for 32 < nt <= 64 tokens: each TensorE transpose takes out^T chunk c of both halves of this core's
+    H range ([128, 2, nt]: chunks c and c + half), so res partition h * nt + t holds token t's columns of half h, and
+    the tile is stored as two DMAs (one per half, runs of half * 256 B) from partitions 0..nt-1 and nt..2nt-1: twice
+    the DMA engines of one store from nt partitions (8 of 16 at nt = 64), whose 512 KiB at B = 64 were the kernel's
+    last ~4.3 us (modelled trn2 Llama-8B B=64 4K)."""
+    hc0, hc1 = cfg.hc
+    half = (hc1 - hc0) // 2
+    n_c = lay.outT.shape[1]
+    res = nl.ndarray((P_MAX, half * P_MAX), dtype=out.dtype, buffer=nl.sbuf)
+    for c0 in range(0, half, TRANSPOSE_GROUP):
+        nc = min(TRANSPOSE_GROUP, half - c0)
+        pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
+        for c in range(nc):     # chunks hc0 + c0 + c and hc0 + half + c0 + c, each [128, nt]
+            nisa.nc_transpose(dst=pt[:2 * nt, c, :], data=lay.outT.ap(
+                [[n_c * P_MAX, P_MAX], [half * P_MAX, 2], [1, nt]], offset=(hc0 + c0 + c) * P_MAX))
+        for e, (e0, e1) in enumerate(((0, nc // 2), (nc // 2, nc))):    # on VectorE and ScalarE at once
+            if e1 > e0:
+                evict(e, res[:2 * nt, (c0 + e0) * P_MAX:(c0 + e1) * P_MAX].reshape((2 * nt, e1 - e0, P_MAX)),
+                      pt[:2 * nt, e0:e1, :])
+        pt = None
+        for h in range(2):
+            a = (hc0 + h * half + c0) * P_MAX
+            nisa.dma_copy(dst=out[t0:t0 + nt, a:a + nc * P_MAX], src=res[h * nt:(h + 1) * nt, c0 * P_MAX:(c0 + nc) * P_MAX])
 
 
 def _evict_out(i, dst, src, bias_T, c0, n, nt, cpt=0, acc=None):
