@@ -9,6 +9,11 @@ import nki.language as nl
 from ...common.tiles import evict
 from .config import P_MAX, PSUM_F, TRANSPOSE_GROUP, W_O_DMAS
 
+# Token tiles of 33..64 rows are stored in this many column ranges, each once the O-projection has evicted it
+# (_store_halves): the first ranges' stores overlap the last W_o loads instead of all following them (modelled trn2
+# Llama-8B B=64 4K: 1 range 333.13 us, 2 332.43, 4 331.98, 8 331.95 with 512 B runs; 4 keeps >= 1 KiB runs).
+STORE_RANGES = 4
+
 # Innermost SBUF stride (bytes) up to which an engine / TensorE operand streams at full rate (nki-api.md §8.4)
 SBUF_FAST_STRIDE_BYTES = 16
 
@@ -146,7 +151,9 @@ def _load_w_o(cfg, W_o):
     hc0, hc1 = cfg.hc                                  # this core's output chunks (all of H unless split)
     wo = nl.ndarray((P_MAX, n_k, (hc1 - hc0) * P_MAX), dtype=W_o.dtype, buffer=nl.sbuf)
     # W_o arrives last: in column pieces (>= 4 KiB runs; shorter ones cost DMA efficiency), so the O-projection's
-    # first chunks start on the first pieces while the last one streams, instead of after the whole load.
+    # first chunks start on the first pieces while the last one streams, instead of after the whole load. Issued
+    # column piece by column piece (all K chunks of a piece, then the next): an out^T chunk needs every K chunk, so
+    # the first half of the columns is computed once half of W_o has arrived, not 7/8 of it (K chunk outer).
     n_pc = max(1, min(W_O_DMAS, (hc1 - hc0) * P_MAX * W_o.dtype.itemsize // (4 * 1024)))
     for i in range(n_pc):
         c0, c1 = hc0 + i * (hc1 - hc0) // n_pc, hc0 + (i + 1) * (hc1 - hc0) // n_pc
@@ -246,6 +253,10 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
                                    moving=oTs[ti][:kn, k, :nt], accumulate=(k > 0))
             _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T)
             ps = None
+            if _split_store(cfg, lay, nt):      # each column range stored once computed (under the W_o loads)
+                for lo, hi in _store_ranges(cfg):
+                    if c0 < hi <= c0 + ncb:
+                        _store_halves(cfg, lay, out, t0, nt, lo, hi)
         _store_tile(cfg, lay, out, t0, nt)
 
 
@@ -320,6 +331,18 @@ def _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T, acc=None):
                    bias_T, c0 + nfull * cpt, part, nt, acc=part_of(c0 + nfull * cpt, part, (P_MAX, part, nt)))
 
 
+def _store_ranges(cfg):
+    """The column ranges (out^T chunks of this core) _store_halves stores one at a time (STORE_RANGES)."""
+    hc0, hc1 = cfg.hc
+    n_pc = STORE_RANGES
+    return tuple((hc0 + i * (hc1 - hc0) // n_pc, hc0 + (i + 1) * (hc1 - hc0) // n_pc) for i in range(n_pc))
+
+
+def _split_store(cfg, lay, nt):
+    """Whether a token tile is stored by _store_halves (unpacked, 32 < nt <= 64, ranges of an even chunk count)."""
+    return not lay.packed and 2 * nt <= P_MAX and all((hi - lo) % 2 == 0 for lo, hi in _store_ranges(cfg))
+
+
 def _store_tile(cfg, lay, out, t0, nt):
     """One token tile's out^T (lay) back to [tokens, H] rows of out: packed (_store_packed) or by TensorE transposes
     of 128-chunk groups and one contiguous store."""
@@ -327,9 +350,8 @@ def _store_tile(cfg, lay, out, t0, nt):
     if lay.packed:
         _store_packed(cfg, lay.outP, out, t0, nt, lay.cpt, lay.rem)
         return
-    if 2 * nt <= P_MAX and (hc1 - hc0) % 2 == 0:
-        _store_halves(cfg, lay, out, t0, nt)
-        return
+    if _split_store(cfg, lay, nt):
+        return      # stored by the O-projection, a column range at a time (_store_halves)
     res = nl.ndarray((P_MAX, cfg.H), dtype=out.dtype, buffer=nl.sbuf)
     for c0 in range(hc0, hc1, TRANSPOSE_GROUP):
         nc = min(TRANSPOSE_GROUP, hc1 - c0)
@@ -342,30 +364,30 @@ def _store_tile(cfg, lay, out, t0, nt):
     nisa.dma_copy(dst=out[t0:t0 + nt, hc0 * P_MAX:hc1 * P_MAX], src=res[:nt, hc0 * P_MAX:hc1 * P_MAX])
 
 
-def _store_halves(cfg, lay, out, t0, nt):
-    """_store_tile for 32 < nt <= 64 tokens: each TensorE transpose takes out^T chunk c of both halves of this core's
-    H range ([128, 2, nt]: chunks c and c + half), so res partition h * nt + t holds token t's columns of half h, and
-    the tile is stored as two DMAs (one per half, runs of half * 256 B) from partitions 0..nt-1 and nt..2nt-1: twice
-    the DMA engines of one store from nt partitions (8 of 16 at nt = 64), whose 512 KiB at B = 64 were the kernel's
-    last ~4.3 us (modelled trn2 Llama-8B B=64 4K)."""
-    hc0, hc1 = cfg.hc
-    half = (hc1 - hc0) // 2
+def _store_halves(cfg, lay, out, t0, nt, lo, hi):
+    """_store_tile for 32 < nt <= 64 tokens, out^T chunks [lo, hi) (absolute, hi - lo even): each TensorE transpose
+    takes chunks c and c + q of the range ([128, 2, nt], q = (hi - lo) / 2), so res partition h * nt + t holds token
+    t's columns of half h of the range, stored as two DMAs from partitions 0..nt-1 and nt..2nt-1: twice the DMA
+    engines of one store from nt partitions (8 of 16 at nt = 64), whose 512 KiB at B = 64 were the kernel's last
+    ~4.3 us (modelled trn2 Llama-8B B=64 4K)."""
+    q = (hi - lo) // 2
     n_c = lay.outT.shape[1]
-    res = nl.ndarray((P_MAX, half * P_MAX), dtype=out.dtype, buffer=nl.sbuf)
-    for c0 in range(0, half, TRANSPOSE_GROUP):
-        nc = min(TRANSPOSE_GROUP, half - c0)
+    res = nl.ndarray((P_MAX, q * P_MAX), dtype=out.dtype, buffer=nl.sbuf)
+    for c0 in range(0, q, TRANSPOSE_GROUP):
+        nc = min(TRANSPOSE_GROUP, q - c0)
         pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
-        for c in range(nc):     # chunks hc0 + c0 + c and hc0 + half + c0 + c, each [128, nt]
+        for c in range(nc):     # chunks lo + c0 + c and lo + q + c0 + c, each [128, nt]
             nisa.nc_transpose(dst=pt[:2 * nt, c, :], data=lay.outT.ap(
-                [[n_c * P_MAX, P_MAX], [half * P_MAX, 2], [1, nt]], offset=(hc0 + c0 + c) * P_MAX))
+                [[n_c * P_MAX, P_MAX], [q * P_MAX, 2], [1, nt]], offset=(lo + c0 + c) * P_MAX))
         for e, (e0, e1) in enumerate(((0, nc // 2), (nc // 2, nc))):    # on VectorE and ScalarE at once
             if e1 > e0:
                 evict(e, res[:2 * nt, (c0 + e0) * P_MAX:(c0 + e1) * P_MAX].reshape((2 * nt, e1 - e0, P_MAX)),
                       pt[:2 * nt, e0:e1, :])
         pt = None
         for h in range(2):
-            a = (hc0 + h * half + c0) * P_MAX
-            nisa.dma_copy(dst=out[t0:t0 + nt, a:a + nc * P_MAX], src=res[h * nt:(h + 1) * nt, c0 * P_MAX:(c0 + nc) * P_MAX])
+            a = (lo + h * q + c0) * P_MAX
+            nisa.dma_copy(dst=out[t0:t0 + nt, a:a + nc * P_MAX],
+                          src=res[h * nt:(h + 1) * nt, c0 * P_MAX:(c0 + nc) * P_MAX])
 
 
 def _evict_out(i, dst, src, bias_T, c0, n, nt, cpt=0, acc=None):

@@ -95,7 +95,9 @@ def test_gpt_oss_20b_tp8(B, S, ctx, window):
     run_and_check(B, S, s_max=ctx, ctx=ctx, window=window, shape=GPT_OSS_20B_TP8)
 
 
-@pytest.mark.parametrize("B,S,ctx", [(1, 1, 4096), (4, 4, 1024), (16, 1, 512), (64, 4, 256)])
+# (64, 1) / (40, 1): token tiles of 33..64 rows, stored by column ranges from 128 partitions (oproj._store_halves)
+@pytest.mark.parametrize("B,S,ctx", [(1, 1, 4096), (4, 4, 1024), (16, 1, 512), (64, 4, 256), (64, 1, 256),
+                                     (40, 1, 384)])
 def test_llama31_8b_tp8(B, S, ctx):
     run_and_check(B, S, s_max=ctx + 64, ctx=ctx, shape=LLAMA31_8B_TP8)
 
