@@ -437,6 +437,31 @@ def test_sliding_window_reads_only_the_window():
 
 # ---- isolation: stale cache rows (NaN) never reach another row ---------------------------------------------------
 
+def _assert_nan_tails_clean(args, clean, kw, **launch):
+    """The kernel on the poisoned args: finite like the reference, equal to it within tolerance, and bit-identical
+    to its output on the clean cache. Returns that output."""
+    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
+    out = decode_attention(*args, **kw, backend="nkisim", **launch)
+    assert torch.isfinite(ref).all() and torch.isfinite(out.float()).all()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim", **launch))
+    return out
+
+
+def _kv_bytes_beyond_empty(first, ctx, seed, shape):
+    """Modelled HBM bytes (trn2) a batch whose sequences start at `first` reads beyond the same batch of empty caches
+    (first position 0): the K/V rows it loads."""
+    import nkisim
+
+    reads = []
+    for f in (first, (0,) * len(first)):
+        args, kw = make_inputs(len(first), 1, s_max=ctx, ctx=ctx, seed=seed, **shape)
+        args[4][:, 0] = torch.tensor(f, dtype=torch.int32)
+        _, rep = nkisim.profile(decode_attention_nki, *args, target="trn2", **kw)
+        reads.append(rep.hbm_read_bytes)
+    return reads[0] - reads[1]
+
+
 def _check_nan_tails_where(args, clean, kw, probe, why):
     """Run the kernel on the poisoned args, recording probe(cfg) for every _Config it builds (each must hold, else
     the case does not test what it says: `why`), then the NaN-tail checks: finite, equal to the reference and
@@ -449,12 +474,8 @@ def _check_nan_tails_where(args, clean, kw, probe, why):
         seen.append(probe(self))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cfg_mod._Config, "__init__", spy)
-        out = decode_attention(*args, **kw, backend="nkisim")
+        _assert_nan_tails_clean(args, clean, kw)
     assert seen and all(seen), why
-    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
-    assert torch.isfinite(ref).all() and torch.isfinite(out.float()).all()
-    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
-    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim"))
 
 
 def _fp8_cache(args, kw):
@@ -645,29 +666,16 @@ def test_ragged_contexts_with_nan_tails(bs, lnc):
     """Sequences of very different lengths in one batch, NaN past each one's length: finite, equal to the reference
     and bit-identical to a clean cache (the skipped slots' leftovers are excluded like any stale row)."""
     args, clean, kw = _ragged_inputs(1, 4096 + 128, bs)
-    ref_args = [a.clone() if a is not None else None for a in args]
-    ref = decode_attention_torch(*ref_args, **kw).float()
-    assert torch.isfinite(ref).all()
-    out = decode_attention(*args, **kw, backend="nkisim", lnc=lnc)
-    assert torch.isfinite(out.float()).all()
-    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
-    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim", lnc=lnc))
+    _assert_nan_tails_clean(args, clean, kw, lnc=lnc)
 
 
 def test_ragged_contexts_read_only_real_rows():
     """The modelled HBM traffic follows each sequence's length: the K/V bytes beyond a batch of empty caches (first
     position 0) are the real rows (2 * d * 2 B each), rounded up per sequence to at most one load piece (FA_SUB)."""
-    import nkisim
     from nki_kernels.attention.decode_attention import FA_SUB
 
     d, ctx = GPT_OSS_20B_TP8["d"], 4096 + 128
-    reads = {}
-    for name, first in (("ragged", RAGGED_FIRST), ("empty", (0,) * len(RAGGED_FIRST))):
-        args, kw = make_inputs(len(first), 1, s_max=ctx, ctx=ctx, seed=31, **GPT_OSS_20B_TP8)
-        args[4][:, 0] = torch.tensor(first, dtype=torch.int32)
-        _, rep = nkisim.profile(decode_attention_nki, *args, target="trn2", **kw)
-        reads[name] = rep.hbm_read_bytes
-    kv = reads["ragged"] - reads["empty"]
+    kv = _kv_bytes_beyond_empty(RAGGED_FIRST, ctx, 31, GPT_OSS_20B_TP8)
     real = sum(RAGGED_FIRST) * 2 * d * 2
     assert real <= kv <= real + len(RAGGED_FIRST) * FA_SUB * 2 * d * 2, (kv, real)
     assert kv < 0.5 * (len(RAGGED_FIRST) * (ctx - 1) * 2 * d * 2)      # far below a scan to the longest
@@ -689,12 +697,7 @@ def test_ragged_load_groups_skip_their_matmuls(fp8):
         args, kw = _fp8_cache(args, kw)
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, fp8)
-    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
-    assert torch.isfinite(ref).all()
-    out = decode_attention(*args, **kw, backend="nkisim")
-    assert torch.isfinite(out.float()).all()
-    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
-    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim"))
+    _assert_nan_tails_clean(args, clean, kw)
     _, rep = nkisim.profile(decode_attention_nki, *clean, target="trn2", **kw)
     full = [a.clone() if a is not None else None for a in clean]
     full[4][:, 0] = ctx - 1
@@ -782,7 +785,6 @@ def test_ragged_short_sequences_load_a_prefix_of_the_first_piece():
     length (the second pack's prefixes leave the first pack's rows in the reused ring buffers) the output is finite,
     equal to the reference and bit-identical to a clean cache. Modelled K/V bytes: real rows <= read <= 0.7x the
     whole first piece per sequence (each reads 1024 positions without the prefixes)."""
-    import nkisim
     from nki_kernels.attention.decode.config import FA_SUB
 
     ctx, d = 4096, LLAMA31_8B_TP8["d"]
@@ -791,19 +793,9 @@ def test_ragged_short_sequences_load_a_prefix_of_the_first_piece():
     args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
-    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
-    out = decode_attention(*args, **kw, backend="nkisim")
-    assert torch.isfinite(ref).all() and torch.isfinite(out.float()).all()
-    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
-    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim"))
+    _assert_nan_tails_clean(args, clean, kw)
     short = [n for n in lens if n < FA_SUB]
-    reads = {}
-    for name, first in (("short", short), ("empty", (0,) * len(short))):
-        a, k = make_inputs(len(short), 1, s_max=ctx, ctx=ctx, seed=73, **LLAMA31_8B_TP8)
-        a[4][:, 0] = torch.tensor(first, dtype=torch.int32)
-        _, rep = nkisim.profile(decode_attention_nki, *a, target="trn2", **k)
-        reads[name] = rep.hbm_read_bytes
-    kv, row = reads["short"] - reads["empty"], 2 * d * 2
+    kv, row = _kv_bytes_beyond_empty(short, ctx, 73, LLAMA31_8B_TP8), 2 * d * 2
     assert sum(short) * row <= kv <= 0.7 * len(short) * FA_SUB * row, (kv, sum(short) * row)
 
 
@@ -974,8 +966,4 @@ def test_ragged_skipped_loads_reuse_the_ring(shape, B, ctx):
                                  dtype=torch.int32)
     clean = [a.clone() if a is not None else None for a in args]
     _poison_stale_rows(args, 0)
-    ref = decode_attention_torch(*[a.clone() if a is not None else None for a in args], **kw).float()
-    out = decode_attention(*args, **kw, backend="nkisim")
-    assert torch.isfinite(out.float()).all()
-    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
-    assert _same_bits(out, decode_attention(*clean, **kw, backend="nkisim"))
+    _assert_nan_tails_clean(args, clean, kw)
