@@ -246,11 +246,7 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
             ncb = min(lay.ev, hc1 - c0)
             ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
             pv = ps[:, :ncb * nt].reshape((P_MAX, ncb, nt))
-            for c in range(c0, c0 + ncb):                   # one accumulation group at a time per bank
-                for k in range(n_k):
-                    kn = min(P_MAX, K - k * P_MAX)
-                    nisa.nc_matmul(dst=pv[:, c - c0, :], stationary=wo[:kn, k, (c - hc0) * P_MAX:(c - hc0 + 1) * P_MAX],
-                                   moving=oTs[ti][:kn, k, :nt], accumulate=(k > 0))
+            _accumulate_out_chunks(pv, c0, ncb, hc0, 0, n_k, K, oTs[ti], nt, wo, 0)
             _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T)
             ps = None
             if _split_store(cfg, lay, nt):      # each column range stored once computed (under the W_o loads)
@@ -282,12 +278,7 @@ def _output_projection_streamed(cfg, oTs, ws, bias_T, out, tiles):
                 ncb = min(lay.ev, hc1 - c0)
                 ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
                 pv = ps[:, :ncb * nt].reshape((P_MAX, ncb, nt))
-                for c in range(c0, c0 + ncb):               # one accumulation group at a time per bank
-                    h0 = (c - hc0) * P_MAX
-                    for k in range(k0, k1):
-                        kn = min(P_MAX, ws.K - k * P_MAX)
-                        nisa.nc_matmul(dst=pv[:, c - c0, :], stationary=ws.ring[:kn, i % nbuf, k - k0, h0:h0 + P_MAX],
-                                       moving=oTs[ti][:kn, k, :nt], accumulate=(k > k0))
+                _accumulate_out_chunks(pv, c0, ncb, hc0, k0, k1, ws.K, oTs[ti], nt, ws.ring[:, i % nbuf], k0)
                 if i == n_s - 1:        # last chunk: into the store layout (the partial sums added)
                     _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T if n_s == 1 else None,
                                  accs[ti] if n_s > 1 else None)
@@ -303,6 +294,19 @@ def _output_projection_streamed(cfg, oTs, ws, bias_T, out, tiles):
             _load_wo_chunk(ws, i + nbuf)
     for ti, tl in enumerate(tiles):
         _store_tile(cfg, lays[ti], out, tl.t0, tl.nt)
+
+
+def _accumulate_out_chunks(pv, c0, ncb, hc0, k0, k1, K, oT, nt, w, kbase):
+    """out^T chunks [c0, c0 + ncb) of this core (pv [128, ncb, nt] in one PSUM bank, one accumulation group at a
+    time) summed over the 128-row K chunks [k0, k1): stationary = the W_o rows of K chunk k held at w[:, k - kbase]
+    (w: [128, K chunks, this core's H columns], resident W_o or one streamed ring buffer), the 128 columns of
+    chunk c; moving = o^T [rows, nt]."""
+    for c in range(c0, c0 + ncb):
+        h0 = (c - hc0) * P_MAX
+        for k in range(k0, k1):
+            kn = min(P_MAX, K - k * P_MAX)
+            nisa.nc_matmul(dst=pv[:, c - c0, :], stationary=w[:kn, k - kbase, h0:h0 + P_MAX], moving=oT[:kn, k, :nt],
+                           accumulate=(k > k0))
 
 
 def _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T, acc=None):
