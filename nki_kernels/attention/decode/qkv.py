@@ -215,11 +215,7 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
         if cfg.wq_chunk:
             _qkv_streamed(cfg, xT, w3, tiles, group, accs, kt0, kt1, bias is not None)
         else:
-            for kt in range(kt0, kt1):
-                for i, (ti, ch) in enumerate(group):
-                    nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
-                    nisa.nc_matmul(dst=accs[i][:nt, :cw], stationary=xT[ti][:, kt, :nt],
-                                   moving=wq[:, kt - kt0, c0:c0 + cw], accumulate=(kt > kt0 or bias is not None))
+            _accumulate_qkv(cfg, xT, tiles, group, accs, kt0, kt1, wq, kt0, 0, kt0, bias is not None)
         for i, (ti, ch) in enumerate(group):
             nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, C - ch * PSUM_F)
             if qsplit:
@@ -290,6 +286,18 @@ def _qkv_split_transposed(cfg, consts, xT, wq, bias, nt, kt0, kt1, dst):
         pt = None
 
 
+def _accumulate_qkv(cfg, xT, tiles, group, accs, k0, k1, w, kbase, cbase, kt_first, opened):
+    """The matmuls of H tiles [k0, k1) into one group of (tile, column chunk) accumulators: stationary = x^T of the
+    tile, moving = W_qkv rows of H tile kt held at w[:, kt - kbase] (w: [128, H tiles, columns from cbase]:
+    resident W_qkv or one streamed ring buffer); an accumulator opens at H tile kt_first unless opened (it holds the
+    bias)."""
+    for kt in range(k0, k1):
+        for a, (ti, ch) in enumerate(group):
+            nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, cfg.C - ch * PSUM_F)
+            nisa.nc_matmul(dst=accs[a][:nt, :cw], stationary=xT[ti][:, kt, :nt],
+                           moving=w[:, kt - kbase, c0 - cbase:c0 - cbase + cw], accumulate=(kt > kt_first or opened))
+
+
 def _qkv_streamed(cfg, xT, w3, tiles, group, accs, kt0, kt1, opened):
     """The matmuls of one group of (tile, column chunk) accumulators over this core's H tiles [kt0, kt1), with W_qkv
     (w3 = [128, KT, C] view of HBM) streamed through a ring of cfg.wq_bufs buffers of cfg.wq_chunk tiles and the
@@ -309,12 +317,7 @@ def _qkv_streamed(cfg, xT, w3, tiles, group, accs, kt0, kt1, opened):
     for i in range(min(nbuf, len(chunks))):
         load(i)
     for i, (k0, k1) in enumerate(chunks):
-        for kt in range(k0, k1):
-            for a, (ti, ch) in enumerate(group):
-                nt, c0, cw = tiles[ti].nt, ch * PSUM_F, min(PSUM_F, cfg.C - ch * PSUM_F)
-                nisa.nc_matmul(dst=accs[a][:nt, :cw], stationary=xT[ti][:, kt, :nt],
-                               moving=ring[:, i % nbuf, kt - k0, c0 - c_lo:c0 - c_lo + cw],
-                               accumulate=(kt > kt0 or opened))
+        _accumulate_qkv(cfg, xT, tiles, group, accs, k0, k1, ring[:, i % nbuf], k0, c_lo, kt0, opened)
         if i + nbuf < len(chunks):
             load(i + nbuf)
 
