@@ -304,6 +304,14 @@ class _Config(nl.NKIObject):
         # two-piece slots as the first piece or the whole slot (planning._whole_k).
         self.k_whole = self.v_rot and self.d == P_MAX
         self.first_prefixes = (FIRST_PIECE_SPLITS_FP8 if fp8 else FIRST_PIECE_SPLITS) if self.k_whole else 0
+        # One batch per K^T stack (bf16, d = 128): the rotated batches' K^T is loaded in the plain layout too (the
+        # first piece alone or the whole slot, planning._whole_k), and their score matmuls read it rotated instead
+        # (flash._step_scores: a score chunk's column blocks q of one half read the K^T columns of (q + 64) % 128, a
+        # moving-operand offset; each stack is its own matmul). The rotated layout cost two dma_transposes of 64n
+        # columns per slot (2 KiB SBUF runs: DMA efficiency 0.80) where the plain one moves the slot in one (4 KiB
+        # runs: 0.85); the K^T stream of the Llama-8B 16K rows is ~40 % of each DMA ring's busy time. The V layout,
+        # the masks and the V scrub stay rotated; the K^T scrub uses the plain key ramp.
+        self.k_plain = self.k_whole and self.kpp == 1 and self.halves == 1
         # The RoPE tables of token tiles of <= 32 rows land on partitions SMALL_P0.. (DMA engines 4..7) instead of
         # 0.. (engine 0, the busiest ring of the DMA-paced rows: Llama-8B ragged B=8 -0.25 %). Where the K/V stream
         # paces the rows, as k_whole: trn2 and d = 128; on GPT-OSS's compute-paced packs and on trn3 the earlier

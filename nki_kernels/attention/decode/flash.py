@@ -624,7 +624,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                     _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, j0, w, lane)
                     continue
                 pieces = _load_pieces(cfg, j0, w)
-                kw = None if rot and _rot_batch(j) else _whole_k(cfg, j0, w)
+                kw = None if rot and _rot_batch(j) and not cfg.k_plain else _whole_k(cfg, j0, w)
                 for k, (a, size) in enumerate(pieces):    # a sequence's loads stop at its length
                     _run(st.load_gates[(a, size)][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v,
                          lane=lane, r=rot and _rot_batch(j), pt="v" if kw is not None and k >= kw else "kv":
@@ -724,6 +724,9 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0):
     if step.thr_lo is not None:
         masks.append(_build_mask(cfg, rows, step.cols, key, step.thr_lo, nl.less_equal, 0.0))
     sg = step.stack_gates
+    # _Config.k_plain: the rotated batches' (odd stacks') K^T is plain; their column block q reads plain block
+    # (q + 64) % 128, so a chunk is read per half of the blocks (each a moving-operand offset)
+    k_rot = cfg.k_plain and _v_rotated(cfg, j0, w)
     for c0, c1, inner in step.chunks:
         if sg is not None:      # ragged: the masks open the chunk's accumulation group, the stacks run gated
             for i, m in enumerate(masks):
@@ -741,19 +744,29 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0):
                 else:
                     mov = _kview(cfg, kT, jj, kp, w, (kp, K, n, P_MAX // K),
                                  (slice(None), slice(None), slice(il0, il1), slice(None)), b0).permute((0, 2, 1, 3))
+                mov = [((c0, c1, inner), mov)]
             elif inner > 0:
                 i0 = step.pos0 - j0
-                mov = _kview(cfg, kT, jj, kp, n * P_MAX, (kp, P_MAX, n),
-                             (slice(None), slice(c0 // inner, c1 // inner), slice(i0, i0 + inner)), b0)
+                qa, qb = c0 // inner, c1 // inner
+                parts = [(qa, qb, qa)]
+                if k_rot and _rot_batch(jj):     # (kpp = 1: stack jj is batch jj) plain block (q + 64) % 128
+                    half = P_MAX // 2
+                    parts = [(q0, q1, (q0 + half) % P_MAX) for q0, q1 in ((qa, min(qb, half)), (max(qa, half), qb))
+                             if q0 < q1]
+                mov = [((q0 * inner, q1 * inner, inner),
+                        _kview(cfg, kT, jj, kp, n * P_MAX, (kp, P_MAX, n),
+                               (slice(None), slice(qk, qk + q1 - q0), slice(i0, i0 + inner)), b0))
+                       for q0, q1, qk in parts]
             else:
-                mov = _kview(cfg, kT, jj, kp, w, (kp, w), (slice(None), slice(n * P_MAX, w)), b0)
+                mov = [((c0, c1, inner), _kview(cfg, kT, jj, kp, w, (kp, w), (slice(None), slice(n * P_MAX, w)), b0))]
+            def scores(_i, jj=jj, kp=kp, mov=mov, b0=b0, acc=(sg is not None or jj > 0)):
+                for c, mv in mov:
+                    nisa.nc_matmul(dst=_cols(sc, rows, *c), stationary=qm[b0:b0 + kp, jj, :rows], moving=mv,
+                                   accumulate=acc)
             if sg is not None:
-                nl.fori_loop(0, sg[jj // cfg.halves], lambda _i, jj=jj, kp=kp, mov=mov, c=(c0, c1, inner), b0=b0:
-                             nisa.nc_matmul(dst=_cols(sc, rows, *c), stationary=qm[b0:b0 + kp, jj, :rows], moving=mov,
-                                            accumulate=True))
+                nl.fori_loop(0, sg[jj // cfg.halves], scores)
                 continue
-            nisa.nc_matmul(dst=_cols(sc, rows, c0, c1, inner), stationary=qm[b0:b0 + kp, jj, :rows], moving=mov,
-                           accumulate=(jj > 0))
+            scores(0)
         if sg is not None:
             continue
         for m in masks:          # each chunk's masks right after its scores: its row max can start early

@@ -188,7 +188,8 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
     b_lo = _slot_rel(lo_k, n_rows, nst, j0, 1.0, -0.5)
     ramp = _k_ramp(cfg, st, w)
     st.gates = _slot_gates(cfg, vr, j0, w, nb, fresh_ring, relaxed, v_mode)
-    rramp = _rot_ramp(cfg, st, w, lane) if rot else None     # the rotated batches' key offsets
+    # the rotated batches' key offsets (_Config.k_plain: their K^T is plain, only the score matmuls read it rotated)
+    rramp = _rot_ramp(cfg, st, w, lane) if rot and not cfg.k_plain else None
     for jj in range(nst):
         kp = min(kpp, nb - jj * kpp) * d
 

@@ -31,7 +31,8 @@ def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, r
     whole slot, or a piece of it: whole V partitions of the slot layout, or its remainder block). lane: the
     partition block of batch j's K^T in its stack, (j + lane) % kpp (see _Config.kt_alt). rot: batch j
     holds the slot rotated by half (planning._v_rotated: K^T column c / V partition q hold the plain layout's
-    column (c + 64n) mod 128n / partition (q + 64) % 128; the remainder block is not rotated).
+    column (c + 64n) mod 128n / partition (q + 64) % 128; the remainder block is not rotated; with
+    _Config.k_plain only V: the score matmuls read the plain K^T rotated).
 
     fp8 cache: K rows are read as 2-byte pairs [size, d / 2] (a DMA transpose moves 2-byte elements only), so
     kT (the load group tile, uint16) gets partition i <-> dims (2i, 2i + 1) of each position; _cast_pairs splits
@@ -46,7 +47,7 @@ def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, r
     body = max(0, min(size, n * P_MAX - off))        # positions of the piece in the n-per-partition layout
     if "k" not in parts:
         pass
-    elif rot and body:     # the body's columns in each half of the slot, each moved by half (64n columns)
+    elif rot and body and not cfg.k_plain:    # the body's columns in each half of the slot, each moved by half
         for p_s, p_e, p_d in _v_parts(off // n, (off + body) // n, rot):
             nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, p_d * n:p_e * n - p_s * n + p_d * n],
                                src=k_rows[p_s * n - off:p_e * n - off, :])

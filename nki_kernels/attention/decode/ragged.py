@@ -180,11 +180,12 @@ def _load_gates(cfg, st, slots, nb):
         for k, pc in enumerate(pieces):
             vr.load_regs[pc] = _registers((df if thr[k][1] else fi)[:, k, :], nb)
         k0 = 0
-        for j0, w in slots:     # unrotated batches: their K^T of the first piece alone (planning._whole_k)
+        for j0, w in slots:     # unrotated (k_plain: all) batches: K^T of the first piece alone (planning._whole_k)
             kw = _whole_k(cfg, j0, w)
             if kw is not None:
                 vr.load_regs[("k1", j0)] = tuple(
-                    None if _rot_batch(j) else _registers(df[:, k0 + kw, j:j + 1], 1)[0] for j in range(nb))
+                    None if _rot_batch(j) and not cfg.k_plain else _registers(df[:, k0 + kw, j:j + 1], 1)[0]
+                    for j in range(nb))
             k0 += len(_load_pieces(cfg, j0, w))
         ik, iv = _flag_ints(cfg, inside, ns, nb)
         for k, (j0, _w) in enumerate(slots):
