@@ -87,6 +87,9 @@ TARGET_ASSERTED = {
     ("gpt-oss-20b-tp8", 8, 16384, "trn3"), ("llama-3.1-8b-tp8", 8, 16384, "trn3"),
     # since a one-sequence pack's K^T alternates between the two halves of the DMA rings (modelled x1.29)
     ("gpt-oss-20b-tp8", 1, 16384, "trn2"),
+    # since the rotated batches' K^T is loaded plain and pairs of whole slots share a transpose (modelled x1.136 /
+    # x1.128)
+    ("llama-3.1-8b-tp8", 16, 16384, "trn2"), ("llama-3.1-8b-tp8", 64, 16384, "trn2"),
 }
 
 # trn2: the whole grid; trn3: the batches its target covers (B >= 8; B = 64 left out to keep the job short)

@@ -729,6 +729,28 @@ def test_ragged_rotated_slots_with_nan_tails(shape, S, ctx, lens, fp8):
                            "no rotated slot: the case does not test the rotation")
 
 
+def test_ragged_k_pairs_with_nan_tails():
+    """Llama-8B (one batch per K^T stack) ragged packs on trn2 load every batch's K^T plain (_Config.k_plain; the
+    rotated batches' score matmuls read it rotated) and the whole-slot K^T of batches 2i, 2i + 1 in one transpose
+    when both sequences need it (flash._load_k_pair, gated in ragged._load_gates). Pairs with both partners long,
+    one ending in a slot's first piece (its partner's whole slot loaded alone), both ending inside a slot, an odd
+    pack's unpaired last batch; NaN past every length: finite, equal to the reference and bit-identical to a clean
+    cache. Modelled: some transposes move a pair's two whole slots."""
+    import nkisim
+
+    ctx = 8192
+    lens = (6500, 7100, 900, 5000, 3000, 2100, 8190, 4500, 1500)     # packs of 4 / 5 (an unpaired last batch)
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=79, **LLAMA31_8B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.k_plain, "k_plain is off: the case tests no K^T pair")
+    _, rep = nkisim.profile(decode_attention_nki, *clean, target="trn2", **kw)
+    w = 2048
+    pair = [e for e in rep.events if e.op == "dma_transpose" and e.cost.dma_bytes == 2 * w * 128 * 2]
+    assert pair, "no K^T pair transpose"
+
+
 @pytest.mark.parametrize("S,ctx,lens", [
     # odd pack: the last stack's one batch (4700) on partitions 64..127 in the swapped buffers; 1100 / 1500 end in
     # the swapped 1024-position slot, 4500 / 5800 in either piece of the swapped 2048-position one, their stack
