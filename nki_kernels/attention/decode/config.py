@@ -44,6 +44,12 @@ STRIDE_MIN_SCAN = 8192
 FIRST_PIECE_MIN = 128
 FIRST_PIECE_SPLITS = 2
 FIRST_PIECE_SPLITS_FP8 = 1
+# d < 128 (GPT-OSS's two-batch K^T stacks): the unrotated batches' whole-slot K^T loads (planning._whole_k: SBUF
+# runs of 2w bytes, DMA efficiency 0.85 instead of 0.80 at w = 2048) only when the core scans at least this many
+# packs, i.e. where the K/V stream paces the row (modelled trn2 GPT-OSS B=64 16K 516.67 -> 510.44 us); with one or
+# two packs the TensorE steps after the last K/V byte pace it and the coarser transfers cost (B=8 16K +0.4 %,
+# B=16 16K +1.0 %).
+KW_PACKS = 4
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
@@ -76,7 +82,7 @@ XT_DIRECT_TOKENS = 16
 SMALL_P0 = 32
 SMALL_ROWS_MAX = P_MAX // 4   # ... for tiles of at most a quadrant's rows (C13: <= 32 partitions may start at 32)
 W_QKV_DMAS = 4         # W_qkv is loaded in this many DMAs (>= 2 KiB contiguous per partition each)
-W_O_DMAS = 4           # ... and W_o in up to this many column pieces per 128-row chunk (>= 4 KiB runs)
+W_O_DMAS = 4           # ... and W_o in up to this many column pieces per 128-row chunk (>= 3 KiB runs)
 # Position-major steps (scores^T: cache positions on the partitions, query rows on the free axis) for packs of at
 # most this many rows (a tuning choice, modelled: B = 1 GPT-OSS / Llama-8B -3..-5 %, but 10..64 rows slower, e.g.
 # GPT-OSS B=8 4K +19 %: the per-128-position matmul floor and the per-step chain outweigh the saved row work).
@@ -301,9 +307,12 @@ class _Config(nl.NKIObject):
         # packs are TensorE / VectorE-paced, where the extra gates cost more than the skipped bytes save: modelled
         # ragged B=8 / B=16 +2.1 / +1.3 %, fp8 B=16 16K +1.6 %): the scan's first piece loaded as prefix
         # alternatives (planning._first_prefixes, this many splits; 0: off) and the unrotated batches' K^T of
-        # two-piece slots as the first piece or the whole slot (planning._whole_k).
-        self.k_whole = self.v_rot and self.d == P_MAX
-        self.first_prefixes = (FIRST_PIECE_SPLITS_FP8 if fp8 else FIRST_PIECE_SPLITS) if self.k_whole else 0
+        # two-piece slots as the first piece or the whole slot (planning._whole_k); the latter for d < 128 too when
+        # this core scans KW_PACKS packs or more.
+        n_packs = (self.b_hi - self.b_lo + self.pack - 1) // self.pack
+        self.k_whole = self.v_rot and (self.d == P_MAX or n_packs >= KW_PACKS)
+        splits = FIRST_PIECE_SPLITS_FP8 if fp8 else FIRST_PIECE_SPLITS
+        self.first_prefixes = splits if self.k_whole and self.d == P_MAX else 0
         # One batch per K^T stack (bf16, d = 128): the rotated batches' K^T is loaded in the plain layout too (the
         # first piece alone or the whole slot, planning._whole_k), and their score matmuls read it rotated instead
         # (flash._step_scores: a score chunk's column blocks q of one half read the K^T columns of (q + 64) % 128, a

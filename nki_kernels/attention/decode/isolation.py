@@ -37,9 +37,9 @@ def _valid_ranges(cfg, position_ids, p0, nb):
     nisa.dma_copy(dst=pv[:, :nb], src=position_ids.ap([[0, P_MAX], [S, nb]], offset=p0 * S))
     # NeuronCore-v4: the K^T layout's table is copied out of pv on chip (same partitions, strided columns) instead
     # of loaded: its DMAs of 4-byte runs cost 0.25-0.5 us of every DMA engine they used, ahead of the weights and
-    # the K/V stream that paces trn3's B = 8 4K rows (modelled -0.2 .. -0.8 %). On trn2 it shifted the GpSimd
-    # schedule of the fp8 rows (+1 %), so trn2 keeps the loads.
-    on_chip = nisa.get_nc_version() >= nisa.nc_version.gen4
+    # the K/V stream that paces trn3's B = 8 4K rows (modelled -0.2 .. -0.8 %). trn2 too since the gptoss round
+    # (the GPT-OSS 4K rows are DMA-paced: -0.4 .. -1.4 %), except fp8 caches (Llama-8B fp8 B=16 16K +0.35 %).
+    on_chip = nisa.get_nc_version() >= nisa.nc_version.gen4 or not cfg.fp8
     pk = nl.ndarray((P_MAX, cfg.ngroups), dtype=nl.float32, buffer=nl.sbuf)
     if cfg.kt_alt:     # one sequence, its K^T on either half of the stack (flash._kt_lanes): both halves hold it
         npk = kpp * d
@@ -107,7 +107,8 @@ def _slot_rel(t, rows, cols, j0, sign=1.0, add=0.0):
 
 
 def _k_ramp(cfg, st, w):
-    """fp32 [128, w]: key offset (position - slot start) of every K^T slot column (same on every partition):
+    """int16 [128, w] (exact: offsets < FA_TILE_MAX; half the GpSimd time of an fp32 iota on v3): key offset
+    (position - slot start) of every K^T slot column (same on every partition):
     contiguous: the column; paged (i-major, see _load_slot_paged): K = 1 column i*128 + q <-> q*n + i, K > 1
     column r*n*T + i*T + t <-> t*m + r*n + i (T = 128 / K gathered rows of m = K*n positions, see _slot_split).
     One table at a time (the contiguous one serves every slot)."""
@@ -119,7 +120,7 @@ def _k_ramp(cfg, st, w):
     else:
         key, width, pattern = f"p{n}_{K}", w, [[n, K], [1, n], [K * n, P_MAX // K]]
     if st.k_ramp[0] != key:
-        t = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.float32, buffer=nl.sbuf)
+        t = nl.ndarray((P_MAX, cfg.fa_tile), dtype=nl.int16, buffer=nl.sbuf)
         nisa.iota(dst=t[:, :width], pattern=pattern, offset=0, channel_multiplier=0)
         st.k_ramp = (key, t)
     return st.k_ramp[1]

@@ -150,11 +150,12 @@ def _load_w_o(cfg, W_o):
     n_k = (K + P_MAX - 1) // P_MAX
     hc0, hc1 = cfg.hc                                  # this core's output chunks (all of H unless split)
     wo = nl.ndarray((P_MAX, n_k, (hc1 - hc0) * P_MAX), dtype=W_o.dtype, buffer=nl.sbuf)
-    # W_o arrives last: in column pieces (>= 4 KiB runs; shorter ones cost DMA efficiency), so the O-projection's
+    # W_o arrives last: in column pieces (>= 3 KiB runs; shorter ones cost DMA efficiency: GPT-OSS's H = 3072 in two
+    # pieces, modelled trn2 B=64 4K -0.5 %, B=8 4K -0.3 %; with 4 KiB it was one), so the O-projection's
     # first chunks start on the first pieces while the last one streams, instead of after the whole load. Issued
     # column piece by column piece (all K chunks of a piece, then the next): an out^T chunk needs every K chunk, so
     # the first half of the columns is computed once half of W_o has arrived, not 7/8 of it (K chunk outer).
-    n_pc = max(1, min(W_O_DMAS, (hc1 - hc0) * P_MAX * W_o.dtype.itemsize // (4 * 1024)))
+    n_pc = max(1, min(W_O_DMAS, (hc1 - hc0) * P_MAX * W_o.dtype.itemsize // (3 * 1024)))
     for i in range(n_pc):
         c0, c1 = hc0 + i * (hc1 - hc0) // n_pc, hc0 + (i + 1) * (hc1 - hc0) // n_pc
         for k in range(n_k):

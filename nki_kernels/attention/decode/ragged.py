@@ -5,7 +5,7 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 import nki.isa as nisa
 import nki.language as nl
 
-from .common import _registers
+from .common import _const_row, _registers
 from .config import P_MAX
 from .isolation import _flag_ints
 from .planning import _load_pieces, _piece_thresholds, _rot_batch, _whole_k
@@ -21,8 +21,7 @@ def _step_gates(cfg, st, steps):
         ns = len(steps)
         if st.pos0 is None:       # the plan's step starts, built once (the plan is the same for every pack)
             st.pos0 = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
-            for k, step in enumerate(steps):
-                nisa.memset(dst=st.pos0[:, k:k + 1], value=float(step.pos0), engine=nisa.engine.gpsimd)
+            _const_row(st.pos0, [step.pos0 for step in steps])
         f = nl.ndarray((1, ns), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=f, data1=vr.max_hi.broadcast(1, ns), data2=st.pos0, op=nl.greater)
         fi = nl.ndarray((1, ns), dtype=nl.int32, buffer=nl.sbuf)
@@ -146,6 +145,13 @@ def _load_gates(cfg, st, slots, nb):
     ring starts zeroed, see _AttnState, and every load is scrubbed): its keys are masked, its probabilities exactly 0,
     and 0 * finite = 0; a slot past every sequence is not touched at all."""
     vr = st.cur_valid
+    # NeuronCore-v3, d < 128 (two batches per K^T stack): these compares on GpSimd, whose work at the kernel's start
+    # is light (the plan's constant rows by iota runs, see common._const_row) while VectorE runs RMSNorm, RoPE, the
+    # QKV evictions and the other pack tables there (modelled trn2 GPT-OSS ragged B=16 94.55 -> 91.11 us, B=8
+    # 67.29 -> 66.71). d = 128 (packs of 4, twice as many) keeps VectorE: there the move lowers the VectorE roof
+    # of the B = 64 rows more than their latency (Llama-8B B=64 4K x1.143 -> x1.199 of its bound). v4: VectorE.
+    v3 = nisa.get_nc_version() < nisa.nc_version.gen4
+    eng = nisa.engine.gpsimd if v3 and cfg.d < P_MAX else nisa.engine.vector
     if not vr.load_regs:
         pieces = [pc for j0, w in slots for pc in _load_pieces(cfg, j0, w)]
         thr = _piece_thresholds(pieces)
@@ -153,30 +159,31 @@ def _load_gates(cfg, st, slots, nb):
         ns, npc = len(slots), len(starts)
         if st.slot0 is None:      # the plan's slot starts and ends and piece starts, built once (same plan per pack)
             st.slot0 = nl.ndarray((1, 2 * ns + npc), dtype=nl.float32, buffer=nl.sbuf)
-            for k, a in enumerate([j0 for j0, _ in slots] + [j0 + w for j0, w in slots] + starts):
-                nisa.memset(dst=st.slot0[:, k:k + 1], value=float(a), engine=nisa.engine.gpsimd)
+            _const_row(st.slot0, [j0 for j0, _ in slots] + [j0 + w for j0, w in slots] + starts)
         f = nl.ndarray((1, npc, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=f[:, :, :nb], data1=vr.hi_v[0:1, :nb].expand_dim(1).broadcast(1, npc),
-                           data2=st.slot0[:, 2 * ns:].expand_dim(2).broadcast(2, nb), op=nl.greater)
+                           data2=st.slot0[:, 2 * ns:].expand_dim(2).broadcast(2, nb), op=nl.greater, engine=eng)
         fi = nl.ndarray((1, npc, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=fi[:, :, :nb], src=f[:, :, :nb])
+        nisa.tensor_copy(dst=fi[:, :, :nb], src=f[:, :, :nb], engine=eng)
         # 1 iff hi passes a piece's threshold and not the next piece's: the prefix alternatives' gates (planning.
         # _first_prefixes) and a first piece's alone (planning._whole_k), one instruction for every piece
         df = None
         if npc > 1 and (any(t[1] for t in thr) or any(_whole_k(cfg, j0, w) is not None for j0, w in slots)):
             df = nl.ndarray((1, npc - 1, cfg.pack), dtype=nl.int32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=df[:, :, :nb], data1=f[:, :npc - 1, :nb], data2=f[:, 1:, :nb], op=nl.subtract)
+            nisa.tensor_tensor(dst=df[:, :, :nb], data1=f[:, :npc - 1, :nb], data2=f[:, 1:, :nb], op=nl.subtract,
+                               engine=eng)
         w_pad = cfg.ngroups * cfg.kpp
         hi = vr.hi_v[0:1, :nb].expand_dim(1).broadcast(1, ns)
         inside = nl.ndarray((1, ns, w_pad), dtype=nl.float32, buffer=nl.sbuf)   # j0 < hi < j0 + w
         if nb < w_pad:
             nisa.memset(dst=inside[:, :, nb:], value=0.0)
         nisa.tensor_tensor(dst=inside[:, :, :nb], data1=hi, data2=st.slot0[:, :ns].expand_dim(2).broadcast(2, nb),
-                           op=nl.greater)
+                           op=nl.greater, engine=eng)
         below = nl.ndarray((1, ns, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=below[:, :, :nb], data1=hi,
-                           data2=st.slot0[:, ns:2 * ns].expand_dim(2).broadcast(2, nb), op=nl.less)
-        nisa.tensor_tensor(dst=inside[:, :, :nb], data1=inside[:, :, :nb], data2=below[:, :, :nb], op=nl.multiply)
+                           data2=st.slot0[:, ns:2 * ns].expand_dim(2).broadcast(2, nb), op=nl.less, engine=eng)
+        nisa.tensor_tensor(dst=inside[:, :, :nb], data1=inside[:, :, :nb], data2=below[:, :, :nb], op=nl.multiply,
+                           engine=eng)
         for k, pc in enumerate(pieces):
             vr.load_regs[pc] = _registers((df if thr[k][1] else fi)[:, k, :], nb)
         k0, npr, nf = 0, nb // 2 if cfg.k_plain else 0, None
