@@ -40,6 +40,8 @@ XT_DMA_MAX_TOKENS = 8  # up to this T, x is loaded straight into the transposed 
 W_BUFS = 3             # expert weight slots (ring): the next experts' DMAs run while one is computed ...
 W_BUFS_MIN = 2         # ... at least double-buffered, or the expert is refused as too large for SBUF
 SBUF_RESERVE = 48 * 1024   # bytes per partition kept for everything but the weight ring
+TOPK_PSUM_MAX_TOKENS = 8   # LNC 1: up to this T, max8 / nc_find_index8 read the logits in PSUM (see _route_step)
+BGU_Q0, BGU_ROW = 96, 120     # gate/up bias rows: partition 120 in a K = 32 block [96, 128) (see _Ring)
 GU_PIECES_LAST = 2     # T = 1: the last expert's gate/up in this many kt pieces (its matmuls start on the first)
 
 
@@ -150,6 +152,18 @@ def _pow2_at_least(n):
     return p
 
 
+def _hb_cols(t, kt, blocks):
+    """The 128 columns of out^T tile kt in t [rows, H] when the H columns are in kt blocks: block (k0, g) holds
+    kt in [k0, k0 + g) on columns [128 k0, 128 (k0 + g)), h = 128 k0 + p * g + (kt - k0). One block (0, KT) is
+    h = p * KT + kt (h_cols); more blocks let a row's column range [128 k0, 128 (k0 + g)) -- a DMA of its own --
+    feed exactly the g matmuls of its block."""
+    for k0, g in blocks:
+        if k0 <= kt < k0 + g:
+            c = P_MAX * k0 + kt - k0
+            return t[:, c:c + (P_MAX - 1) * g + 1:g]
+    return None
+
+
 class _Part(nl.NKIObject):
     """A range of an expert's I columns [col0, col0 + inter) as this core processes it: I tiles of <= 128 rows."""
 
@@ -192,6 +206,7 @@ class _Cfg(nl.NKIObject):
         # bank; the LNC=2 exchange splits the kt range in halves, so KT must then be even
         self.kt_bank = PSUM_F // self.GS
         self.t_banks = -(-self.KT // self.kt_bank)
+        self.hblocks = ((0, self.KT),)      # out^T's H order (_hb_cols): one block, h = p * KT + kt
         self.outT = self.T <= OUTT_MAX_TOKENS and (self.ncores == 1 or self.KT % 2 == 0) and \
             self.t_banks + gu_banks <= banks
         # large T: gate/up with the tokens stationary (M = T) and the weights moving (N = 2I, one bank: gate at
@@ -344,8 +359,12 @@ def _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize):
     T, E, KT = cfg.T, cfg.E, cfg.KT
     split = cfg.ncores > 1 and KT >= 2
     k0, k1 = (0, KT) if not split else ((0, KT // 2) if cfg.core == 0 else (KT // 2, KT))
-    wr, br = load_router_weights(w_router, b_router if cfg.core == 0 else None, KT, k0, k1)
+    # T = 1: the routing is the critical path to the first weight DMA (its decreasing W_r pieces); larger T keeps
+    # the equal pieces (at T = 128 the decreasing ones are 0.03 % slower, modelled)
+    wr, br = load_router_weights(w_router, b_router if cfg.core == 0 else None, KT, k0, k1, decreasing=T == 1)
     ps = logits_step(consts, hT, wr, br, T, E, k0, k1)
+    if not split and T <= TOPK_PSUM_MAX_TOKENS:     # top-k reads the logits in PSUM: no eviction on the path
+        return topk_step(consts, ps, T, E, cfg.k, router_mode, renormalize)
     logits = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=logits[:T, :], src=ps[:T, :])
     if split:
@@ -561,11 +580,22 @@ class _Ring(nl.NKIObject):
     matmuls: the modelled prefetch depth is what is allocated), n_gu PSUM sets of gate/up accumulators (plus the
     slot's broadcast affinities), two activation tiles and the activation temporaries."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, consts=None):
         KT, I2, MT, H, GS = cfg.KT, 2 * cfg.inter, cfg.MT, cfg.H, cfg.GS
         self.wgu = tuple(nl.ndarray((P_MAX, KT, I2), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
         self.wd = tuple(nl.ndarray((P_MAX, MT, H), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
-        self.bgu = tuple(nl.ndarray((1, I2), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(cfg.nbuf))
+        # the gate/up bias row of a slot: on partition BGU_ROW (its DMA on the engine of partitions 120-127, which the
+        # down rows' partial tiles leave the least loaded, not on engine 0 with the router bias and the stores), used
+        # as a K = 32 contraction block [BGU_Q0, 128) of zeros but that row, against a column of zeros but a 1 there
+        self.brow = 0 if cfg.flip or consts is None else BGU_ROW
+        self.bgu = tuple(nl.ndarray((self.brow + 1, I2) if self.brow == 0 else (P_MAX, I2), dtype=cfg.dtype,
+                                    buffer=nl.sbuf) for _ in range(cfg.nbuf))
+        if self.brow:
+            for t in self.bgu:
+                nisa.memset(dst=t[BGU_Q0:P_MAX, :], value=0.0, engine=nisa.engine.gpsimd)
+            self.e1 = nl.ndarray((P_MAX, GS), dtype=cfg.dtype, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=self.e1[BGU_Q0:P_MAX, :], data=consts.ones_f32[BGU_Q0:P_MAX, :GS], op0=nl.multiply,
+                               operand0=consts.ident[BGU_Q0:P_MAX, BGU_ROW:BGU_ROW + 1])
         if cfg.flip:
             self.ps_f = tuple(nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in range(cfg.n_gu))
             self.ps_t = nl.ndarray((P_MAX, MT, GS), dtype=cfg.dtype, buffer=nl.psum)
@@ -580,6 +610,10 @@ class _Ring(nl.NKIObject):
                          for _ in range(2))
         self.n = 0      # experts issued so far (ring position)
         self.par = None     # tile_off's parity when set (the LNC=2 T=1 H split: the slot's, both cores agree)
+
+    def bias_row(self, b):
+        """Slot b's gate/up bias row [1, 2I] (the DMA destination)."""
+        return self.bgu[b][self.brow:self.brow + 1, :]
 
     def tile_off(self, pt, m):
         """First partition of I tile m for the expert now issued. A partial tile of <= 64 rows sits at partition 64
@@ -602,9 +636,9 @@ def _load_expert_step(cfg, pt, ring, b, e, w_gate_up, w_down, b_gate_up, last=Fa
     I2 = 2 * inter
     if b_gate_up is not None:
         if n == inter:
-            nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, e, [[I2, 1], [1, I2]], 0, I2))
+            nisa.dma_copy(dst=ring.bias_row(b), src=_expert_src(b_gate_up, e, [[I2, 1], [1, I2]], 0, I2))
         else:
-            nisa.dma_copy(dst=ring.bgu[b].ap([[I2, 1], [n, 2], [1, n]], offset=0),
+            nisa.dma_copy(dst=ring.bgu[b].ap([[I2, 1], [n, 2], [1, n]], offset=ring.brow * I2),
                           src=_expert_src(b_gate_up, e, [[I2, 1], [inter, 2], [1, n]], c0, I2))
     _load_gate_up_step(cfg, pt, ring, b, e, w_gate_up, halves=2 if last and KT >= 2 else 1)
     _load_down_step(cfg, pt, ring, b, e, w_down)
@@ -631,16 +665,20 @@ def _tail_tiles(pt):
     return [m for m in range(pt.MT) if pt.rows[m] < I_TILE] + [m for m in range(pt.MT) if pt.rows[m] == I_TILE]
 
 
-def _load_down_step(cfg, pt, ring, b, e, w_down, h0=0, hw=None, dst=None, tiles=None):
+def _load_down_step(cfg, pt, ring, b, e, w_down, h0=0, hw=None, dst=None, tiles=None, last_cols=None):
     """Expert e's down rows (I columns of pt) per I tile into slot b: H columns [h0, h0 + hw) of each row (default
-    all) into dst [128, MT, hw] (default the slot's [128, MT, H]); tiles: their order (default 0 .. MT-1)."""
+    all) into dst [128, MT, hw] (default the slot's [128, MT, H]); tiles: their order (default 0 .. MT-1);
+    last_cols: the last tile's rows in these column ranges, one DMA each (default one DMA)."""
     inter, H, c0 = cfg.inter, cfg.H, pt.col0
     hw = H if hw is None else hw
     dst = ring.wd[b] if dst is None else dst
-    for m in (range(pt.MT) if tiles is None else tiles):
+    order = list(range(pt.MT) if tiles is None else tiles)
+    for m in order:
         rows, o = pt.rows[m], ring.tile_off(pt, m)
-        src = _expert_src(w_down, e, [[H, rows], [1, hw]], (c0 + m * I_TILE) * H + h0, inter * H)
-        nisa.dma_copy(dst=dst[o:o + rows, m, :], src=src)
+        cols = last_cols if m == order[-1] and last_cols is not None else ((0, hw),)
+        for a, z in cols:
+            src = _expert_src(w_down, e, [[H, rows], [1, z - a]], (c0 + m * I_TILE) * H + h0 + a, inter * H)
+            nisa.dma_copy(dst=dst[o:o + rows, m, a:z], src=src)
 
 
 def _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, has_bias):
@@ -663,8 +701,12 @@ def _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, has_bias):
             groups.append((c * inter + m * I_TILE - o, o + pt.rows[m]))
     if has_bias:
         for g, (c0, n) in enumerate(groups):
-            nisa.nc_matmul(dst=ps[:n, g, :T], stationary=ring.bgu[b][0:1, c0:c0 + n],
-                           moving=consts.ones_bf[0:1, :T], accumulate=False)
+            if ring.brow:
+                nisa.nc_matmul(dst=ps[:n, g, :T], stationary=ring.bgu[b][BGU_Q0:P_MAX, c0:c0 + n],
+                               moving=ring.e1[BGU_Q0:P_MAX, :T], accumulate=False)
+            else:
+                nisa.nc_matmul(dst=ps[:n, g, :T], stationary=ring.bgu[b][0:1, c0:c0 + n],
+                               moving=consts.ones_bf[0:1, :T], accumulate=False)
     for kt in range(cfg.KT):
         for g, (c0, n) in enumerate(groups):
             nisa.nc_matmul(dst=ps[:n, g, :T], stationary=ring.wgu[b][:, kt, c0:c0 + n],
@@ -763,7 +805,7 @@ def _down_step(cfg, pt, ring, b, act, acc, tiles=None):
             o = ring.tile_off(pt, m)
             r = slice(o, o + pt.rows[m])
             for kt in kts:
-                nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_h_cols(ring.wd[b][r, m, :], kt, cfg.KT),
+                nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_hb_cols(ring.wd[b][r, m, :], kt, cfg.hblocks),
                                moving=act[r, m, :T], accumulate=True)
         return
     if acc.psum:
@@ -815,24 +857,28 @@ def _expert_front_step(cfg, consts, ring, aff_col, hT, b_gate_up, pt=None):
 
 def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate_up, b_down, out):
     """T = 1, selective: the token's k experts are distinct (max8 picks k positions), so slot s IS idx[0, s] --
-    registers straight from the top-k, no dense affinities, compaction or gate on the critical path to the first
-    weight DMA; every slot runs (LNC=2: the cores take alternate slots).
+    the DMAs are addressed by the top-k tile's elements, no dense affinities, compaction or gate on the critical path
+    to the first weight DMA; every slot runs (LNC=2: the cores take alternate slots).
 
-    Down biases: slot s's row b_down[e] is loaded in the out^T layout ([128, KT], h = p * KT + kt: KT-element runs
-    over all 16 DMA engines, instead of all E rows up front on the low engines ahead of the first weights) and
-    bsum += aff_s * row in fp32 (aff_s broadcast to the partitions by a ones matmul: exact); bsum is added to this
-    core's partial at the eviction."""
+    Down biases: the k rows as one contraction block (_BiasBlock) when every slot is here (k >= 2), else slot s's
+    row b_down[e] is loaded in the out^T layout ([128, KT], h = p * KT + kt) and bsum += aff_s * row in fp32 (aff_s
+    broadcast to the partitions by a ones matmul: exact); bsum is added to this core's partial at the eviction.
+    LNC 1, k >= 2: the last two experts' down rows and compute go through _last_two_tail (out^T in kt blocks, each
+    stored as soon as it is complete)."""
     slots = [s for s in range(cfg.k) if s % cfg.ncores == cfg.core]
-    regs = []
-    for s in slots:
-        r = nisa.register_alloc()
-        nisa.register_load(dst=r, src=idx[0:1, s:s + 1])
-        regs.append(r)
-    acc = _init_acc_step(cfg, consts, None, None, False)
+    # the expert ids address the weight DMAs straight from the top-k tile (scalar_offset = a 1x1 SBUF tensor): no
+    # register load between nc_find_index8 and the first weight DMA
+    regs = [idx[0:1, s:s + 1] for s in slots]
     n = len(slots)
     blk = None
     if b_down is not None and n >= 2 and n == cfg.k and _BiasBlock.fits(n):
         blk = _BiasBlock(cfg, consts, aff, n, cfg.H, cfg.KT)
+    tail = cfg.ncores == 1 and n >= 2 and (blk is not None or b_down is None)
+    if tail:    # out^T in kt blocks: the last tile's rows load per block, each block is stored when complete
+        cfg.hblocks = _tail_blocks(cfg.KT)
+        if blk is not None:
+            blk.blocks = cfg.hblocks
+    acc = _init_acc_step(cfg, consts, None, None, False)
     for j, s in enumerate(slots[:n - 2] if n >= 2 else slots):
         _expert_step(cfg, consts, ring, regs[j], aff[0:1, s:s + 1], hT, acc, w_gate_up, w_down, b_gate_up,
                      last=j == n - 1)
@@ -844,8 +890,15 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
             ring.n = base + j - (n - 2)
             b = ring.n % cfg.nbuf
             if b_gate_up is not None:
-                nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, regs[j], [[I2, 1], [1, I2]], 0, I2))
+                nisa.dma_copy(dst=ring.bias_row(b), src=_expert_src(b_gate_up, regs[j], [[I2, 1], [1, I2]], 0, I2))
             _load_gate_up_step(cfg, pt, ring, b, regs[j], w_gate_up, halves=GU_PIECES_LAST if j == n - 1 else 1)
+        if tail:
+            if blk is not None:
+                blk.load(cfg, regs, b_down, 0)
+            _last_two_tail(cfg, consts, ring, base, regs[n - 2:], [aff[0:1, s:s + 1] for s in slots[n - 2:]], hT,
+                           acc, w_down, b_gate_up, out, blk)
+            cfg.hblocks = ((0, cfg.KT),)
+            return
         if blk is not None:
             blk.load(cfg, regs, b_down, 0)
         for j in (n - 2, n - 1):
@@ -859,6 +912,62 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
                                  tiles=_tail_tiles(pt))
     bsum = None if blk is not None else _slot_bias_step(cfg, consts, slots, regs, aff, b_down)
     _store_out_step(cfg, acc, out, bsum)
+
+
+def _tail_blocks(KT):
+    """kt blocks of out^T for the T = 1 tail (_hb_cols), decreasing: the last tile's rows load per block, so
+    while block j's rows stream, TensorE contracts block j - 1 and only the last (small) block's matmuls, its
+    eviction and its store follow the last weight byte."""
+    last, mid = 2, KT // 4
+    sizes = [KT - mid - last, mid, last] if KT - mid - last >= mid >= last else [KT]
+    out, k0 = [], 0
+    for g in sizes:
+        out.append((k0, g))
+        k0 += g
+    return tuple(out)
+
+
+def _last_two_tail(cfg, consts, ring, base, regs, aff_cols, hT, acc, w_down, b_gate_up, out, blk):
+    """T = 1, LNC 1: the down rows of the last two experts (ring positions base, base + 1; their gate/up already
+    loading) and their compute with out^T in cfg.hblocks. Rows load and contract in one order: both experts'
+    partial I tiles (the two halves' DMA engines), then their full tiles, the very last tile in column blocks
+    (one DMA each); the down matmuls follow that order (they accumulate into the same PSUM banks, so program order
+    is their order), so TensorE is never held behind rows that land later. Each kt block is evicted (rounded to
+    the output dtype) and stored as soon as the last tile's block is contracted (out[0, 128 k0 + p g + i] =
+    o[p, k0 + i]: g-element runs per partition); only the last block's matmuls, eviction and store follow the
+    last weight byte."""
+    pt, KT = cfg.part, cfg.KT
+    tiles = _tail_tiles(pt)
+    order = [(j, m) for m in tiles if pt.rows[m] < I_TILE for j in (0, 1)] + \
+        [(j, m) for m in tiles if pt.rows[m] == I_TILE for j in (0, 1)]
+    last_cols = tuple((P_MAX * k0, P_MAX * (k0 + g)) for k0, g in cfg.hblocks)
+    for i, (j, m) in enumerate(order):
+        ring.n = base + j
+        _load_down_step(cfg, pt, ring, ring.n % cfg.nbuf, regs[j], w_down, tiles=[m],
+                        last_cols=last_cols if i == len(order) - 1 else None)
+    if blk is not None:
+        blk.add(lambda kt: acc.col(cfg, kt))
+    acts = []
+    for j in (0, 1):
+        ring.n = base + j
+        acts.append(_expert_front_step(cfg, consts, ring, aff_cols[j], hT, b_gate_up, pt))
+    for j, m in order[:-1]:
+        ring.n = base + j
+        _down_step(cfg, pt, ring, ring.n % cfg.nbuf, acts[j], acc, [m])
+    j, m = order[-1]
+    ring.n = base + j
+    b = ring.n % cfg.nbuf
+    o = ring.tile_off(pt, m)
+    r = slice(o, o + pt.rows[m])
+    o_sb = nl.ndarray((P_MAX, KT), dtype=out.dtype, buffer=nl.sbuf)
+    for k0, g in cfg.hblocks:
+        for kt in range(k0, k0 + g):
+            nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_hb_cols(ring.wd[b][r, m, :], kt, cfg.hblocks),
+                           moving=acts[j][r, m, 0:1], accumulate=True)
+        i, c = k0 // cfg.kt_bank, k0 % cfg.kt_bank
+        nisa.tensor_copy(dst=o_sb[:, k0:k0 + g], src=acc.banks[i][:, c:c + g, 0])
+        nisa.dma_copy(dst=out.ap([[g, P_MAX], [1, g]], offset=P_MAX * k0), src=o_sb[:, k0:k0 + g])
+    ring.n = base + 2
 
 
 class _BiasBlock(nl.NKIObject):
@@ -879,6 +988,7 @@ class _BiasBlock(nl.NKIObject):
 
     def __init__(self, cfg, consts, aff, k, W, KT):
         self.k, self.W, self.KT = k, W, KT
+        self.blocks = ((0, KT),)        # out^T's H order (_hb_cols)
         Q0, r0 = self.Q0, P_MAX - 2 * k
         self.rows = nl.ndarray((P_MAX, W), dtype=cfg.dtype, buffer=nl.sbuf)
         if r0 > Q0:
@@ -897,7 +1007,7 @@ class _BiasBlock(nl.NKIObject):
         nisa.tensor_copy(dst=self.mv[Q0:P_MAX, :], src=ps[Q0:P_MAX, :])
 
     def load(self, cfg, regs, b_down, h0):
-        """The k slots' rows (registers regs[s]), hi and lo copies."""
+        """The k slots' rows (regs[s]: expert id registers or 1x1 SBUF tensors), hi and lo copies."""
         r0 = P_MAX - 2 * self.k
         for s in range(self.k):
             for q in (r0 + s, r0 + self.k + s):
@@ -908,7 +1018,7 @@ class _BiasBlock(nl.NKIObject):
         """acc += the block: col(kt) is out^T column tile kt of the accumulator."""
         Q0 = self.Q0
         for kt in range(self.KT):
-            nisa.nc_matmul(dst=col(kt), stationary=_h_cols(self.rows[Q0:P_MAX, :], kt, self.KT),
+            nisa.nc_matmul(dst=col(kt), stationary=_hb_cols(self.rows[Q0:P_MAX, :], kt, self.blocks),
                            moving=self.mv[Q0:P_MAX, 0:1], accumulate=True)
 
 
@@ -930,18 +1040,14 @@ def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate
     blk = None
     if b_down is not None and _BiasBlock.fits(k):
         blk = _BiasBlock(cfg, consts, aff, k, H2, KH)
-    regs = []
-    for s in range(k):
-        r = nisa.register_alloc()
-        nisa.register_load(dst=r, src=idx[0:1, s:s + 1])
-        regs.append(r)
+    regs = [idx[0:1, s:s + 1] for s in range(k)]     # expert ids as 1x1 SBUF scalar offsets (no register loads)
     mine = [s for s in range(k) if s % 2 == c]
     acts = {}
     for j, s in enumerate(mine):     # this core's gate/up weights, then its activations (swapped as they come)
         b = j % cfg.nbuf
         if b_gate_up is not None:
             I2 = 2 * cfg.inter
-            nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, regs[s], [[I2, 1], [1, I2]], 0, I2))
+            nisa.dma_copy(dst=ring.bias_row(b), src=_expert_src(b_gate_up, regs[s], [[I2, 1], [1, I2]], 0, I2))
         ring.par = s % 2
         _load_gate_up_step(cfg, pt, ring, b, regs[s], w_gate_up,
                            halves=GU_PIECES_LAST if j == len(mine) - 1 and KT >= 2 else 1)
@@ -1178,7 +1284,7 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
 
     consts = _Consts(cfg.E, T, cfg.eps)
     xT = _load_x_step(cfg, x)
-    ring = tkg_mx.MxRing(cfg) if mx else _Ring(cfg)
+    ring = tkg_mx.MxRing(cfg) if mx else _Ring(cfg, consts)
     rstd = None
     if gamma is not None:
         hT, rstd = _rmsnorm_step(cfg, consts, xT, gamma)
@@ -1249,7 +1355,7 @@ def _selective_slots(cfg, consts, ring, sched, affc, hT, acc, w_gate_up, w_down,
         ring.n = base + j
         b = ring.n % cfg.nbuf
         if b_gate_up is not None:
-            nisa.dma_copy(dst=ring.bgu[b], src=_expert_src(b_gate_up, r, [[I2, 1], [1, I2]], 0, I2))
+            nisa.dma_copy(dst=ring.bias_row(b), src=_expert_src(b_gate_up, r, [[I2, 1], [1, I2]], 0, I2))
         _load_gate_up_step(cfg, pt, ring, b, r, w_gate_up)
 
     acts = {}

@@ -82,11 +82,29 @@ class RouterConsts(nl.NKIObject):
         nisa.memset(dst=self.ones_bf, value=1.0)
 
 
-def load_router_weights(w_router, b_router, KT, k0=0, k1=None):
+def router_w_pieces(n, row_bytes):
+    """kt counts of the W_r DMAs over a range of n kt tiles (row_bytes: one kt tile's contiguous bytes per partition).
+    When one tile's run is at least the per-run DMA overhead (256 B: E >= 128 in bf16) its transfer is slower than
+    its logits matmul, so the pieces DECREASE (sizes ~3 : 1 from first to last, at most ROUTER_W_PIECES): the
+    matmuls of each piece run while the next, smaller one streams, and only the last piece's few matmuls follow the
+    last W_r byte. Narrower W_r (its whole load is short): at most ROUTER_W_PIECES equal pieces of >= ROUTER_W_MIN_RUN
+    bytes per partition."""
+    if row_bytes >= 256 and n >= 4:
+        p = min(ROUTER_W_PIECES, n // 4)
+        w = [3.0 - 2.0 * i / (p - 1) for i in range(p)] if p > 1 else [1.0]
+        sizes = [max(1, round(n * v / sum(w))) for v in w]
+        sizes[0] += n - sum(sizes)
+        return sizes
+    p = max(1, min(ROUTER_W_PIECES, n, n * row_bytes // ROUTER_W_MIN_RUN))
+    return [(i + 1) * n // p - i * n // p for i in range(p)]
+
+
+def load_router_weights(w_router, b_router, KT, k0=0, k1=None, decreasing=False):
     """W_r as [128, KT, E] bf16 (H row p * KT + kt on partition p: KT * E contiguous elements per partition, the H
     order of the transposed activations); rows of the kt range [k0, k1) only (LNC=2 splits them), in pieces of
     >= ROUTER_W_MIN_RUN bytes per partition (up to ROUTER_W_PIECES) so the logits matmuls start on the first piece
-    (GPT-OSS-120B: E = 128, 786 KB, the longest load of the routing). b_r as fp32 [1, E] (None stays None), loaded
+    (GPT-OSS-120B: E = 128, 786 KB, the longest load of the routing); decreasing: router_w_pieces' decreasing pieces
+    (the fused TKG kernel, where the routing is the critical path to the first expert DMA). b_r as fp32 [1, E] (None stays None), loaded
     first: its K=1 matmul opens the logits. A bf16 b_r stays bf16 (its products with 1.0 are exact in the fp32
     PSUM: no conversion on the routing's critical path, and the matmul takes 1/4 of an fp32 one's cycles)."""
     E = w_router.shape[1]
@@ -101,6 +119,12 @@ def load_router_weights(w_router, b_router, KT, k0=0, k1=None):
             nisa.tensor_copy(dst=br, src=raw)
     wr = nl.ndarray((P_MAX, KT, E), dtype=w_router.dtype, buffer=nl.sbuf)
     src = w_router.reshape((P_MAX, KT, E))
+    if decreasing:
+        a = k0
+        for sz in router_w_pieces(k1 - k0, E * w_router.dtype.itemsize):
+            nisa.dma_copy(dst=wr[:, a:a + sz, :], src=src[:, a:a + sz, :])
+            a += sz
+        return wr, br
     n = max(1, min(ROUTER_W_PIECES, k1 - k0, (k1 - k0) * E * w_router.dtype.itemsize // ROUTER_W_MIN_RUN))
     for i in range(n):
         a, b = k0 + i * (k1 - k0) // n, k0 + (i + 1) * (k1 - k0) // n

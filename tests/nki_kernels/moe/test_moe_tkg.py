@@ -82,7 +82,8 @@ def test_gpt_oss_20b_tp8(T, mode):
     run_and_check(T, OSS20_TP8, mode)
 
 
-@pytest.mark.parametrize("T,mode,lnc", [(4, "selective", 1), (32, "selective", 2), (128, "all", 1)])
+@pytest.mark.parametrize("T,mode,lnc", [(1, "selective", 1), (1, "selective", 2), (4, "selective", 1),
+                                        (32, "selective", 2), (128, "all", 1)])
 def test_gpt_oss_120b_tp16(T, mode, lnc):
     run_and_check(T, OSS120_TP16, mode, lnc=lnc)
 
