@@ -642,7 +642,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                         nf = st.load_gates[("k2n", j0)] = _registers(*nf)
                     paired = nf is not None and j ^ 1 < len(nf)     # batches 2i, 2i + 1 (ragged._load_gates)
                     if paired and j % 2 == 0:    # both sequences need the whole slot: one transpose
-                        _run(f[j], lambda _i, b=b, j=j, j0=j0, w=w, kg=kg: _run(
+                        _run(f[j], lambda _i, b=b, j=j, j0=j0, w=w, kg=kg, f=f: _run(
                             f[j + 1], lambda _i2: _load_k_pair(cfg, K_cache, kg, b, g, j, j0, w)))
                     for a, size, gt, g2 in ((j0, pieces[kw][1], st.load_gates[("k1", j0)][j], None),
                                             (j0, w, f[j], nf[j ^ 1] if paired else None)):
