@@ -55,6 +55,12 @@ WEIGHT_RUN_MIN = 1024
 # scatter (+10% as transposes): with n tiles per expert the DMA path wins on trn2 once 11.5 n >= 21 + 4.6 n, i.e.
 # n >= 3 tiles. On trn3 (0.61 TB/s per core, the same TensorE rate) it wins from about one tile.
 DMA_TRANSPOSE_MIN_ROWS = {"gen3": 3 * 128, "gen4": 0}
+# Rows per expert from which trn3 takes DMA transposes even with weight runs < WEIGHT_RUN_MIN (GPT-OSS-120B TP16:
+# I = 180, 720 B runs, ~74% DMA efficiency on the 425 MB of weights): TensorE transposes are 3072 of the ~18.1 k
+# TensorE cycles of a 128-row tile there, which caps TensorE at ~72% of peak; once TensorE is the bound, moving them
+# to the DMA queues pays for the slower weight runs. Modelled (120B, trn3 LNC 1): 256 rows per expert (T 8192)
+# 2520 -> 2599 us (DMA bound: kept on TensorE), 512 rows (T 16384) 4446 -> 3902 us. trn2 stays DMA bound: none.
+SHORT_RUN_DMA_TRANSPOSE_MIN_ROWS = {"gen3": None, "gen4": 4 * 128}
 # PSUM bank (of the down banks) for the narrow tile's per-partition gate/up bias columns, built at each weight load;
 # the broadcast bias tile uses the banks from 0 (banks 0-1 while 2I <= 1024), so the two builds do not wait on
 # each other
@@ -78,13 +84,17 @@ class _Config(nl.NKIObject):
         # index p * KT + kt), so each partition's weight rows are one contiguous run. DMA transposes move ~10% of
         # the TensorE work to the DMA queues, which also carry every expert's weights: worth it once an expert's
         # weights are shared by enough rows that TensorE is the bound (DMA_TRANSPOSE_MIN_ROWS per generation), and
-        # only while the weight runs stay >= WEIGHT_RUN_MIN bytes.
+        # only while the weight runs stay >= WEIGHT_RUN_MIN bytes, or (trn3) once an expert has so many rows that
+        # TensorE is the bound even so (SHORT_RUN_DMA_TRANSPOSE_MIN_ROWS).
         v = nisa.get_nc_version()
         min_rows = (DMA_TRANSPOSE_MIN_ROWS["gen4"] if v >= nisa.nc_version.gen4
                     else DMA_TRANSPOSE_MIN_ROWS["gen3"] if v >= nisa.nc_version.gen3 else None)
+        short_min = (SHORT_RUN_DMA_TRANSPOSE_MIN_ROWS["gen4"] if v >= nisa.nc_version.gen4
+                     else SHORT_RUN_DMA_TRANSPOSE_MIN_ROWS["gen3"] if v >= nisa.nc_version.gen3 else None)
         rows_per_expert = (routed_rows or rows) / E
         self.dma_transpose = (min_rows is not None and rows_per_expert >= min_rows
-                              and 2 * inter * itemsize >= WEIGHT_RUN_MIN)
+                              and (2 * inter * itemsize >= WEIGHT_RUN_MIN
+                                   or (short_min is not None and rows_per_expert >= short_min)))
         # MXFP4 weights (trn3): x^T and act^T are quantised to MXFP8 on chip in the MX element order, which the
         # TensorE transposes produce (column sets), so no DMA transposes; the down bias is a K=1 matmul (it is not
         # part of the MX contraction)

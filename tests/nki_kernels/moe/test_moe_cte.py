@@ -198,6 +198,24 @@ def test_kernel_trn3_tensor_transposes_for_short_weight_rows(monkeypatch):
     run_and_check(100, 256, 4, 96, 2)
 
 
+@pytest.mark.parametrize("T,lnc,want_dma", [(520, 1, True), (520, 2, True), (500, 1, False)])
+def test_kernel_trn3_short_weight_rows_dma_transposes_from_512_rows(T, lnc, want_dma, monkeypatch):
+    """trn3 takes DMA transposes despite short weight runs (I = 180 as GPT-OSS-120B TP16: 720 B) from 512 rows per
+    expert (here every token on both experts), TensorE transposes below."""
+    from nki_kernels.moe import moe_cte as mod
+    seen = []
+    init = mod._Config.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        seen.append(self.dma_transpose)
+
+    monkeypatch.setattr(mod._Config, "__init__", spy)
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    run_and_check(T, 256, 2, 180, 2, lnc=lnc)
+    assert seen and all(d == want_dma for d in seen)
+
+
 def test_kernel_trn3_gpt_oss_20b_tp8(monkeypatch):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
     run_and_check(512, lnc=2, **_rank(GPT_OSS_20B_TP8))
