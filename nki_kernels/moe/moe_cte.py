@@ -59,8 +59,9 @@ DMA_TRANSPOSE_MIN_ROWS = {"gen3": 3 * 128, "gen4": 0}
 # I = 180, 720 B runs, ~74% DMA efficiency on the 425 MB of weights): TensorE transposes are 3072 of the ~18.1 k
 # TensorE cycles of a 128-row tile there, which caps TensorE at ~72% of peak; once TensorE is the bound, moving them
 # to the DMA queues pays for the slower weight runs. Modelled (120B, trn3 LNC 1): 256 rows per expert (T 8192)
-# 2520 -> 2599 us (DMA bound: kept on TensorE), 512 rows (T 16384) 4446 -> 3902 us. trn2 stays DMA bound: none.
-SHORT_RUN_DMA_TRANSPOSE_MIN_ROWS = {"gen3": None, "gen4": 4 * 128}
+# 2520 -> 2599 us (DMA bound: kept on TensorE), 384 rows (T 12288) 3436 -> 3230 us (LNC 2 1731 -> 1719), 512 rows
+# (T 16384) 4446 -> 3902 us. trn2 stays DMA bound: none.
+SHORT_RUN_DMA_TRANSPOSE_MIN_ROWS = {"gen3": None, "gen4": 3 * 128}
 # PSUM bank (of the down banks) for the narrow tile's per-partition gate/up bias columns, built at each weight load;
 # the broadcast bias tile uses the banks from 0 (banks 0-1 while 2I <= 1024), so the two builds do not wait on
 # each other

@@ -198,9 +198,9 @@ def test_kernel_trn3_tensor_transposes_for_short_weight_rows(monkeypatch):
     run_and_check(100, 256, 4, 96, 2)
 
 
-@pytest.mark.parametrize("T,lnc,want_dma", [(520, 1, True), (520, 2, True), (500, 1, False)])
-def test_kernel_trn3_short_weight_rows_dma_transposes_from_512_rows(T, lnc, want_dma, monkeypatch):
-    """trn3 takes DMA transposes despite short weight runs (I = 180 as GPT-OSS-120B TP16: 720 B) from 512 rows per
+@pytest.mark.parametrize("T,lnc,want_dma", [(400, 1, True), (400, 2, True), (380, 1, False)])
+def test_kernel_trn3_short_weight_rows_dma_transposes_from_384_rows(T, lnc, want_dma, monkeypatch):
+    """trn3 takes DMA transposes despite short weight runs (I = 180 as GPT-OSS-120B TP16: 720 B) from 384 rows per
     expert (here every token on both experts), TensorE transposes below."""
     from nki_kernels.moe import moe_cte as mod
     seen = []
