@@ -22,13 +22,46 @@ PSUM_F = nl.tile_size.psum_bank_fmax   # fp32 elements per PSUM bank: the widest
 TRANSPOSE_GROUP = nl.tile_size.psum_bank_fmax_bytes // (P_MAX * 2)
 DOWN_BANKS = 3         # PSUM banks the down projection rotates through (evictions overlap the next chunk's matmuls)
 W_GU_DMAS = 4          # the gate/up weights of one expert arrive in this many DMAs (matmuls start on the first)
-# per scheduled expert: expert id, first row, pairs of 128-row tiles, odd 128-row tile (0/1), weights-needed flag
-# (0/1), half last tile (0/1: the expert's last HALF_ROWS rows or fewer, see _half_tile)
-SCHED_FIELDS = 6
 # rows of the narrow last tile: an expert whose last tile has at most this many rows serves it with the weights
 # stationary and the tokens moving (gate/up in max(n, 64) TensorE cycles per I chunk instead of 2I per H tile) and
 # gathers / scatters only these rows (64: the TensorE minimum of 64 cycles per matmul makes narrower ones no faster)
 HALF_ROWS = 64
+# Padding rows of an expert's last tile (a partial 128-row tile has 65..127 real rows, a narrow one 1..64) are not
+# moved: the host puts the tile's real rows in q consecutive PAD_PIECE-row pieces starting at piece s (cyclically:
+# a window that wraps is two DMAs), s continuing from the previous last tile's window (_last_tiles), so that the
+# skipped bytes come off every DMA engine alike (DMA engine p // 8 serves partition p; padding always at the
+# tile's end would come off the high engines only, not the busiest). The kernel has one gather / scatter-add per
+# (s, q) variant, each runtime-gated: its fori_loop trip count is start_gate[s] * count_gate[q] (two one-hot 0/1
+# schedule field groups: PAD_STARTS + PAD_COUNTS fields per last tile). One scatter-add per tile (two when
+# wrapped): the scatter-adds into out are ordered one after the other.
+PAD_PIECE = 16
+PAD_STARTS = P_MAX // PAD_PIECE
+PAD_COUNTS = HALF_ROWS // PAD_PIECE     # q: 65..128 rows (a partial tile) or 1..64 rows (a narrow one)
+PAD_GATES = PAD_STARTS + PAD_COUNTS
+# Rows per expert (T * k / E) below which the padding pieces are skipped. Modelled: up to 256 rows per expert the
+# kernel is DMA bound and gains (GPT-OSS-20B TP8 T 2048 trn2 LNC 1 -3.4%, 120B TP16 T 2048 -5 to -6.5%); at 512
+# (20B T 4096, 120B T 16384) TensorE is the bound, the padding is a smaller share and the windows' extra DMAs cost
+# 0.3-2%: the last tile is moved whole there, as before
+PAD_SKIP_MAX_ROWS = 384
+
+
+def _pad_variants(n):
+    """(first piece, pieces) windows of an n-row last tile: q pieces of real rows, the last one possibly part
+    padding; n / PAD_PIECE pieces (no padding piece) as one variant starting at 0."""
+    k = n // PAD_PIECE
+    lo = _pad_count_min(n)
+    return [(s, q) for q in range(lo, k) for s in range(k)] + [(0, k)]
+
+
+def _pad_count_min(n):
+    """Fewest real pieces of an n-row last tile (a partial tile has > 64 rows, a narrow one >= 1)."""
+    return (n - HALF_ROWS) // PAD_PIECE + 1
+
+
+# per scheduled expert: expert id, first row, pairs of complete 128-row tiles, odd complete tile (0/1),
+# weights-needed flag (0/1), narrow last tile (0/1: the expert's last HALF_ROWS rows or fewer, see _half_tile),
+# partial last 128-row tile (0/1: 65..127 rows), then the last tile's PAD_GATES window gates (0/1)
+SCHED_FIELDS = 7 + PAD_GATES
 # LNC=1 schedule header: expert pairs, prologue flag (0/1: the first expert's weights load before out is zeroed, so
 # that the first matmuls do not wait behind the zero-fill in the DMA queues; its own load flag is then 0)
 SCHED_HEADER = 2
@@ -37,11 +70,12 @@ SCHED_HEADER = 2
 HS_HEADER = 2
 # per step: own expert, own load flag (gate/up + this core's H half of the down weights), peer expert, peer load
 # flag (this core's H half of the peer's down weights), tile-step pairs, odd tile-step (0/1), index of its first
-# tile-step in the row
-STEP_FIELDS = 7
-# per tile-step: own full tile (0/1), own narrow tile (0/1), own first row, peer full (0/1), peer narrow (0/1), peer
-# first row, zero-fill flag (1 on the core's first own tile: its half of out is zeroed after that tile's rows)
-TILE_FIELDS = 7
+# tile-step in the row, then the own and the peer expert's last-tile PAD_GATES window gates
+STEP_FIELDS = 7 + 2 * PAD_GATES
+# per tile-step: own complete tile (0/1), own partial tile (0/1), own narrow tile (0/1), own first row, the same
+# four for the peer, zero-fill flag (1 on the core's first own tile: its half of out is zeroed after that tile's
+# rows)
+TILE_FIELDS = 9
 # sendrecv pipes of the act^T swaps (any ids; the k-th sendrecv of each core on a pipe pair up): bf16 act^T, or the
 # MXFP8 act^T words on PIPE_ACT and their scales on PIPE_ACT_SCALE (two dtypes: one sendrecv each)
 PIPE_ACT = 7
@@ -100,6 +134,9 @@ class _Config(nl.NKIObject):
         # TensorE transposes produce (column sets), so no DMA transposes; the down bias is a K=1 matmul (it is not
         # part of the MX contraction)
         self.mx, self.KC, self.KDm = mx, H // MX_CHUNK, KDm
+        # padding pieces of an expert's last tile skipped (PAD_PIECE); not with MXFP4 at LNC 2 (modelled 20B T 2048
+        # trn3: 302.9 -> 315.6 us with it)
+        self.skip_padding = rows_per_expert < PAD_SKIP_MAX_ROWS and not (mx and n_cores == 2)
         if mx:
             self.dma_transpose = False
         # down contraction: I rows, plus one row of ones (activations) / b_down (weights) when the bias is added,
@@ -327,6 +364,10 @@ class _Tiles(nl.NKIObject):
         self.sid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
         self.aff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         self.xt = None if cfg.dma_transpose else nl.ndarray((P_MAX, H), dtype=dt, buffer=nl.sbuf)
+        if self.xt is not None and not cfg.mx and cfg.skip_padding:
+            # padding pieces are not gathered (PAD_PIECE): their rows keep earlier x rows, or these zeros, so that
+            # the TensorE transposes (identity matmuls: 0 x NaN would spread) only ever read finite values
+            nisa.memset(dst=self.xt, value=0.0, engine=nisa.engine.gpsimd)
         self.xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=dt, buffer=nl.sbuf)
         # the narrow tile's x^T when a DMA gather-transpose writes it: [128, KT, HALF_ROWS] contiguous, so that each
         # partition's write is one KT x 64-column run (into xT[:, :, :64] it would be KT runs of 128 B, 1/3 of the
@@ -444,12 +485,14 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
     odd = _field(cfg, sched, base, 3)
     load = _field(cfg, sched, base, 4)
     half = _field(cfg, sched, base, 5)
+    part = _field(cfg, sched, base, 6)
+    gates = tuple(_field(cfg, sched, base, 7 + k) for k in range(PAD_GATES)) if cfg.skip_padding else None
     nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], psum, e, w_gate_up, w_down, b_gate_up, b_down,
                                                   scales))
 
-    def tile(slot, row, zero_trips=0, n=P_MAX, pb=0):
+    def tile(slot, row, zero_trips=0, n=P_MAX, pb=0, g=None):
         _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, out,
-                    lambda: nl.fori_loop(0, zero_trips, lambda _: _zero_rows(cfg, out, 0, cfg.T)), n, pb)
+                    lambda: nl.fori_loop(0, zero_trips, lambda _: _zero_rows(cfg, out, 0, cfg.T)), n, pb, g)
 
     # the second expert of a pair takes the tile buffer sets in the other order, so that experts with a single
     # (narrow) tile alternate sets; a narrow tile on set 1 puts its output rows on partitions 64..127, on set 0 on
@@ -464,11 +507,13 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
 
     nl.fori_loop(0, n_pairs, two)
     nl.fori_loop(0, odd, lambda _: tile(order[0], row0 + n_pairs * (2 * P_MAX), 1 - load - n_pairs))
-    # the narrow last tile on the buffer set the previous tile did not use
+    # the partial or narrow last tile on the buffer set the previous tile did not use, its padding pieces skipped
     row_h = row0 + (n_pairs * 2 + odd) * P_MAX
     zero_h = 1 - load - n_pairs - odd
-    nl.fori_loop(0, half * odd, lambda _: tile(order[1], row_h, zero_h, nh, pb[1]))
-    nl.fori_loop(0, half * (1 - odd), lambda _: tile(order[0], row_h, zero_h, nh, pb[0]))
+    nl.fori_loop(0, part * odd, lambda _: tile(order[1], row_h, zero_h, P_MAX, 0, gates))
+    nl.fori_loop(0, part * (1 - odd), lambda _: tile(order[0], row_h, zero_h, P_MAX, 0, gates))
+    nl.fori_loop(0, half * odd, lambda _: tile(order[1], row_h, zero_h, nh, pb[1], gates))
+    nl.fori_loop(0, half * (1 - odd), lambda _: tile(order[0], row_h, zero_h, nh, pb[0], gates))
 
 
 def _load_mx_weights(cfg, slot, e, w_gate_up, w_down, b_down, scales, down_cols=None):
@@ -593,11 +638,13 @@ def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down, scal
             nisa.tensor_copy(dst=slot.bgu[:, c0:c0 + cw], src=ps[:, :cw])
 
 
-def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, out, after_inputs, n=P_MAX, pb=0):
+def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, out, after_inputs, n=P_MAX, pb=0,
+                gates=None):
     """One tile of an expert's rows (n = 128, or HALF_ROWS for a narrow last tile whose output rows sit on
     partitions pb..pb+n): gather, gate/up, activation, down, scale, scatter-add (after_inputs() runs in program
-    order after the tile's input DMAs: the core's zero-fill, once)."""
-    _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n, pb)
+    order after the tile's input DMAs: the core's zero-fill, once). gates: an expert's last tile, its padding
+    pieces' rows neither gathered nor scattered (_row_pieces)."""
+    _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n, pb, gates)
     after_inputs()
     _gate_up_act(cfg, slot, psum, n, pb, slot.aTh)
     if cfg.mx:
@@ -605,8 +652,45 @@ def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, 
     else:
         _down_step(cfg, slot, psum, slot.aT if n == P_MAX else slot.aTh, n, pb)
     # scatter-add: out[ids] = out[ids] + y in the DMA engine (fp32 add, x's dtype stored); padding rows (-1) skipped
-    view = out.ap([[cfg.H, n], [1, cfg.H]], offset=0, vector_offset=slot.sid[pb:pb + n, :])
-    nisa.dma_compute(dst=view, srcs=[view, slot.y[pb:pb + n, :]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+    _scatter_add(cfg, out, slot.y, slot.sid, n, pb, 0, cfg.H, gates)
+
+
+def _run(gate, body):
+    """body(0) at trace time when gate is None, else inside a runtime loop of gate (0 or 1) iterations."""
+    if gate is None:
+        body(0)
+    else:
+        nl.fori_loop(0, gate, body)
+
+
+def _row_pieces(n, gates):
+    """(gate, [(first row, rows)]) DMA variants of an n-row tile: all n rows ungated (gates None), or, for an
+    expert's last tile, one per _pad_variants window (one or, wrapped, two DMAs), run only when its one-hot gate
+    (a 0/1 schedule field) is 1."""
+    if gates is None:
+        return [(None, [(0, n)])]
+    k = n // PAD_PIECE
+    lo = _pad_count_min(n)
+    out = []
+    for s, q in _pad_variants(n):
+        parts = [(s * PAD_PIECE, min(q, k - s) * PAD_PIECE)]
+        if s + q > k:
+            parts.append((0, (s + q - k) * PAD_PIECE))
+        out.append((gates[s] * gates[PAD_STARTS + q - lo], parts))
+    return out
+
+
+def _scatter_add(cfg, out, y, sid, n, pb, c0, width, gates):
+    """out[ids, c0:c0 + width] += y[pb:pb + n, :width] by DMA read-modify-write (padding ids -1 skipped), in
+    _row_pieces (an expert's last tile: its all-padding pieces not moved)."""
+    for g, parts in _row_pieces(n, gates):
+        def body(_, parts=parts):
+            for s, m in parts:
+                r = slice(pb + s, pb + s + m)
+                view = out.ap([[cfg.H, m], [1, width]], offset=c0, vector_offset=sid[r, :])
+                nisa.dma_compute(dst=view, srcs=[view, y[r, :width]], reduce_op=nl.add,
+                                 oob_mode=nisa.oob_mode.skip)
+        _run(g, body)
 
 
 def _gate_up_act(cfg, slot, psum, n, pb, narrow_aT):
@@ -636,7 +720,7 @@ def _gather_base(cfg, n, pb):
     return P_MAX - n - pb if not cfg.dma_transpose else 0
 
 
-def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n, pb):
+def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n, pb, gates=None):
     b = _gather_base(cfg, n, pb)
     nisa.dma_copy(dst=slot.gid[b:b + n, :], src=gather_ids[nl.ds(row, n), :])
     nisa.dma_copy(dst=slot.sid[pb:pb + n, :], src=scatter_ids[nl.ds(row, n), :])
@@ -647,8 +731,15 @@ def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, 
         nisa.dma_transpose(dst=xT[:, :, :n], src=x.ap([[cfg.H, n], [P_MAX, cfg.KT], [1, P_MAX]], offset=0,
                                                             vector_offset=slot.gid[:n, :]), dge_mode=DGE)
     else:
-        nisa.dma_copy(dst=slot.xt[b:b + n, :], src=x.ap([[cfg.H, n], [1, cfg.H]], offset=0,
-                                                        vector_offset=slot.gid[b:b + n, :]), dge_mode=DGE)
+        # TensorE path: an expert's last tile gathers its real pieces only (_row_pieces; MX tiles all rows: their
+        # x^T is quantised in 32-element groups of whole columns, kept as it was)
+        for g, parts in _row_pieces(n, None if cfg.mx else gates):
+            def body(_, parts=parts):
+                for s, m in parts:
+                    r = slice(b + s, b + s + m)
+                    nisa.dma_copy(dst=slot.xt[r, :], src=x.ap([[cfg.H, m], [1, cfg.H]], offset=0,
+                                                              vector_offset=slot.gid[r, :]), dge_mode=DGE)
+            _run(g, body)
 
 
 def _mx_act(cfg, slot, psum):
@@ -853,7 +944,11 @@ def _hsplit_step(cfg, slots, psum, sched, base, refs, core, second):
     H half of its down weights), then the tile-steps, two at a time on alternate tile buffer sets."""
     x, w_gate_up, w_down, b_gate_up, b_down = refs[:5]
     scales = refs[9]
-    e, load, pe, pload, t_pairs, t_odd, t0 = (_field(cfg, sched, base, k) for k in range(STEP_FIELDS))
+    e, load, pe, pload, t_pairs, t_odd, t0 = (_field(cfg, sched, base, k) for k in range(7))
+    og = pg = None
+    if cfg.skip_padding:
+        og = tuple(_field(cfg, sched, base, 7 + k) for k in range(PAD_GATES))
+        pg = tuple(_field(cfg, sched, base, 7 + PAD_GATES + k) for k in range(PAD_GATES))
     c0 = core * cfg.Hh
     nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], psum, e, w_gate_up, w_down, b_gate_up, b_down,
                                                   scales, down_cols=(c0, cfg.Hh)))
@@ -869,38 +964,39 @@ def _hsplit_step(cfg, slots, psum, sched, base, refs, core, second):
 
     def two(i):
         for k in range(2):
-            _tile_step(cfg, order[k], psum, sched, t0 + (2 * i + k) * TILE_FIELDS, refs, core, pb[k])
+            _tile_step(cfg, order[k], psum, sched, t0 + (2 * i + k) * TILE_FIELDS, refs, core, pb[k], og, pg)
 
     nl.fori_loop(0, t_pairs, two)
     nl.fori_loop(0, t_odd, lambda _: _tile_step(cfg, order[0], psum, sched, t0 + 2 * t_pairs * TILE_FIELDS, refs,
-                                                core, pb[0]))
+                                                core, pb[0], og, pg))
 
 
-def _tile_step(cfg, slot, psum, sched, tb, refs, core, pb):
+def _tile_step(cfg, slot, psum, sched, tb, refs, core, pb, og, pg):
     """Own tile (full, narrow or none): rows, gate/up, activation, act^T (MX: quantised), down for this core's H
     half, scatter-add; the act^T swap with the other core; the peer's tile (full, narrow or none): its ids and
     affinities, down for this core's H half from the received act^T, scatter-add. A bf16 narrow tile's act^T sits
     in columns 0..63; an MX narrow tile is computed on all 128 token rows, its real rows pb..pb+64 (both cores use
     the same tile set for a tile-step, so the peer's rows sit on the same partitions)."""
     x, _, _, _, _, gather_ids, scatter_ids, row_affinity, out, _ = refs
-    of, on, orow, pf, pn, prow, zero = (_field(cfg, sched, tb, k) for k in range(TILE_FIELDS))
+    of, op, on, orow, pf, pp, pn, prow, zero = (_field(cfg, sched, tb, k) for k in range(TILE_FIELDS))
     c0, Hh = core * cfg.Hh, cfg.Hh
     own_op = (slot.aq, slot.as_) if cfg.mx else slot.aT
     peer_op = (slot.aqr, slot.asr) if cfg.mx else slot.aTr
 
-    def own(n, p):
-        _load_tile_inputs(cfg, slot, orow, x, gather_ids, scatter_ids, row_affinity, n, p)
+    def own(n, p, g=None):
+        _load_tile_inputs(cfg, slot, orow, x, gather_ids, scatter_ids, row_affinity, n, p, g)
         nl.fori_loop(0, zero, lambda _: _zero_rows(cfg, out, 0, cfg.T, c0, Hh))
         _gate_up_act(cfg, slot, psum, n, p, slot.aT)
-        _down_half(cfg, psum, own_op, slot, 0, slot.y, slot.aff, slot.sid, n, p, out, c0, 0)
+        _down_half(cfg, psum, own_op, slot, 0, slot.y, slot.aff, slot.sid, n, p, out, c0, 0, g)
 
-    def peer(n, p):
+    def peer(n, p, g=None):
         nisa.dma_copy(dst=slot.psid[p:p + n, :], src=scatter_ids[nl.ds(prow, n), :])
         nisa.dma_copy(dst=slot.paff[p:p + n, :], src=row_affinity[nl.ds(prow, n), :])
-        _down_half(cfg, psum, peer_op, slot, Hh, slot.py, slot.paff, slot.psid, n, p, out, c0, cfg.n_hch_half)
+        _down_half(cfg, psum, peer_op, slot, Hh, slot.py, slot.paff, slot.psid, n, p, out, c0, cfg.n_hch_half, g)
 
     nl.fori_loop(0, of, lambda _: own(P_MAX, 0))
-    nl.fori_loop(0, on, lambda _: own(HALF_ROWS, pb))
+    nl.fori_loop(0, op, lambda _: own(P_MAX, 0, og))
+    nl.fori_loop(0, on, lambda _: own(HALF_ROWS, pb, og))
     if cfg.mx:
         nisa.sendrecv(src=slot.aq, dst=slot.aqr, send_to_rank=1 - core, recv_from_rank=1 - core, pipe_id=PIPE_ACT)
         nisa.sendrecv(src=slot.as_, dst=slot.asr, send_to_rank=1 - core, recv_from_rank=1 - core,
@@ -908,10 +1004,11 @@ def _tile_step(cfg, slot, psum, sched, tb, refs, core, pb):
     else:
         nisa.sendrecv(src=slot.aT, dst=slot.aTr, send_to_rank=1 - core, recv_from_rank=1 - core, pipe_id=PIPE_ACT)
     nl.fori_loop(0, pf, lambda _: peer(P_MAX, 0))
-    nl.fori_loop(0, pn, lambda _: peer(HALF_ROWS, pb))
+    nl.fori_loop(0, pp, lambda _: peer(P_MAX, 0, pg))
+    nl.fori_loop(0, pn, lambda _: peer(HALF_ROWS, pb, pg))
 
 
-def _down_half(cfg, psum, op, w, w0, y, aff, sid, n, pb, out, c0, b0):
+def _down_half(cfg, psum, op, w, w0, y, aff, sid, n, pb, out, c0, b0, gates=None):
     """y[pb:pb+n, :H/2] = affinity * (a @ Wd[:, c0:c0 + H/2] (+ bd)) (the weights' half in the slot's down columns
     w0..), rounded to x's dtype, then out[ids, c0:c0 + H/2] += y by one DMA read-modify-write (padding rows
     skipped). op: act^T [I_aug, tokens] (bf16), or the MXFP8 act^T (words, scales) with MXFP4 weights (nc_matmul_mx,
@@ -940,8 +1037,7 @@ def _down_half(cfg, psum, op, w, w0, y, aff, sid, n, pb, out, c0, b0):
             nisa.activation(dst=y[r, h0:h0 + hw], op=nl.copy, data=ps[r, :hw], scale=aff[r, :])
         else:
             nisa.tensor_scalar(dst=y[r, h0:h0 + hw], data=ps[r, :hw], op0=nl.multiply, operand0=aff[r, :])
-    view = out.ap([[cfg.H, n], [1, cfg.Hh]], offset=c0, vector_offset=sid[r, :])
-    nisa.dma_compute(dst=view, srcs=[view, y[r, :cfg.Hh]], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
+    _scatter_add(cfg, out, y, sid, n, pb, c0, cfg.Hh, gates)
 
 
 moe_cte_nki = nki.jit(moe_cte_kernel)
@@ -956,6 +1052,8 @@ def kernel_inputs(expert_index, affinities, num_experts, block_size, n_cores=1):
     aff = np.asarray(affinities.float().cpu() if hasattr(affinities, "cpu") else affinities, np.float32).reshape(-1)
     slot = m.token_position_to_slot
     row_aff = np.where(slot >= 0, aff[np.maximum(slot, 0)], 0.0).astype(np.float32)
+    ids = _place_last_tiles(m, ids)
+    row_aff = _place_last_tiles(m, row_aff)
     gather = np.where(ids >= 0, ids, 0).astype(np.uint32)
     sched = expert_schedule(m, n_cores)
     return m, gather[:, None], ids[:, None].astype(np.int32), row_aff[:, None], sched
@@ -981,13 +1079,63 @@ def expert_schedule(m, n_cores=1):
     out = np.zeros((1, H0 + SCHED_FIELDS * S), np.int32)
     out[0, 0] = (n + 1) // 2
     out[0, 1] = 1 if n else 0
+    last = _last_tiles(m)
     for j in range(n):
-        # an expert whose last tile has <= HALF_ROWS rows serves it as a narrow tile after its 128-row tiles
-        half = int(rows[j] - P_MAX_HOST * (tiles[j] - 1) <= HALF_ROWS)
-        full = tiles[j] - half
+        # complete 128-row tiles, then the last tile: narrow (<= HALF_ROWS rows) or partial (65..127 rows), with
+        # its pieces' gates
+        full, half, part, gates, _ = last[j]
         out[0, H0 + SCHED_FIELDS * j:H0 + SCHED_FIELDS * (j + 1)] = (m.active_experts[j], firsts[j], full // 2,
-                                                                    full % 2, int(j > 0), half)
+                                                                    full % 2, int(j > 0), half, part, *gates)
     return out
+
+
+def _last_tiles(m):
+    """Per active expert (schedule order): (complete 128-row tiles, narrow last tile 0/1, partial last tile 0/1,
+    PAD_GATES gates, real piece slots). The last tile's real rows go to ceil(rows / PAD_PIECE) of its pieces: the
+    slots after the previous last tile's (cyclically; partial and narrow tiles each with their own counter), so
+    that over the experts the skipped padding pieces spread over all DMA engines."""
+    out = []
+    nxt = {0: 0, 1: 0}
+    for j in range(m.num_active):
+        rows = int(m.tokens_per_expert[m.active_experts[j]])
+        full, rem = divmod(rows, P_MAX_HOST)
+        half, part = int(0 < rem <= HALF_ROWS), int(rem > HALF_ROWS)
+        slots = []
+        gates = [0] * PAD_GATES
+        if half or part:
+            n = HALF_ROWS if half else P_MAX_HOST
+            k = n // PAD_PIECE
+            q = -(-rem // PAD_PIECE)
+            s = nxt[half] if q < k else 0
+            slots = [(s + i) % k for i in range(q)]
+            if q < k:
+                nxt[half] = (s + q) % k
+            gates[s] = gates[PAD_STARTS + q - _pad_count_min(n)] = 1
+        out.append((full, half, part, gates, slots))
+    return out
+
+
+def _place_last_tiles(m, a):
+    """The per-row array a ([R]) with each expert's last-tile rows moved into its real pieces (_last_tiles; the
+    other rows of those pieces and tile are padding: a's value at the expert's padding rows). Rows of one expert
+    are independent (a token appears once per expert), so their order inside the expert changes nothing."""
+    a = a.copy()
+    firsts = m.expert_first_block[:m.num_active] * m.block_size
+    for j, (full, _, _, _, slots) in enumerate(_last_tiles(m)):
+        if not slots:
+            continue
+        rows = int(m.tokens_per_expert[m.active_experts[j]])
+        t0 = int(firsts[j]) + full * P_MAX_HOST
+        rem = rows - full * P_MAX_HOST
+        n = (HALF_ROWS if rem <= HALF_ROWS else P_MAX_HOST)
+        real, pad = a[t0:t0 + rem].copy(), a[t0 + n - 1]
+        a[t0:t0 + n] = pad
+        i = 0
+        for s in slots:
+            k = min(PAD_PIECE, rem - i)
+            a[t0 + s * PAD_PIECE:t0 + s * PAD_PIECE + k] = real[i:i + k]
+            i += k
+    return a
 
 
 def _hsplit_block(m, rows, tiles, firsts):
@@ -996,11 +1144,16 @@ def _hsplit_block(m, rows, tiles, firsts):
     last tile, or none when its expert has fewer) beside the peer's tile q. Returns one int32 row per core."""
     n = len(rows)
 
+    none = (0, 0, 0, 0)
+    no_gates = [0] * PAD_GATES
+
+    last = _last_tiles(m)
+
     def tile_list(j):
-        half = int(rows[j] - P_MAX_HOST * (tiles[j] - 1) <= HALF_ROWS)
-        full = int(tiles[j]) - half
-        return [(1, 0, int(firsts[j]) + P_MAX_HOST * i) for i in range(full)] + (
-            [(0, 1, int(firsts[j]) + P_MAX_HOST * full)] if half else [])
+        # (complete, partial, narrow, first row) per tile
+        full, half, part, _, _ = last[j]
+        return [(1, 0, 0, int(firsts[j]) + P_MAX_HOST * i) for i in range(full)] + (
+            [(0, part, half, int(firsts[j]) + P_MAX_HOST * full)] if half or part else [])
 
     order = sorted(range(n), key=lambda j: (-int(tiles[j]), -int(rows[j]), j))
     steps = [(order[i], order[i + 1] if i + 1 < n else None) for i in range(0, n, 2)]
@@ -1016,16 +1169,18 @@ def _hsplit_block(m, rows, tiles, firsts):
             lm = lists[mine] if mine is not None else []
             lt = lists[theirs] if theirs is not None else []
             q_n = max(len(lm), len(lt))
+            og = last[mine][3] if mine is not None else no_gates
+            pg = last[theirs][3] if theirs is not None else no_gates
             step_rows.append([int(m.active_experts[mine]) if mine is not None else 0, int(mine is not None),
                               int(m.active_experts[theirs]) if theirs is not None else 0, int(theirs is not None),
-                              q_n // 2, q_n % 2, len(tile_rows)])
+                              q_n // 2, q_n % 2, len(tile_rows), *og, *pg])
             for q in range(q_n):
-                of, on, orow = lm[q] if q < len(lm) else (0, 0, 0)
-                pf, pn, prow = lt[q] if q < len(lt) else (0, 0, 0)
-                zero = int((of or on) and own_first[0])
+                ot = lm[q] if q < len(lm) else none
+                pt = lt[q] if q < len(lt) else none
+                zero = int(any(ot[:3]) and own_first[0])
                 if zero:
                     own_first[0] = False
-                tile_rows.append([of, on, orow, pf, pn, prow, zero])
+                tile_rows.append([*ot, *pt, zero])
         head[1] = int(own_first[0])      # no own tile at all: zero this core's half of out first
         t_base = HS_HEADER + STEP_FIELDS * len(step_rows)
         for r in step_rows:

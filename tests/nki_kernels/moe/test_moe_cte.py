@@ -288,11 +288,15 @@ def test_kernel_mxfp4_trn3_matches_mx_reference(T, H, E, inter, k, lnc, skew, mo
 def test_kernel_mxfp4_lnc2_reads_each_weight_once(monkeypatch):
     """MXFP4, LNC=2 (H split): each core reads its H half of the step experts' down words, scales and b_down, so
     the two cores together read what LNC=1 reads, plus only the peer tiles' scatter ids and affinities and the
-    schedule rows; a down half read twice would add >= 64 KiB here (one expert's half: 64 KiB of words)."""
+    schedule rows; a down half read twice would add >= 64 KiB here (one expert's half: 64 KiB of words). Padding
+    rows moved at both LNCs (MXFP4 LNC=2 does not skip them, LNC=1 would), so that only the weights differ."""
+    import sys
+
     import nkisim
     from nki_kernels.moe.cte_inputs import make_cte_mx_weights
     from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    monkeypatch.setattr(sys.modules["nki_kernels.moe.moe_cte"], "PAD_SKIP_MAX_ROWS", 0)
     T, H, E, inter, k = 300, 512, 4, 360, 2
     x, idx, aff, _, _, b_gu, b_d = make_inputs(T, H, E, inter, k)
     _, _, mxw = make_cte_mx_weights(E, H, inter)
@@ -327,3 +331,42 @@ def test_mxfp4_bad_arguments_raise_before_work():
     with pytest.raises(ValueError, match="multiple of 512"):
         moe_cte(x[:, :384], idx, aff, *args[3:], w_gate_up_scale=mxw["w_gate_up_scale"],
                 w_down_scale=mxw["w_down_scale"], backend="torch")
+
+
+@pytest.mark.parametrize("target,lnc", [("trn2", 1), ("trn2", 2), ("trn3", 1)])
+def test_kernel_last_tiles_mostly_padding(target, lnc, monkeypatch):
+    """An expert's last tile moves only the PAD_PIECE-row pieces holding real rows (a gated window per tile: start
+    and piece-count one-hot gates, placed cyclically, wrapping): 1 and 17 rows (narrow, mostly padding), 65 rows
+    (partial: 63 padding rows), 100, 129, 200 and 250 rows (complete tiles then partial / narrow last tiles);
+    TensorE transposes (trn2, gather and scatter gated) and DMA transposes (trn3 at I 256, scatter gated)."""
+    from nki_kernels.moe.moe_cte import PAD_PIECE, PAD_STARTS, _last_tiles, _pad_count_min, kernel_inputs
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+    counts = (65, 1, 17, 100, 129, 200, 250)
+    T, E, inter = sum(counts), 8, 256 if target == "trn3" else 96
+    x, _, _, w_gu, w_d, b_gu, b_d = make_inputs(T, 256, E, inter, 1)
+    idx = torch.cat([torch.full((c, 1), e, dtype=torch.int64) for e, c in enumerate(counts)])
+    idx = idx[torch.randperm(T, generator=torch.Generator().manual_seed(3))]
+    aff = torch.rand(T, 1, generator=torch.Generator().manual_seed(4))
+    m, gather, scatter, row_aff, _ = kernel_inputs(idx, aff, E, 128, lnc)
+    firsts = m.expert_first_block[:m.num_active] * m.block_size
+    wrapped = 0
+    for j, (full, half, part, gates, slots) in enumerate(_last_tiles(m)):
+        rows = counts[int(m.active_experts[j])]
+        assert full == rows // 128 and (half or part) == bool(rows % 128)
+        if not (half or part):
+            continue
+        n = 64 if half else 128
+        assert gates[:PAD_STARTS].index(1) == slots[0] and sum(gates[:PAD_STARTS]) == 1
+        assert gates[PAD_STARTS:].index(1) == len(slots) - _pad_count_min(n) and sum(gates[PAD_STARTS:]) == 1
+        wrapped += slots[-1] < slots[0]
+        t0 = int(firsts[j]) + 128 * full
+        tile = scatter[t0:t0 + n, 0]
+        real = np.zeros(n, bool)
+        for s in slots:
+            real[s * PAD_PIECE:(s + 1) * PAD_PIECE] = True
+        assert (tile[~real] == -1).all() and (tile >= 0).sum() == rows % 128     # real rows only in the window
+        assert (row_aff[t0:t0 + n, 0][tile < 0] == 0).all()
+    assert wrapped, "no wrapped window exercised"
+    opts = dict(b_gate_up=b_gu, b_down=b_d, activation="clamped_swiglu", add_down_bias=True, block_size=128)
+    args = (x, idx, aff, w_gu, w_d)
+    assert_close(moe_cte(*args, **opts, backend="nkisim", lnc=lnc), moe_cte(*args, **opts, backend="torch"))
