@@ -1,4 +1,5 @@
-"""Tile helpers shared by the kernels: PSUM evictions spread over two engines, token-tile transposes.
+"""Tile helpers shared by the kernels: PSUM evictions spread over two engines, token-tile transposes, runtime-gated
+blocks.
 
 Plain NKI 0.7 helpers called from inside `@nki.jit` kernels (as nki-library's kernels call their utils).
 """
@@ -32,3 +33,12 @@ def transpose_tokens(x_sb, nt, KT):
             nisa.nc_transpose(dst=ps[:, c, :nt], data=x_sb[:nt, kt:kt + (P_MAX - 1) * KT + 1:KT])
         nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, :nt])
     return xT
+
+
+def run_gated(gate, body):
+    """body(0) at trace time when gate is None, else inside a runtime loop of gate (0 or 1) iterations (gate: a
+    register or a 1x1 SBUF scalar of schedule data)."""
+    if gate is None:
+        body(0)
+    else:
+        nl.fori_loop(0, gate, body)

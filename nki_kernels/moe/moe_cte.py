@@ -10,7 +10,7 @@ import nki.isa as nisa
 import nki.language as nl
 import numpy as np
 
-from ..common.tiles import evict
+from ..common.tiles import evict, run_gated
 from .blockwise import blockwise_mapping
 from .moe_torch import GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT
 from .mx_ops import MX_CHUNK, MX_GROUPS, lane_columns, load_mx_scales
@@ -655,14 +655,6 @@ def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, 
     _scatter_add(cfg, out, slot.y, slot.sid, n, pb, 0, cfg.H, gates)
 
 
-def _run(gate, body):
-    """body(0) at trace time when gate is None, else inside a runtime loop of gate (0 or 1) iterations."""
-    if gate is None:
-        body(0)
-    else:
-        nl.fori_loop(0, gate, body)
-
-
 def _row_pieces(n, gates):
     """(gate, [(first row, rows)]) DMA variants of an n-row tile: all n rows ungated (gates None), or, for an
     expert's last tile, one per _pad_variants window (one or, wrapped, two DMAs), run only when its one-hot gate
@@ -690,7 +682,7 @@ def _scatter_add(cfg, out, y, sid, n, pb, c0, width, gates):
                 view = out.ap([[cfg.H, m], [1, width]], offset=c0, vector_offset=sid[r, :])
                 nisa.dma_compute(dst=view, srcs=[view, y[r, :width]], reduce_op=nl.add,
                                  oob_mode=nisa.oob_mode.skip)
-        _run(g, body)
+        run_gated(g, body)
 
 
 def _gate_up_act(cfg, slot, psum, n, pb, narrow_aT):
@@ -739,7 +731,7 @@ def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, 
                     r = slice(b + s, b + s + m)
                     nisa.dma_copy(dst=slot.xt[r, :], src=x.ap([[cfg.H, m], [1, cfg.H]], offset=0,
                                                               vector_offset=slot.gid[r, :]), dge_mode=DGE)
-            _run(g, body)
+            run_gated(g, body)
 
 
 def _mx_act(cfg, slot, psum):
@@ -1052,8 +1044,7 @@ def kernel_inputs(expert_index, affinities, num_experts, block_size, n_cores=1):
     aff = np.asarray(affinities.float().cpu() if hasattr(affinities, "cpu") else affinities, np.float32).reshape(-1)
     slot = m.token_position_to_slot
     row_aff = np.where(slot >= 0, aff[np.maximum(slot, 0)], 0.0).astype(np.float32)
-    ids = _place_last_tiles(m, ids)
-    row_aff = _place_last_tiles(m, row_aff)
+    ids, row_aff = _place_last_tiles(m, ids, row_aff)
     gather = np.where(ids >= 0, ids, 0).astype(np.uint32)
     sched = expert_schedule(m, n_cores)
     return m, gather[:, None], ids[:, None].astype(np.int32), row_aff[:, None], sched
@@ -1115,11 +1106,12 @@ def _last_tiles(m):
     return out
 
 
-def _place_last_tiles(m, a):
-    """The per-row array a ([R]) with each expert's last-tile rows moved into its real pieces (_last_tiles; the
-    other rows of those pieces and tile are padding: a's value at the expert's padding rows). Rows of one expert
-    are independent (a token appears once per expert), so their order inside the expert changes nothing."""
-    a = a.copy()
+def _place_last_tiles(m, *arrays):
+    """The per-row arrays ([R] each) with each expert's last-tile rows moved into its real pieces (_last_tiles,
+    computed once for all of them; the other rows of those pieces and tile are padding: the array's value at the
+    expert's padding rows). Rows of one expert are independent (a token appears once per expert), so their order
+    inside the expert changes nothing."""
+    out = tuple(a.copy() for a in arrays)
     firsts = m.expert_first_block[:m.num_active] * m.block_size
     for j, (full, _, _, _, slots) in enumerate(_last_tiles(m)):
         if not slots:
@@ -1128,14 +1120,15 @@ def _place_last_tiles(m, a):
         t0 = int(firsts[j]) + full * P_MAX_HOST
         rem = rows - full * P_MAX_HOST
         n = (HALF_ROWS if rem <= HALF_ROWS else P_MAX_HOST)
-        real, pad = a[t0:t0 + rem].copy(), a[t0 + n - 1]
-        a[t0:t0 + n] = pad
-        i = 0
-        for s in slots:
-            k = min(PAD_PIECE, rem - i)
-            a[t0 + s * PAD_PIECE:t0 + s * PAD_PIECE + k] = real[i:i + k]
-            i += k
-    return a
+        for a in out:
+            real, pad = a[t0:t0 + rem].copy(), a[t0 + n - 1]
+            a[t0:t0 + n] = pad
+            i = 0
+            for s in slots:
+                k = min(PAD_PIECE, rem - i)
+                a[t0 + s * PAD_PIECE:t0 + s * PAD_PIECE + k] = real[i:i + k]
+                i += k
+    return out
 
 
 def _hsplit_block(m, rows, tiles, firsts):

@@ -1,4 +1,5 @@
-"""SBUF constants and small helpers shared by every phase (evictions, runtime trip counts).
+"""SBUF constants and small helpers shared by every phase (evictions, runtime trip counts; runtime-gated blocks:
+nki_kernels.common.tiles.run_gated).
 
 Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attention.py)."""
 
@@ -80,9 +81,3 @@ def _const_row(t, values):
         k = e
 
 
-def _run(gate, body):
-    """body(0) at trace time when gate is None, else inside a runtime loop of gate (0 or 1) iterations."""
-    if gate is None:
-        body(0)
-    else:
-        nl.fori_loop(0, gate, body)

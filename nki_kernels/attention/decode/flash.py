@@ -6,7 +6,8 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 import nki.isa as nisa
 import nki.language as nl
 
-from .common import _registers, _run
+from ...common.tiles import run_gated as _run
+from .common import _registers
 from .config import (
     FA_SUB,
     MASK_NEG,

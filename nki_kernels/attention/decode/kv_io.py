@@ -5,7 +5,7 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 import nki.isa as nisa
 import nki.language as nl
 
-from .common import _run
+from ...common.tiles import run_gated as _run
 from .config import P_MAX
 from .planning import _packs, _plan, _slot_split, _v_parts
 
