@@ -250,10 +250,7 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
             _accumulate_out_chunks(pv, c0, ncb, hc0, 0, n_k, K, oTs[ti], nt, wo, 0)
             _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T)
             ps = None
-            if _split_store(cfg, lay, nt):      # each column range stored once computed (under the W_o loads)
-                for lo, hi in _store_ranges(cfg):
-                    if c0 < hi <= c0 + ncb:
-                        _store_halves(cfg, lay, out, t0, nt, lo, hi)
+            _store_evicted_ranges(cfg, lay, out, t0, nt, c0, ncb)
         _store_tile(cfg, lay, out, t0, nt)
 
 
@@ -283,6 +280,7 @@ def _output_projection_streamed(cfg, oTs, ws, bias_T, out, tiles):
                 if i == n_s - 1:        # last chunk: into the store layout (the partial sums added)
                     _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T if n_s == 1 else None,
                                  accs[ti] if n_s > 1 else None)
+                    _store_evicted_ranges(cfg, lay, out, tl.t0, nt, c0, ncb)
                 else:
                     a = accs[ti][:, (c0 - hc0) * nt:(c0 - hc0 + ncb) * nt].reshape((P_MAX, ncb, nt))
                     if i == 0:
@@ -346,6 +344,17 @@ def _store_ranges(cfg):
 def _split_store(cfg, lay, nt):
     """Whether a token tile is stored by _store_halves (unpacked, 32 < nt <= 64, ranges of an even chunk count)."""
     return not lay.packed and 2 * nt <= P_MAX and all((hi - lo) % 2 == 0 for lo, hi in _store_ranges(cfg))
+
+
+def _store_evicted_ranges(cfg, lay, out, t0, nt, c0, ncb):
+    """A tile stored a column range at a time (_split_store): the ranges that end in the out^T chunks [c0, c0 + ncb)
+    just evicted into the store layout, stored now (under the remaining W_o loads and matmuls); every range ends in
+    exactly one eviction group, so each is stored once. Both O-projection paths (resident and streamed W_o) call
+    this after their final evictions, as _store_tile leaves such a tile to them."""
+    if _split_store(cfg, lay, nt):
+        for lo, hi in _store_ranges(cfg):
+            if c0 < hi <= c0 + ncb:
+                _store_halves(cfg, lay, out, t0, nt, lo, hi)
 
 
 def _store_tile(cfg, lay, out, t0, nt):

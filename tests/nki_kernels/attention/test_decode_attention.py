@@ -147,6 +147,7 @@ def test_weights_larger_than_sbuf(lnc):
     (8, 1, 600, Q16_SMALL, 2, 14000),         # LNC=2 split weights: each core streams its W_qkv rows / W_o columns
     (20, 7, 300, dict(Q16_SMALL, H=512), 1, 14000),   # 10 QKV accumulators > 8 PSUM banks: two column groups
     (8, 1, 1000, GPT_OSS_20B_TP8, 1, 20 * 1024),      # d = 64 (stacked o^T), hidden_actual 2880, W_qkv 24 = 5 * 4 + 4
+    (40, 1, 300, MULTI_KV, 1, 12 * 1024),     # a 40-row token tile: unpacked, stored a column range at a time
 ])
 def test_streamed_weights(B, S, ctx, shape, lnc, room, monkeypatch):
     """Weights forced to stream (WEIGHT_ROOM lowered) on small shapes, each through more chunks than ring buffers:
