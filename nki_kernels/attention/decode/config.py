@@ -320,7 +320,12 @@ class _Config(nl.NKIObject):
         # columns per slot (2 KiB SBUF runs: DMA efficiency 0.80) where the plain one moves the slot in one (4 KiB
         # runs: 0.85); the K^T stream of the Llama-8B 16K rows is ~40 % of each DMA ring's busy time. The V layout,
         # the masks and the V scrub stay rotated; the K^T scrub uses the plain key ramp.
-        self.k_plain = self.k_whole and self.kpp == 1 and self.halves == 1
+        # Two batches per stack (d = 64, bf16): both batches of a stack share its score matmul, so the rotation is
+        # by stack (batches 2, 3 of every 4 rotated: rot_unit = 2, planning._rot_batch) and the rotated stacks read
+        # their plain K^T rotated as the d = 128 ones do (GPT-OSS B=64 16K: the odd batches' K^T was two transposes
+        # of 1024-position halves, 2 KiB SBUF runs at 0.80, ~27 % of each DMA ring's busy time).
+        self.k_plain = self.k_whole and self.kpp in (1, 2) and self.halves == 1
+        self.rot_unit = self.kpp if self.k_plain else 1     # batches per rotation unit (planning._rot_batch)
         # The RoPE tables of token tiles of <= 32 rows land on partitions SMALL_P0.. (DMA engines 4..7) instead of
         # 0.. (engine 0, the busiest ring of the DMA-paced rows: Llama-8B ragged B=8 -0.25 %). Where the K/V stream
         # paces the rows, as k_whole: trn2 and d = 128; on GPT-OSS's compute-paced packs and on trn3 the earlier

@@ -550,11 +550,12 @@ def _rot_thresholds(cfg, st, slots, steps, p_first, rows):
             nisa.iota(dst=p1[:, k0:k0 + cols].reshape((P_MAX, nsl, per)), pattern=[[w, nsl], [ni, per]],
                       offset=j0 + 1, channel_multiplier=0)
             nisa.memset(dst=hv[:, k0:k0 + cols], value=float(P_MAX // 2 * (w // P_MAX)), engine=nisa.engine.gpsimd)
-        r = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)      # row r of batch r // R: odd batches
+        r = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)      # row r of batch r // R: rotated batches
         nisa.iota(dst=r, pattern=[[0, 1]], offset=0, channel_multiplier=1)
-        rr = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=rr, data=r, op0=nl.mod, operand0=float(2 * cfg.R), op1=nl.greater_equal,
-                           operand1=float(cfg.R))
+        rr = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)      # (planning._rot_batch: rot_unit)
+        ru = cfg.rot_unit * cfg.R
+        nisa.tensor_scalar(dst=rr, data=r, op0=nl.mod, operand0=float(2 * ru), op1=nl.greater_equal,
+                           operand1=float(ru))
         nrr = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=nrr, data=rr, op0=nl.multiply, operand0=-1.0)
         st.rot_tabs = (p1, hv, rr, nrr)
@@ -583,11 +584,15 @@ def _step_threshold(base, rows, shift):
     return thr
 
 
-def _load_k_pair(cfg, K_cache, kT, b, g, j, j0, w):
-    """_Config.k_plain: K^T of the whole slot [j0, j0 + w) of batches j and j + 1 (sequences b, b + 1; adjacent
-    one-batch stacks of a full-width slot) in one 4-D dma_transpose: [1, 2, w, d] -> [d, 2, w, 1], SBUF runs of
-    2w positions (8 KiB at w = 2048: DMA efficiency 0.87 instead of 0.85 for one batch's slot)."""
-    nisa.dma_transpose(dst=kT[:, j:j + 2, :w].expand_dim(3), src=K_cache[b:b + 2, g, j0:j0 + w, :].expand_dim(0))
+def _load_k_pair(cfg, K_cache, kT, b, g, j, j0, w, lane=0):
+    """_Config.k_plain: K^T of the whole slot [j0, j0 + w) of batches j and j + kpp (sequences b, b + kpp: the same
+    partitions of adjacent stacks of a full-width slot; kpp = 2: partition block (j + lane) % 2, see
+    kv_io._load_piece) in one 4-D dma_transpose: [1, 2, w, d] -> [d, 2, w, 1], SBUF runs of 2w positions (8 KiB
+    at w = 2048 bf16, 4 KiB at d = 64: DMA efficiency 0.87 / 0.85 instead of 0.85 / 0.80... for one batch's slot)."""
+    kpp, kd = cfg.kpp, cfg.kd
+    u0, jj = ((j + lane) % kpp) * kd, j // kpp
+    nisa.dma_transpose(dst=kT[u0:u0 + kd, jj:jj + 2, :w].expand_dim(3),
+                       src=K_cache[b:b + kpp + 1:kpp, g, j0:j0 + w, :].expand_dim(0))
 
 
 def _ring_mode(st, ring, buf, p0, j0, w):
@@ -632,21 +637,22 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                     _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, j0, w, lane)
                     continue
                 pieces = _load_pieces(cfg, j0, w)
-                kw = None if rot and _rot_batch(j) and not cfg.k_plain else _whole_k(cfg, j0, w)
+                kw = None if rot and _rot_batch(cfg, j) and not cfg.k_plain else _whole_k(cfg, j0, w)
                 for k, (a, size) in enumerate(pieces):    # a sequence's loads stop at its length
                     _run(st.load_gates[(a, size)][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v,
-                         lane=lane, r=rot and _rot_batch(j), pt="v" if kw is not None and k >= kw else "kv":
+                         lane=lane, r=rot and _rot_batch(cfg, j), pt="v" if kw is not None and k >= kw else "kv":
                          _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane, r, pt))
                 if kw is not None:     # K^T: the first piece alone, or the whole slot (planning._whole_k)
                     f, nf = st.load_gates[pieces[kw + 1]], st.load_gates.get(("k2n", j0))
                     if j == 0 and nf is not None:    # 1 - f (ragged._load_gates), registered at the slot's loads
                         nf = st.load_gates[("k2n", j0)] = _registers(*nf)
-                    paired = nf is not None and j ^ 1 < len(nf)     # batches 2i, 2i + 1 (ragged._load_gates)
-                    if paired and j % 2 == 0:    # both sequences need the whole slot: one transpose
-                        _run(f[j], lambda _i, b=b, j=j, j0=j0, w=w, kg=kg, f=f: _run(
-                            f[j + 1], lambda _i2: _load_k_pair(cfg, K_cache, kg, b, g, j, j0, w)))
+                    pj = j ^ cfg.kpp     # the partner: the same partitions of the adjacent stack (ragged._load_gates)
+                    paired = nf is not None and pj < len(nf)
+                    if paired and j & cfg.kpp == 0:    # both sequences need the whole slot: one transpose
+                        _run(f[j], lambda _i, b=b, j=j, j0=j0, w=w, kg=kg, f=f, pj=pj, lane=lane: _run(
+                            f[pj], lambda _i2: _load_k_pair(cfg, K_cache, kg, b, g, j, j0, w, lane)))
                     for a, size, gt, g2 in ((j0, pieces[kw][1], st.load_gates[("k1", j0)][j], None),
-                                            (j0, w, f[j], nf[j ^ 1] if paired else None)):
+                                            (j0, w, f[j], nf[pj] if paired else None)):
                         _run(gt, lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v, lane=lane, g2=g2: _run(
                             g2, lambda _i2: _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane,
                                                         False, "k")))
@@ -765,7 +771,7 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0):
                 i0 = step.pos0 - j0
                 qa, qb = c0 // inner, c1 // inner
                 parts = [(qa, qb, qa)]
-                if k_rot and _rot_batch(jj):     # (kpp = 1: stack jj is batch jj) plain block (q + 64) % 128
+                if k_rot and _rot_batch(cfg, jj * cfg.kpp):     # a rotated stack: plain block (q + 64) % 128
                     half = P_MAX // 2
                     parts = [(q0, q1, (q0 + half) % P_MAX) for q0, q1 in ((qa, min(qb, half)), (max(qa, half), qb))
                              if q0 < q1]

@@ -7,7 +7,7 @@ import nki.language as nl
 
 from .config import P_MAX
 from .kv_io import _start_rows
-from .planning import _slot_split
+from .planning import _rot_batch, _slot_split
 
 
 class _ValidRange(nl.NKIObject):
@@ -301,17 +301,18 @@ def _slot_gates(cfg, vr, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=None)
 
 
 def _v_positions_rot(cfg, st, w):
-    """fp32 [128, pack, blocks]: _v_positions per batch of a pack, the odd batches' rotated (_v_rotated), built
-    once per slot width."""
+    """fp32 [128, pack, blocks]: _v_positions per batch of a pack, the rotated batches' rotated (_v_rotated,
+    planning._rot_batch), built once per slot width."""
     n, rem = w // P_MAX, w % P_MAX
     key = ("vrot", n, rem)
     if key not in st.ramps:
         t = nl.ndarray((P_MAX, cfg.pack, n + 1), dtype=nl.float32, buffer=nl.sbuf)
         nblk = n + (1 if rem else 0)
-        for j1 in range(min(2, cfg.pack)):
-            cnt = (cfg.pack - j1 + 1) // 2
-            nisa.tensor_copy(dst=t[:, j1:j1 + 2 * (cnt - 1) + 1:2, :nblk],
-                             src=_v_positions(cfg, st, w, j1 == 1)[:, :nblk].expand_dim(1).broadcast(1, cnt),
+        per = 2 * cfg.rot_unit      # the rotation's period in batches
+        for j1 in range(min(per, cfg.pack)):
+            cnt = (cfg.pack - j1 + per - 1) // per
+            vp = _v_positions(cfg, st, w, _rot_batch(cfg, j1))[:, :nblk]
+            nisa.tensor_copy(dst=t[:, j1:j1 + per * (cnt - 1) + 1:per, :nblk], src=vp.expand_dim(1).broadcast(1, cnt),
                              engine=nisa.engine.gpsimd)
         st.ramps[key] = t
     return st.ramps[key]

@@ -249,9 +249,11 @@ def _v_rotated(cfg, j0, w):
     return cfg.v_rot and len({a for a, _ in _load_pieces(cfg, j0, w)}) > 1
 
 
-def _rot_batch(j):
-    """Batch j of a pack is rotated in the slots _v_rotated selects iff j is odd."""
-    return j % 2 == 1
+def _rot_batch(cfg, j):
+    """Batch j of a pack is rotated in the slots _v_rotated selects iff j is odd, or with _Config.k_plain on 2-batch
+    stacks iff its stack is odd (cfg.rot_unit batches per unit: a stack's batches share its score matmuls, which
+    read a rotated stack's plain K^T rotated)."""
+    return (j // cfg.rot_unit) % 2 == 1
 
 
 def _v_parts(pa, pb, rot):

@@ -186,12 +186,13 @@ def _load_gates(cfg, st, slots, nb):
                            engine=eng)
         for k, pc in enumerate(pieces):
             vr.load_regs[pc] = _registers((df if thr[k][1] else fi)[:, k, :], nb)
-        k0, npr, nf = 0, nb // 2 if cfg.k_plain else 0, None
+        # k_plain pairs: batch j and j ^ kpp (registers of 1 - f for batches 0 .. npr - 1)
+        k0, npr, nf = 0, (2 * (nb // 2) if cfg.kpp == 1 else nb) if cfg.k_plain and nb > cfg.kpp else 0, None
         for j0, w in slots:     # unrotated (k_plain: all) batches: K^T of the first piece alone (planning._whole_k)
             kw = _whole_k(cfg, j0, w)
             if kw is not None:
                 vr.load_regs[("k1", j0)] = tuple(
-                    None if _rot_batch(j) and not cfg.k_plain else _registers(df[:, k0 + kw, j:j + 1], 1)[0]
+                    None if _rot_batch(cfg, j) and not cfg.k_plain else _registers(df[:, k0 + kw, j:j + 1], 1)[0]
                     for j in range(nb))
             if kw is not None and npr and w == cfg.fa_tile:
                 # k_plain, whole slots: batches 2i, 2i + 1 both needing the whole slot's K^T (f = 1: the gate of
@@ -203,7 +204,7 @@ def _load_gates(cfg, st, slots, nb):
                                        op1=nl.add, operand1=1.0, engine=nisa.engine.vector)
                 # registered at the slot's loads (28 more register loads at each pack's start, ahead of its first
                 # loads, cost the ragged B=16 row 3.6 us)
-                vr.load_regs[("k2n", j0)] = (nf[:, k0 + kw + 1, :], 2 * npr)
+                vr.load_regs[("k2n", j0)] = (nf[:, k0 + kw + 1, :], npr)
             k0 += len(_load_pieces(cfg, j0, w))
         ik, iv = _flag_ints(cfg, inside, ns, nb)
         for k, (j0, _w) in enumerate(slots):

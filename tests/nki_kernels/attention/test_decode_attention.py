@@ -752,6 +752,31 @@ def test_ragged_k_pairs_with_nan_tails():
     assert pair, "no K^T pair transpose"
 
 
+def test_ragged_gptoss_k_plain_pairs_with_nan_tails():
+    """GPT-OSS (two batches per K^T stack, d = 64) ragged scans of >= KW_PACKS packs on trn2: the rotation is by
+    stack (batches 2, 3 of every 4: _Config.rot_unit), every batch's K^T is loaded plain (the rotated stacks' score
+    matmuls read it rotated: _Config.k_plain) and batches j, j + 2 (the same partitions of adjacent stacks) both
+    needing a slot's whole K^T load it in one transpose (flash._load_k_pair). Packs of 7 (an unpaired batch, a
+    one-batch last stack on the swapped lane), sequences ending in both pieces of rotated and unrotated slots while
+    their partner goes on; NaN past every length: finite, equal to the reference and bit-identical to a clean cache.
+    Modelled: some transposes move a pair's two whole slots."""
+    import nkisim
+
+    ctx = 8192
+    lens = (6500, 7100, 900, 5000, 3000, 2100, 8190, 4500, 1500, 3500, 2000, 7800, 1100, 6100, 4096, 2600, 5500,
+            300, 8000, 3900, 1700, 7300, 5100, 2300, 6900, 4700, 1200, 7700)     # 4 packs of 7
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=83, **GPT_OSS_20B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.k_plain and cfg.kpp == 2 and cfg.rot_unit == 2,
+                           "k_plain is off: the case tests no d = 64 plain K^T")
+    _, rep = nkisim.profile(decode_attention_nki, *clean, target="trn2", **kw)
+    w, d = 2048, GPT_OSS_20B_TP8["d"]
+    pair = [e for e in rep.events if e.op == "dma_transpose" and e.cost.dma_bytes == 2 * w * d * 2]
+    assert pair, "no K^T pair transpose"
+
+
 @pytest.mark.parametrize("S,ctx,lens", [
     # odd pack: the last stack's one batch (4700) on partitions 64..127 in the swapped buffers; 1100 / 1500 end in
     # the swapped 1024-position slot, 4500 / 5800 in either piece of the swapped 2048-position one, their stack
