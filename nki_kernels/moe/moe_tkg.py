@@ -606,10 +606,11 @@ class _Ring(nl.NKIObject):
             self.ps_gu = tuple(nl.ndarray((P_MAX, cfg.n_acc + 1, GS), dtype=nl.float32, buffer=nl.psum)
                                for _ in range(cfg.n_gu))
         self.act = tuple(nl.ndarray((P_MAX, MT, GS), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(2))
-        self.tmp = tuple(tuple(nl.ndarray((P_MAX, GS), dtype=nl.float32, buffer=nl.sbuf) for _ in range(5))
+        self.tmp = tuple(tuple(nl.ndarray((P_MAX, max(GS, MT)), dtype=nl.float32, buffer=nl.sbuf) for _ in range(5))
                          for _ in range(2))
         self.n = 0      # experts issued so far (ring position)
         self.par = None     # tile_off's parity when set (the LNC=2 T=1 H split: the slot's, both cores agree)
+        self.spread = None  # _Spread: the partial I tile's down rows spread over the DMA engines (T = 1, LNC 1)
 
     def bias_row(self, b):
         """Slot b's gate/up bias row [1, 2I] (the DMA destination)."""
@@ -619,6 +620,8 @@ class _Ring(nl.NKIObject):
         """First partition of I tile m for the expert now issued. A partial tile of <= 64 rows sits at partition 64
         on every other expert: a DMA engine serves 8 partitions, so a tile at partition 0 always loads through the
         low engines (GPT-OSS-120B TP16: 52 rows, engines 0-6); alternating spreads the down rows over the 16."""
+        if self.spread is not None:     # _Spread: a partial tile ends at partition 127 (all 128 rows written)
+            return P_MAX - pt.rows[m]
         par = self.n % 2 if self.par is None else self.par
         if m > 0 and pt.rows[m] <= HALF_P and par == 1:
             return HALF_P
@@ -672,10 +675,16 @@ def _load_down_step(cfg, pt, ring, b, e, w_down, h0=0, hw=None, dst=None, tiles=
     inter, H, c0 = cfg.inter, cfg.H, pt.col0
     hw = H if hw is None else hw
     dst = ring.wd[b] if dst is None else dst
+    if ring.spread is not None and ring.spread.pair(ring.n) and dst is ring.wd[b]:     # every row at once
+        ring.spread.load(cfg, pt, ring, b, e, w_down, last_cols or ((0, hw),), h0)
+        return
     order = list(range(pt.MT) if tiles is None else tiles)
     for m in order:
         rows, o = pt.rows[m], ring.tile_off(pt, m)
         cols = last_cols if m == order[-1] and last_cols is not None else ((0, hw),)
+        if ring.spread is not None and m == ring.spread.m and dst is ring.wd[b]:
+            ring.spread.load(cfg, pt, ring, b, e, w_down, cols, h0)
+            continue
         for a, z in cols:
             src = _expert_src(w_down, e, [[H, rows], [1, z - a]], (c0 + m * I_TILE) * H + h0 + a, inter * H)
             nisa.dma_copy(dst=dst[o:o + rows, m, a:z], src=src)
@@ -768,6 +777,24 @@ def _activation_step(cfg, pt, ring, ps, act=None):
     T, MT = cfg.T, pt.MT
     act = ring.act[ring.n % 2] if act is None else act
     g, sg, glu, u, _ = ring.tmp[ring.n % 2]
+    if ring.spread is not None:
+        # T = 1 with every I tile on all 128 partitions (_Spread): one pass over the MT tiles (the tiles' columns)
+        aff = ps[:, cfg.n_acc, 0:1]
+        gate, up = ps[:, 0:MT, 0], ps[:, MT:2 * MT, 0]
+        gs, sgs, glus, us = (x[:, 0:MT] for x in (g, sg, glu, u))
+        if cfg.activation == "clamped_swiglu":
+            nisa.tensor_scalar(dst=gs, data=gate, op0=nl.minimum, operand0=GPT_OSS_SWIGLU_LIMIT)
+            nisa.activation(dst=sgs, op=nl.sigmoid, data=gs, scale=GPT_OSS_SWIGLU_ALPHA)
+            nisa.tensor_tensor(dst=glus, data1=gs, data2=sgs, op=nl.multiply, engine=nisa.engine.gpsimd)
+            nisa.tensor_scalar(dst=us, data=up, op0=nl.maximum, operand0=-GPT_OSS_SWIGLU_LIMIT,
+                               op1=nl.minimum, operand1=GPT_OSS_SWIGLU_LIMIT)
+            nisa.tensor_scalar(dst=us, data=us, op0=nl.add, operand0=1.0, op1=nl.multiply, operand1=aff)
+            nisa.tensor_tensor(dst=act[:, 0:MT, 0], data1=us, data2=glus, op=nl.multiply)
+        else:
+            nisa.activation(dst=sgs, op=nl.silu, data=gate)
+            nisa.tensor_tensor(dst=us, data1=sgs, data2=up, op=nl.multiply)
+            nisa.tensor_scalar(dst=act[:, 0:MT, 0], data=us, op0=nl.multiply, operand0=aff)
+        return act
     for m in range(MT):
         o = ring.tile_off(pt, m)
         r = slice(o, o + pt.rows[m])
@@ -801,12 +828,13 @@ def _down_step(cfg, pt, ring, b, act, acc, tiles=None):
         if cfg.ncores > 1:      # the other core's kt half first: its eviction and send start before our half ends
             half = cfg.KT // 2
             kts = kts[half:] + kts[:half] if cfg.core == 0 else kts
-        for m in (range(pt.MT) if tiles is None else tiles):
-            o = ring.tile_off(pt, m)
-            r = slice(o, o + pt.rows[m])
-            for kt in kts:
-                nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_hb_cols(ring.wd[b][r, m, :], kt, cfg.hblocks),
-                               moving=act[r, m, :T], accumulate=True)
+        sp = ring.spread
+        for m in ([None] if sp is not None and sp.pair(ring.n) and tiles is None else range(pt.MT) if tiles is None
+                  else tiles):
+            for w, mv in _down_operands(cfg, pt, ring, b, act, m):
+                for kt in kts:
+                    nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_hb_cols(w, kt, cfg.hblocks), moving=mv,
+                                   accumulate=True)
         return
     if acc.psum:
         for m in range(pt.MT):
@@ -825,6 +853,20 @@ def _down_step(cfg, pt, ring, b, act, acc, tiles=None):
             nisa.nc_matmul(dst=pd[:T, :cw], stationary=act[r, m, :T], moving=ring.wd[b][r, m, c0:c0 + cw],
                            accumulate=m > 0)
         nisa.tensor_tensor(dst=acc.sb[:T, c0:c0 + cw], data1=pd[:T, :cw], data2=acc.sb[:T, c0:c0 + cw], op=nl.add)
+
+
+def _down_operands(cfg, pt, ring, b, act, m):
+    """(down rows [K, H], act^T [K, T]) pairs contracting I tile m of slot b (outT layout); with a _Spread: its
+    partial tile over all 128 partitions against the permuted act^T, or (pair mode, m = None: all tiles) the two
+    rows of every partition against the two permuted act^T columns."""
+    sp, T = ring.spread, cfg.T
+    if sp is not None and sp.pair(ring.n):
+        return [(ring.wd[b][:, h, :], sp.act[ring.n % 2][:, h:h + 1]) for h in range(2)]
+    if sp is not None and m == sp.m:
+        return [(ring.wd[b][:, m, :], sp.act[ring.n % 2][:, 0:T])]
+    o = ring.tile_off(pt, m)
+    r = slice(o, o + pt.rows[m])
+    return [(ring.wd[b][r, m, :], act[r, m, :T])]
 
 
 def _expert_step(cfg, consts, ring, e, aff_col, hT, acc, w_gate_up, w_down, b_gate_up, last=False, pt=None):
@@ -852,7 +894,10 @@ def _expert_front_step(cfg, consts, ring, aff_col, hT, b_gate_up, pt=None):
         ps = _gate_up_tok_step(cfg, pt, consts, ring, b, hT, b_gate_up is not None)
         return _activation_tok_step(cfg, pt, ring, ps, aff_col)
     ps = _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, b_gate_up is not None)
-    return _activation_step(cfg, pt, ring, ps)
+    act = _activation_step(cfg, pt, ring, ps)
+    if ring.spread is not None:
+        ring.spread.permute(ring, act)
+    return act
 
 
 def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate_up, b_down, out):
@@ -870,18 +915,31 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
     # register load between nc_find_index8 and the first weight DMA
     regs = [idx[0:1, s:s + 1] for s in slots]
     n = len(slots)
-    blk = None
-    if b_down is not None and n >= 2 and n == cfg.k and _BiasBlock.fits(n):
-        blk = _BiasBlock(cfg, consts, aff, n, cfg.H, cfg.KT)
-    tail = cfg.ncores == 1 and n >= 2 and (blk is not None or b_down is None)
+    has_blk = b_down is not None and n >= 2 and n == cfg.k and _BiasBlock.fits(n)
+    tail = cfg.ncores == 1 and n >= 2 and (has_blk or b_down is None)
+    pt = cfg.part
+    if tail and pt.MT >= 2 and pt.rows[pt.MT - 1] < I_TILE:
+        ring.par = 0
+        # engine 15 (partitions 120-127) also carries the bias block's 2n rows and the n gate/up bias rows (in
+        # down-row units: their bytes over a row's)
+        extra = (2 * n if has_blk else 0) + (n * 2 * cfg.inter / cfg.H if b_gate_up is not None else 0)
+        ring.spread = _Spread(cfg, consts, ring, pt, n, extra)
+    blk = _BiasBlock(cfg, consts, aff, n, cfg.H, cfg.KT) if has_blk else None
     if tail:    # out^T in kt blocks: the last tile's rows load per block, each block is stored when complete
         cfg.hblocks = _tail_blocks(cfg.KT)
         if blk is not None:
             blk.blocks = cfg.hblocks
     acc = _init_acc_step(cfg, consts, None, None, False)
+    # with a tail and experts before the last two, the bias rows load after the first expert's weights (their DMA
+    # engine, partitions 120-127, is then ahead of the others) and are contracted while TensorE waits for the next
+    # expert: their KT matmuls no longer sit in the last expert's chain
+    early_blk = tail and blk is not None and n > 2
     for j, s in enumerate(slots[:n - 2] if n >= 2 else slots):
         _expert_step(cfg, consts, ring, regs[j], aff[0:1, s:s + 1], hT, acc, w_gate_up, w_down, b_gate_up,
                      last=j == n - 1)
+        if early_blk and j == 0:
+            blk.load(cfg, regs, b_down, 0)
+            blk.add(lambda kt: acc.col(cfg, kt))
     if n >= 2:
         # the last two: both gate/up loads before both down loads, so the last expert's gate/up and activation
         # run under the down rows' stream and only its down matmuls follow the last weight byte
@@ -893,11 +951,12 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
                 nisa.dma_copy(dst=ring.bias_row(b), src=_expert_src(b_gate_up, regs[j], [[I2, 1], [1, I2]], 0, I2))
             _load_gate_up_step(cfg, pt, ring, b, regs[j], w_gate_up, halves=GU_PIECES_LAST if j == n - 1 else 1)
         if tail:
-            if blk is not None:
+            if blk is not None and not early_blk:
                 blk.load(cfg, regs, b_down, 0)
             _last_two_tail(cfg, consts, ring, base, regs[n - 2:], [aff[0:1, s:s + 1] for s in slots[n - 2:]], hT,
-                           acc, w_down, b_gate_up, out, blk)
+                           acc, w_down, b_gate_up, out, None if early_blk else blk)
             cfg.hblocks = ((0, cfg.KT),)
+            ring.spread, ring.par = None, None
             return
         if blk is not None:
             blk.load(cfg, regs, b_down, 0)
@@ -957,17 +1016,155 @@ def _last_two_tail(cfg, consts, ring, base, regs, aff_cols, hT, acc, w_down, b_g
     j, m = order[-1]
     ring.n = base + j
     b = ring.n % cfg.nbuf
-    o = ring.tile_off(pt, m)
-    r = slice(o, o + pt.rows[m])
+    ops = _down_operands(cfg, pt, ring, b, acts[j], m)
     o_sb = nl.ndarray((P_MAX, KT), dtype=out.dtype, buffer=nl.sbuf)
     for k0, g in cfg.hblocks:
         for kt in range(k0, k0 + g):
-            nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_hb_cols(ring.wd[b][r, m, :], kt, cfg.hblocks),
-                           moving=acts[j][r, m, 0:1], accumulate=True)
+            for w, mv in ops:
+                nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_hb_cols(w, kt, cfg.hblocks), moving=mv,
+                               accumulate=True)
         i, c = k0 // cfg.kt_bank, k0 % cfg.kt_bank
         nisa.tensor_copy(dst=o_sb[:, k0:k0 + g], src=acc.banks[i][:, c:c + g, 0])
         nisa.dma_copy(dst=out.ap([[g, P_MAX], [1, g]], offset=P_MAX * k0), src=o_sb[:, k0:k0 + g])
     ring.n = base + 2
+
+
+def _spread_counts(R, g0, G, rot):
+    """Rows per DMA engine of a _Spread layout (g0, G, rot): row r on engine g0 + (r + rot) % G."""
+    c = [0] * (P_MAX // 8)
+    for q in range(rot, rot + R):
+        c[g0 + q % G] += 1
+    return c
+
+
+class _Spread(nl.NKIObject):
+    """T = 1, LNC 1: an expert's down rows spread over the 16 DMA engines (a DMA engine serves 8 partitions: the
+    52-row partial I tile of GPT-OSS-120B TP16 at partition 0 loads through engines 0-6 only). Per ring position j:
+    - pair mode (2 I tiles, I even, I / 2 <= 128; the experts before the last two): every partition holds two
+      consecutive I rows (one 2H-element run in HBM: 12 KiB at H 3072, DMA efficiency ~0.98 instead of ~0.96 for
+      6 KiB rows), R = I / 2 units. Not for the last two: their down matmuls could then only start once all rows
+      of an expert landed (TensorE, not the stream, would end the kernel);
+    - else the partial tile m = MT - 1 (R < 128 rows), one row per partition (the full tiles as they are).
+    Layout (g0, G, rot): unit u (q = u + rot) on partition 8 (g0 + q % G) + q // G, one DMA per engine (its units
+    are every G-th: G units apart in HBM), chosen at trace time, expert by expert, to even the rows per engine (the
+    bias block's and the gate/up bias rows on engine 15 counted). Gate/up and the activation are unchanged but for
+    the partial tile's place (partitions 128 - rows .. 127: every group writes all 128 partitions, one activation
+    pass over the tiles); act^T is moved to the layout's partitions by matmuls against 0/1 matrices (exact: bf16
+    values x 1 into fp32, rounded back to bf16 unchanged) and the down matmuls contract all 128 partitions (pair
+    mode: rows h = 0, 1 of every partition against permuted column h): act^T is 0 on the partitions outside the
+    layout, whose weight rows are zero (the slots' tiles are memset once) or an earlier expert's (finite)."""
+
+    def __init__(self, cfg, consts, ring, pt, n, extra15):
+        self.m = pt.MT - 1
+        pairs_ok = pt.MT == 2 and pt.inter % 2 == 0
+        self.pairs = tuple(pairs_ok and j < n - 2 for j in range(n))
+        self.tile_rows = pt.rows
+        ne = P_MAX // 8
+        loads = [0] * ne
+        loads[ne - 1] += extra15
+        self.lay = []
+        for j in range(n):
+            R = self.units(pt, j)
+            best = None
+            for g0, G in ((0, ne), (0, ne - 1), (1, ne - 1)):
+                for rot in range(G):
+                    if rot + R > 8 * G:
+                        continue
+                    c = _spread_counts(R, g0, G, rot)
+                    new = [a + (2 * x if self.pairs[j] else x) for a, x in zip(loads, c)]
+                    key = (max(new), sorted(new, reverse=True))
+                    if best is None or key < best[0]:
+                        best = (key, (g0, G, rot), new)
+            self.lay.append(best[1])
+            loads = best[2]
+        gp = nisa.engine.gpsimd
+        # zeros (as fp32 words: half the elements to write) on every partition a layout may leave out
+        for b in range(cfg.nbuf):
+            js = [j for j in range(n) if j % cfg.nbuf == b]
+            if js:
+                zt = ring.wd[b] if any(self.pairs[j] for j in js) else ring.wd[b][:, self.m, :]
+                nisa.memset(dst=zt.view(nl.float32), value=0.0, engine=gp)
+        # I tile t sits on partitions [o_t, 128) (o_t = 128 - rows: every tile's gate/up group writes all 128
+        # partitions, ring.tile_off), partition r holding I row 128 t - o_t + r. pm[j, i, h][r, 8 (g0 + gg) + i'] = 1
+        # iff r >= o_t and that row is 2 (G i' + gg - rot) + h (pair mode, tile t = i; else row G i' + gg - rot of
+        # tile m): built from z_o = [0 | 0 | identity masked to partitions >= o | 0], one strided copy per (j, i)
+        zs = {}
+        for t in (range(2) if pairs_ok else (self.m,)):
+            o = P_MAX - pt.rows[t]
+            if o in zs:
+                continue
+            z = nl.ndarray((P_MAX, 4 * P_MAX), dtype=cfg.dtype, buffer=nl.sbuf)
+            nisa.memset(dst=z.view(nl.float32), value=0.0, engine=gp)
+            if o == 0:
+                nisa.tensor_copy(dst=z[:, 2 * P_MAX:3 * P_MAX], src=consts.ident, engine=gp)
+            else:
+                keep = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=keep, data=consts.part_idx, op0=nl.greater_equal, operand0=float(o))
+                nisa.tensor_scalar(dst=z[:, 2 * P_MAX:3 * P_MAX], data=consts.ident, op0=nl.multiply,
+                                   operand0=keep)
+            zs[o] = z
+        nt = 2 if pairs_ok else 1
+        self.pm = nl.ndarray((P_MAX, n, nt, nt, P_MAX), dtype=cfg.dtype, buffer=nl.sbuf)
+        row = n * nt * nt * P_MAX
+        for j, (g0, G, rot) in enumerate(self.lay):
+            for i, t in enumerate(range(2) if self.pairs[j] else (self.m,)):
+                o = P_MAX - pt.rows[t]
+                if self.pairs[j]:
+                    dst = self.pm.ap([[row, P_MAX], [P_MAX, 2], [1, 8], [8, G]],
+                                     offset=(j * nt + i) * nt * P_MAX + 8 * g0)
+                    src = zs[o].ap([[4 * P_MAX, P_MAX], [1, 2], [2 * G, 8], [2, G]],
+                                   offset=2 * P_MAX - 2 * rot - P_MAX * t + o)
+                else:
+                    dst = self.pm.ap([[row, P_MAX], [1, 8], [8, G]], offset=j * nt * nt * P_MAX + 8 * g0)
+                    src = zs[o].ap([[4 * P_MAX, P_MAX], [G, 8], [1, G]], offset=2 * P_MAX - rot + o)
+                nisa.tensor_copy(dst=dst, src=src, engine=gp)
+            sets = nt * nt if self.pairs[j] else 1
+            for g in [g for g in range(ne) if not g0 <= g < g0 + G]:
+                nisa.memset(dst=self.pm.ap([[row, P_MAX], [P_MAX, sets], [1, 8]], offset=j * nt * nt * P_MAX + 8 * g),
+                            value=0.0, engine=gp)
+        self.ps = nl.ndarray((P_MAX, 2, 2), dtype=nl.float32, buffer=nl.psum)
+        self.act = tuple(nl.ndarray((P_MAX, 2), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(2))
+
+    def pair(self, j):
+        return self.pairs[j]
+
+    def units(self, pt, j):
+        return pt.inter // 2 if self.pairs[j] else pt.rows[self.m]
+
+    def load(self, cfg, pt, ring, b, e, w_down, cols, h0):
+        """Expert e's rows (pair mode: all; else tile m) into slot b in the layout of ring position ring.n: one
+        DMA per engine, column range and (pair mode, not whole rows) row h."""
+        j = ring.n
+        g0, G, rot = self.lay[j]
+        H, R, pm = cfg.H, self.units(pt, j), self.pairs[j]
+        k = 2 if pm else 1
+        row0 = pt.col0 + (0 if pm else self.m * I_TILE)
+        m0 = 0 if pm else self.m
+        for gg in range(G):
+            r0 = (gg - rot) % G
+            if r0 >= R:
+                continue
+            c = (R - 1 - r0) // G + 1
+            p0 = 8 * (g0 + gg) + (r0 + rot) // G
+            for a, z in cols:
+                # a column range of both rows of a partition in one DMA only when whole (two disjoint ranges would
+                # order it after every DMA writing the columns between them)
+                groups = [(0, 1)] if not pm else [(0, 2)] if z - a == H else [(0, 1), (1, 1)]
+                for h, kk in groups:
+                    src = _expert_src(w_down, e, [[G * k * H, c], [H, kk], [1, z - a]],
+                                      (row0 + k * r0 + h) * H + h0 + a, cfg.inter * H)
+                    nisa.dma_copy(dst=ring.wd[b][p0:p0 + c, m0 + h:m0 + h + kk, a:z], src=src)
+
+    def permute(self, ring, act):
+        """act^T onto the layout's partitions (zeros elsewhere): pair mode column h = rows 2 u + h."""
+        j, q = ring.n % 2, ring.n
+        nt = 2 if self.pairs[q] else 1
+        tiles = range(2) if self.pairs[q] else (self.m,)
+        for h in range(nt):
+            for i, t in enumerate(tiles):
+                nisa.nc_matmul(dst=self.ps[:, j, h:h + 1], stationary=self.pm[:, q, i, h, :],
+                               moving=act[:, t, 0:1], accumulate=i > 0)
+        nisa.tensor_copy(dst=self.act[j][:, 0:nt], src=self.ps[:, j, 0:nt])
 
 
 class _BiasBlock(nl.NKIObject):

@@ -138,6 +138,18 @@ def test_one_token_variants(over, lnc):
     run_and_check(1, SMALL, "selective", lnc=lnc, **over)
 
 
+@pytest.mark.parametrize("shape,over", [
+    (dict(SMALL, top_k=3), {}),                                                    # one pair-mode expert
+    (dict(SMALL, top_k=6, inter=180), dict(activation="swiglu")),                  # four, I = 128 + 52
+    (dict(SMALL, top_k=5, inter=170), dict(gamma=None, b_gate_up=None, b_down=None, b_router=None)),
+    (dict(SMALL, top_k=4, inter=259), {}),                                         # I odd, 3 tiles: no pairs
+])
+def test_one_token_spread_rows(shape, over):
+    """T = 1, LNC 1 (_Spread): the partial I tile's down rows (and, before the last two experts, every expert's
+    rows in pairs per partition) spread over the DMA engines, act^T permuted onto them by 0/1 matmuls."""
+    run_and_check(1, shape, "selective", lnc=1, **over)
+
+
 @pytest.mark.parametrize("mode,lnc,over", [("all", 1, {}), ("selective", 2, dict(activation="swiglu"))])
 def test_large_T_token_layout(mode, lnc, over):
     """Large T with 2I <= 512: gate/up with the tokens stationary, activation with the tokens on the partitions,
