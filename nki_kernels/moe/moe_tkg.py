@@ -43,6 +43,9 @@ SBUF_RESERVE = 48 * 1024   # bytes per partition kept for everything but the wei
 TOPK_PSUM_MAX_TOKENS = 8   # LNC 1: up to this T, max8 / nc_find_index8 read the logits in PSUM (see _route_step)
 BGU_Q0, BGU_ROW = 96, 120     # gate/up bias rows: partition 120 in a K = 32 block [96, 128) (see _Ring)
 GU_PIECES_LAST = 2     # T = 1: the last expert's gate/up in this many kt pieces (its matmuls start on the first)
+WR_SWAP_MAX_TOKENS = 8     # LNC 2: up to this T the cores swap their W_r halves instead of partial logits (_wr_swap)
+WR_SWAP_MAX_ROW = 256      # ... when W_r's bytes per kt row are below this (E < 128 in bf16: the load is short)
+WR_SWAP_PIECES = 3         # ... in this many pieces at T = 1 (each sent as soon as it lands), one above
 
 
 def tkg_argument_error(x_shape, w_router_shape, w_gate_up_shape, w_down_shape, *, top_k, b_router_shape=None,
@@ -352,11 +355,75 @@ def _rmsnorm_step(cfg, consts, xT, gamma):
     return hT, rstd
 
 
+def _wr_swap(cfg):
+    """LNC=2, small T: each core loads its half of W_r and SENDS it to the other (sendrecv, piece by piece as they
+    land) instead of exchanging partial logits: the exchange's start latency then runs from the W_r landing, in
+    parallel with the x load and the RMSNorm, not after the logits. HBM still reads every W_r byte once."""
+    return cfg.ncores > 1 and cfg.KT >= 2 and cfg.KT % 2 == 0 and cfg.T <= WR_SWAP_MAX_TOKENS and not cfg.mx and \
+        cfg.E * 2 < WR_SWAP_MAX_ROW
+
+
+def _swap_pieces(n, T):
+    """kt counts of the swapped W_r pieces. T = 1 (the routing paces the first weight DMA): equal pieces, each one's
+    matmuls follow its arrival (3 of 4 kt at GPT-OSS-20B: 0.03-0.2 us faster, modelled, than 1, 2, 4, 6 or
+    decreasing pieces). T > 1: one piece (T = 4 trn2: 3 pieces were 0.1 % slower than the logits exchange)."""
+    p = max(1, min(WR_SWAP_PIECES if T == 1 else 1, n))
+    return [(i + 1) * n // p - i * n // p for i in range(p)]
+
+
+def _load_router_swap_step(cfg, w_router, b_router):
+    """_wr_swap: this core's W_r half [128, KH, E] (H row p * KT + kt, kt in [c KH, (c + 1) KH)) in pieces, issued
+    before x (the swap waits for them); b_r on both cores (E elements: the logits of both halves need it in the
+    same PSUM group on both cores). Returns (wr [128, KT, E], br)."""
+    KT, E = cfg.KT, cfg.E
+    KH = KT // 2
+    wr = nl.ndarray((P_MAX, KT, E), dtype=w_router.dtype, buffer=nl.sbuf)
+    src = w_router.reshape((P_MAX, KT, E))
+    a = cfg.core * KH
+    for sz in _swap_pieces(KH, cfg.T):
+        nisa.dma_copy(dst=wr[:, a:a + sz, :], src=src[:, a:a + sz, :])
+        a += sz
+    br = None
+    if b_router is not None:
+        raw = nl.ndarray((1, E), dtype=b_router.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=raw, src=b_router.reshape((1, E)))
+        br = raw
+        if b_router.dtype != nl.bfloat16:
+            br = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=br, src=raw)
+    return wr, br
+
+
+def _route_swap_step(cfg, consts, hT, wr, br, router_mode, renormalize):
+    """_wr_swap's logits: the W_r pieces swapped (sendrecv), then two PSUM groups, A = b_r + kt [0, KH) and B = kt
+    [KH, KT), each accumulated in ascending kt on both cores (this core's own group first: its rows are here);
+    the own group is copied to SBUF and the logits are own + other (fp32 a + b == b + a: the same bits, so the same
+    experts, on both cores; the same sums as the partial-logits exchange)."""
+    T, E, KT, c = cfg.T, cfg.E, cfg.KT, cfg.core
+    KH = KT // 2
+    a = 0
+    for sz in _swap_pieces(KH, cfg.T):
+        nisa.sendrecv(src=wr[:, c * KH + a:c * KH + a + sz, :], dst=wr[:, (1 - c) * KH + a:(1 - c) * KH + a + sz, :],
+                      send_to_rank=1 - c, recv_from_rank=1 - c, pipe_id=0)
+        a += sz
+    groups = [(0, KH, br), (KH, KT, None)]
+    own, oth = groups[c], groups[1 - c]
+    ps_own = logits_step(consts, hT, wr, own[2], T, E, own[0], own[1])
+    mine = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=mine[:T, :], src=ps_own[:T, :])
+    ps_oth = logits_step(consts, hT, wr, oth[2], T, E, oth[0], oth[1])
+    logits = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=logits[:T, :], data1=mine[:T, :], data2=ps_oth[:T, :], op=nl.add)
+    return topk_step(consts, logits, T, E, cfg.k, router_mode, renormalize)
+
+
 def _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize):
     """Logits [T, E] fp32 -> top-k (idx, aff tiles). LNC=2: each core contracts half of the H tiles (and loads
     only those W_r rows); the fp32 partial logits are exchanged and added (a + b == b + a: the same bits, so the
-    same experts, on both cores); the bias is in core 0's part."""
+    same experts, on both cores); the bias is in core 0's part. (Small T: _wr_swap instead.)"""
     T, E, KT = cfg.T, cfg.E, cfg.KT
+    if cfg.wr is not None:
+        return _route_swap_step(cfg, consts, hT, cfg.wr[0], cfg.wr[1], router_mode, renormalize)
     split = cfg.ncores > 1 and KT >= 2
     k0, k1 = (0, KT) if not split else ((0, KT // 2) if cfg.core == 0 else (KT // 2, KT))
     # T = 1: the routing is the critical path to the first weight DMA (its decreasing W_r pieces); larger T keeps
@@ -1260,38 +1327,67 @@ def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate
         acts[s] = act
         acts[s + (1 if c == 0 else -1)] = theirs
         ring.n += 1
-    # the out^T half in PSUM, opened with zeros
+    # the out^T half in PSUM, opened with zeros; in kt blocks (_hb_cols: h = c H/2 + 128 k0 + p g + j - k0) when
+    # the biases are a contraction block or absent: the last tile's rows then load per block and each block is
+    # evicted and stored as soon as it is complete (as LNC 1's _last_two_tail)
+    blocks = _hsplit_blocks(KH) if blk is not None or b_down is None else ((0, KH),)
+    if blk is not None:
+        blk.blocks = blocks
     acc = nl.ndarray((P_MAX, KH, cfg.GS), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=acc[:, :, :T], stationary=consts.ones_bf[0:1, :], moving=consts.zeros_bf[0:1, :KH * T],
                    accumulate=False)
     order = []
     for j in range(len(mine)):          # pairs: ours, then the other core's (its activation comes by the swap)
         order += [mine[j], mine[j] + (1 if c == 0 else -1)]
+    last_cols = tuple((P_MAX * k0, P_MAX * (k0 + g)) for k0, g in blocks) if len(blocks) > 1 else None
     for i, s in enumerate(order):
         b = (i // 2) % cfg.nbuf
         half = ring.wd[b][:, :, (i % 2) * H2:(i % 2) * H2 + H2]
         ring.par = s % 2
-        tiles = _tail_tiles(pt) if i == len(order) - 1 else None
-        _load_down_step(cfg, pt, ring, b, regs[s], w_down, h0=c * H2, hw=H2, dst=half, tiles=tiles)
-        for m in (range(MT) if tiles is None else tiles):
+        last = i == len(order) - 1
+        tiles = _tail_tiles(pt) if last else list(range(MT))
+        _load_down_step(cfg, pt, ring, b, regs[s], w_down, h0=c * H2, hw=H2, dst=half, tiles=tiles,
+                        last_cols=last_cols if last else None)
+        for m in (tiles[:-1] if last else tiles):
             o = ring.tile_off(pt, m)
             r = slice(o, o + pt.rows[m])
             for jj in range(KH):
-                nisa.nc_matmul(dst=acc[:, jj, :T], stationary=_h_cols(half[r, m, :], jj, KH),
+                nisa.nc_matmul(dst=acc[:, jj, :T], stationary=_hb_cols(half[r, m, :], jj, blocks),
                                moving=acts[s][r, m, :T], accumulate=True)
         if blk is not None and i == min(1, len(order) - 1):
             blk.load(cfg, regs, b_down, c * H2)
             blk.add(lambda kt: acc[:, kt, :T])
-    ring.par = None
     bsum = None
     if blk is None:
         bsum = _slot_bias_step(cfg, consts, list(range(k)), regs, aff, b_down, KT=KH, h0=c * H2)
-    o_sb = nl.ndarray((P_MAX, cfg.GS, KH), dtype=out.dtype, buffer=nl.sbuf)
-    if bsum is None:
-        nisa.tensor_copy(dst=o_sb[:, 0, :], src=acc[:, :, 0])
-    else:
-        nisa.tensor_tensor(dst=o_sb[:, 0, :], data1=acc[:, :, 0], data2=bsum, op=nl.add)
-    nisa.dma_copy(dst=out.ap([[KH, P_MAX], [H, T], [1, KH]], offset=c * H2), src=o_sb[:, :T, :])
+    # the last tile, block by block: its matmuls, the block's eviction (+ bsum) and store
+    m = tiles[-1]
+    o = ring.tile_off(pt, m)
+    r = slice(o, o + pt.rows[m])
+    o_sb = nl.ndarray((P_MAX, KH), dtype=out.dtype, buffer=nl.sbuf)
+    for k0, g in blocks:
+        for jj in range(k0, k0 + g):
+            nisa.nc_matmul(dst=acc[:, jj, :T], stationary=_hb_cols(half[r, m, :], jj, blocks),
+                           moving=acts[s][r, m, :T], accumulate=True)
+        if bsum is None:
+            nisa.tensor_copy(dst=o_sb[:, k0:k0 + g], src=acc[:, k0:k0 + g, 0])
+        else:
+            nisa.tensor_tensor(dst=o_sb[:, k0:k0 + g], data1=acc[:, k0:k0 + g, 0], data2=bsum[:, k0:k0 + g],
+                               op=nl.add)
+        nisa.dma_copy(dst=out.ap([[g, P_MAX], [1, g]], offset=c * H2 + P_MAX * k0), src=o_sb[:, k0:k0 + g])
+    ring.par = None
+
+
+def _hsplit_blocks(KH):
+    """kt blocks of the LNC=2 H split's out^T half (see _tail_blocks), decreasing: KH - KH/4 - 1, KH/4, 1 (8 / 3 / 1
+    at KH = 12: modelled 0.01-0.07 us better than 7 / 3 / 2, 6 / 4 / 2, 9 / 2 / 1, 10 / 2)."""
+    last, mid = 1, max(1, KH // 4)
+    sizes = [KH - mid - last, mid, last] if KH - mid - last >= mid else [KH]
+    out, k0 = [], 0
+    for g in sizes:
+        out.append((k0, g))
+        k0 += g
+    return tuple(out)
 
 
 def _slot_bias_step(cfg, consts, slots, regs, aff, b_down, KT=None, h0=0):
@@ -1480,6 +1576,7 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
     aff_out = nl.ndarray((T, top_k), dtype=nl.float32, buffer=nl.shared_hbm)
 
     consts = _Consts(cfg.E, T, cfg.eps)
+    cfg.wr = _load_router_swap_step(cfg, w_router, b_router) if _wr_swap(cfg) else None
     xT = _load_x_step(cfg, x)
     ring = tkg_mx.MxRing(cfg) if mx else _Ring(cfg, consts)
     rstd = None

@@ -96,6 +96,20 @@ def test_gpt_oss_20b_tp8_lnc2(T, mode, lnc):
 MID = dict(H=1024, E=32, top_k=4, inter=360, hidden_actual=960)      # GPT-OSS-20B's experts, a narrower H
 
 
+@pytest.mark.parametrize("T,bias_dtype", [(4, torch.float32), (2, torch.bfloat16)])
+def test_router_weight_swap_lnc2(T, bias_dtype):
+    """LNC=2, T <= 8, E < 128: the cores swap their W_r halves (sendrecv) instead of their partial logits and both
+    add the two halves' logits in the same order: both must pick the reference's experts (bf16 / fp32 b_r)."""
+    args, kw = make_tkg_inputs(T=T, seed=3, **MID)
+    kw["b_router"] = kw["b_router"].to(bias_dtype)
+    out, idx, aff = moe_tkg(*args, **kw, expert_mode="selective", backend="nkisim", lnc=2)
+    ref, ridx, raff = moe_torch(*args, **kw)
+    assert torch.equal(idx.long(), ridx), "expert indices differ"
+    assert torch.allclose(aff, raff, rtol=RTOL, atol=ATOL)
+    err = (out.float() - ref).abs().max().item()
+    assert err <= ATOL + RTOL * ref.abs().max().item(), f"max err {err} vs range {ref.abs().max().item()}"
+
+
 @pytest.mark.parametrize("skew,mode,lnc,shape", [("one", "selective", 1, OSS20_TP8), ("one", "all", 2, MID),
                                                  ("hot", "selective", 2, MID)])
 def test_skewed_routing(skew, mode, lnc, shape):
