@@ -358,9 +358,11 @@ def _rmsnorm_step(cfg, consts, xT, gamma):
 def _wr_swap(cfg):
     """LNC=2, small T: each core loads its half of W_r and SENDS it to the other (sendrecv, piece by piece as they
     land) instead of exchanging partial logits: the exchange's start latency then runs from the W_r landing, in
-    parallel with the x load and the RMSNorm, not after the logits. HBM still reads every W_r byte once."""
-    return cfg.ncores > 1 and cfg.KT >= 2 and cfg.KT % 2 == 0 and cfg.T <= WR_SWAP_MAX_TOKENS and not cfg.mx and \
-        cfg.E * 2 < WR_SWAP_MAX_ROW
+    parallel with the x load and the RMSNorm, not after the logits. HBM still reads every W_r byte once. E >= 128
+    (W_r 786 KB at GPT-OSS-120B: its swap is longer than the logits' path) and MXFP4 at T > 1 keep the logits
+    exchange (modelled slower with the swap: 120B LNC 2 T = 1 trn3 +0.1 us, MXFP4 20B T = 4 / 8 +0.26 / +0.17 us)."""
+    return cfg.ncores > 1 and cfg.KT >= 2 and cfg.KT % 2 == 0 and cfg.T <= WR_SWAP_MAX_TOKENS and \
+        cfg.E * 2 < WR_SWAP_MAX_ROW and (not cfg.mx or cfg.T == 1)
 
 
 def _swap_pieces(n, T):
