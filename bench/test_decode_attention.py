@@ -90,6 +90,8 @@ TARGET_ASSERTED = {
     # since the rotated batches' K^T is loaded plain and pairs of whole slots share a transpose (modelled x1.136 /
     # x1.128)
     ("llama-3.1-8b-tp8", 16, 16384, "trn2"), ("llama-3.1-8b-tp8", 64, 16384, "trn2"),
+    # since X's rows of 17..64 tokens land on partitions 64.. (DMA engines 8..15; modelled x1.133)
+    ("llama-3.1-8b-tp8", 64, 4096, "trn2"),
 }
 
 # trn2: the whole grid; trn3: the batches its target covers (B >= 8; B = 64 left out to keep the job short)

@@ -45,9 +45,9 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale
             nisa.dma_copy(dst=x[:, :nt, :], src=X.ap([[cfg.KT, P_MAX], [cfg.H, nt], [1, cfg.KT]], offset=t0 * cfg.H))
         else:
             x = nl.ndarray((P_MAX, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
-            # d < 128, at most 64 tokens: the rows on partitions 64.. (DMA engines 8..15), as the pack tables of
-            # per-row positions occupy engines 0..7 (modelled GPT-OSS B=64 16K: rings 0..7 busy 6.6 us longer)
-            x0 = P_MAX // 2 if cfg.d < P_MAX and 2 * nt <= P_MAX else 0
+            # at most 64 tokens: the rows on partitions 64.. (DMA engines 8..15), as the pack tables of per-row
+            # positions occupy engines 0..7 (modelled GPT-OSS B=64 16K: rings 0..7 busy 6.6 us longer)
+            x0 = P_MAX // 2 if 2 * nt <= P_MAX else 0
             nisa.dma_copy(dst=x[x0:x0 + nt], src=X2[t0:t0 + nt, :])
             x = x[x0:]
         xs.append(x)
