@@ -45,6 +45,7 @@ BGU_Q0, BGU_ROW = 96, 120     # gate/up bias rows: partition 120 in a K = 32 blo
 GU_PIECES_LAST = 2     # T = 1: the last expert's gate/up in this many kt pieces (its matmuls start on the first)
 WR_SWAP_MAX_TOKENS = 8     # LNC 2: up to this T the cores swap their W_r halves instead of partial logits (_wr_swap)
 WR_SWAP_MAX_ROW = 256      # ... when W_r's bytes per kt row are below this (E < 128 in bf16: the load is short)
+HSPLIT_SPREAD = True       # LNC 2, T = 1: the H split's partial down tiles over the 16 DMA engines (_Spread)
 WR_SWAP_PIECES = 3         # ... in this many pieces at T = 1 (each sent as soon as it lands), one above
 
 
@@ -1107,7 +1108,8 @@ def _spread_counts(R, g0, G, rot):
 
 
 class _Spread(nl.NKIObject):
-    """T = 1, LNC 1: an expert's down rows spread over the 16 DMA engines (a DMA engine serves 8 partitions: the
+    """T = 1, LNC 1 (and LNC 2's H split: pairs=False, positions = the k down loads, dcol = the half's columns):
+    an expert's down rows spread over the 16 DMA engines (a DMA engine serves 8 partitions: the
     52-row partial I tile of GPT-OSS-120B TP16 at partition 0 loads through engines 0-6 only). Per ring position j:
     - pair mode (2 I tiles, I even, I / 2 <= 128; the experts before the last two): every partition holds two
       consecutive I rows (one 2H-element run in HBM: 12 KiB at H 3072, DMA efficiency ~0.98 instead of ~0.96 for
@@ -1123,9 +1125,9 @@ class _Spread(nl.NKIObject):
     mode: rows h = 0, 1 of every partition against permuted column h): act^T is 0 on the partitions outside the
     layout, whose weight rows are zero (the slots' tiles are memset once) or an earlier expert's (finite)."""
 
-    def __init__(self, cfg, consts, ring, pt, n, extra15):
+    def __init__(self, cfg, consts, ring, pt, n, extra15, pairs=True):
         self.m = pt.MT - 1
-        pairs_ok = pt.MT == 2 and pt.inter % 2 == 0
+        pairs_ok = pairs and pt.MT == 2 and pt.inter % 2 == 0
         self.pairs = tuple(pairs_ok and j < n - 2 for j in range(n))
         self.tile_rows = pt.rows
         ne = P_MAX // 8
@@ -1200,7 +1202,7 @@ class _Spread(nl.NKIObject):
     def units(self, pt, j):
         return pt.inter // 2 if self.pairs[j] else pt.rows[self.m]
 
-    def load(self, cfg, pt, ring, b, e, w_down, cols, h0):
+    def load(self, cfg, pt, ring, b, e, w_down, cols, h0, dcol=0):
         """Expert e's rows (pair mode: all; else tile m) into slot b in the layout of ring position ring.n: one
         DMA per engine, column range and (pair mode, not whole rows) row h."""
         j = ring.n
@@ -1222,7 +1224,7 @@ class _Spread(nl.NKIObject):
                 for h, kk in groups:
                     src = _expert_src(w_down, e, [[G * k * H, c], [H, kk], [1, z - a]],
                                       (row0 + k * r0 + h) * H + h0 + a, cfg.inter * H)
-                    nisa.dma_copy(dst=ring.wd[b][p0:p0 + c, m0 + h:m0 + h + kk, a:z], src=src)
+                    nisa.dma_copy(dst=ring.wd[b][p0:p0 + c, m0 + h:m0 + h + kk, dcol + a:dcol + z], src=src)
 
     def permute(self, ring, act):
         """act^T onto the layout's partitions (zeros elsewhere): pair mode column h = rows 2 u + h."""
@@ -1309,6 +1311,14 @@ def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate
     regs = [idx[0:1, s:s + 1] for s in range(k)]     # expert ids as 1x1 SBUF scalar offsets (no register loads)
     mine = [s for s in range(k) if s % 2 == c]
     acts = {}
+    spread = None
+    if HSPLIT_SPREAD and pt.MT >= 2 and pt.rows[pt.MT - 1] < I_TILE:
+        # the k down positions' partial tiles over the 16 DMA engines (_Spread, one layout per position, local to
+        # this core: the swapped activations travel in the contiguous layout and are permuted here); engine 15
+        # also carries the bias block's 2k rows and this core's gate/up bias rows (in half-row units)
+        extra = (2 * k if blk is not None else 0) + \
+            (len(mine) * 2 * cfg.inter / H2 if b_gate_up is not None else 0)
+        ring.spread = spread = _Spread(cfg, consts, ring, pt, k, extra, pairs=False)
     for j, s in enumerate(mine):     # this core's gate/up weights, then its activations (swapped as they come)
         b = j % cfg.nbuf
         if b_gate_up is not None:
@@ -1348,14 +1358,23 @@ def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate
         ring.par = s % 2
         last = i == len(order) - 1
         tiles = _tail_tiles(pt) if last else list(range(MT))
-        _load_down_step(cfg, pt, ring, b, regs[s], w_down, h0=c * H2, hw=H2, dst=half, tiles=tiles,
-                        last_cols=last_cols if last else None)
+        mv = {}
+        if spread is not None:
+            ring.n = i
+            spread.permute(ring, acts[s])
+            mv[spread.m] = spread.act[i % 2][:, 0:1]
+        for m in tiles:
+            if m in mv:
+                spread.load(cfg, pt, ring, b, regs[s], w_down, ((0, H2),), c * H2, dcol=(i % 2) * H2)
+            else:
+                _load_down_step(cfg, pt, ring, b, regs[s], w_down, h0=c * H2, hw=H2, dst=half, tiles=[m],
+                                last_cols=last_cols if last and m == tiles[-1] else None)
         for m in (tiles[:-1] if last else tiles):
             o = ring.tile_off(pt, m)
-            r = slice(o, o + pt.rows[m])
+            r = slice(o, o + pt.rows[m]) if m not in mv else slice(0, P_MAX)
             for jj in range(KH):
                 nisa.nc_matmul(dst=acc[:, jj, :T], stationary=_hb_cols(half[r, m, :], jj, blocks),
-                               moving=acts[s][r, m, :T], accumulate=True)
+                               moving=mv[m] if m in mv else acts[s][r, m, :T], accumulate=True)
         if blk is not None and i == min(1, len(order) - 1):
             blk.load(cfg, regs, b_down, c * H2)
             blk.add(lambda kt: acc[:, kt, :T])
@@ -1378,6 +1397,7 @@ def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate
                                op=nl.add)
         nisa.dma_copy(dst=out.ap([[g, P_MAX], [1, g]], offset=c * H2 + P_MAX * k0), src=o_sb[:, k0:k0 + g])
     ring.par = None
+    ring.spread = None
 
 
 def _hsplit_blocks(KH):
