@@ -45,6 +45,7 @@ BGU_Q0, BGU_ROW = 96, 120     # gate/up bias rows: partition 120 in a K = 32 blo
 GU_PIECES_LAST = 2     # T = 1: the last expert's gate/up in this many kt pieces (its matmuls start on the first)
 WR_SWAP_MAX_TOKENS = 8     # LNC 2: up to this T the cores swap their W_r halves instead of partial logits (_wr_swap)
 WR_SWAP_MAX_ROW = 256      # ... when W_r's bytes per kt row are below this (E < 128 in bf16: the load is short)
+HSPLIT_GU_ONE_PIECE_BYTES = 2 << 20   # H split: the last own gate/up in one DMA when k-1 down halves are this long
 HSPLIT_SPREAD = True       # LNC 2, T = 1: the H split's partial down tiles over the 16 DMA engines (_Spread)
 WR_SWAP_PIECES = 3         # ... in this many pieces at T = 1 (each sent as soon as it lands), one above
 
@@ -1319,6 +1320,9 @@ def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate
         extra = (2 * k if blk is not None else 0) + \
             (len(mine) * 2 * cfg.inter / H2 if b_gate_up is not None else 0)
         ring.spread = spread = _Spread(cfg, consts, ring, pt, k, extra, pairs=False)
+    # the last own gate/up in two kt pieces (its matmuls start on the first) unless the other down halves' stream is
+    # long enough to hide its compute and swap anyway: one DMA is then fewer per-run overheads (20B: 0.06 us)
+    gu_whole = (k - 1) * cfg.inter * H2 * 2 >= HSPLIT_GU_ONE_PIECE_BYTES
     for j, s in enumerate(mine):     # this core's gate/up weights, then its activations (swapped as they come)
         b = j % cfg.nbuf
         if b_gate_up is not None:
@@ -1326,7 +1330,7 @@ def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate
             nisa.dma_copy(dst=ring.bias_row(b), src=_expert_src(b_gate_up, regs[s], [[I2, 1], [1, I2]], 0, I2))
         ring.par = s % 2
         _load_gate_up_step(cfg, pt, ring, b, regs[s], w_gate_up,
-                           halves=GU_PIECES_LAST if j == len(mine) - 1 and KT >= 2 else 1)
+                           halves=GU_PIECES_LAST if j == len(mine) - 1 and KT >= 2 and not gu_whole else 1)
     for j, s in enumerate(mine):
         b = j % cfg.nbuf
         ring.par = s % 2
