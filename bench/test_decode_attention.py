@@ -90,7 +90,8 @@ TARGET_ASSERTED = {
     # since the rotated batches' K^T is loaded plain and pairs of whole slots share a transpose (modelled x1.136 /
     # x1.128)
     ("llama-3.1-8b-tp8", 16, 16384, "trn2"), ("llama-3.1-8b-tp8", 64, 16384, "trn2"),
-    # since X's rows of 17..64 tokens land on partitions 64.. (DMA engines 8..15; modelled x1.133)
+    # since X's rows of 17..64 tokens land on partitions 64.. (DMA engines 8..15; modelled x1.133), and scans of
+    # >= KW_PACKS packs keep their first and last slots whole (_Config.k_packs)
     ("llama-3.1-8b-tp8", 64, 4096, "trn2"),
 }
 

@@ -326,6 +326,16 @@ class _Config(nl.NKIObject):
         # of 1024-position halves, 2 KiB SBUF runs at 0.80, ~27 % of each DMA ring's busy time).
         self.k_plain = self.k_whole and self.kpp in (1, 2) and self.halves == 1
         self.rot_unit = self.kpp if self.k_plain else 1     # batches per rotation unit (planning._rot_batch)
+        # One batch per stack (d = 128), where this core scans at least KW_PACKS packs with whole weights (LNC=1: the
+        # K/V stream paces those rows): the scan's first and last slots are not split to one step (planning._slot_bounds): every slot is
+        # then two pieces or more, so its K^T moves as whole slots and pairs (4 / 8 KiB SBUF runs, DMA efficiency
+        # 0.85 / 0.87) and its V in 4 KiB runs (0.94) instead of one-piece slots' 2 KiB runs (K^T 0.80, V 0.89);
+        # the first step waits for a whole slot and the last one's chain follows a whole slot, which a pack's steps
+        # hide when the other packs' loads stream behind them (modelled trn2 Llama-8B B=16 4K 117.42 -> 112.67 us,
+        # B=64 4K 330.45 -> 319.23). With fewer packs the one pack's step chain paces the end (B=8 4K: first split
+        # off 69.55 us, both off 71.84, vs 71.48 split; DESIGN.md), and the LNC=2 split-weight cores keep the split
+        # (42.38 -> 43.03 us without the first one).
+        self.k_packs = self.k_plain and self.kpp == 1 and not self.wsplit and n_packs >= KW_PACKS
         # The RoPE tables of token tiles of <= 32 rows land on partitions SMALL_P0.. (DMA engines 4..7) instead of
         # 0.. (engine 0, the busiest ring of the DMA-paced rows: Llama-8B ragged B=8 -0.25 %). Where the K/V stream
         # paces the rows, as k_whole: trn2 and d = 128; on GPT-OSS's compute-paced packs and on trn3 the earlier

@@ -85,17 +85,19 @@ def _slot_bounds(cfg, lo, hi):
     Paged: slots of 128 * 2^m positions, each starting at a multiple of its own size, largest first. A paged slot
     is whole blocks: the scan's bounds are multiples of u = max(128, block size) and fa_tile >= FA_SUB >= MAX_BLOCK,
     so the halving stops at w >= block size.
+    _Config.k_packs (Llama-8B-like ragged scans of >= KW_PACKS packs on trn2) splits neither: whole slots' K^T / V
+    transfers are longer runs, and the other packs' loads stream behind a pack's first and last steps.
     """
     if not cfg.paged:
         bounds = list(range(lo, hi, cfg.fa_tile)) + [hi]
-        if len(bounds) >= 2 and bounds[-1] - bounds[-2] > FA_SUB:
+        if not cfg.k_packs and len(bounds) >= 2 and bounds[-1] - bounds[-2] > FA_SUB:
             bounds.insert(len(bounds) - 1, bounds[-1] - FA_SUB)
         # position-major with split weights: the QKV partial-sum exchange queues behind the first slot's transfers
         # otherwise (modelled nki-library q1 B2 S5 10K LNC=2 39.8 -> 37.7 us); a context split's core scanning
         # FIRST_SPLIT_WSPLIT positions or more keeps its first slot whole (split: GPT-OSS / Llama-8B B=1 16K LNC=2
         # 33.2 -> 34.2 / 35.9 -> 38.2 us)
         first = (cfg.wsplit and (not cfg.split or hi - lo < FIRST_SPLIT_WSPLIT)) if cfg.pmajor else \
-            hi - lo <= (FIRST_SPLIT_WSPLIT if cfg.wsplit else FIRST_SPLIT)
+            hi - lo <= (FIRST_SPLIT_WSPLIT if cfg.wsplit else FIRST_SPLIT) and not cfg.k_packs
         if first and len(bounds) >= 2 and bounds[1] - bounds[0] > FA_SUB:
             bounds.insert(1, bounds[0] + FA_SUB)
         return bounds

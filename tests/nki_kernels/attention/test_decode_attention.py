@@ -777,6 +777,27 @@ def test_ragged_gptoss_k_plain_pairs_with_nan_tails():
     assert pair, "no K^T pair transpose"
 
 
+def test_ragged_whole_end_slots_with_nan_tails():
+    """Llama-8B ragged on trn2 scanning >= KW_PACKS packs (_Config.k_packs): the scan's first and last slots are not
+    split to one step (planning._slot_bounds), so at 4K both slots are two-piece (2048 positions): the first one's
+    prefix alternatives, the whole-slot K^T and K^T pairs, and the rotated batches' halves in both. Sequences ending
+    in every piece of both slots (one in the first prefix, one at the last position), stack partners ending in
+    different pieces, an odd pack's unpaired batch; NaN past every length: finite, equal to the reference and
+    bit-identical to a clean cache."""
+    from nki_kernels.attention.decode.planning import _plan
+
+    ctx = 4096
+    lens = (90, 4095, 1500, 2600, 3700, 1030, 2047, 2049, 3071, 3073, 200, 4000, 1024, 3500, 600, 2500, 3900)
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=83, **LLAMA31_8B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw,
+                           lambda cfg: cfg.k_packs and [(sl.j0, sl.w) for sl in _plan(cfg)[0]] == [(0, 2048),
+                                                                                                   (2048, 2048)],
+                           "not the whole-end-slot plan (k_packs, two 2048-position slots)")
+
+
 @pytest.mark.parametrize("S,ctx,lens", [
     # odd pack: the last stack's one batch (4700) on partitions 64..127 in the swapped buffers; 1100 / 1500 end in
     # the swapped 1024-position slot, 4500 / 5800 in either piece of the swapped 2048-position one, their stack
