@@ -327,9 +327,10 @@ class _Config(nl.NKIObject):
         self.k_plain = self.k_whole and self.kpp in (1, 2) and self.halves == 1
         self.rot_unit = self.kpp if self.k_plain else 1     # batches per rotation unit (planning._rot_batch)
         # One batch per stack (d = 128), where this core scans at least KW_PACKS packs with whole weights (LNC=1: the
-        # K/V stream paces those rows): the scan's first and last slots are not split to one step (planning._slot_bounds): every slot is
-        # then two pieces or more, so its K^T moves as whole slots and pairs (4 / 8 KiB SBUF runs, DMA efficiency
-        # 0.85 / 0.87) and its V in 4 KiB runs (0.94) instead of one-piece slots' 2 KiB runs (K^T 0.80, V 0.89);
+        # K/V stream paces those rows): the scan's first and last slots are not split to one step
+        # (planning._slot_bounds), so every slot is two pieces or more: its K^T moves as whole slots and pairs (4 / 8
+        # KiB SBUF runs, DMA efficiency 0.85 / 0.87) and its V in 4 KiB runs (0.94) instead of one-piece slots' 2 KiB
+        # runs (K^T 0.80, V 0.89);
         # the first step waits for a whole slot and the last one's chain follows a whole slot, which a pack's steps
         # hide when the other packs' loads stream behind them (modelled trn2 Llama-8B B=16 4K 117.42 -> 112.67 us,
         # B=64 4K 330.45 -> 319.23). With fewer packs the one pack's step chain paces the end (B=8 4K: first split

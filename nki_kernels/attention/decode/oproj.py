@@ -243,6 +243,12 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
     for ti, tl in enumerate(tiles):
         t0, nt = tl.t0, tl.nt
         lay = _OutLayout(cfg, nt, out.dtype)
+        # A packed tile of several evictions (d = 128): each eviction's groups are transposed and stored right after
+        # it, under the next column piece's W_o transfer and matmuls, so after W_o's last byte only the last
+        # eviction's groups are (modelled trn2 Llama-8B B=16 4K 112.67 -> 112.04 us, B=8 71.48 -> 71.17; DESIGN.md
+        # "The Llama-8B 4K rows"). d = 64 (GPT-OSS) gains too (B=16 4K 55.01 -> 54.49) but keeps one store per
+        # tile: its LNC=2 / fp8 rows are held to ratios of the LNC=1 bf16 rows, not checked here.
+        early = lay.packed and lay.ev < hc1 - hc0 and cfg.d == P_MAX
         for c0 in range(hc0, hc1, lay.ev):
             ncb = min(lay.ev, hc1 - c0)
             ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
@@ -251,7 +257,11 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
             _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T)
             ps = None
             _store_evicted_ranges(cfg, lay, out, t0, nt, c0, ncb)
-        _store_tile(cfg, lay, out, t0, nt)
+            if early:       # this eviction's whole groups (ev is a multiple of cpt), stored under the next ones
+                _store_packed(cfg, lay.outP, out, t0, nt, lay.cpt, lay.rem, (c0 - hc0) // lay.cpt,
+                              (c0 - hc0 + ncb + lay.cpt - 1) // lay.cpt)
+        if not early:
+            _store_tile(cfg, lay, out, t0, nt)
 
 
 def _output_projection_streamed(cfg, oTs, ws, bias_T, out, tiles):
@@ -420,29 +430,31 @@ def _evict_out(i, dst, src, bias_T, c0, n, nt, cpt=0, acc=None):
     nisa.tensor_tensor(dst=dst, data1=src, data2=b, op=nl.add)
 
 
-def _store_packed(cfg, outP, out, t0, nt, cpt, rem):
+def _store_packed(cfg, outP, out, t0, nt, cpt, rem, qa=0, qb=None):
     """Few tokens (nt <= 32): out^T held as outP [128 (H), group q, token t, chunk c of the group] (cpt <= 128 / nt
     chunks per group, groups from hc0, the last one holding rem chunks) goes back to [tokens, H] with ONE TensorE
     transpose per group: partition t * cpt + c of group q holds out[t, (hc0 + q * cpt + c) * 128 + p]. The
     transposes and evictions handle 128 rows instead of nt; per token one store of the whole groups and one of
-    the partial group (disjoint rows, 256 B runs, spread over the DMA engines of cpt partitions each)."""
+    the partial group (disjoint rows, 256 B runs, spread over the DMA engines of cpt partitions each).
+    Groups [qa, qb) only (default: all): _output_projection stores the groups of an eviction right after it."""
     hc0 = cfg.hc[0]
     H = cfg.H
     n_g, rows = outP.shape[1], cpt * nt
-    res = nl.ndarray((P_MAX, n_g, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
-    for q0 in range(0, n_g, TRANSPOSE_GROUP):
-        qn = min(TRANSPOSE_GROUP, n_g - q0)
+    qb = n_g if qb is None else qb
+    res = nl.ndarray((P_MAX, qb - qa, P_MAX), dtype=out.dtype, buffer=nl.sbuf)
+    for q0 in range(qa, qb, TRANSPOSE_GROUP):
+        qn = min(TRANSPOSE_GROUP, qb - q0)
         pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=out.dtype, buffer=nl.psum)
         for qi in range(qn):
             nisa.nc_transpose(dst=pt[:rows, qi, :], data=outP[:, q0 + qi, :, :].reshape((P_MAX, rows)))
-        evict(q0 // TRANSPOSE_GROUP, res[:rows, q0:q0 + qn, :], pt[:rows, :qn, :])
+        evict(q0 // TRANSPOSE_GROUP, res[:rows, q0 - qa:q0 - qa + qn, :], pt[:rows, :qn, :])
         pt = None
-    n_full = n_g if rem == cpt else n_g - 1
+    n_full = (qb if rem == cpt or qb < n_g else n_g - 1) - qa
     for t in range(nt):
-        base = (t0 + t) * H + hc0 * P_MAX
+        base = (t0 + t) * H + (hc0 + qa * cpt) * P_MAX
         if n_full:
             nisa.dma_copy(dst=out.ap([[P_MAX, cpt], [cpt * P_MAX, n_full], [1, P_MAX]], offset=base),
                           src=res[t * cpt:(t + 1) * cpt, :n_full, :])
-        if n_full < n_g:
+        if qa + n_full < qb:
             nisa.dma_copy(dst=out.ap([[P_MAX, rem], [1, P_MAX]], offset=base + n_full * cpt * P_MAX),
                           src=res[t * cpt:t * cpt + rem, n_full, :])

@@ -115,7 +115,9 @@ def test_several_kv_heads_per_rank(B, S, ctx, window):
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_output_chunks_not_a_multiple_of_the_packed_group(lnc):
     """H = 42 * 128 (nki-library's q2 / H5376 shape) with 8 tokens: the packed O-projection store has groups of 16
-    chunks and a partial last group of 10 (LNC=2: 21 chunks per core, 16 + 5), with bias_o added by the evictions."""
+    chunks and a partial last group of 10 (LNC=2: 21 chunks per core, 16 + 5), with bias_o added by the evictions.
+    d = 128: each eviction's groups are stored right after it (oproj._output_projection), the last with the partial
+    group (LNC=2: core 1's groups from its first chunk, 21)."""
     run_and_check(8, 1, s_max=256, ctx=256, shape=dict(H=5376, d=128, nkv=1, nq=2, gamma=True, bias=True,
                                                         sinks=False), lnc=lnc)
 
