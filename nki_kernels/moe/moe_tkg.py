@@ -27,6 +27,7 @@ from .router import (
 from .tkg_cost import choose_expert_mode
 from .tkg_mx import expert_src as _expert_src
 from .tkg_mx import h_cols as _h_cols
+from .tkg_mx import hb_cols as _hb_cols
 
 # ---- sizes ------------------------------------------------------------------------------------------------------
 MAX_TOKENS = 128       # T = B * S_tkg: tokens live on the partitions of one tile
@@ -157,18 +158,6 @@ def _pow2_at_least(n):
     return p
 
 
-def _hb_cols(t, kt, blocks):
-    """The 128 columns of out^T tile kt in t [rows, H] when the H columns are in kt blocks: block (k0, g) holds
-    kt in [k0, k0 + g) on columns [128 k0, 128 (k0 + g)), h = 128 k0 + p * g + (kt - k0). One block (0, KT) is
-    h = p * KT + kt (h_cols); more blocks let a row's column range [128 k0, 128 (k0 + g)) -- a DMA of its own --
-    feed exactly the g matmuls of its block."""
-    for k0, g in blocks:
-        if k0 <= kt < k0 + g:
-            c = P_MAX * k0 + kt - k0
-            return t[:, c:c + (P_MAX - 1) * g + 1:g]
-    return None
-
-
 class _Part(nl.NKIObject):
     """A range of an expert's I columns [col0, col0 + inter) as this core processes it: I tiles of <= 128 rows."""
 
@@ -211,7 +200,6 @@ class _Cfg(nl.NKIObject):
         # bank; the LNC=2 exchange splits the kt range in halves, so KT must then be even
         self.kt_bank = PSUM_F // self.GS
         self.t_banks = -(-self.KT // self.kt_bank)
-        self.hblocks = ((0, self.KT),)      # out^T's H order (_hb_cols): one block, h = p * KT + kt
         self.outT = self.T <= OUTT_MAX_TOKENS and (self.ncores == 1 or self.KT % 2 == 0) and \
             self.t_banks + gu_banks <= banks
         # large T: gate/up with the tokens stationary (M = T) and the weights moving (N = 2I, one bank: gate at
@@ -592,6 +580,7 @@ class _Acc(nl.NKIObject):
         if self.T:
             self.banks = tuple(nl.ndarray((P_MAX, cfg.kt_bank, cfg.GS), dtype=nl.float32, buffer=nl.psum)
                                for _ in range(cfg.t_banks))
+            self.hblocks = ((0, cfg.KT),)   # out^T's H order (hb_cols): one block, h = p * KT + kt
         elif self.psum:
             self.banks = tuple(nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in cfg.chunks)
         else:
@@ -904,7 +893,7 @@ def _down_step(cfg, pt, ring, b, act, acc, tiles=None):
                   else tiles):
             for w, mv in _down_operands(cfg, pt, ring, b, act, m):
                 for kt in kts:
-                    nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_hb_cols(w, kt, cfg.hblocks), moving=mv,
+                    nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_hb_cols(w, kt, acc.hblocks), moving=mv,
                                    accumulate=True)
         return
     if acc.psum:
@@ -996,11 +985,11 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
         extra = (2 * n if has_blk else 0) + (n * 2 * cfg.inter / cfg.H if b_gate_up is not None else 0)
         ring.spread = _Spread(cfg, consts, ring, pt, n, extra)
     blk = _BiasBlock(cfg, consts, aff, n, cfg.H, cfg.KT) if has_blk else None
-    if tail:    # out^T in kt blocks: the last tile's rows load per block, each block is stored when complete
-        cfg.hblocks = _tail_blocks(cfg.KT)
-        if blk is not None:
-            blk.blocks = cfg.hblocks
     acc = _init_acc_step(cfg, consts, None, None, False)
+    if tail:    # out^T in kt blocks: the last tile's rows load per block, each block is stored when complete
+        acc.hblocks = _tail_blocks(cfg.KT)
+        if blk is not None:
+            blk.blocks = acc.hblocks
     # with a tail and experts before the last two, the bias rows load after the first expert's weights (their DMA
     # engine, partitions 120-127, is then ahead of the others) and are contracted while TensorE waits for the next
     # expert: their KT matmuls no longer sit in the last expert's chain
@@ -1026,7 +1015,6 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
                 blk.load(cfg, regs, b_down, 0)
             _last_two_tail(cfg, consts, ring, base, regs[n - 2:], [aff[0:1, s:s + 1] for s in slots[n - 2:]], hT,
                            acc, w_down, b_gate_up, out, None if early_blk else blk)
-            cfg.hblocks = ((0, cfg.KT),)
             ring.spread, ring.par = None, None
             return
         if blk is not None:
@@ -1059,7 +1047,7 @@ def _tail_blocks(KT):
 
 def _last_two_tail(cfg, consts, ring, base, regs, aff_cols, hT, acc, w_down, b_gate_up, out, blk):
     """T = 1, LNC 1: the down rows of the last two experts (ring positions base, base + 1; their gate/up already
-    loading) and their compute with out^T in cfg.hblocks. Rows load and contract in one order: both experts'
+    loading) and their compute with out^T in acc.hblocks. Rows load and contract in one order: both experts'
     partial I tiles (the two halves' DMA engines), then their full tiles, the very last tile in column blocks
     (one DMA each); the down matmuls follow that order (they accumulate into the same PSUM banks, so program order
     is their order), so TensorE is never held behind rows that land later. Each kt block is evicted (rounded to
@@ -1070,7 +1058,7 @@ def _last_two_tail(cfg, consts, ring, base, regs, aff_cols, hT, acc, w_down, b_g
     tiles = _tail_tiles(pt)
     order = [(j, m) for m in tiles if pt.rows[m] < I_TILE for j in (0, 1)] + \
         [(j, m) for m in tiles if pt.rows[m] == I_TILE for j in (0, 1)]
-    last_cols = tuple((P_MAX * k0, P_MAX * (k0 + g)) for k0, g in cfg.hblocks)
+    last_cols = tuple((P_MAX * k0, P_MAX * (k0 + g)) for k0, g in acc.hblocks)
     for i, (j, m) in enumerate(order):
         ring.n = base + j
         _load_down_step(cfg, pt, ring, ring.n % cfg.nbuf, regs[j], w_down, tiles=[m],
@@ -1089,10 +1077,10 @@ def _last_two_tail(cfg, consts, ring, base, regs, aff_cols, hT, acc, w_down, b_g
     b = ring.n % cfg.nbuf
     ops = _down_operands(cfg, pt, ring, b, acts[j], m)
     o_sb = nl.ndarray((P_MAX, KT), dtype=out.dtype, buffer=nl.sbuf)
-    for k0, g in cfg.hblocks:
+    for k0, g in acc.hblocks:
         for kt in range(k0, k0 + g):
             for w, mv in ops:
-                nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_hb_cols(w, kt, cfg.hblocks), moving=mv,
+                nisa.nc_matmul(dst=acc.col(cfg, kt), stationary=_hb_cols(w, kt, acc.hblocks), moving=mv,
                                accumulate=True)
         i, c = k0 // cfg.kt_bank, k0 % cfg.kt_bank
         nisa.tensor_copy(dst=o_sb[:, k0:k0 + g], src=acc.banks[i][:, c:c + g, 0])

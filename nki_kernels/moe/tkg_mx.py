@@ -40,9 +40,21 @@ def expert_src(w, e, pattern, offset, stride):
     return w.ap(pattern, offset=offset, scalar_offset=e, indirect_dim=0)
 
 
+def hb_cols(t, kt, blocks):
+    """The 128 columns of out^T tile kt in t [rows, H] when the H columns are in kt blocks: block (k0, g) holds
+    kt in [k0, k0 + g) on columns [128 k0, 128 (k0 + g)), h = 128 k0 + p * g + (kt - k0). One block (0, KT) is
+    h = p * KT + kt (h_cols); more blocks let a row's column range [128 k0, 128 (k0 + g)) -- a DMA of its own --
+    feed exactly the g matmuls of its block."""
+    for k0, g in blocks:
+        if k0 <= kt < k0 + g:
+            c = P_MAX * k0 + kt - k0
+            return t[:, c:c + (P_MAX - 1) * g + 1:g]
+    return None
+
+
 def h_cols(t, kt, KT):
     """The 128 columns h = p * KT + kt (p = 0..127) of an SBUF tile t [rows, H]: out^T tile kt's H rows."""
-    return t[:, kt:kt + (P_MAX - 1) * KT + 1:KT]
+    return hb_cols(t, kt, ((0, KT),))
 
 
 class MxShape(nl.NKIObject):
