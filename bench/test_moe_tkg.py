@@ -201,9 +201,9 @@ def mx_decode_routes(T, lnc, shape=SHAPE, target="trn3"):
     (_, idx, aff), rrep = nkisim.profile(router_nki, h, w_r, kw["b_router"].reshape(1, -1), target=target,
                                          top_k=shape["top_k"], mode="gpt_oss")
     idx, aff = torch.as_tensor(idx).long(), torch.as_tensor(aff).float()
-    _, gather, scatter, row_aff, sched = kernel_inputs(idx, aff, shape["E"], 256, lnc)
+    _, rows, sched = kernel_inputs(idx, aff, shape["E"], 256, lnc)
     kernel = moe_cte_nki if lnc == 1 else moe_cte_nki[lnc]
-    crep = nkisim.profile(kernel, h, w_gu, w_d, *(torch.from_numpy(a) for a in (gather, scatter, row_aff, sched)),
+    crep = nkisim.profile(kernel, h, w_gu, w_d, *(torch.from_numpy(a) for a in (rows, sched)),
                           b_gate_up=kw["b_gate_up"], b_down=kw["b_down"], target=target, routed_rows=idx.numel(),
                           **mx).report
     return {"router": rrep, "cte": crep}, before

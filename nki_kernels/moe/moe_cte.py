@@ -102,17 +102,37 @@ SHORT_RUN_DMA_TRANSPOSE_MIN_ROWS = {"gen3": None, "gen4": 3 * 128}
 BIAS_COL_BANK = 2
 SBUF_RESERVE = 8 * 1024    # bytes per partition left for the small tiles (ids, affinities, schedule, constants)
 DGE = nisa.dge_mode.swdge   # indirect (vector_offset) DMAs are software-DGE transfers
+# columns of the kernel's per-row table `rows` [R, ROW_FIELDS] int32 (kernel_inputs): gather id, scatter id (-1:
+# padding), affinity (fp32 bits). One table, so that a tile's row data is one DMA (LNC=2: the peer tile's scatter ids
+# and affinities one more): a [128, 1] DMA moves 4-byte runs per partition at ~1.5% DMA efficiency in the model
+# (run / (run + 256 B)), so three of them cost each DMA engine ~3x one of 12-byte runs (GPT-OSS-120B TP16 T 16384
+# trn3: ~100 us per engine at LNC 1)
+ROW_GATHER, ROW_SCATTER, ROW_AFF = 0, 1, 2
+ROW_FIELDS = 3
+# first partition of the last down contraction tile in the second weight slot when that tile has <= 64 rows
+# (_Config.rem_high): a DMA is served by the engines of its SBUF partitions (8 partitions each), so the 53-row tile
+# of GPT-OSS-120B TP16 on partitions 0..52 in every expert loaded engines 0-6 only (~50 us per engine more than
+# engines 7-15 per core at T 16384 LNC 2); alternating halves spreads it over 14 engines. Only below
+# REM_HIGH_MAX_ROWS rows per expert ([other, trn3 LNC 1]), where the kernel is DMA bound: modelled GPT-OSS-120B
+# TP16 T 2048 (64 rows) -4 to -5%, T 8192 (256 rows) trn2 and trn3 LNC 2 -1 to -3%; not at 256 rows on trn3 LNC 1
+# (T 8192: 2493.9 -> 2510.1 us, TensorE and DMA balanced there) nor at 512 (T 16384 trn3 LNC 2: 1979.8 -> 2002.3
+# us); why the balanced engines do not shorten those runs is not analysed
+REM_HIGH_BASE = 64
+REM_HIGH_MAX_ROWS = (512, 256)
 
 
 class _Config(nl.NKIObject):
     """Static shapes and options of one launch."""
 
     def __init__(self, T, H, E, inter, rows, sched_len, dtype, itemsize, activation, bias_gu, bias_d, n_cores,
-                 routed_rows, mx=False, KDm=0):
+                 routed_rows, mx=False, KDm=0, gu_tiled=False):
         self.T, self.H, self.E, self.I, self.rows, self.sched_len = T, H, E, inter, rows, sched_len
         self.dtype, self.activation, self.bias_gu, self.bias_d, self.n_cores = (dtype, activation, bias_gu, bias_d,
                                                                                 n_cores)
         self.KT = H // P_MAX                   # gate/up contraction tiles
+        # gate/up weights in the tiled layout [E, 128, KT, 2I] (tile_gate_up): natural H tiles (H row kt * 128 + p
+        # on partition p) with one contiguous run per partition, for either x^T path
+        self.gu_tiled = gu_tiled
         # x^T by DMA gather-transposes or by TensorE transposes of the gathered rows. The H order of a contraction
         # tile follows: DMA transposes read natural tiles (H index kt * 128 + p on partition p), so each partition
         # loads its gate/up weight rows as runs of 2I elements; TensorE transposes take strided column sets (H
@@ -143,11 +163,19 @@ class _Config(nl.NKIObject):
         # so the bias is a free extra contraction row instead of a separate matmul
         self.I_aug = inter + (1 if bias_d and not mx else 0)
         self.KD = (self.I_aug + P_MAX - 1) // P_MAX
+        # rows of the last down contraction tile; when they fit 64 partitions (GPT-OSS-120B TP16: 180 + bias = 128 +
+        # 53) the second weight slot keeps that tile on partitions 64.. (REM_HIGH_BASE), so that its weight DMAs
+        # (served by the DMA engines of those partitions) alternate between the engines' halves
+        self.rem_aug = self.I_aug - (self.KD - 1) * P_MAX
+        self.rem_high = (not mx and self.KD >= 2 and self.rem_aug <= REM_HIGH_BASE
+                         and rows_per_expert < REM_HIGH_MAX_ROWS[n_cores == 1 and v >= nisa.nc_version.gen4])
         self.I_CH = PSUM_F                     # gate (and up) columns per PSUM bank
         self.n_ich = (inter + self.I_CH - 1) // self.I_CH
         self.H_CH = PSUM_F                     # output columns per down-projection PSUM bank
         self.n_hch = (H + self.H_CH - 1) // self.H_CH
         self.n_ic = (inter + P_MAX - 1) // P_MAX   # 128-row I chunks of the narrow tile (gate in one PSUM bank)
+        # gate and up of a tile in one PSUM bank (full tile: I columns each, narrow: n_ic x HALF_ROWS), see _Psum
+        self.gu_one_bank = not mx and 2 * max(min(inter, self.I_CH), self.n_ic * HALF_ROWS) <= PSUM_F
         # LNC=2: each core owns one H half of out (see _hsplit)
         self.hsplit = n_cores == 2
         self.Hh = H // 2
@@ -171,7 +199,7 @@ class _Config(nl.NKIObject):
                 + 4 * 3 + 2 * self.KD * HALF_ROWS + 4 * 3 * HALF_ROWS)
 
 
-def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up=None,
+def moe_cte_kernel(x, w_gate_up, w_down, rows, schedule, b_gate_up=None,
                    b_down=None, activation="clamped_swiglu", routed_rows=0, w_gate_up_scale=None, w_down_scale=None):
     """Blockwise MoE experts (prefill): out[t] = Σ_rows of t  affinity · down(act(gate_up(x[t]))) for one TP rank.
 
@@ -183,9 +211,10 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         x ([T, H] @ HBM): hidden states (bf16).
         w_gate_up ([E, H, 2, I] @ HBM): gate (index 0) and up (index 1) projections.
         w_down ([E, I, H] @ HBM): down projection.
-        gather_ids ([R, 1] uint32 @ HBM): token of each mapping row; padding rows name any valid token.
-        scatter_ids ([R, 1] int32 @ HBM): token of each mapping row, -1 for padding (its output is dropped).
-        row_affinity ([R, 1] fp32 @ HBM): affinity of each mapping row, 0 for padding.
+        rows ([R, 3] int32 @ HBM): per mapping row (ROW_* columns) its gather id (the token; padding rows name any
+            valid token), scatter id (the token, -1 for padding: its output is dropped) and affinity (fp32 bits, 0
+            for padding); one table so that a tile's row data arrives in one DMA (12-byte runs per partition, see
+            ROW_FIELDS).
         schedule ([n_cores, W] int32 @ HBM): LNC=1: the number of expert pairs, the prologue flag (1: the first
             entry's weights are loaded before the loop, and its own load flag is 0), then S (even) entries (expert
             id, first row, pairs of 128-row tiles, odd last tile 0/1, load flag 0/1, narrow last tile 0/1); the
@@ -224,18 +253,17 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
                 g, u = xT^T @ Wg[e] (+ bg), xT^T @ Wu[e] (+ bu)  ;  a = act(g, u)  ;  aT = transpose([a | 1])
                 y = aT^T @ [Wd[e] ; bd[e]]  ;  out[ids] += bf16(affinity * y)
     """
-    cfg = _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up,
+    cfg = _validate_inputs(x, w_gate_up, w_down, rows, schedule, b_gate_up,
                            b_down, activation, routed_rows, w_gate_up_scale, w_down_scale)
     out = nl.ndarray((cfg.T, cfg.H), dtype=x.dtype, buffer=nl.shared_hbm)
     core = nl.program_id(0) if cfg.n_cores > 1 else 0
     scales = (w_gate_up_scale, w_down_scale)
     sched = _load_schedule(cfg, schedule, core)
-    weights = [_Weights(cfg) for _ in range(2)]
+    weights = [_Weights(cfg, i) for i in range(2)]
     tiles = [_Tiles(cfg) for _ in range(2)]
     psum = _Psum(cfg)
     if cfg.hsplit:
-        _hsplit(cfg, out, sched, core, weights, tiles, psum, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids,
-                scatter_ids, row_affinity, scales)
+        _hsplit(cfg, out, sched, core, weights, tiles, psum, x, w_gate_up, w_down, b_gate_up, b_down, rows, scales)
         return out
     # out is zeroed before the first scatter-add, but in program order (the DMA engines' priority) after the first
     # expert's weights and its first tile's rows, so that those do not wait behind the T x H zero-fill: the
@@ -251,8 +279,8 @@ def moe_cte_kernel(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, 
         for s in range(2):
             base = p * (2 * SCHED_FIELDS) + s * SCHED_FIELDS + SCHED_HEADER
             slots = [_Slot(weights[s], t, psum, i) for i, t in enumerate(tiles)]
-            _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids,
-                          scatter_ids, row_affinity, out, scales, s == 1)
+            _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, rows, out, scales,
+                          s == 1)
 
     n_pairs = nisa.scalar_load(sched[0:1, 0:1])
     nl.fori_loop(0, n_pairs, pair)
@@ -282,7 +310,7 @@ def _validate_mx(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale):
     return E, inter, w_down.shape[2]
 
 
-def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity, schedule, b_gate_up, b_down,
+def _validate_inputs(x, w_gate_up, w_down, rows, schedule, b_gate_up, b_down,
                      activation, routed_rows, w_gate_up_scale=None, w_down_scale=None):
     """Every static limit, before any work; messages name the argument and the limit."""
     assert activation in ("clamped_swiglu", "swiglu"), \
@@ -292,23 +320,26 @@ def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity
     assert H % P_MAX == 0, f"x: H={H} must be a multiple of {P_MAX}"
     mx = w_gate_up_scale is not None
     KDm = 0
+    gu_tiled = False
     if mx:
         E, inter, KDm = _validate_mx(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
     else:
-        assert len(w_gate_up.shape) == 4 and tuple(w_gate_up.shape[1:3]) == (H, 2), \
-            f"w_gate_up must be [E, H={H}, 2, I], got shape {tuple(w_gate_up.shape)}"
-        E, inter = w_gate_up.shape[0], w_gate_up.shape[3]
+        gu_tiled = len(w_gate_up.shape) == 4 and tuple(w_gate_up.shape[1:3]) == (P_MAX, H // P_MAX) and (
+            w_gate_up.shape[3] % 2 == 0)
+        assert len(w_gate_up.shape) == 4 and (tuple(w_gate_up.shape[1:3]) == (H, 2) or gu_tiled), \
+            (f"w_gate_up must be [E, H={H}, 2, I] or tiled [E, {P_MAX}, H/{P_MAX}={H // P_MAX}, 2I] (tile_gate_up), "
+             f"got shape {tuple(w_gate_up.shape)}")
+        E, inter = w_gate_up.shape[0], w_gate_up.shape[3] // 2 if gu_tiled else w_gate_up.shape[3]
         assert tuple(w_down.shape) == (E, inter, H), \
             f"w_down must be [E={E}, I={inter}, H={H}], got shape {tuple(w_down.shape)}"
     assert b_gate_up is None or tuple(b_gate_up.shape) == (E, 2, inter), \
         f"b_gate_up must be [E={E}, 2, I={inter}], got shape {tuple(b_gate_up.shape)}"
     assert b_down is None or tuple(b_down.shape) == (E, H), \
         f"b_down must be [E={E}, H={H}], got shape {tuple(b_down.shape)}"
-    R = gather_ids.shape[0]
-    assert R % P_MAX == 0 and tuple(gather_ids.shape) == (R, 1), \
-        f"gather_ids must be [R, 1] with R a multiple of {P_MAX}, got shape {tuple(gather_ids.shape)}"
-    assert tuple(scatter_ids.shape) == (R, 1) and tuple(row_affinity.shape) == (R, 1), \
-        f"scatter_ids and row_affinity must be [R={R}, 1], got {tuple(scatter_ids.shape)}, {tuple(row_affinity.shape)}"
+    R = rows.shape[0]
+    assert R % P_MAX == 0 and tuple(rows.shape) == (R, ROW_FIELDS) and rows.dtype == nl.int32, \
+        (f"rows must be int32 [R, {ROW_FIELDS}] with R a multiple of {P_MAX} (kernel_inputs), got {rows.dtype} "
+         f"{tuple(rows.shape)}")
     n_cores = nl.num_programs()
     if n_cores == 1:
         assert len(schedule.shape) == 2 and schedule.shape[0] == 1 and (schedule.shape[1] - SCHED_HEADER) % (
@@ -322,7 +353,7 @@ def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity
     for name, w in weights:
         assert w is None or w.dtype == x.dtype, f"{name} dtype {w.dtype} must equal x's ({x.dtype})"
     cfg = _Config(T, H, E, inter, R, schedule.shape[1], x.dtype, x.dtype.itemsize, activation,
-                  b_gate_up is not None, b_down is not None, n_cores, routed_rows, mx, KDm)
+                  b_gate_up is not None, b_down is not None, n_cores, routed_rows, mx, KDm, gu_tiled)
     assert cfg.KD * P_MAX * 2 <= nl.tile_size.psum_bank_fmax_bytes, \
         f"w_down: I={inter} too large: the transposed activations must fit one PSUM bank (I <= 1023)"
     need = 2 * (cfg.weight_bytes() + cfg.tile_bytes()) + SBUF_RESERVE
@@ -335,7 +366,9 @@ def _validate_inputs(x, w_gate_up, w_down, gather_ids, scatter_ids, row_affinity
 class _Weights(nl.NKIObject):
     """One expert's resident weights (two of them: the next expert's load while this one computes)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, index=0):
+        # first partition of the last down contraction tile (weights, bias column chunk, act^T) of this slot
+        self.rb = REM_HIGH_BASE if index == 1 and cfg.rem_high else 0
         dt, KT, KD, H, inter = cfg.dtype, cfg.KT, cfg.KD, cfg.H, cfg.I
         if cfg.mx:   # MXFP4 x4 words and their scale tiles (quadrant layout: group g at partition 32 (g//4) + g%4)
             self.wgu = nl.ndarray((P_MAX, cfg.KC, 2 * inter), dtype=nl.float4_e2m1fn_x4, buffer=nl.sbuf)
@@ -360,9 +393,20 @@ class _Tiles(nl.NKIObject):
 
     def __init__(self, cfg):
         dt, KT, KD, H, inter = cfg.dtype, cfg.KT, cfg.KD, cfg.H, cfg.I
+        # the tile's gather ids (one DMA), and its scatter ids and affinities (one DMA of the rows table's last two
+        # columns; views of one tile): the gather ids apart, so that the next tile's gather on this set waits only
+        # for this tile's gather, not for its scatter-add (the end of its pipeline)
         self.gid = nl.ndarray((P_MAX, 1), dtype=nl.uint32, buffer=nl.sbuf)
-        self.sid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
-        self.aff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if cfg.mx:
+            # MX tiles: scatter ids and affinities in tiles (and DMAs) of their own, as before the rows table (one
+            # tile for both: 20B TP8 T 2048 trn3 LNC 1 577.1 -> 591.2 us, modelled; not analysed)
+            self.ids = None
+            self.sid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+            self.aff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        else:
+            self.ids = nl.ndarray((P_MAX, ROW_FIELDS - ROW_SCATTER), dtype=nl.int32, buffer=nl.sbuf)
+            self.sid = self.ids[:, 0:1]
+            self.aff = self.ids[:, ROW_AFF - ROW_SCATTER:ROW_AFF - ROW_SCATTER + 1].view(nl.float32)
         self.xt = None if cfg.dma_transpose else nl.ndarray((P_MAX, H), dtype=dt, buffer=nl.sbuf)
         if self.xt is not None and not cfg.mx and cfg.skip_padding:
             # padding pieces are not gathered (PAD_PIECE): their rows keep earlier x rows, or these zeros, so that
@@ -403,15 +447,21 @@ class _Tiles(nl.NKIObject):
             nisa.memset(dst=self.aTh[:, inter // P_MAX, :], value=1.0)
         # H split (LNC=2): the peer's act^T of the same tile-step (sendrecv; MX: its MXFP8 words and scales), the
         # peer rows' ids, affinities, output
-        self.aTr = self.aqr = self.asr = self.psid = self.paff = self.py = None
+        self.aTr = self.aqr = self.asr = self.pids = self.psid = self.paff = self.py = None
         if cfg.hsplit:
             if cfg.mx:
                 self.aqr = nl.ndarray((P_MAX, cfg.KDm, P_MAX), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf)
                 self.asr = nl.ndarray((P_MAX, cfg.KDm, P_MAX), dtype=nl.uint8, buffer=nl.sbuf)
             else:
                 self.aTr = nl.ndarray((P_MAX, KD, P_MAX), dtype=dt, buffer=nl.sbuf)
-            self.psid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
-            self.paff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+            # the peer rows' scatter ids and affinities (one DMA of the rows table's last two columns)
+            if cfg.mx:     # separate tiles and DMAs, as the MX tile's own (see gid above)
+                self.psid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
+                self.paff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+            else:
+                self.pids = nl.ndarray((P_MAX, ROW_FIELDS - ROW_SCATTER), dtype=nl.int32, buffer=nl.sbuf)
+                self.psid = self.pids[:, 0:1]
+                self.paff = self.pids[:, ROW_AFF - ROW_SCATTER:ROW_AFF - ROW_SCATTER + 1].view(nl.float32)
             self.py = nl.ndarray((P_MAX, cfg.Hh), dtype=dt, buffer=nl.sbuf)
             # bf16: a narrow tile writes its act^T into aT (the swapped tile): the bias row as in aTh
             if cfg.bias_d and not cfg.mx:
@@ -423,13 +473,15 @@ class _Slot(nl.NKIObject):
 
     def __init__(self, w, t, psum, i):
         self.wgu, self.wd, self.bgu, self.brow = w.wgu, w.wd, w.bgu, w.brow
-        self.gid, self.sid, self.aff, self.xt, self.xT, self.xTn = t.gid, t.sid, t.aff, t.xt, t.xT, t.xTn
+        self.ids, self.gid, self.sid, self.aff = t.ids, t.gid, t.sid, t.aff
+        self.xt, self.xT, self.xTn = t.xt, t.xT, t.xTn
         self.g, self.u, self.s, self.a, self.aT, self.y = t.g, t.u, t.s, t.a, t.aT, t.y
         self.bcol, self.aTh, self.gh, self.uh, self.sh = w.bcol, t.aTh, t.gh, t.uh, t.sh
-        self.sgu, self.sd, self.bdrow = w.sgu, w.sd, w.bdrow
+        self.sgu, self.sd, self.bdrow, self.rb = w.sgu, w.sd, w.bdrow, w.rb
         self.xTm, self.xq, self.xs, self.aTm, self.aq, self.as_ = t.xTm, t.xq, t.xs, t.aTm, t.aq, t.as_
         self.pg, self.pu = psum.gs[i % len(psum.gs)], psum.us[i % len(psum.us)]
         self.aTr, self.aqr, self.asr, self.psid, self.paff, self.py = t.aTr, t.aqr, t.asr, t.psid, t.paff, t.py
+        self.pids = t.pids
 
 
 class _Psum(nl.NKIObject):
@@ -443,9 +495,19 @@ class _Psum(nl.NKIObject):
                                                             buffer=nl.psum) for _ in range(2)]
         self.at = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=cfg.dtype, buffer=nl.psum)
         pairs = 2 if cfg.dma_transpose else 1
-        self.gs = [nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(pairs)]
-        self.us = [nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(pairs)]
-        self.d = [nl.ndarray((P_MAX, cfg.H_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(DOWN_BANKS)]
+        banks = DOWN_BANKS
+        if cfg.gu_one_bank:
+            # gate and up of a tile fit one bank (I <= 256: columns 0.. and PSUM_F / 2..): the banks saved go to the
+            # down projection, whose evictions (ScalarE / VectorE, as long as its matmuls per chunk) then lag further
+            # behind before TensorE waits for a bank (GPT-OSS-120B TP16, I 180)
+            gu = [nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum) for _ in range(pairs)]
+            self.gs = [b[:, :PSUM_F // 2] for b in gu]
+            self.us = [b[:, PSUM_F // 2:] for b in gu]
+            banks += pairs
+        else:
+            self.gs = [nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(pairs)]
+            self.us = [nl.ndarray((P_MAX, cfg.I_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(pairs)]
+        self.d = [nl.ndarray((P_MAX, cfg.H_CH), dtype=nl.float32, buffer=nl.psum) for _ in range(banks)]
         # a row of ones: the stationary of the matmul that copies the gate/up bias row to all 128 partitions
         self.ones = nl.ndarray((1, P_MAX), dtype=cfg.dtype, buffer=nl.sbuf)
         nisa.memset(dst=self.ones, value=1.0)
@@ -473,8 +535,8 @@ def _field(cfg, sched, base, k):
     return nisa.scalar_load(sched.ap([[cfg.sched_len, 1], [1, 1]], offset=k, scalar_offset=base, indirect_dim=1))
 
 
-def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids,
-                  row_affinity, out, scales, second):
+def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up, b_down, rows, out, scales,
+                  second):
     """One scheduled expert (LNC=1): its weights (if it has rows), then its 128-row tiles, two at a time (alternate
     tile buffers), and an odd last one. The first entry (load flag 0: its weights came in the prologue) zeroes out
     after its first tile's rows are in, before that tile's scatter-add: trip count 1 - load - (tiles before), 1
@@ -491,7 +553,7 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
                                                   scales))
 
     def tile(slot, row, zero_trips=0, n=P_MAX, pb=0, g=None):
-        _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, out,
+        _token_tile(cfg, slot, psum, row, x, rows, out,
                     lambda: nl.fori_loop(0, zero_trips, lambda _: _zero_rows(cfg, out, 0, cfg.T)), n, pb, g)
 
     # the second expert of a pair takes the tile buffer sets in the other order, so that experts with a single
@@ -560,16 +622,17 @@ def _load_bf16_weights(cfg, slot, e, w_gate_up, w_down, b_down, down_cols=None):
 
 
 def _load_bf16_gate_up(cfg, slot, e, w_gate_up):
-    """Gate/up in the contraction tiles' H order (_Config.dma_transpose)."""
+    """Gate/up in the contraction tiles' H order (_Config.dma_transpose; the tiled layout: natural tiles, one run
+    per partition)."""
     KT, inter = cfg.KT, cfg.I
     row = 2 * inter
     step = (KT + W_GU_DMAS - 1) // W_GU_DMAS
     for k0 in range(0, KT, step):
         k1 = min(KT, k0 + step)
-        if cfg.dma_transpose:      # natural tiles: H row kt * 128 + p
+        if cfg.dma_transpose and not cfg.gu_tiled:      # natural tiles: H row kt * 128 + p
             src = w_gate_up.ap([[row, P_MAX], [P_MAX * row, k1 - k0], [1, row]], offset=k0 * P_MAX * row,
                                scalar_offset=e, indirect_dim=0)
-        else:                      # H row p * KT + kt: one contiguous run per partition
+        else:     # one contiguous run per partition: H row p * KT + kt, or (tiled layout) kt * 128 + p
             src = w_gate_up.ap([[KT * row, P_MAX], [1, (k1 - k0) * row]], offset=k0 * row, scalar_offset=e,
                                indirect_dim=0)
         nisa.dma_copy(dst=slot.wgu[:, k0:k1, :], src=src)
@@ -586,12 +649,13 @@ def _load_bf16_down(cfg, slot, e, w_down, b_down, c0=0, width=None, d0=0):
                       src=w_down.ap([[H, P_MAX], [P_MAX * H, full], [1, width]], offset=c0, scalar_offset=e,
                                     indirect_dim=0))
     rem = inter - full * P_MAX
+    rb = slot.rb     # the last contraction tile's first partition (cfg.rem_high)
     if rem:
-        nisa.dma_copy(dst=slot.wd[0:rem, full, d0:d0 + width],
+        nisa.dma_copy(dst=slot.wd[rb:rb + rem, full, d0:d0 + width],
                       src=w_down.ap([[H, rem], [1, width]], offset=full * P_MAX * H + c0, scalar_offset=e,
                                     indirect_dim=0))
     if cfg.bias_d:
-        nisa.dma_copy(dst=slot.wd[rem:rem + 1, full, d0:d0 + width],
+        nisa.dma_copy(dst=slot.wd[rb + rem:rb + rem + 1, full, d0:d0 + width],
                       src=b_down.ap([[H, 1], [1, width]], offset=c0, scalar_offset=e, indirect_dim=0))
 
 
@@ -616,35 +680,39 @@ def _load_weights(cfg, slot, psum, e, w_gate_up, w_down, b_gate_up, b_down, scal
         full = inter // P_MAX
         rem = inter - full * P_MAX
         ps = psum.d[BIAS_COL_BANK]
+        rb = slot.rb if full == cfg.KD - 1 else 0     # the last I chunk is the last contraction tile's
         for gu in range(2):
             for j in range(cfg.n_ic):
                 i0 = j * P_MAX
                 w = min(P_MAX, inter - i0)
                 col = gu * cfg.n_ic + j
-                nisa.nc_matmul(dst=ps[:w, col:col + 1], stationary=slot.brow[:, gu * inter + i0:gu * inter + i0 + w],
-                               moving=psum.ones[:, 0:1], accumulate=False)
+                o = rb if j == full else 0
+                nisa.nc_matmul(dst=ps[o:o + w, col:col + 1],
+                               stationary=slot.brow[:, gu * inter + i0:gu * inter + i0 + w],
+                               moving=psum.ones[:, 0:1], accumulate=False, **_col_tile(o))
         for gu in range(2):
             c = gu * cfg.n_ic
             if full:
                 nisa.tensor_copy(dst=slot.bcol[:, c:c + full], src=ps[:, c:c + full])
             if rem:
-                nisa.tensor_copy(dst=slot.bcol[:rem, c + full:c + full + 1], src=ps[:rem, c + full:c + full + 1])
+                nisa.tensor_copy(dst=slot.bcol[rb:rb + rem, c + full:c + full + 1],
+                                 src=ps[rb:rb + rem, c + full:c + full + 1])
         # the bias row goes to all 128 token partitions by a ones-matmul (a partition-stride-0 DMA would read it
         # from HBM 128 times): added to each token's gate/up row
         for c0 in range(0, row, PSUM_F):
             cw = min(PSUM_F, row - c0)
-            ps = psum.d[(c0 // PSUM_F) % DOWN_BANKS]
+            ps = psum.d[(c0 // PSUM_F) % len(psum.d)]
             nisa.nc_matmul(dst=ps[:, :cw], stationary=psum.ones, moving=slot.brow[:, c0:c0 + cw], accumulate=False)
             nisa.tensor_copy(dst=slot.bgu[:, c0:c0 + cw], src=ps[:, :cw])
 
 
-def _token_tile(cfg, slot, psum, row, x, gather_ids, scatter_ids, row_affinity, out, after_inputs, n=P_MAX, pb=0,
+def _token_tile(cfg, slot, psum, row, x, rows, out, after_inputs, n=P_MAX, pb=0,
                 gates=None):
     """One tile of an expert's rows (n = 128, or HALF_ROWS for a narrow last tile whose output rows sit on
     partitions pb..pb+n): gather, gate/up, activation, down, scale, scatter-add (after_inputs() runs in program
     order after the tile's input DMAs: the core's zero-fill, once). gates: an expert's last tile, its padding
     pieces' rows neither gathered nor scattered (_row_pieces)."""
-    _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n, pb, gates)
+    _load_tile_inputs(cfg, slot, row, x, rows, n, pb, gates)
     after_inputs()
     _gate_up_act(cfg, slot, psum, n, pb, slot.aTh)
     if cfg.mx:
@@ -712,11 +780,14 @@ def _gather_base(cfg, n, pb):
     return P_MAX - n - pb if not cfg.dma_transpose else 0
 
 
-def _load_tile_inputs(cfg, slot, row, x, gather_ids, scatter_ids, row_affinity, n, pb, gates=None):
+def _load_tile_inputs(cfg, slot, row, x, rows, n, pb, gates=None):
     b = _gather_base(cfg, n, pb)
-    nisa.dma_copy(dst=slot.gid[b:b + n, :], src=gather_ids[nl.ds(row, n), :])
-    nisa.dma_copy(dst=slot.sid[pb:pb + n, :], src=scatter_ids[nl.ds(row, n), :])
-    nisa.dma_copy(dst=slot.aff[pb:pb + n, :], src=row_affinity[nl.ds(row, n), :])
+    nisa.dma_copy(dst=slot.gid[b:b + n, :].view(nl.int32), src=rows[nl.ds(row, n), ROW_GATHER:ROW_GATHER + 1])
+    if slot.ids is None:
+        nisa.dma_copy(dst=slot.sid[pb:pb + n, :], src=rows[nl.ds(row, n), ROW_SCATTER:ROW_SCATTER + 1])
+        nisa.dma_copy(dst=slot.aff[pb:pb + n, :].view(nl.int32), src=rows[nl.ds(row, n), ROW_AFF:ROW_AFF + 1])
+    else:
+        nisa.dma_copy(dst=slot.ids[pb:pb + n, :], src=rows[nl.ds(row, n), ROW_SCATTER:])
     if cfg.dma_transpose:
         # xT[p, kt, j] = x[ids[j], kt * 128 + p]: one gather-transpose of the tile's rows
         xT = slot.xT if n == P_MAX else slot.xTn
@@ -781,7 +852,7 @@ def _down_mx(cfg, slot, psum, n=P_MAX, pb=0):
     for h in range(cfg.n_hch):
         h0 = h * cfg.H_CH
         hw = min(cfg.H_CH, cfg.H - h0)
-        ps = psum.d[h % DOWN_BANKS]
+        ps = psum.d[h % len(psum.d)]
         for k in range(cfg.KDm):
             nisa.nc_matmul_mx(dst=ps[:, :hw], stationary=slot.aq[:, k, :], moving=slot.wd[:, k, h0:h0 + hw],
                               stationary_scale=slot.as_[:, k, :], moving_scale=slot.sd[:, k, h0:h0 + hw],
@@ -800,17 +871,19 @@ def _half_gate_up_act(cfg, slot, aT=None):
     for j in range(cfg.n_ic):
         i0 = j * P_MAX
         w = min(P_MAX, inter - i0)
-        pg, pu = slot.pg[:w, j * n:(j + 1) * n], slot.pu[:w, j * n:(j + 1) * n]
+        o = slot.rb if j == cfg.KD - 1 else 0     # the last contraction tile's partitions (cfg.rem_high)
+        r = slice(o, o + w)
+        pg, pu = slot.pg[r, j * n:(j + 1) * n], slot.pu[r, j * n:(j + 1) * n]
         for kt in range(KT):
             nisa.nc_matmul(dst=pg, stationary=slot.wgu[:, kt, i0:i0 + w], moving=slot.xTn[:, kt, :n],
-                           accumulate=kt > 0)
+                           accumulate=kt > 0, **_col_tile(o))
             nisa.nc_matmul(dst=pu, stationary=slot.wgu[:, kt, inter + i0:inter + i0 + w], moving=slot.xTn[:, kt, :n],
-                           accumulate=kt > 0)
-        g, u, sg = slot.gh[:w, :], slot.uh[:w, :], slot.sh[:w, :]
-        a = (slot.aTh if aT is None else aT)[:w, j, :n]
+                           accumulate=kt > 0, **_col_tile(o))
+        g, u, sg = slot.gh[r, :], slot.uh[r, :], slot.sh[r, :]
+        a = (slot.aTh if aT is None else aT)[r, j, :n]
         if cfg.bias_gu:
-            nisa.tensor_scalar(dst=g, data=pg, op0=nl.add, operand0=slot.bcol[:w, j:j + 1])
-            nisa.tensor_scalar(dst=u, data=pu, op0=nl.add, operand0=slot.bcol[:w, cfg.n_ic + j:cfg.n_ic + j + 1])
+            nisa.tensor_scalar(dst=g, data=pg, op0=nl.add, operand0=slot.bcol[r, j:j + 1])
+            nisa.tensor_scalar(dst=u, data=pu, op0=nl.add, operand0=slot.bcol[r, cfg.n_ic + j:cfg.n_ic + j + 1])
             pg, pu = g, u
         _act(cfg, pg, pu, g, u, sg, a)
 
@@ -831,8 +904,8 @@ def _act(cfg, g_in, u_in, g, u, sg, a):
 
 
 def _transpose_x(cfg, slot, psum, n, pb=0):
-    """xT[:, kt, :n] = x tile columns {p * KT + kt} of the n rows transposed (TensorE), TRANSPOSE_GROUP per PSUM
-    bank."""
+    """xT[:, kt, :n] = x tile columns {p * KT + kt} (tiled gate/up layout: {kt * 128 + p}) of the n rows transposed
+    (TensorE), TRANSPOSE_GROUP per PSUM bank."""
     KT = cfg.KT
     b = _gather_base(cfg, n, pb)
     for gi, c0 in enumerate(range(0, KT, TRANSPOSE_GROUP)):
@@ -840,7 +913,9 @@ def _transpose_x(cfg, slot, psum, n, pb=0):
         ps = psum.t[gi % 2]
         for c in range(nc):
             kt = c0 + c
-            nisa.nc_transpose(dst=ps[:, c, :n], data=slot.xt[b:b + n, kt:kt + (P_MAX - 1) * KT + 1:KT])
+            cols = (slice(kt * P_MAX, (kt + 1) * P_MAX) if cfg.gu_tiled
+                    else slice(kt, kt + (P_MAX - 1) * KT + 1, KT))
+            nisa.nc_transpose(dst=ps[:, c, :n], data=slot.xt[b:b + n, cols])
         evict(gi + 1, slot.xT[:, c0:c0 + nc, :n], ps[:, :nc, :n])    # ScalarE first: VectorE has the activation
 
 
@@ -870,31 +945,48 @@ def _activation_step(cfg, slot, psum, c):
 def _transpose_act(cfg, slot, psum):
     """aT[:, k, :] = a[:, k*128 : k*128 + 128]^T (with the down bias, column I of a is 1: the bias row's input)."""
     ps = psum.at
+    rb = slot.rb
     for k in range(cfg.KD):
         w = min(P_MAX, cfg.I_aug - k * P_MAX)
-        nisa.nc_transpose(dst=ps[:w, k, :], data=slot.a[:, k * P_MAX:k * P_MAX + w])
+        # the last tile on partitions rb..: transpose rb more columns before it (they land on partitions 0..rb)
+        o = rb if k == cfg.KD - 1 else 0
+        nisa.nc_transpose(dst=ps[:o + w, k, :], data=slot.a[:, k * P_MAX - o:k * P_MAX + w])
     full = cfg.I_aug // P_MAX
     if full:
         evict(0, slot.aT[:, :full, :], ps[:, :full, :])
     rem = cfg.I_aug - full * P_MAX
     if rem:
-        evict(1, slot.aT[:rem, full, :], ps[:rem, full, :])
+        evict(1, slot.aT[rb:rb + rem, full, :], ps[rb:rb + rem, full, :])
 
 
 def _down_step(cfg, slot, psum, aT, n, pb=0):
     """y[pb:pb+n, chunk] = affinity * (a @ Wd (+ bd)) rounded to x's dtype, chunk by chunk over DOWN_BANKS PSUM
     banks (aT: act^T [I_aug, n] in KD partition tiles, the stationary). A narrow tile (n < 128) is a column tile of
     the PE array at column pb (tile_position), so its output rows land on PSUM partitions pb..pb+n."""
-    tiling = dict(tile_position=(0, pb), tile_size=(P_MAX, n)) if n < P_MAX else {}
     for h in range(cfg.n_hch):
         h0 = h * cfg.H_CH
         hw = min(cfg.H_CH, cfg.H - h0)
-        ps = psum.d[h % DOWN_BANKS]
+        ps = psum.d[h % len(psum.d)]
         for k in range(cfg.KD):
             w = min(P_MAX, cfg.I_aug - k * P_MAX)
-            nisa.nc_matmul(dst=ps[pb:pb + n, :hw], stationary=aT[:w, k, :n], moving=slot.wd[:w, k, h0:h0 + hw],
-                           accumulate=k > 0, **tiling)
+            o = slot.rb if k == cfg.KD - 1 else 0
+            nisa.nc_matmul(dst=ps[pb:pb + n, :hw], stationary=aT[o:o + w, k, :n],
+                           moving=slot.wd[o:o + w, k, h0:h0 + hw], accumulate=k > 0, **_pe_tile(o, w, pb, n))
         _scale_rows(slot, ps, h, h0, hw, n, pb)
+
+
+def _col_tile(o):
+    """Matmul tiling that puts the output rows (stationary columns, <= 64) on PSUM partitions o.. (o = 0: none)."""
+    return dict(tile_position=(0, o), tile_size=(P_MAX, P_MAX - o)) if o else {}
+
+
+def _pe_tile(o, k, pb, n):
+    """Matmul tiling of a contraction tile of k rows on partitions o.. (o > 0: a 64-row PE row tile) with n output
+    rows at PSUM partition pb (n < 128: a 64-column PE column tile); {} when neither."""
+    if not o and n == P_MAX:
+        return {}
+    rs = P_MAX - o if o else P_MAX
+    return dict(tile_position=(o, pb), tile_size=(rs, n))
 
 
 def _scale_rows(slot, ps, h, h0, hw, n, pb=0):
@@ -906,8 +998,7 @@ def _scale_rows(slot, ps, h, h0, hw, n, pb=0):
         nisa.tensor_scalar(dst=slot.y[r, h0:h0 + hw], data=ps[r, :hw], op0=nl.multiply, operand0=slot.aff[r, :])
 
 
-def _hsplit(cfg, out, sched, core, weights, tiles, psum, x, w_gate_up, w_down, b_gate_up, b_down, gather_ids,
-            scatter_ids, row_affinity, scales):
+def _hsplit(cfg, out, sched, core, weights, tiles, psum, x, w_gate_up, w_down, b_gate_up, b_down, rows, scales):
     """LNC=2: the down projection split by H halves. The host pairs the experts into steps (similar tile counts:
     one expert per core and step, each core's own gate/up weights only). A step runs in tile-steps: each core
     gathers its own tile's rows, computes gate/up and the activation, its down projection for its half of H
@@ -920,7 +1011,7 @@ def _hsplit(cfg, out, sched, core, weights, tiles, psum, x, w_gate_up, w_down, b
     zero_first = nisa.scalar_load(sched[0:1, 1:2])
     c0 = core * cfg.Hh
     nl.fori_loop(0, zero_first, lambda _: _zero_rows(cfg, out, 0, cfg.T, c0, cfg.Hh))
-    refs = (x, w_gate_up, w_down, b_gate_up, b_down, gather_ids, scatter_ids, row_affinity, out, scales)
+    refs = (x, w_gate_up, w_down, b_gate_up, b_down, rows, out, scales)
 
     def pair(p):
         for s in range(2):
@@ -935,7 +1026,7 @@ def _hsplit_step(cfg, slots, psum, sched, base, refs, core, second):
     """One step of the H split: own expert e (gate/up + the H half of its down weights), the peer's expert pe (the
     H half of its down weights), then the tile-steps, two at a time on alternate tile buffer sets."""
     x, w_gate_up, w_down, b_gate_up, b_down = refs[:5]
-    scales = refs[9]
+    scales = refs[7]
     e, load, pe, pload, t_pairs, t_odd, t0 = (_field(cfg, sched, base, k) for k in range(7))
     og = pg = None
     if cfg.skip_padding:
@@ -969,21 +1060,24 @@ def _tile_step(cfg, slot, psum, sched, tb, refs, core, pb, og, pg):
     affinities, down for this core's H half from the received act^T, scatter-add. A bf16 narrow tile's act^T sits
     in columns 0..63; an MX narrow tile is computed on all 128 token rows, its real rows pb..pb+64 (both cores use
     the same tile set for a tile-step, so the peer's rows sit on the same partitions)."""
-    x, _, _, _, _, gather_ids, scatter_ids, row_affinity, out, _ = refs
+    x, _, _, _, _, rows, out, _ = refs
     of, op, on, orow, pf, pp, pn, prow, zero = (_field(cfg, sched, tb, k) for k in range(TILE_FIELDS))
     c0, Hh = core * cfg.Hh, cfg.Hh
     own_op = (slot.aq, slot.as_) if cfg.mx else slot.aT
     peer_op = (slot.aqr, slot.asr) if cfg.mx else slot.aTr
 
     def own(n, p, g=None):
-        _load_tile_inputs(cfg, slot, orow, x, gather_ids, scatter_ids, row_affinity, n, p, g)
+        _load_tile_inputs(cfg, slot, orow, x, rows, n, p, g)
         nl.fori_loop(0, zero, lambda _: _zero_rows(cfg, out, 0, cfg.T, c0, Hh))
         _gate_up_act(cfg, slot, psum, n, p, slot.aT)
         _down_half(cfg, psum, own_op, slot, 0, slot.y, slot.aff, slot.sid, n, p, out, c0, 0, g)
 
     def peer(n, p, g=None):
-        nisa.dma_copy(dst=slot.psid[p:p + n, :], src=scatter_ids[nl.ds(prow, n), :])
-        nisa.dma_copy(dst=slot.paff[p:p + n, :], src=row_affinity[nl.ds(prow, n), :])
+        if slot.pids is None:
+            nisa.dma_copy(dst=slot.psid[p:p + n, :], src=rows[nl.ds(prow, n), ROW_SCATTER:ROW_SCATTER + 1])
+            nisa.dma_copy(dst=slot.paff[p:p + n, :].view(nl.int32), src=rows[nl.ds(prow, n), ROW_AFF:ROW_AFF + 1])
+        else:
+            nisa.dma_copy(dst=slot.pids[p:p + n, :], src=rows[nl.ds(prow, n), ROW_SCATTER:])
         _down_half(cfg, psum, peer_op, slot, Hh, slot.py, slot.paff, slot.psid, n, p, out, c0, cfg.n_hch_half, g)
 
     nl.fori_loop(0, of, lambda _: own(P_MAX, 0))
@@ -1006,12 +1100,11 @@ def _down_half(cfg, psum, op, w, w0, y, aff, sid, n, pb, out, c0, b0, gates=None
     skipped). op: act^T [I_aug, tokens] (bf16), or the MXFP8 act^T (words, scales) with MXFP4 weights (nc_matmul_mx,
     the bias a K=1 matmul; computed on all 128 token rows, rows pb..pb+n kept). PSUM banks (and the bf16 path's
     ScalarE / VectorE evictions) rotate from b0 (the peer tile's chunks continue the own tile's rotation)."""
-    tiling = dict(tile_position=(0, pb), tile_size=(P_MAX, n)) if n < P_MAX and not cfg.mx else {}
     r = slice(pb, pb + n)
     for h in range(cfg.n_hch_half):
         h0 = h * cfg.H_CH
         hw = min(cfg.H_CH, cfg.Hh - h0)
-        ps = psum.d[(b0 + h) % DOWN_BANKS]
+        ps = psum.d[(b0 + h) % len(psum.d)]
         cols = slice(w0 + h0, w0 + h0 + hw)
         if cfg.mx:
             aq, as_ = op
@@ -1023,8 +1116,9 @@ def _down_half(cfg, psum, op, w, w0, y, aff, sid, n, pb, out, c0, b0, gates=None
         else:
             for k in range(cfg.KD):
                 kw = min(P_MAX, cfg.I_aug - k * P_MAX)
-                nisa.nc_matmul(dst=ps[r, :hw], stationary=op[:kw, k, :n], moving=w.wd[:kw, k, cols],
-                               accumulate=k > 0, **tiling)
+                o = w.rb if k == cfg.KD - 1 else 0
+                nisa.nc_matmul(dst=ps[r, :hw], stationary=op[o:o + kw, k, :n], moving=w.wd[o:o + kw, k, cols],
+                               accumulate=k > 0, **_pe_tile(o, kw, pb, n))
         if cfg.mx or (b0 + h) % 2 == 0:    # MX: all on ScalarE (VectorE carries the quantize_mx work)
             nisa.activation(dst=y[r, h0:h0 + hw], op=nl.copy, data=ps[r, :hw], scale=aff[r, :])
         else:
@@ -1038,7 +1132,8 @@ moe_cte_nki = nki.jit(moe_cte_kernel)
 # ---- host side ----------------------------------------------------------------------------------------------------
 
 def kernel_inputs(expert_index, affinities, num_experts, block_size, n_cores=1):
-    """Mapping → the kernel's index arrays (NumPy): gather_ids, scatter_ids, row_affinity [R, 1] and schedule."""
+    """Mapping → the kernel's inputs (NumPy): (mapping, rows [R, ROW_FIELDS] int32, schedule); rows_table splits
+    the rows table back into gather ids, scatter ids and affinities."""
     m = blockwise_mapping(expert_index, num_experts, block_size)
     ids = m.token_position_to_id
     aff = np.asarray(affinities.float().cpu() if hasattr(affinities, "cpu") else affinities, np.float32).reshape(-1)
@@ -1047,7 +1142,30 @@ def kernel_inputs(expert_index, affinities, num_experts, block_size, n_cores=1):
     ids, row_aff = _place_last_tiles(m, ids, row_aff)
     gather = np.where(ids >= 0, ids, 0).astype(np.uint32)
     sched = expert_schedule(m, n_cores)
-    return m, gather[:, None], ids[:, None].astype(np.int32), row_aff[:, None], sched
+    rows = np.zeros((len(ids), ROW_FIELDS), np.int32)
+    rows[:, ROW_GATHER] = gather.view(np.int32)
+    rows[:, ROW_SCATTER] = ids
+    rows[:, ROW_AFF] = row_aff.view(np.int32)
+    return m, rows, sched
+
+
+def tile_gate_up(w_gate_up):
+    """[E, H, 2, I] gate/up weights → the kernel's tiled layout [E, 128, H/128, 2I]: element [e, p, kt, g * I + i] =
+    w[e, kt * 128 + p, g, i] (a load-time permutation, as MXFP4's packing): each partition's rows of an expert are one
+    contiguous DMA run whichever x^T path the kernel takes (the [E, H, 2, I] layout gives the DMA-transpose path
+    runs of 2I elements, 720 B at GPT-OSS-120B TP16: ~74% DMA efficiency in the model). numpy or torch."""
+    E, H, two, inter = w_gate_up.shape
+    w = w_gate_up.reshape(E, H // P_MAX_HOST, P_MAX_HOST, two * inter)
+    if isinstance(w, np.ndarray):
+        return np.ascontiguousarray(w.transpose(0, 2, 1, 3))
+    return w.transpose(1, 2).contiguous()
+
+
+def rows_table(rows):
+    """The kernel's rows table → (gather ids uint32, scatter ids int32, affinities fp32), each [R]."""
+    rows = np.ascontiguousarray(rows, np.int32)
+    return (rows[:, ROW_GATHER].copy().view(np.uint32), rows[:, ROW_SCATTER].copy(),
+            rows[:, ROW_AFF].copy().view(np.float32))
 
 
 def expert_schedule(m, n_cores=1):
@@ -1190,9 +1308,8 @@ def run_kernel(x, expert_index, affinities, w_gate_up, w_down, b_gate_up, b_down
                block_size, lnc, **scales):
     """Build the kernel's inputs from the routing and launch it (cte.moe_cte checked the arguments and the
     backend)."""
-    _, gather, scatter, row_aff, sched = kernel_inputs(expert_index, affinities, w_gate_up.shape[0], block_size,
-                                                       lnc)
-    arrays = [gather, scatter, row_aff, sched]
+    _, rows, sched = kernel_inputs(expert_index, affinities, w_gate_up.shape[0], block_size, lnc)
+    arrays = [rows, sched]
     if not isinstance(x, np.ndarray):
         import torch
         arrays = [torch.from_numpy(a) for a in arrays]

@@ -339,7 +339,7 @@ def test_kernel_last_tiles_mostly_padding(target, lnc, monkeypatch):
     and piece-count one-hot gates, placed cyclically, wrapping): 1 and 17 rows (narrow, mostly padding), 65 rows
     (partial: 63 padding rows), 100, 129, 200 and 250 rows (complete tiles then partial / narrow last tiles);
     TensorE transposes (trn2, gather and scatter gated) and DMA transposes (trn3 at I 256, scatter gated)."""
-    from nki_kernels.moe.moe_cte import PAD_PIECE, PAD_STARTS, _last_tiles, _pad_count_min, kernel_inputs
+    from nki_kernels.moe.moe_cte import PAD_PIECE, PAD_STARTS, _last_tiles, _pad_count_min, kernel_inputs, rows_table
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     counts = (65, 1, 17, 100, 129, 200, 250)
     T, E, inter = sum(counts), 8, 256 if target == "trn3" else 96
@@ -347,7 +347,8 @@ def test_kernel_last_tiles_mostly_padding(target, lnc, monkeypatch):
     idx = torch.cat([torch.full((c, 1), e, dtype=torch.int64) for e, c in enumerate(counts)])
     idx = idx[torch.randperm(T, generator=torch.Generator().manual_seed(3))]
     aff = torch.rand(T, 1, generator=torch.Generator().manual_seed(4))
-    m, gather, scatter, row_aff, _ = kernel_inputs(idx, aff, E, 128, lnc)
+    m, rows, _ = kernel_inputs(idx, aff, E, 128, lnc)
+    _, scatter, row_aff = (a[:, None] for a in rows_table(rows))
     firsts = m.expert_first_block[:m.num_active] * m.block_size
     wrapped = 0
     for j, (full, half, part, gates, slots) in enumerate(_last_tiles(m)):
@@ -370,3 +371,45 @@ def test_kernel_last_tiles_mostly_padding(target, lnc, monkeypatch):
     opts = dict(b_gate_up=b_gu, b_down=b_d, activation="clamped_swiglu", add_down_bias=True, block_size=128)
     args = (x, idx, aff, w_gu, w_d)
     assert_close(moe_cte(*args, **opts, backend="nkisim", lnc=lnc), moe_cte(*args, **opts, backend="torch"))
+
+
+@pytest.mark.parametrize("target,inter", [("trn2", 96), ("trn3", 256)])
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_kernel_tiled_gate_up_layout(target, inter, lnc, monkeypatch):
+    """Gate/up weights in the tiled layout [E, 128, H/128, 2I] (tile_gate_up: natural H tiles, one DMA run per
+    partition): TensorE transposes of natural column tiles (trn2, I 96) and DMA gather-transposes (trn3, I 256),
+    full, partial and narrow last tiles; same result as the [E, H, 2, I] layout's reference."""
+    from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki, tile_gate_up
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+    T, H, E, k = 300, 256, 4, 2
+    x, idx, aff, w_gu, w_d, b_gu, b_d = make_inputs(T, H, E, inter, k)
+    tiled = tile_gate_up(w_gu)
+    assert tuple(tiled.shape) == (E, 128, H // 128, 2 * inter)
+    assert torch.equal(tiled[1, 5, 1, inter + 3], w_gu[1, 128 + 5, 1, 3])
+    _, *arrays = kernel_inputs(idx, aff, E, 128, lnc)
+    kernel = moe_cte_nki if lnc == 1 else moe_cte_nki[lnc]
+    out = kernel(x, tiled, w_d, *[torch.from_numpy(a) for a in arrays], b_gate_up=b_gu, b_down=b_d,
+                 routed_rows=T * k)
+    ref = moe_cte(x, idx, aff, w_gu, w_d, b_gate_up=b_gu, b_down=b_d, activation="clamped_swiglu",
+                  add_down_bias=True, block_size=128, backend="torch")
+    assert_close(torch.as_tensor(out), ref)
+
+
+@pytest.mark.parametrize("target", ["trn2", "trn3"])
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_kernel_last_down_tile_on_high_partitions(target, lnc, monkeypatch):
+    """I = 180 (GPT-OSS-120B TP16: 180 + the bias row = 128 + 53 down contraction rows) below REM_HIGH_MAX_ROWS rows
+    per expert: the second weight slot keeps the last contraction tile (weights, act^T, narrow gate/up, bias
+    columns) on partitions 64.. (row-tiled matmuls)."""
+    from nki_kernels.moe import moe_cte as mod
+    seen = []
+    init = mod._Config.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        seen.append(self.rem_high)
+
+    monkeypatch.setattr(mod._Config, "__init__", spy)
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+    run_and_check(200, 256, 4, 180, 2, lnc=lnc, block_size=128)
+    assert seen and all(seen)
