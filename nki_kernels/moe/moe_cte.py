@@ -61,7 +61,8 @@ def _pad_count_min(n):
 # per scheduled expert: expert id, first row, pairs of complete 128-row tiles, odd complete tile (0/1),
 # weights-needed flag (0/1), narrow last tile (0/1: the expert's last HALF_ROWS rows or fewer, see _half_tile),
 # partial last 128-row tile (0/1: 65..127 rows), then the last tile's PAD_GATES window gates (0/1)
-SCHED_FIELDS = 7 + PAD_GATES
+SCHED_BASE = 7          # the fields before the window gates
+SCHED_FIELDS = SCHED_BASE + PAD_GATES
 # LNC=1 schedule header: expert pairs, prologue flag (0/1: the first expert's weights load before out is zeroed, so
 # that the first matmuls do not wait behind the zero-fill in the DMA queues; its own load flag is then 0)
 SCHED_HEADER = 2
@@ -71,7 +72,8 @@ HS_HEADER = 2
 # per step: own expert, own load flag (gate/up + this core's H half of the down weights), peer expert, peer load
 # flag (this core's H half of the peer's down weights), tile-step pairs, odd tile-step (0/1), index of its first
 # tile-step in the row, then the own and the peer expert's last-tile PAD_GATES window gates
-STEP_FIELDS = 7 + 2 * PAD_GATES
+STEP_BASE = 7           # the fields before the window gates
+STEP_FIELDS = STEP_BASE + 2 * PAD_GATES
 # per tile-step: own complete tile (0/1), own partial tile (0/1), own narrow tile (0/1), own first row, the same
 # four for the peer, zero-fill flag (1 on the core's first own tile: its half of out is zeroed after that tile's
 # rows)
@@ -548,7 +550,8 @@ def _serve_expert(cfg, slots, psum, sched, base, x, w_gate_up, w_down, b_gate_up
     load = _field(cfg, sched, base, 4)
     half = _field(cfg, sched, base, 5)
     part = _field(cfg, sched, base, 6)
-    gates = tuple(_field(cfg, sched, base, 7 + k) for k in range(PAD_GATES)) if cfg.skip_padding else None
+    gates = tuple(_field(cfg, sched, base, SCHED_BASE + k) for k in range(PAD_GATES)) if cfg.skip_padding \
+        else None
     nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], psum, e, w_gate_up, w_down, b_gate_up, b_down,
                                                   scales))
 
@@ -1027,11 +1030,11 @@ def _hsplit_step(cfg, slots, psum, sched, base, refs, core, second):
     H half of its down weights), then the tile-steps, two at a time on alternate tile buffer sets."""
     x, w_gate_up, w_down, b_gate_up, b_down = refs[:5]
     scales = refs[7]
-    e, load, pe, pload, t_pairs, t_odd, t0 = (_field(cfg, sched, base, k) for k in range(7))
+    e, load, pe, pload, t_pairs, t_odd, t0 = (_field(cfg, sched, base, k) for k in range(STEP_BASE))
     og = pg = None
     if cfg.skip_padding:
-        og = tuple(_field(cfg, sched, base, 7 + k) for k in range(PAD_GATES))
-        pg = tuple(_field(cfg, sched, base, 7 + PAD_GATES + k) for k in range(PAD_GATES))
+        og = tuple(_field(cfg, sched, base, STEP_BASE + k) for k in range(PAD_GATES))
+        pg = tuple(_field(cfg, sched, base, STEP_BASE + PAD_GATES + k) for k in range(PAD_GATES))
     c0 = core * cfg.Hh
     nl.fori_loop(0, load, lambda _: _load_weights(cfg, slots[0], psum, e, w_gate_up, w_down, b_gate_up, b_down,
                                                   scales, down_cols=(c0, cfg.Hh)))
