@@ -74,6 +74,17 @@ WEIGHT_ROOM = None         # bytes per partition a weight may take (None: from t
 # 39.7 us for the others). Spread over 16 engines the short runs cost less than that queue; it also saves the x^T
 # TensorE transposes. More tokens keep the rows (enough engines; the 2-byte-per-KT runs would cost more).
 XT_DIRECT_TOKENS = 16
+# ... except (_Config.x_row_parts: trn2, d = 128, bf16 cache, where the DMA rings pace the K/V stream) for
+# X_ROW_PARTS_MIN .. XT_DIRECT_TOKENS tokens: the transposed load moves 64-byte runs (DMA efficiency 0.20: Llama-8B
+# B=16 1.9 us on every engine), so the rows load instead, in groups (first partition, at most this many rows; 0.37 us
+# of one engine per row) on engines 12, 4, 0 and 8 (a group starts on a quadrant, as TensorE transposes it; engine 0
+# carries the small per-token tables, engine 4 the RoPE tables, engine 8 the rotated batches' first-slot prefixes),
+# transposed on TensorE (qkv._transpose_row_groups). Modelled trn2 Llama-8B B=16 4K 112.04 -> 110.93 us (DESIGN.md;
+# fp8 caches keep the transposed load: fp8 B=16 16K 232.07 -> 232.09 with the rows, 234.04 with other groupings;
+# so do caches of more than X_ROW_S_MAX positions: B=16 16K would gain (265.85 -> 264.75) but ragged B=16 lose 0.05).
+X_ROW_PARTS = ((96, 6), (32, 5), (0, 4), (64, 1))
+X_ROW_S_MAX = 4096
+X_ROW_PARTS_MIN = 9
 # First partition of a token tile's RoPE tables (cos / sin rows, _Config.small_p0) when the tile has at most 32 rows:
 # a DMA is served by the DMA engines owning its SBUF partitions (8 each), and partitions 0..7 (engine 0) also carry
 # the token rows' other small transfers (positions, pack tables, cache-update stores) and a ragged pack's first V
@@ -342,6 +353,7 @@ class _Config(nl.NKIObject):
         # paces the rows, as k_whole: trn2 and d = 128; on GPT-OSS's compute-paced packs and on trn3 the earlier
         # start only reorders the list schedule (modelled GPT-OSS ragged B=16 +2.4 %, trn3 Llama B=16 4K +0.6 %).
         self.small_p0 = SMALL_P0 if v3 and self.d == P_MAX else 0
+        self.x_row_parts = v3 and self.d == P_MAX and not fp8 and s_max <= X_ROW_S_MAX
         # Several sequences per pack on 2-batch stacks (d = 64, bf16, row-major steps): batch j's K^T lands on the
         # stack half j % 2, so the 8 DMA rings of partitions 0..63 carried the even batches' K bytes and the other
         # 8 the odd ones': with ragged lengths the halves differed by up to 2.4x (GPT-OSS B=8 16K, bench

@@ -9,6 +9,7 @@ import nki.language as nl
 from ...common.tiles import evict, transpose_tokens
 from .common import _ones_row
 from .config import P_MAX, PSUM_F, QKV_BANKS, SMALL_ROWS_MAX, TRANSPOSE_GROUP, W_QKV_DMAS, XT_DIRECT_TOKENS
+from .config import X_ROW_PARTS, X_ROW_PARTS_MIN
 
 
 class _Inputs(nl.NKIObject):
@@ -40,6 +41,19 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale
     xs = []
     for tl in tiles:
         t0, nt = tl.t0, tl.nt
+        parts = X_ROW_PARTS if cfg.x_row_parts and X_ROW_PARTS_MIN <= nt <= XT_DIRECT_TOKENS else ()
+        if parts:       # rows in len(parts) groups, each on its own partitions (see X_ROW_PARTS)
+            assert sum(cap for _p0, cap in parts) >= nt, "X_ROW_PARTS holds fewer rows than XT_DIRECT_TOKENS"
+            x = nl.ndarray((P_MAX, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
+            groups, g0 = [], 0
+            for p0, cap in parts:
+                m = min(cap, nt - g0)
+                if m > 0:
+                    nisa.dma_copy(dst=x[p0:p0 + m], src=X2[t0 + g0:t0 + g0 + m, :])
+                    groups.append((x[p0:p0 + m], g0, m))
+                g0 += max(m, 0)
+            xs.append(tuple(groups))
+            continue
         if nt <= XT_DIRECT_TOKENS:      # transposed on load: [128, tokens, KT] (see XT_DIRECT_TOKENS)
             x = nl.ndarray((P_MAX, XT_DIRECT_TOKENS, cfg.KT), dtype=X.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=x[:, :nt, :], src=X.ap([[cfg.KT, P_MAX], [cfg.H, nt], [1, cfg.KT]], offset=t0 * cfg.H))
@@ -120,6 +134,23 @@ def _transpose_bias_o(cfg, ins):
         nisa.tensor_copy(dst=ins.bias_o[:, c0:c0 + nc], src=ps[:, :nc])
 
 
+def _transpose_row_groups(groups, nt, KT):
+    """transpose_tokens over token rows loaded in groups ((rows view [m, H], first token, m), see X_ROW_PARTS):
+    xT [128, KT, 128] with H index p * KT + kt, tokens 0..nt - 1 in the columns; each group's TensorE transposes
+    write its tokens' columns of the same PSUM bank, one eviction per bank."""
+    dtype = groups[0][0].dtype
+    xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=dtype, buffer=nl.sbuf)
+    for c0 in range(0, KT, TRANSPOSE_GROUP):
+        nc = min(TRANSPOSE_GROUP, KT - c0)
+        ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=dtype, buffer=nl.psum)
+        for c in range(nc):
+            kt = c0 + c
+            for xg, g0, m in groups:
+                nisa.nc_transpose(dst=ps[:, c, g0:g0 + m], data=xg[:, kt:kt + (P_MAX - 1) * KT + 1:KT])
+        nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, :nt])
+    return xT
+
+
 def _rmsnorm(cfg, consts, ins, tiles, eps):
     """xT[tile] = [128 (H), KT, tokens] bf16 with H index p * KT + kt: rmsnorm(x) transposed.
 
@@ -132,7 +163,13 @@ def _rmsnorm(cfg, consts, ins, tiles, eps):
     for ti, tl in enumerate(tiles):
         nt = tl.nt
         x = ins.x[ti]
-        if nt <= XT_DIRECT_TOKENS:
+        if isinstance(x, tuple):        # rows in groups (X_ROW_PARTS)
+            xT = _transpose_row_groups(x, nt, KT)
+            if ins.gamma is None:
+                xTs.append(xT)
+                continue
+            xT = xT[:, :, :nt]
+        elif nt <= XT_DIRECT_TOKENS:
             xT = x[:, :nt, :].permute((0, 2, 1))        # [128, KT, nt] view of the transposed load
             if ins.gamma is None:                       # the QKV stationaries want the tokens contiguous
                 xc = nl.ndarray((P_MAX, KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
@@ -163,7 +200,7 @@ def _rmsnorm(cfg, consts, ins, tiles, eps):
         xr = nl.ndarray((P_MAX, KT, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=xr[:, :, :nt], data1=xT, data2=rstd[:, :nt].expand_dim(1).broadcast(1, KT),
                            op=nl.multiply)
-        xn = nl.ndarray((P_MAX, KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+        xn = nl.ndarray((P_MAX, KT, P_MAX), dtype=xT.dtype, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=xn[:, :, :nt], data1=xr[:, :, :nt], data2=ins.gamma.expand_dim(2).broadcast(2, nt),
                            op=nl.multiply)
         xTs.append(xn)

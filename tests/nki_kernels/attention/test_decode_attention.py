@@ -800,6 +800,31 @@ def test_ragged_whole_end_slots_with_nan_tails():
                            "not the whole-end-slot plan (k_packs, two 2048-position slots)")
 
 
+@pytest.mark.parametrize("B,S,lnc", [(9, 1, 1), (11, 1, 1), (3, 4, 1), (16, 1, 2)])
+def test_x_rows_in_groups_with_nan_tails(B, S, lnc):
+    """Llama-8B on trn2 with 9..16 tokens and a bf16 cache of <= X_ROW_S_MAX positions (_Config.x_row_parts): X's
+    rows load in groups on partitions 96 / 32 / 0 / 64 (config.X_ROW_PARTS; 9 tokens: 6 + 3, 11: 6 + 5, 12 and 16:
+    every group, the last partial) and are transposed per group into one x^T (qkv._transpose_row_groups); LNC=2
+    feeds the split-contraction QKV. NaN past every length: finite, equal to the reference, bit-identical to a
+    clean cache."""
+    ctx = 1024
+    args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=31 + B, **LLAMA31_8B_TP8)
+    lens = [90 + 61 * b for b in range(B)]
+    args[4][:, :] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)[None, :]
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    seen = []
+    orig = cfg_mod._Config.__init__
+
+    def spy(self, *a, **k):
+        orig(self, *a, **k)
+        seen.append(self.x_row_parts and cfg_mod.X_ROW_PARTS_MIN <= B * S <= cfg_mod.XT_DIRECT_TOKENS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cfg_mod._Config, "__init__", spy)
+        _assert_nan_tails_clean(args, clean, kw, lnc=lnc)
+    assert seen and all(seen), "X's rows not loaded in groups (_Config.x_row_parts)"
+
+
 @pytest.mark.parametrize("S,ctx,lens", [
     # odd pack: the last stack's one batch (4700) on partitions 64..127 in the swapped buffers; 1100 / 1500 end in
     # the swapped 1024-position slot, 4500 / 5800 in either piece of the swapped 2048-position one, their stack
