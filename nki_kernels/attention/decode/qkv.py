@@ -8,8 +8,17 @@ import nki.language as nl
 
 from ...common.tiles import evict, transpose_tokens
 from .common import _ones_row
-from .config import P_MAX, PSUM_F, QKV_BANKS, SMALL_ROWS_MAX, TRANSPOSE_GROUP, W_QKV_DMAS, XT_DIRECT_TOKENS
-from .config import X_ROW_PARTS, X_ROW_PARTS_MIN
+from .config import (
+    P_MAX,
+    PSUM_F,
+    QKV_BANKS,
+    SMALL_ROWS_MAX,
+    TRANSPOSE_GROUP,
+    W_QKV_DMAS,
+    X_ROW_PARTS,
+    X_ROW_PARTS_MIN,
+    XT_DIRECT_TOKENS,
+)
 
 
 class _Inputs(nl.NKIObject):
