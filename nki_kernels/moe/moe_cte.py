@@ -389,6 +389,17 @@ class _Weights(nl.NKIObject):
                      if cfg.bias_gu and not cfg.mx else None)
 
 
+def _scatter_ids_tiles(cfg):
+    """(ids, sid, aff) for one tile's rows: bf16 paths load the rows table's scatter-id and affinity columns into one
+    tile (one DMA; sid and aff are its column views); MX keeps separate tiles and DMAs (ids None), as before the rows
+    table (one tile for both: 20B TP8 T 2048 trn3 LNC 1 577.1 -> 591.2 us, modelled; not analysed)."""
+    if cfg.mx:
+        return (None, nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf),
+                nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf))
+    ids = nl.ndarray((P_MAX, ROW_FIELDS - ROW_SCATTER), dtype=nl.int32, buffer=nl.sbuf)
+    return ids, ids[:, 0:1], ids[:, ROW_AFF - ROW_SCATTER:ROW_AFF - ROW_SCATTER + 1].view(nl.float32)
+
+
 class _Tiles(nl.NKIObject):
     """One token tile's working buffers (two sets, alternating tile by tile: the next tile's rows arrive and its
     gate/up runs while this tile's activation and down projection finish)."""
@@ -399,16 +410,7 @@ class _Tiles(nl.NKIObject):
         # columns; views of one tile): the gather ids apart, so that the next tile's gather on this set waits only
         # for this tile's gather, not for its scatter-add (the end of its pipeline)
         self.gid = nl.ndarray((P_MAX, 1), dtype=nl.uint32, buffer=nl.sbuf)
-        if cfg.mx:
-            # MX tiles: scatter ids and affinities in tiles (and DMAs) of their own, as before the rows table (one
-            # tile for both: 20B TP8 T 2048 trn3 LNC 1 577.1 -> 591.2 us, modelled; not analysed)
-            self.ids = None
-            self.sid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
-            self.aff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        else:
-            self.ids = nl.ndarray((P_MAX, ROW_FIELDS - ROW_SCATTER), dtype=nl.int32, buffer=nl.sbuf)
-            self.sid = self.ids[:, 0:1]
-            self.aff = self.ids[:, ROW_AFF - ROW_SCATTER:ROW_AFF - ROW_SCATTER + 1].view(nl.float32)
+        self.ids, self.sid, self.aff = _scatter_ids_tiles(cfg)
         self.xt = None if cfg.dma_transpose else nl.ndarray((P_MAX, H), dtype=dt, buffer=nl.sbuf)
         if self.xt is not None and not cfg.mx and cfg.skip_padding:
             # padding pieces are not gathered (PAD_PIECE): their rows keep earlier x rows, or these zeros, so that
@@ -456,14 +458,8 @@ class _Tiles(nl.NKIObject):
                 self.asr = nl.ndarray((P_MAX, cfg.KDm, P_MAX), dtype=nl.uint8, buffer=nl.sbuf)
             else:
                 self.aTr = nl.ndarray((P_MAX, KD, P_MAX), dtype=dt, buffer=nl.sbuf)
-            # the peer rows' scatter ids and affinities (one DMA of the rows table's last two columns)
-            if cfg.mx:     # separate tiles and DMAs, as the MX tile's own (see gid above)
-                self.psid = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
-                self.paff = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-            else:
-                self.pids = nl.ndarray((P_MAX, ROW_FIELDS - ROW_SCATTER), dtype=nl.int32, buffer=nl.sbuf)
-                self.psid = self.pids[:, 0:1]
-                self.paff = self.pids[:, ROW_AFF - ROW_SCATTER:ROW_AFF - ROW_SCATTER + 1].view(nl.float32)
+            # the peer rows' scatter ids and affinities
+            self.pids, self.psid, self.paff = _scatter_ids_tiles(cfg)
             self.py = nl.ndarray((P_MAX, cfg.Hh), dtype=dt, buffer=nl.sbuf)
             # bf16: a narrow tile writes its act^T into aT (the swapped tile): the bias row as in aTh
             if cfg.bias_d and not cfg.mx:

@@ -18,6 +18,7 @@ from .router import (
     P_MAX,
     RESET,
     RouterConsts,
+    load_router_bias,
     load_router_weights,
     logits_step,
     router_argument_error,
@@ -375,15 +376,7 @@ def _load_router_swap_step(cfg, w_router, b_router):
     for sz in _swap_pieces(KH, cfg.T):
         nisa.dma_copy(dst=wr[:, a:a + sz, :], src=src[:, a:a + sz, :])
         a += sz
-    br = None
-    if b_router is not None:
-        raw = nl.ndarray((1, E), dtype=b_router.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=raw, src=b_router.reshape((1, E)))
-        br = raw
-        if b_router.dtype != nl.bfloat16:
-            br = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=br, src=raw)
-    return wr, br
+    return wr, load_router_bias(b_router, E)
 
 
 def _route_swap_step(cfg, consts, hT, wr, br, router_mode, renormalize):

@@ -99,6 +99,20 @@ def router_w_pieces(n, row_bytes):
     return [(i + 1) * n // p - i * n // p for i in range(p)]
 
 
+def load_router_bias(b_router, E):
+    """b_r [E] -> SBUF [1, E] for the logits' K=1 bias matmul: bf16 as given, any other dtype as fp32 (None stays
+    None)."""
+    if b_router is None:
+        return None
+    raw = nl.ndarray((1, E), dtype=b_router.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=raw, src=b_router.reshape((1, E)))
+    if b_router.dtype == nl.bfloat16:
+        return raw
+    br = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=br, src=raw)
+    return br
+
+
 def load_router_weights(w_router, b_router, KT, k0=0, k1=None, decreasing=False):
     """W_r as [128, KT, E] bf16 (H row p * KT + kt on partition p: KT * E contiguous elements per partition, the H
     order of the transposed activations); rows of the kt range [k0, k1) only (LNC=2 splits them), in pieces of
@@ -110,14 +124,7 @@ def load_router_weights(w_router, b_router, KT, k0=0, k1=None, decreasing=False)
     fp32 one's cycles)."""
     E = w_router.shape[1]
     k1 = KT if k1 is None else k1
-    br = None
-    if b_router is not None:
-        raw = nl.ndarray((1, E), dtype=b_router.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=raw, src=b_router.reshape((1, E)))
-        br = raw
-        if b_router.dtype != nl.bfloat16:
-            br = nl.ndarray((1, E), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=br, src=raw)
+    br = load_router_bias(b_router, E)
     wr = nl.ndarray((P_MAX, KT, E), dtype=w_router.dtype, buffer=nl.sbuf)
     src = w_router.reshape((P_MAX, KT, E))
     if decreasing:
