@@ -24,13 +24,22 @@ def transpose_tokens(x_sb, nt, KT):
     """x [nt, H] (tokens on partitions) -> xT [128, KT, nt] with H index p * KT + kt: TensorE transposes of the
     strided column sets x[:, kt::KT] (each partition's H rows contiguous in the matching weight layout),
     TRANSPOSE_GROUP per PSUM bank, one eviction per bank."""
-    xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=x_sb.dtype, buffer=nl.sbuf)
+    return transpose_token_groups(((x_sb[:nt], 0, nt),), nt, KT)
+
+
+def transpose_token_groups(groups, nt, KT):
+    """transpose_tokens over token rows loaded in groups ((rows view [m, H], first token, m), e.g. rows placed on
+    chosen partitions for their DMA engines): each group's TensorE transposes write its tokens' columns of the same
+    PSUM bank, one eviction per bank."""
+    dtype = groups[0][0].dtype
+    xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=dtype, buffer=nl.sbuf)
     for c0 in range(0, KT, TRANSPOSE_GROUP):
         nc = min(TRANSPOSE_GROUP, KT - c0)
-        ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x_sb.dtype, buffer=nl.psum)
+        ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=dtype, buffer=nl.psum)
         for c in range(nc):
             kt = c0 + c
-            nisa.nc_transpose(dst=ps[:, c, :nt], data=x_sb[:nt, kt:kt + (P_MAX - 1) * KT + 1:KT])
+            for xg, g0, m in groups:
+                nisa.nc_transpose(dst=ps[:, c, g0:g0 + m], data=xg[:, kt:kt + (P_MAX - 1) * KT + 1:KT])
         nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, :nt])
     return xT
 

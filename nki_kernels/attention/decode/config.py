@@ -79,7 +79,7 @@ XT_DIRECT_TOKENS = 16
 # B=16 1.9 us on every engine), so the rows load instead, in groups (first partition, at most this many rows; 0.37 us
 # of one engine per row) on engines 12, 4, 0 and 8 (a group starts on a quadrant, as TensorE transposes it; engine 0
 # carries the small per-token tables, engine 4 the RoPE tables, engine 8 the rotated batches' first-slot prefixes),
-# transposed on TensorE (qkv._transpose_row_groups). Modelled trn2 Llama-8B B=16 4K 112.04 -> 110.93 us (DESIGN.md;
+# transposed on TensorE (tiles.transpose_token_groups). Modelled trn2 Llama-8B B=16 4K 112.04 -> 110.93 us (DESIGN.md;
 # fp8 caches keep the transposed load: fp8 B=16 16K 232.07 -> 232.09 with the rows, 234.04 with other groupings;
 # so do caches of more than X_ROW_S_MAX positions: B=16 16K would gain (265.85 -> 264.75) but ragged B=16 lose 0.05).
 X_ROW_PARTS = ((96, 6), (32, 5), (0, 4), (64, 1))

@@ -6,7 +6,7 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 import nki.isa as nisa
 import nki.language as nl
 
-from ...common.tiles import evict, transpose_tokens
+from ...common.tiles import evict, transpose_token_groups, transpose_tokens
 from .common import _ones_row
 from .config import (
     P_MAX,
@@ -60,7 +60,7 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale
                 if m > 0:
                     nisa.dma_copy(dst=x[p0:p0 + m], src=X2[t0 + g0:t0 + g0 + m, :])
                     groups.append((x[p0:p0 + m], g0, m))
-                g0 += max(m, 0)
+                g0 += m
             xs.append(tuple(groups))
             continue
         if nt <= XT_DIRECT_TOKENS:      # transposed on load: [128, tokens, KT] (see XT_DIRECT_TOKENS)
@@ -143,23 +143,6 @@ def _transpose_bias_o(cfg, ins):
         nisa.tensor_copy(dst=ins.bias_o[:, c0:c0 + nc], src=ps[:, :nc])
 
 
-def _transpose_row_groups(groups, nt, KT):
-    """transpose_tokens over token rows loaded in groups ((rows view [m, H], first token, m), see X_ROW_PARTS):
-    xT [128, KT, 128] with H index p * KT + kt, tokens 0..nt - 1 in the columns; each group's TensorE transposes
-    write its tokens' columns of the same PSUM bank, one eviction per bank."""
-    dtype = groups[0][0].dtype
-    xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=dtype, buffer=nl.sbuf)
-    for c0 in range(0, KT, TRANSPOSE_GROUP):
-        nc = min(TRANSPOSE_GROUP, KT - c0)
-        ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=dtype, buffer=nl.psum)
-        for c in range(nc):
-            kt = c0 + c
-            for xg, g0, m in groups:
-                nisa.nc_transpose(dst=ps[:, c, g0:g0 + m], data=xg[:, kt:kt + (P_MAX - 1) * KT + 1:KT])
-        nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, :nt])
-    return xT
-
-
 def _rmsnorm(cfg, consts, ins, tiles, eps):
     """xT[tile] = [128 (H), KT, tokens] bf16 with H index p * KT + kt: rmsnorm(x) transposed.
 
@@ -173,7 +156,7 @@ def _rmsnorm(cfg, consts, ins, tiles, eps):
         nt = tl.nt
         x = ins.x[ti]
         if isinstance(x, tuple):        # rows in groups (X_ROW_PARTS)
-            xT = _transpose_row_groups(x, nt, KT)
+            xT = transpose_token_groups(x, nt, KT)
             if ins.gamma is None:
                 xTs.append(xT)
                 continue

@@ -804,7 +804,7 @@ def test_ragged_whole_end_slots_with_nan_tails():
 def test_x_rows_in_groups_with_nan_tails(B, S, lnc):
     """Llama-8B on trn2 with 9..16 tokens and a bf16 cache of <= X_ROW_S_MAX positions (_Config.x_row_parts): X's
     rows load in groups on partitions 96 / 32 / 0 / 64 (config.X_ROW_PARTS; 9 tokens: 6 + 3, 11: 6 + 5, 12 and 16:
-    every group, the last partial) and are transposed per group into one x^T (qkv._transpose_row_groups); LNC=2
+    every group, the last partial) and are transposed per group into one x^T (tiles.transpose_token_groups); LNC=2
     feeds the split-contraction QKV. NaN past every length: finite, equal to the reference, bit-identical to a
     clean cache."""
     ctx = 1024
