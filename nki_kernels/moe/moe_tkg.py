@@ -402,13 +402,13 @@ def _route_swap_step(cfg, consts, hT, wr, br, router_mode, renormalize):
     return topk_step(consts, logits, T, E, cfg.k, router_mode, renormalize)
 
 
-def _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize):
+def _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize, wr=None):
     """Logits [T, E] fp32 -> top-k (idx, aff tiles). LNC=2: each core contracts half of the H tiles (and loads
     only those W_r rows); the fp32 partial logits are exchanged and added (a + b == b + a: the same bits, so the
     same experts, on both cores); the bias is in core 0's part. (Small T: _wr_swap instead.)"""
     T, E, KT = cfg.T, cfg.E, cfg.KT
-    if cfg.wr is not None:
-        return _route_swap_step(cfg, consts, hT, cfg.wr[0], cfg.wr[1], router_mode, renormalize)
+    if wr is not None:      # (wr [128, KT, E], b_r) from _load_router_swap_step
+        return _route_swap_step(cfg, consts, hT, wr[0], wr[1], router_mode, renormalize)
     split = cfg.ncores > 1 and KT >= 2
     k0, k1 = (0, KT) if not split else ((0, KT // 2) if cfg.core == 0 else (KT // 2, KT))
     # T = 1: the routing is the critical path to the first weight DMA (its decreasing W_r pieces); larger T keeps
@@ -1025,11 +1025,13 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
     _store_out_step(cfg, acc, out, bsum)
 
 
-def _tail_blocks(KT):
-    """kt blocks of out^T for the T = 1 tail (_hb_cols), decreasing: the last tile's rows load per block, so
-    while block j's rows stream, TensorE contracts block j - 1 and only the last (small) block's matmuls, its
-    eviction and its store follow the last weight byte."""
-    last, mid = 2, KT // 4
+def _tail_blocks(KT, last=2):
+    """kt blocks of out^T for the T = 1 tail (_hb_cols), decreasing: KT - KT/4 - last, KT/4, last. The last tile's
+    rows load per block, so while block j's rows stream, TensorE contracts block j - 1 and only the last (small)
+    block's matmuls, its eviction and its store follow the last weight byte. LNC 1: last = 2; the LNC=2 H split's
+    half: last = 1 (8 / 3 / 1 at KH = 12: modelled 0.01-0.07 us better than 7 / 3 / 2, 6 / 4 / 2, 9 / 2 / 1, 10 / 2).
+    One block when the sizes would not decrease."""
+    mid = max(1, KT // 4)
     sizes = [KT - mid - last, mid, last] if KT - mid - last >= mid >= last else [KT]
     out, k0 = [], 0
     for g in sizes:
@@ -1327,7 +1329,7 @@ def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate
     # the out^T half in PSUM, opened with zeros; in kt blocks (_hb_cols: h = c H/2 + 128 k0 + p g + j - k0) when
     # the biases are a contraction block or absent: the last tile's rows then load per block and each block is
     # evicted and stored as soon as it is complete (as LNC 1's _last_two_tail)
-    blocks = _hsplit_blocks(KH) if blk is not None or b_down is None else ((0, KH),)
+    blocks = _tail_blocks(KH, last=1) if blk is not None or b_down is None else ((0, KH),)
     if blk is not None:
         blk.blocks = blocks
     acc = nl.ndarray((P_MAX, KH, cfg.GS), dtype=nl.float32, buffer=nl.psum)
@@ -1383,18 +1385,6 @@ def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate
         nisa.dma_copy(dst=out.ap([[g, P_MAX], [1, g]], offset=c * H2 + P_MAX * k0), src=o_sb[:, k0:k0 + g])
     ring.par = None
     ring.spread = None
-
-
-def _hsplit_blocks(KH):
-    """kt blocks of the LNC=2 H split's out^T half (see _tail_blocks), decreasing: KH - KH/4 - 1, KH/4, 1 (8 / 3 / 1
-    at KH = 12: modelled 0.01-0.07 us better than 7 / 3 / 2, 6 / 4 / 2, 9 / 2 / 1, 10 / 2)."""
-    last, mid = 1, max(1, KH // 4)
-    sizes = [KH - mid - last, mid, last] if KH - mid - last >= mid else [KH]
-    out, k0 = [], 0
-    for g in sizes:
-        out.append((k0, g))
-        k0 += g
-    return tuple(out)
 
 
 def _slot_bias_step(cfg, consts, slots, regs, aff, b_down, KT=None, h0=0):
@@ -1583,7 +1573,7 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
     aff_out = nl.ndarray((T, top_k), dtype=nl.float32, buffer=nl.shared_hbm)
 
     consts = _Consts(cfg.E, T, cfg.eps)
-    cfg.wr = _load_router_swap_step(cfg, w_router, b_router) if _wr_swap(cfg) else None
+    wr = _load_router_swap_step(cfg, w_router, b_router) if _wr_swap(cfg) else None
     xT = _load_x_step(cfg, x)
     ring = tkg_mx.MxRing(cfg) if mx else _Ring(cfg, consts)
     rstd = None
@@ -1592,7 +1582,7 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
     else:
         hT = nl.ndarray((P_MAX, cfg.KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=hT[:, :, :T], src=xT)
-    idx, aff = _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize)
+    idx, aff = _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize, wr)
     if mx:
         _mx_experts(cfg, consts, ring, idx, aff, x, gamma, rstd, (w_gate_up, w_down, w_gate_up_scale, w_down_scale),
                     b_gate_up, b_down if add_down_bias else None, out)
