@@ -400,6 +400,16 @@ def _scatter_ids_tiles(cfg):
     return ids, ids[:, 0:1], ids[:, ROW_AFF - ROW_SCATTER:ROW_AFF - ROW_SCATTER + 1].view(nl.float32)
 
 
+def _load_scatter_ids(rows, row, n, pb, ids, sid, aff):
+    """Rows [row, row + n) of the rows table's scatter ids and affinities into partitions pb.. of the tiles
+    _scatter_ids_tiles made: one DMA into ids, or (MX: ids None) one into each of sid and aff."""
+    if ids is None:
+        nisa.dma_copy(dst=sid[pb:pb + n, :], src=rows[nl.ds(row, n), ROW_SCATTER:ROW_SCATTER + 1])
+        nisa.dma_copy(dst=aff[pb:pb + n, :].view(nl.int32), src=rows[nl.ds(row, n), ROW_AFF:ROW_AFF + 1])
+    else:
+        nisa.dma_copy(dst=ids[pb:pb + n, :], src=rows[nl.ds(row, n), ROW_SCATTER:])
+
+
 class _Tiles(nl.NKIObject):
     """One token tile's working buffers (two sets, alternating tile by tile: the next tile's rows arrive and its
     gate/up runs while this tile's activation and down projection finish)."""
@@ -782,11 +792,7 @@ def _gather_base(cfg, n, pb):
 def _load_tile_inputs(cfg, slot, row, x, rows, n, pb, gates=None):
     b = _gather_base(cfg, n, pb)
     nisa.dma_copy(dst=slot.gid[b:b + n, :].view(nl.int32), src=rows[nl.ds(row, n), ROW_GATHER:ROW_GATHER + 1])
-    if slot.ids is None:
-        nisa.dma_copy(dst=slot.sid[pb:pb + n, :], src=rows[nl.ds(row, n), ROW_SCATTER:ROW_SCATTER + 1])
-        nisa.dma_copy(dst=slot.aff[pb:pb + n, :].view(nl.int32), src=rows[nl.ds(row, n), ROW_AFF:ROW_AFF + 1])
-    else:
-        nisa.dma_copy(dst=slot.ids[pb:pb + n, :], src=rows[nl.ds(row, n), ROW_SCATTER:])
+    _load_scatter_ids(rows, row, n, pb, slot.ids, slot.sid, slot.aff)
     if cfg.dma_transpose:
         # xT[p, kt, j] = x[ids[j], kt * 128 + p]: one gather-transpose of the tile's rows
         xT = slot.xT if n == P_MAX else slot.xTn
@@ -970,7 +976,7 @@ def _down_step(cfg, slot, psum, aT, n, pb=0):
             w = min(P_MAX, cfg.I_aug - k * P_MAX)
             o = slot.rb if k == cfg.KD - 1 else 0
             nisa.nc_matmul(dst=ps[pb:pb + n, :hw], stationary=aT[o:o + w, k, :n],
-                           moving=slot.wd[o:o + w, k, h0:h0 + hw], accumulate=k > 0, **_pe_tile(o, w, pb, n))
+                           moving=slot.wd[o:o + w, k, h0:h0 + hw], accumulate=k > 0, **_pe_tile(o, pb, n))
         _scale_rows(slot, ps, h, h0, hw, n, pb)
 
 
@@ -979,13 +985,12 @@ def _col_tile(o):
     return dict(tile_position=(0, o), tile_size=(P_MAX, P_MAX - o)) if o else {}
 
 
-def _pe_tile(o, k, pb, n):
-    """Matmul tiling of a contraction tile of k rows on partitions o.. (o > 0: a 64-row PE row tile) with n output
-    rows at PSUM partition pb (n < 128: a 64-column PE column tile); {} when neither."""
+def _pe_tile(o, pb, n):
+    """Matmul tiling of a contraction tile on partitions o.. (o > 0: a 64-row PE row tile) with n output rows at
+    PSUM partition pb (n < 128: a 64-column PE column tile); {} when neither."""
     if not o and n == P_MAX:
         return {}
-    rs = P_MAX - o if o else P_MAX
-    return dict(tile_position=(o, pb), tile_size=(rs, n))
+    return dict(tile_position=(o, pb), tile_size=(P_MAX - o, n))
 
 
 def _scale_rows(slot, ps, h, h0, hw, n, pb=0):
@@ -1072,11 +1077,7 @@ def _tile_step(cfg, slot, psum, sched, tb, refs, core, pb, og, pg):
         _down_half(cfg, psum, own_op, slot, 0, slot.y, slot.aff, slot.sid, n, p, out, c0, 0, g)
 
     def peer(n, p, g=None):
-        if slot.pids is None:
-            nisa.dma_copy(dst=slot.psid[p:p + n, :], src=rows[nl.ds(prow, n), ROW_SCATTER:ROW_SCATTER + 1])
-            nisa.dma_copy(dst=slot.paff[p:p + n, :].view(nl.int32), src=rows[nl.ds(prow, n), ROW_AFF:ROW_AFF + 1])
-        else:
-            nisa.dma_copy(dst=slot.pids[p:p + n, :], src=rows[nl.ds(prow, n), ROW_SCATTER:])
+        _load_scatter_ids(rows, prow, n, p, slot.pids, slot.psid, slot.paff)
         _down_half(cfg, psum, peer_op, slot, Hh, slot.py, slot.paff, slot.psid, n, p, out, c0, cfg.n_hch_half, g)
 
     nl.fori_loop(0, of, lambda _: own(P_MAX, 0))
@@ -1117,7 +1118,7 @@ def _down_half(cfg, psum, op, w, w0, y, aff, sid, n, pb, out, c0, b0, gates=None
                 kw = min(P_MAX, cfg.I_aug - k * P_MAX)
                 o = w.rb if k == cfg.KD - 1 else 0
                 nisa.nc_matmul(dst=ps[r, :hw], stationary=op[o:o + kw, k, :n], moving=w.wd[o:o + kw, k, cols],
-                               accumulate=k > 0, **_pe_tile(o, kw, pb, n))
+                               accumulate=k > 0, **_pe_tile(o, pb, n))
         if cfg.mx or (b0 + h) % 2 == 0:    # MX: all on ScalarE (VectorE carries the quantize_mx work)
             nisa.activation(dst=y[r, h0:h0 + hw], op=nl.copy, data=ps[r, :hw], scale=aff[r, :])
         else:
