@@ -198,19 +198,24 @@ def test_kernel_trn3_tensor_transposes_for_short_weight_rows(monkeypatch):
     run_and_check(100, 256, 4, 96, 2)
 
 
-@pytest.mark.parametrize("T,lnc,want_dma", [(400, 1, True), (400, 2, True), (380, 1, False)])
-def test_kernel_trn3_short_weight_rows_dma_transposes_from_384_rows(T, lnc, want_dma, monkeypatch):
-    """trn3 takes DMA transposes despite short weight runs (I = 180 as GPT-OSS-120B TP16: 720 B) from 384 rows per
-    expert (here every token on both experts), TensorE transposes below."""
+def _spy_config(monkeypatch, attr):
+    """The values of _Config.<attr> of every kernel config built from here on (the kernel's path choice)."""
     from nki_kernels.moe import moe_cte as mod
     seen = []
     init = mod._Config.__init__
 
     def spy(self, *a, **kw):
         init(self, *a, **kw)
-        seen.append(self.dma_transpose)
+        seen.append(getattr(self, attr))
 
     monkeypatch.setattr(mod._Config, "__init__", spy)
+    return seen
+
+@pytest.mark.parametrize("T,lnc,want_dma", [(400, 1, True), (400, 2, True), (380, 1, False)])
+def test_kernel_trn3_short_weight_rows_dma_transposes_from_384_rows(T, lnc, want_dma, monkeypatch):
+    """trn3 takes DMA transposes despite short weight runs (I = 180 as GPT-OSS-120B TP16: 720 B) from 384 rows per
+    expert (here every token on both experts), TensorE transposes below."""
+    seen = _spy_config(monkeypatch, "dma_transpose")
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
     run_and_check(T, 256, 2, 180, 2, lnc=lnc)
     assert seen and all(d == want_dma for d in seen)
@@ -401,15 +406,7 @@ def test_kernel_last_down_tile_on_high_partitions(target, lnc, monkeypatch):
     """I = 180 (GPT-OSS-120B TP16: 180 + the bias row = 128 + 53 down contraction rows) below REM_HIGH_MAX_ROWS rows
     per expert: the second weight slot keeps the last contraction tile (weights, act^T, narrow gate/up, bias
     columns) on partitions 64.. (row-tiled matmuls)."""
-    from nki_kernels.moe import moe_cte as mod
-    seen = []
-    init = mod._Config.__init__
-
-    def spy(self, *a, **kw):
-        init(self, *a, **kw)
-        seen.append(self.rem_high)
-
-    monkeypatch.setattr(mod._Config, "__init__", spy)
+    seen = _spy_config(monkeypatch, "rem_high")
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     run_and_check(200, 256, 4, 180, 2, lnc=lnc, block_size=128)
     assert seen and all(seen)
