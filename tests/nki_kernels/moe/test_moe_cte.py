@@ -200,7 +200,7 @@ def test_kernel_trn3_tensor_transposes_for_short_weight_rows(monkeypatch):
 
 def _spy_config(monkeypatch, attr):
     """The values of _Config.<attr> of every kernel config built from here on (the kernel's path choice)."""
-    from nki_kernels.moe import moe_cte as mod
+    import nki_kernels.moe.moe_cte as mod  # the module: the package attribute moe_cte is the function
     seen = []
     init = mod._Config.__init__
 
