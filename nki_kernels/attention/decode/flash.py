@@ -189,7 +189,7 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
                 _rows_to_oT(cfg, consts, st, o_rows, tiles[0], g, p0, nb, full=full)
             else:
                 _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
-    wo = _load_w_o(cfg, W_o) if W_o is not None else None    # attention DP loads its W_o shard itself
+    wo = _load_w_o(cfg, W_o, tiles) if W_o is not None else None    # attention DP loads its W_o shard itself
     if direct:
         nt, K = tiles[0].nt, cfg.nq * cfg.d
         if _oT_token_major(cfg, n_k, qkT.dtype.itemsize):     # [128, tokens, K chunk] viewed [128, K chunk, tokens]

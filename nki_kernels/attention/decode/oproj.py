@@ -7,7 +7,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...common.tiles import evict
-from .config import P_MAX, PSUM_F, TRANSPOSE_GROUP, W_O_DMAS
+from .config import P_MAX, PSUM_F, TRANSPOSE_GROUP, W_O_DMAS, X_ROW_S_MAX
 
 # Token tiles of 33..64 rows are stored in this many column ranges, each once the O-projection has evicted it
 # (_store_halves): the first ranges' stores overlap the last W_o loads instead of all following them (modelled trn2
@@ -136,11 +136,33 @@ def _load_wo_chunk(ws, i):
                       src=ws.src[k * P_MAX:k * P_MAX + kn, ws.hc0 * P_MAX:ws.hc1 * P_MAX])
 
 
-def _load_w_o(cfg, W_o):
-    """W_o resident in SBUF as [128 (head, dim) rows, K chunk, this core's H columns]; one DMA per K chunk (issued
-    after the K/V loads, its arrival paces the O-projection, which therefore streams instead of running after the
-    last load). Streamed (cfg.wo_chunk): a _WoStream whose first ring buffers' loads are issued here (they load under
-    the attention); the O-projection issues the others as buffers free up."""
+def _wo_pieces(cfg, W_o, tiles):
+    """Column pieces [c0, c1) (128-column chunks) of this core's W_o, in load order.
+
+    W_o arrives last: in column pieces (>= 3 KiB runs; shorter ones cost DMA efficiency: GPT-OSS's H = 3072 in two
+    pieces, modelled trn2 B=64 4K -0.5 %, B=8 4K -0.3 %; with 4 KiB it was one), so the O-projection's first chunks
+    start on the first pieces while the last one streams, instead of after the whole load. Issued column piece by
+    column piece (all K chunks of a piece, then the next): an out^T chunk needs every K chunk, so the first half of
+    the columns is computed once half of W_o has arrived, not 7/8 of it (K chunk outer).
+    One token tile stored eviction by eviction (_early_store): two pieces, the last one half of the last eviction's
+    columns (>= 1 KiB runs), so every other eviction is computed, stored or under way before W_o's last byte, and
+    after it only that half's matmuls (modelled trn2 Llama-8B B=16 4K 110.51 -> 110.14 us, B=8 4K 71.17 -> 70.99)."""
+    hc0, hc1 = cfg.hc
+    if tiles is not None and len(tiles) == 1 and not cfg.wo_chunk:
+        packed, _cpt, ev = _out_groups(cfg, tiles[0].nt)
+        last = ev // 2
+        if _short_tail(cfg) and _early_store(cfg, packed, ev) and last * P_MAX * W_o.dtype.itemsize >= 1024:
+            return ((hc0, hc1 - last), (hc1 - last, hc1))
+    n_pc = max(1, min(W_O_DMAS, (hc1 - hc0) * P_MAX * W_o.dtype.itemsize // (3 * 1024)))
+    return tuple((hc0 + i * (hc1 - hc0) // n_pc, hc0 + (i + 1) * (hc1 - hc0) // n_pc) for i in range(n_pc))
+
+
+def _load_w_o(cfg, W_o, tiles=None):
+    """W_o resident in SBUF as [128 (head, dim) rows, K chunk, this core's H columns]; one DMA per K chunk and
+    column piece (_wo_pieces of the token tiles `tiles`; issued after the K/V loads, its arrival paces the
+    O-projection, which therefore streams instead of running after the last load). Streamed (cfg.wo_chunk): a
+    _WoStream whose first ring buffers' loads are issued here (they load under the attention); the O-projection
+    issues the others as buffers free up."""
     if cfg.wo_chunk:
         ws = _WoStream(cfg, W_o)
         for i in range(min(cfg.wo_bufs, len(ws.chunks))):
@@ -150,14 +172,7 @@ def _load_w_o(cfg, W_o):
     n_k = (K + P_MAX - 1) // P_MAX
     hc0, hc1 = cfg.hc                                  # this core's output chunks (all of H unless split)
     wo = nl.ndarray((P_MAX, n_k, (hc1 - hc0) * P_MAX), dtype=W_o.dtype, buffer=nl.sbuf)
-    # W_o arrives last: in column pieces (>= 3 KiB runs; shorter ones cost DMA efficiency: GPT-OSS's H = 3072 in two
-    # pieces, modelled trn2 B=64 4K -0.5 %, B=8 4K -0.3 %; with 4 KiB it was one), so the O-projection's
-    # first chunks start on the first pieces while the last one streams, instead of after the whole load. Issued
-    # column piece by column piece (all K chunks of a piece, then the next): an out^T chunk needs every K chunk, so
-    # the first half of the columns is computed once half of W_o has arrived, not 7/8 of it (K chunk outer).
-    n_pc = max(1, min(W_O_DMAS, (hc1 - hc0) * P_MAX * W_o.dtype.itemsize // (3 * 1024)))
-    for i in range(n_pc):
-        c0, c1 = hc0 + i * (hc1 - hc0) // n_pc, hc0 + (i + 1) * (hc1 - hc0) // n_pc
+    for c0, c1 in _wo_pieces(cfg, W_o, tiles):
         for k in range(n_k):
             kn = min(P_MAX, K - k * P_MAX)
             nisa.dma_copy(dst=wo[:kn, k, (c0 - hc0) * P_MAX:(c1 - hc0) * P_MAX],
@@ -192,38 +207,64 @@ def _transpose_o(cfg, o_tok, tiles):
     return tuple(oTs)
 
 
+def _out_groups(cfg, nt):
+    """(packed, cpt, ev) of a token tile of nt tokens (see _OutLayout): whether out^T is held packed, chunks per
+    packed group, out^T chunks per PSUM eviction."""
+    hc0, hc1 = cfg.hc
+    nr = hc1 - hc0
+    per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, 128] fp32 per bank
+    # chunks per packed group (<= 128 / tokens: whole banks, dividing the range when possible; otherwise the
+    # last group is partial)
+    cmax = P_MAX // nt // per_bank * per_bank
+    cpt = cmax
+    while cpt > 0 and nr % cpt != 0:
+        cpt -= per_bank
+    if cpt == 0 and cmax > 0:
+        cpt = min(cmax, nr)
+    # Chunks per eviction: a bank holds PSUM_F // nt chunks of [128, nt] (few tokens: many chunks per
+    # eviction instead of one small eviction per 4 chunks, whose fixed costs paced the tail), but at most half
+    # of the range, so two evictions alternate engines while TensorE works; packed: whole groups, and one group
+    # per eviction where each eviction's groups are stored right after it (_early_store: d = 128; Llama-8B B=16:
+    # 8 chunks instead of 16, so after W_o's last byte one group is evicted, transposed and stored, not two;
+    # modelled trn2 B=16 4K 110.93 -> 110.51 us on its own, see _wo_pieces).
+    ev = max(per_bank, min(PSUM_F // nt, (nr + 1) // 2))
+    if cpt > 0:
+        ev = cpt if _short_tail(cfg) and cpt < nr else max(cpt, ev // cpt * cpt)
+    return cpt > 0, cpt, ev
+
+
+def _short_tail(cfg):
+    """d = 128, bf16 caches of <= X_ROW_S_MAX positions: one packed group per eviction and W_o's last piece half
+    of the last eviction (_out_groups, _wo_pieces). Elsewhere they cost more than the shorter tail saves (modelled
+    trn2: fp8 B=16 16K +0.6 %, fp8 paged B=16 4K +1.7 %, ragged B=16 (16K) +0.6 %, trn3 B=8 16K +0.3 %)."""
+    return cfg.d == P_MAX and not cfg.fp8 and cfg.s_max <= X_ROW_S_MAX
+
+
+def _early_store(cfg, packed, ev):
+    """Whether a packed token tile of several evictions stores each eviction's groups right after it (d = 128; see
+    _output_projection)."""
+    hc0, hc1 = cfg.hc
+    return packed and ev < hc1 - hc0 and cfg.d == P_MAX
+
+
 class _OutLayout(nl.NKIObject):
     """How one token tile's out^T chunks are evicted and stored (see _output_projection): unpacked outT
     [128, H/128, tokens], or packed outP [128, group, token, chunk of the group] (cpt chunks per group, rem in the
-    last), ev chunks per PSUM eviction."""
+    last), ev chunks per PSUM eviction (_out_groups)."""
 
     def __init__(self, cfg, nt, dtype):
         n_c = (cfg.H + P_MAX - 1) // P_MAX
         hc0, hc1 = cfg.hc                                        # this core's 128-column chunks of H
-        per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, 128] fp32 per bank
         self.outT = nl.ndarray((P_MAX, n_c, P_MAX), dtype=dtype, buffer=nl.sbuf)
         nr = hc1 - hc0
-        # chunks per packed group (<= 128 / tokens: whole banks, dividing the range when possible; otherwise the
-        # last group is partial)
-        cmax = P_MAX // nt // per_bank * per_bank
-        cpt = cmax
-        while cpt > 0 and nr % cpt != 0:
-            cpt -= per_bank
-        if cpt == 0 and cmax > 0:
-            cpt = min(cmax, nr)
-        self.packed, self.cpt, self.outP, self.rem = cpt > 0, cpt, None, 0
+        packed, cpt, ev = _out_groups(cfg, nt)
+        self.packed, self.cpt, self.outP, self.rem = packed, cpt, None, 0
         if self.packed:        # [128, group, token, chunk of the group] (groups relative to hc0): see _store_packed
             n_g = (nr + cpt - 1) // cpt
             self.rem = nr - (n_g - 1) * cpt
             self.outP = nl.ndarray((P_MAX, n_g, nt, cpt), dtype=dtype, buffer=nl.sbuf)
             if self.rem < cpt:     # the partial group's unused chunks: finite (they are transposed, never stored)
                 nisa.memset(dst=self.outP[:, n_g - 1, :, self.rem:], value=0.0)
-        # Chunks per eviction: a bank holds PSUM_F // nt chunks of [128, nt] (few tokens: many chunks per
-        # eviction instead of one small eviction per 4 chunks, whose fixed costs paced the tail), but at most half
-        # of the range, so two evictions alternate engines while TensorE works; packed: whole groups.
-        ev = max(per_bank, min(PSUM_F // nt, (nr + 1) // 2))
-        if self.packed:
-            ev = max(cpt, ev // cpt * cpt)
         self.ev = ev
 
 
@@ -248,7 +289,7 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
         # eviction's groups are (modelled trn2 Llama-8B B=16 4K 112.67 -> 112.04 us, B=8 71.48 -> 71.17; DESIGN.md
         # "The Llama-8B 4K rows"). d = 64 (GPT-OSS) gains too (B=16 4K 55.01 -> 54.49) but keeps one store per
         # tile: its LNC=2 / fp8 rows are held to ratios of the LNC=1 bf16 rows, not checked here.
-        early = lay.packed and lay.ev < hc1 - hc0 and cfg.d == P_MAX
+        early = _early_store(cfg, lay.packed, lay.ev)
         for c0 in range(hc0, hc1, lay.ev):
             ncb = min(lay.ev, hc1 - c0)
             ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)

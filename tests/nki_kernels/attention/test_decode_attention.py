@@ -122,6 +122,15 @@ def test_output_chunks_not_a_multiple_of_the_packed_group(lnc):
                                                         sinks=False), lnc=lnc)
 
 
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_wo_last_piece_with_a_partial_group(lnc):
+    """16 tokens, H = 42 * 128, d = 128: one packed group of 8 chunks per eviction and W_o in two column pieces,
+    the last one chunks 38..41 (half of the last eviction's columns, oproj._wo_pieces), which ends in the partial
+    group of 2 chunks; LNC=2: 21 chunks per core (core 1's from chunk 21, its last piece 17..20 of its own)."""
+    run_and_check(16, 1, s_max=256, ctx=256, shape=dict(H=5376, d=128, nkv=1, nq=2, gamma=True, bias=True,
+                                                         sinks=False), lnc=lnc)
+
+
 def test_odd_shapes_no_norm_no_rope():
     run_and_check(5, 3, s_max=200, ctx=130, shape=SMALL_D, rope=False)
     run_and_check(2, 8, s_max=129, ctx=129, shape=SMALL_D)
