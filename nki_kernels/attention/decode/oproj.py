@@ -146,7 +146,7 @@ def _wo_pieces(cfg, W_o, tiles):
     the columns is computed once half of W_o has arrived, not 7/8 of it (K chunk outer).
     One token tile stored eviction by eviction (_early_store): two pieces, the last one half of the last eviction's
     columns (>= 1 KiB runs), so every other eviction is computed, stored or under way before W_o's last byte, and
-    after it only that half's matmuls (modelled trn2 Llama-8B B=16 4K 110.51 -> 110.14 us, B=8 4K 71.17 -> 70.99)."""
+    after it only that half's matmuls (modelled trn2 Llama-8B B=16 4K 110.51 -> 110.14 us, B=8 4K 71.17 -> 70.95)."""
     hc0, hc1 = cfg.hc
     if tiles is not None and len(tiles) == 1 and not cfg.wo_chunk:
         packed, _cpt, ev = _out_groups(cfg, tiles[0].nt)
