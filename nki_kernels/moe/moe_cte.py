@@ -116,11 +116,18 @@ ROW_FIELDS = 3
 # of GPT-OSS-120B TP16 on partitions 0..52 in every expert loaded engines 0-6 only (~50 us per engine more than
 # engines 7-15 per core at T 16384 LNC 2); alternating halves spreads it over 14 engines. Only below
 # REM_HIGH_MAX_ROWS rows per expert ([other, trn3 LNC 1]), where the kernel is DMA bound: modelled GPT-OSS-120B
-# TP16 T 2048 (64 rows) -4 to -5%, T 8192 (256 rows) trn2 and trn3 LNC 2 -1 to -3%; not at 256 rows on trn3 LNC 1
-# (T 8192: 2493.9 -> 2510.1 us, TensorE and DMA balanced there) nor at 512 (T 16384 trn3 LNC 2: 1979.8 -> 2002.3
-# us); why the balanced engines do not shorten those runs is not analysed
+# TP16 T 2048 (64 rows) -4 to -5%; not at 256 rows on trn3 LNC 1 (T 8192: 2493.9 -> 2510.1 us, TensorE and DMA
+# balanced there) nor at 512 (T 16384 trn3 LNC 2: 1979.8 -> 2002.3 us); why the balanced engines do not shorten
+# those runs is not analysed. LNC 2 from REM_CORE_MIN_ROWS rows per expert: _Config.rem_core instead.
 REM_HIGH_BASE = 64
 REM_HIGH_MAX_ROWS = (512, 256)
+# LNC 2 (H split) with a <= 64-row last down contraction tile, from this many rows per expert: that tile sits on
+# partitions 64 * core for the core's own expert and 64 * (1 - core) for the peer's (_Config.rem_core), so a step
+# expert's tile is on the same partitions on both cores (the swapped act^T rows land where the receiver contracts
+# them) and each core's two down-weight loads of a step use both halves of the DMA engines. Modelled GPT-OSS-120B
+# TP16 trn3 LNC 2 (against rem_high): T 16384 (512 rows) 1979.8 -> 1961.8 us, T 8192 (256 rows) 1303.0 -> 1286.2
+# (trn2 1835.8 -> 1817.2); T 4096 (128 rows) 870.0 -> 870.6, T 2048 (64 rows) 663.8 -> 667.8: rem_high there
+REM_CORE_MIN_ROWS = 256
 
 
 class _Config(nl.NKIObject):
@@ -171,6 +178,11 @@ class _Config(nl.NKIObject):
         self.rem_aug = self.I_aug - (self.KD - 1) * P_MAX
         self.rem_high = (not mx and self.KD >= 2 and self.rem_aug <= REM_HIGH_BASE
                          and rows_per_expert < REM_HIGH_MAX_ROWS[n_cores == 1 and v >= nisa.nc_version.gen4])
+        # LNC 2 from REM_CORE_MIN_ROWS rows per expert: that tile by core instead (own expert at 64 * core, the
+        # peer's at 64 * (1 - core), see _Weights)
+        self.rem_core = (n_cores == 2 and not mx and self.KD >= 2 and self.rem_aug <= REM_HIGH_BASE
+                         and rows_per_expert >= REM_CORE_MIN_ROWS)
+        self.rem_high = self.rem_high and not self.rem_core
         self.I_CH = PSUM_F                     # gate (and up) columns per PSUM bank
         self.n_ich = (inter + self.I_CH - 1) // self.I_CH
         self.H_CH = PSUM_F                     # output columns per down-projection PSUM bank
@@ -261,7 +273,7 @@ def moe_cte_kernel(x, w_gate_up, w_down, rows, schedule, b_gate_up=None,
     core = nl.program_id(0) if cfg.n_cores > 1 else 0
     scales = (w_gate_up_scale, w_down_scale)
     sched = _load_schedule(cfg, schedule, core)
-    weights = [_Weights(cfg, i) for i in range(2)]
+    weights = [_Weights(cfg, i, core) for i in range(2)]
     tiles = [_Tiles(cfg) for _ in range(2)]
     psum = _Psum(cfg)
     if cfg.hsplit:
@@ -368,9 +380,13 @@ def _validate_inputs(x, w_gate_up, w_down, rows, schedule, b_gate_up, b_down,
 class _Weights(nl.NKIObject):
     """One expert's resident weights (two of them: the next expert's load while this one computes)."""
 
-    def __init__(self, cfg, index=0):
-        # first partition of the last down contraction tile (weights, bias column chunk, act^T) of this slot
+    def __init__(self, cfg, index=0, core=0):
+        # first partition of the last down contraction tile (weights, bias column chunk, act^T) of this slot; prb:
+        # of the peer expert's down columns (H split)
         self.rb = REM_HIGH_BASE if index == 1 and cfg.rem_high else 0
+        self.prb = self.rb
+        if cfg.rem_core:
+            self.rb, self.prb = REM_HIGH_BASE * core, REM_HIGH_BASE * (1 - core)
         dt, KT, KD, H, inter = cfg.dtype, cfg.KT, cfg.KD, cfg.H, cfg.I
         if cfg.mx:   # MXFP4 x4 words and their scale tiles (quadrant layout: group g at partition 32 (g//4) + g%4)
             self.wgu = nl.ndarray((P_MAX, cfg.KC, 2 * inter), dtype=nl.float4_e2m1fn_x4, buffer=nl.sbuf)
@@ -485,7 +501,7 @@ class _Slot(nl.NKIObject):
         self.xt, self.xT, self.xTn = t.xt, t.xT, t.xTn
         self.g, self.u, self.s, self.a, self.aT, self.y = t.g, t.u, t.s, t.a, t.aT, t.y
         self.bcol, self.aTh, self.gh, self.uh, self.sh = w.bcol, t.aTh, t.gh, t.uh, t.sh
-        self.sgu, self.sd, self.bdrow, self.rb = w.sgu, w.sd, w.bdrow, w.rb
+        self.sgu, self.sd, self.bdrow, self.rb, self.prb = w.sgu, w.sd, w.bdrow, w.rb, w.prb
         self.xTm, self.xq, self.xs, self.aTm, self.aq, self.as_ = t.xTm, t.xq, t.xs, t.aTm, t.aq, t.as_
         self.pg, self.pu = psum.gs[i % len(psum.gs)], psum.us[i % len(psum.us)]
         self.aTr, self.aqr, self.asr, self.psid, self.paff, self.py = t.aTr, t.aqr, t.asr, t.psid, t.paff, t.py
@@ -647,7 +663,7 @@ def _load_bf16_gate_up(cfg, slot, e, w_gate_up):
         nisa.dma_copy(dst=slot.wgu[:, k0:k1, :], src=src)
 
 
-def _load_bf16_down(cfg, slot, e, w_down, b_down, c0=0, width=None, d0=0):
+def _load_bf16_down(cfg, slot, e, w_down, b_down, c0=0, width=None, d0=0, rb=None):
     """Down: partition p of tile k holds I row k*128 + p; b_down is row I of the down weights. Columns
     c0..c0+width of H (default all) into the slot's columns d0..d0+width (the H split loads halves)."""
     inter, H = cfg.I, cfg.H
@@ -658,7 +674,7 @@ def _load_bf16_down(cfg, slot, e, w_down, b_down, c0=0, width=None, d0=0):
                       src=w_down.ap([[H, P_MAX], [P_MAX * H, full], [1, width]], offset=c0, scalar_offset=e,
                                     indirect_dim=0))
     rem = inter - full * P_MAX
-    rb = slot.rb     # the last contraction tile's first partition (cfg.rem_high)
+    rb = slot.rb if rb is None else rb     # the last contraction tile's first partition (rem_high / rem_core)
     if rem:
         nisa.dma_copy(dst=slot.wd[rb:rb + rem, full, d0:d0 + width],
                       src=w_down.ap([[H, rem], [1, width]], offset=full * P_MAX * H + c0, scalar_offset=e,
@@ -1043,7 +1059,8 @@ def _hsplit_step(cfg, slots, psum, sched, base, refs, core, second):
         nl.fori_loop(0, pload, lambda _: _load_mx_down(cfg, slots[0], pe, w_down, scales[1], b_down, c0, cfg.Hh,
                                                        cfg.Hh))
     else:
-        nl.fori_loop(0, pload, lambda _: _load_bf16_down(cfg, slots[0], pe, w_down, b_down, c0, cfg.Hh, cfg.Hh))
+        nl.fori_loop(0, pload, lambda _: _load_bf16_down(cfg, slots[0], pe, w_down, b_down, c0, cfg.Hh, cfg.Hh,
+                                                         slots[0].prb))
     # as _serve_expert: the second step of a pair takes the tile sets in the other order; narrow tiles on set 1 put
     # their rows on partitions 64..127 (the DMA engines' other half)
     order = slots[::-1] if second else slots
@@ -1116,7 +1133,7 @@ def _down_half(cfg, psum, op, w, w0, y, aff, sid, n, pb, out, c0, b0, gates=None
         else:
             for k in range(cfg.KD):
                 kw = min(P_MAX, cfg.I_aug - k * P_MAX)
-                o = w.rb if k == cfg.KD - 1 else 0
+                o = (w.prb if w0 else w.rb) if k == cfg.KD - 1 else 0
                 nisa.nc_matmul(dst=ps[r, :hw], stationary=op[o:o + kw, k, :n], moving=w.wd[o:o + kw, k, cols],
                                accumulate=k > 0, **_pe_tile(o, pb, n))
         if cfg.mx or (b0 + h) % 2 == 0:    # MX: all on ScalarE (VectorE carries the quantize_mx work)

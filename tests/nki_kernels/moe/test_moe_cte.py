@@ -410,3 +410,16 @@ def test_kernel_last_down_tile_on_high_partitions(target, lnc, monkeypatch):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     run_and_check(200, 256, 4, 180, 2, lnc=lnc, block_size=128)
     assert seen and all(seen)
+
+
+@pytest.mark.parametrize("target", ["trn2", "trn3"])
+def test_kernel_lnc2_last_down_tile_by_core(target, monkeypatch):
+    """I = 180 at LNC 2 from REM_CORE_MIN_ROWS rows per expert (here ~300: two full tiles and a narrow or partial
+    last tile per expert): the last down contraction tile sits on partitions 64 * core for the core's own expert
+    and 64 * (1 - core) for the peer's (rem_core, not rem_high), so each core's own act^T rows (full tiles by
+    transposes, narrow tiles from the weights-stationary gate/up) arrive where the other core's peer weights are."""
+    rem_core = _spy_config(monkeypatch, "rem_core")
+    rem_high = _spy_config(monkeypatch, "rem_high")
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+    run_and_check(600, 256, 4, 180, 2, lnc=2, block_size=128)
+    assert rem_core and all(rem_core) and not any(rem_high)
