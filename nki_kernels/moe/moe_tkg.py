@@ -48,6 +48,7 @@ GU_PIECES_LAST = 2     # T = 1: the last expert's gate/up in this many kt pieces
 WR_SWAP_MAX_TOKENS = 8     # LNC 2: up to this T the cores swap their W_r halves instead of partial logits (_wr_swap)
 WR_SWAP_MAX_ROW = 256      # ... when W_r's bytes per kt row are below this (E < 128 in bf16: the load is short)
 HSPLIT_GU_ONE_PIECE_BYTES = 2 << 20   # H split: the last own gate/up in one DMA when k-1 down halves are this long
+HSPLIT_ACT_ROWS = True     # ... its activation swaps as rows on one DMA engine (_ActSwap)
 HSPLIT_SPREAD = True       # LNC 2, T = 1: the H split's partial down tiles over the 16 DMA engines (_Spread)
 WR_SWAP_PIECES = 3         # ... in this many pieces at T = 1 (each sent as soon as it lands), one above
 
@@ -335,8 +336,15 @@ def _rmsnorm_step(cfg, consts, xT, gamma):
     nisa.activation(dst=rstd[:, :T], op=nl.rsqrt, data=ss[:, :T], scale=1.0 / cfg.h_actual, bias=consts.eps)
     hT = nl.ndarray((P_MAX, KT, P_MAX), dtype=xT.dtype, buffer=nl.sbuf)
     if T == 1:
-        nisa.scalar_tensor_tensor(dst=hT[:, :, 0], data=xT[:, :, 0], op0=nl.multiply, operand0=rstd[:, 0:1],
-                                  op1=nl.multiply, operand1=g_sb)
+        # LNC 2 with the partial-logits exchange: this core's kt range first (_route_step's k0, k1: its logits
+        # matmuls wait for it), then the other
+        KH = KT // 2
+        halves = [(0, KT)]
+        if cfg.ncores > 1 and KT >= 2 and not _wr_swap(cfg):
+            halves = [(0, KH), (KH, KT)] if cfg.core == 0 else [(KH, KT), (0, KH)]
+        for a, b in halves:
+            nisa.scalar_tensor_tensor(dst=hT[:, a:b, 0], data=xT[:, a:b, 0], op0=nl.multiply, operand0=rstd[:, 0:1],
+                                      op1=nl.multiply, operand1=g_sb[:, a:b])
         return hT, rstd
     xr = nl.ndarray((P_MAX, KT, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=xr[:, :, :T], data1=xT, data2=rstd[:, :T].expand_dim(1).broadcast(1, KT),
@@ -397,6 +405,12 @@ def _route_swap_step(cfg, consts, hT, wr, br, router_mode, renormalize):
     mine = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=mine[:T, :], src=ps_own[:T, :])
     ps_oth = logits_step(consts, hT, wr, oth[2], T, E, oth[0], oth[1])
+    if T == 1 and not cfg.mx:
+        # other + own accumulated in PSUM (an exact fp32 ones matmul, 0.03 us shorter than the add) and read there by
+        # the top-k. Not MXFP4: its VectorE quantisations then take the engine just before max8 (+0.03 us, modelled)
+        nisa.nc_matmul(dst=ps_oth[0:1, :], stationary=consts.ones_f32[0:1, 0:1], moving=mine[0:1, :E],
+                       accumulate=True)
+        return topk_step(consts, ps_oth, T, E, cfg.k, router_mode, renormalize)
     logits = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=logits[:T, :], data1=mine[:T, :], data2=ps_oth[:T, :], op=nl.add)
     return topk_step(consts, logits, T, E, cfg.k, router_mode, renormalize)
@@ -411,9 +425,15 @@ def _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize, w
         return _route_swap_step(cfg, consts, hT, wr[0], wr[1], router_mode, renormalize)
     split = cfg.ncores > 1 and KT >= 2
     k0, k1 = (0, KT) if not split else ((0, KT // 2) if cfg.core == 0 else (KT // 2, KT))
-    # T = 1: the routing is the critical path to the first weight DMA (its decreasing W_r pieces); larger T keeps
-    # the equal pieces (at T = 128 the decreasing ones are 0.03 % slower, modelled)
-    wr, br = load_router_weights(w_router, b_router if cfg.core == 0 else None, KT, k0, k1, decreasing=T == 1)
+    # T = 1: the routing is the critical path to the first weight DMA (its decreasing W_r pieces; at LNC 2 two,
+    # ~3 : 1, as the transposed logits' matmuls take 27 ns per kt: _logits_t_exchange); larger T keeps the equal
+    # pieces (at T = 128 the decreasing ones are 0.03 % slower, modelled)
+    pcs = _exchange_w_pieces(k1 - k0) if split and T == 1 else None
+    wr, br = load_router_weights(w_router, b_router if cfg.core == 0 else None, KT, k0, k1, decreasing=T == 1,
+                                 pieces=pcs)
+    if split and T == 1:
+        return topk_step(consts, _logits_t_exchange(cfg, consts, hT, wr, br, k0, k1), T, E, cfg.k, router_mode,
+                         renormalize)
     ps = logits_step(consts, hT, wr, br, T, E, k0, k1)
     if not split and T <= TOPK_PSUM_MAX_TOKENS:     # top-k reads the logits in PSUM: no eviction on the path
         return topk_step(consts, ps, T, E, cfg.k, router_mode, renormalize)
@@ -427,6 +447,40 @@ def _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize, w
         nisa.tensor_tensor(dst=total[:T, :], data1=logits[:T, :], data2=other[:T, :], op=nl.add)
         logits = total
     return topk_step(consts, logits, T, E, cfg.k, router_mode, renormalize)
+
+
+def _exchange_w_pieces(n):
+    """kt counts of this core's W_r rows at T = 1, LNC 2 (partial-logits exchange): two pieces, n - n/4 and n/4 (9 / 3
+    at GPT-OSS-120B TP16: the first piece's transposed-logits matmuls run while the second streams; modelled 0.02 us
+    better than 6 / 4 / 2, 8 / 4, 8 / 3 / 1 equal)."""
+    return [n - n // 4, n // 4] if n >= 4 else [n]
+
+
+def _logits_t_exchange(cfg, consts, hT, wr, br, k0, k1):
+    """T = 1, LNC=2, partial-logits exchange: this core's partial logits TRANSPOSED, [E, 1] fp32 in PSUM, with W_r
+    stationary and the token moving (a matmul takes max(N, 64) cycles: N = 1 instead of E, 27 instead of 53 ns per
+    kt at E = 128), evicted ([E, 1]) and exchanged; then the logits row [1, E] = I^T own + I^T other, two fp32
+    identity matmuls accumulating in PSUM (exact: x * 1 + 0s; the own one runs while the exchange is in flight),
+    read there by the top-k. Own then other on both cores: a + b == b + a in fp32, so both cores get the same bits
+    (the bias is in core 0's part)."""
+    E, c = cfg.E, cfg.core
+    psT = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.psum)
+    first = True
+    if br is not None:
+        ones = consts.ones_bf if br.dtype == nl.bfloat16 else consts.ones_f32
+        nisa.nc_matmul(dst=psT[:E, :], stationary=br[0:1, :E], moving=ones[0:1, 0:1], accumulate=False)
+        first = False
+    for kt in range(k0, k1):
+        nisa.nc_matmul(dst=psT[:E, :], stationary=wr[:, kt, :E], moving=hT[:, kt, 0:1], accumulate=not first)
+        first = False
+    mine = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=mine[:E, :], src=psT[:E, :])
+    other = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.sendrecv(src=mine[:E, :], dst=other[:E, :], send_to_rank=1 - c, recv_from_rank=1 - c, pipe_id=0)
+    ps = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=ps[0:1, :], stationary=mine[:E, 0:1], moving=consts.ident[:E, :E], accumulate=False)
+    nisa.nc_matmul(dst=ps[0:1, :], stationary=other[:E, 0:1], moving=consts.ident[:E, :E], accumulate=True)
+    return ps
 
 
 def _dense_step(cfg, consts, idx, aff):
@@ -1028,9 +1082,8 @@ def _one_token_experts(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gat
 def _tail_blocks(KT, last=2):
     """kt blocks of out^T for the T = 1 tail (_hb_cols), decreasing: KT - KT/4 - last, KT/4, last. The last tile's
     rows load per block, so while block j's rows stream, TensorE contracts block j - 1 and only the last (small)
-    block's matmuls, its eviction and its store follow the last weight byte. LNC 1: last = 2; the LNC=2 H split's
-    half: last = 1 (8 / 3 / 1 at KH = 12: modelled 0.01-0.07 us better than 7 / 3 / 2, 6 / 4 / 2, 9 / 2 / 1, 10 / 2).
-    One block when the sizes would not decrease."""
+    block's matmuls, its eviction and its store follow the last weight byte. LNC 1: last = 2 (the LNC=2 H split
+    has its own, _hsplit_blocks). One block when the sizes would not decrease."""
     mid = max(1, KT // 4)
     sizes = [KT - mid - last, mid, last] if KT - mid - last >= mid >= last else [KT]
     out, k0 = [], 0
@@ -1038,6 +1091,14 @@ def _tail_blocks(KT, last=2):
         out.append((k0, g))
         k0 += g
     return tuple(out)
+
+
+def _hsplit_blocks(KH):
+    """kt blocks of the H split's out^T half (_one_token_hsplit): two, KH - KH/4 and KH/4 (9 / 3 at KH = 12). After
+    the activation swaps became rows (_ActSwap) and the routing shorter, modelled 0.02 us better at GPT-OSS-20B TP8
+    T = 1 trn3 than _tail_blocks' 8 / 3 / 1 (which paid a 256 B-run DMA for its last kt and an eviction waiting for
+    the middle block's), and than 8 / 4, 7 / 3 / 2, 7 / 4 / 1, 10 / 2, 9 / 2 / 1 (0.03-0.09 us slower)."""
+    return ((0, KH - KH // 4), (KH - KH // 4, KH // 4)) if KH >= 4 else ((0, KH),)
 
 
 def _last_two_tail(cfg, consts, ring, base, regs, aff_cols, hT, acc, w_down, b_gate_up, out, blk):
@@ -1274,6 +1335,56 @@ class _BiasBlock(nl.NKIObject):
                            moving=self.mv[Q0:P_MAX, 0:1], accumulate=True)
 
 
+class _ActSwap(nl.NKIObject):
+    """LNC=2 H split: an activation act^T [128, MT] (bf16, I on the partitions) sent to the other core as MT ROWS of
+    128 elements on partitions Q .. Q + MT - 1 (the DMA engine of partitions 120-127) instead of 128 partitions of
+    MT elements: a DMA costs every engine it touches ~256 B of overhead per partition (8 partitions each), so the
+    column swap took ~0.063 us of ALL 16 engines' weight stream per activation, the rows ~0.016 us of one engine.
+    Transposes by TensorE, exact (bf16 values x 1 into fp32 PSUM, zeros elsewhere): the sender copies act^T into
+    columns Q - 96 .. of a [128, 32] zero tile and multiplies it (stationary) by a bf16 identity, the rows land on
+    PSUM partitions Q ..; the receiver contracts the received rows' quadrant [96, 128) (zero but those rows) with
+    the identity's columns Q .. (moving), which gives act^T [128, MT] back."""
+
+    Q0 = 96
+    Q = 120
+    MAX_TILES = P_MAX - Q
+
+    def __init__(self, cfg, consts, MT, n):
+        gp = nisa.engine.gpsimd
+        self.MT, self.c = MT, cfg.core
+        self.z = nl.ndarray((P_MAX, P_MAX - self.Q0), dtype=cfg.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=self.z, value=0.0, engine=gp)
+        self.ident = nl.ndarray((P_MAX, P_MAX), dtype=cfg.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=self.ident, src=consts.ident, engine=gp)
+        self.ps = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.psum)
+        self.psb = nl.ndarray((P_MAX, MT), dtype=nl.float32, buffer=nl.psum)
+        self.rows = tuple(nl.ndarray((P_MAX, P_MAX), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(n))
+        self.recv = tuple(nl.ndarray((P_MAX, P_MAX), dtype=cfg.dtype, buffer=nl.sbuf) for _ in range(n))
+        for t in self.recv:
+            nisa.memset(dst=t[self.Q0:P_MAX, :], value=0.0, engine=gp)
+
+    def send(self, j, act, theirs, tiles=None):
+        """Swap this core's activation act [128, MT, >= 1] (the j-th) for the other core's, into theirs. tiles: the
+        (first partition, rows) of each I tile when act holds them only (no _Spread: the other partitions were never
+        written, and one NaN there would spread over the whole transposed row through its 0 products); None: all 128
+        partitions of every tile. Rows outside the tiles get zeros or an earlier activation's values (finite, never
+        contracted by the receiver)."""
+        Q0, Q, MT = self.Q0, self.Q, self.MT
+        if tiles is None:
+            nisa.tensor_copy(dst=self.z[:, Q - Q0:Q - Q0 + MT], src=act[:, 0:MT, 0])
+        else:
+            for m, (o, rows) in enumerate(tiles):
+                nisa.tensor_copy(dst=self.z[o:o + rows, Q - Q0 + m:Q - Q0 + m + 1], src=act[o:o + rows, m, 0:1])
+        nisa.nc_matmul(dst=self.ps[Q0:P_MAX, :], stationary=self.z, moving=self.ident, accumulate=False)
+        row, recv = self.rows[j], self.recv[j]
+        nisa.tensor_copy(dst=row[Q0:P_MAX, :], src=self.ps[Q0:P_MAX, :])
+        nisa.sendrecv(src=row[Q:Q + MT, :], dst=recv[Q:Q + MT, :], send_to_rank=1 - self.c,
+                      recv_from_rank=1 - self.c, pipe_id=1)
+        nisa.nc_matmul(dst=self.psb[:, 0:MT], stationary=recv[Q0:P_MAX, :], moving=self.ident[Q0:P_MAX, Q:Q + MT],
+                       accumulate=False)
+        nisa.tensor_copy(dst=theirs[:, 0:MT, 0], src=self.psb[:, 0:MT])
+
+
 def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate_up, b_down, out):
     """T = 1, LNC=2, k even: the cores split the DOWN projection by H halves instead of exchanging partial outputs.
     Core c computes gate/up and the activation of its slots (s % 2 == c, whole experts: each gate/up weight read by
@@ -1306,6 +1417,7 @@ def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate
     # the last own gate/up in two kt pieces (its matmuls start on the first) unless the other down halves' stream is
     # long enough to hide its compute and swap anyway: one DMA is then fewer per-run overheads (20B: 0.06 us)
     gu_whole = (k - 1) * cfg.inter * H2 * 2 >= HSPLIT_GU_ONE_PIECE_BYTES
+    swap = _ActSwap(cfg, consts, MT, len(mine)) if HSPLIT_ACT_ROWS and MT <= _ActSwap.MAX_TILES else None
     for j, s in enumerate(mine):     # this core's gate/up weights, then its activations (swapped as they come)
         b = j % cfg.nbuf
         if b_gate_up is not None:
@@ -1321,15 +1433,19 @@ def _one_token_hsplit(cfg, consts, ring, idx, aff, hT, w_gate_up, w_down, b_gate
         act = nl.ndarray((P_MAX, MT, cfg.GS), dtype=cfg.dtype, buffer=nl.sbuf)
         _activation_step(cfg, pt, ring, ps, act)
         theirs = nl.ndarray((P_MAX, MT, cfg.GS), dtype=cfg.dtype, buffer=nl.sbuf)
-        nisa.sendrecv(src=act[:, :, :T], dst=theirs[:, :, :T], send_to_rank=1 - c, recv_from_rank=1 - c,
-                      pipe_id=1)
+        if swap is not None:
+            swap.send(j, act, theirs, None if spread is not None else
+                      [(ring.tile_off(pt, m), pt.rows[m]) for m in range(MT)])
+        else:
+            nisa.sendrecv(src=act[:, :, :T], dst=theirs[:, :, :T], send_to_rank=1 - c, recv_from_rank=1 - c,
+                          pipe_id=1)
         acts[s] = act
         acts[s + (1 if c == 0 else -1)] = theirs
         ring.n += 1
     # the out^T half in PSUM, opened with zeros; in kt blocks (_hb_cols: h = c H/2 + 128 k0 + p g + j - k0) when
     # the biases are a contraction block or absent: the last tile's rows then load per block and each block is
     # evicted and stored as soon as it is complete (as LNC 1's _last_two_tail)
-    blocks = _tail_blocks(KH, last=1) if blk is not None or b_down is None else ((0, KH),)
+    blocks = _hsplit_blocks(KH) if blk is not None or b_down is None else ((0, KH),)
     if blk is not None:
         blk.blocks = blocks
     acc = nl.ndarray((P_MAX, KH, cfg.GS), dtype=nl.float32, buffer=nl.psum)

@@ -113,12 +113,13 @@ def load_router_bias(b_router, E):
     return br
 
 
-def load_router_weights(w_router, b_router, KT, k0=0, k1=None, decreasing=False):
+def load_router_weights(w_router, b_router, KT, k0=0, k1=None, decreasing=False, pieces=None):
     """W_r as [128, KT, E] bf16 (H row p * KT + kt on partition p: KT * E contiguous elements per partition, the H
     order of the transposed activations); rows of the kt range [k0, k1) only (LNC=2 splits them), in pieces of
     >= ROUTER_W_MIN_RUN bytes per partition (up to ROUTER_W_PIECES) so the logits matmuls start on the first piece
     (GPT-OSS-120B: E = 128, 786 KB, the longest load of the routing); decreasing: router_w_pieces' decreasing
-    pieces (the fused TKG kernel, where the routing is the critical path to the first expert DMA). b_r as fp32
+    pieces (the fused TKG kernel, where the routing is the critical path to the first expert DMA); pieces: these kt
+    counts instead (summing to k1 - k0). b_r as fp32
     [1, E] (None stays None), loaded first: its K=1 matmul opens the logits. A bf16 b_r stays bf16 (its products with
     1.0 are exact in the fp32 PSUM: no conversion on the routing's critical path, and the matmul takes 1/4 of an
     fp32 one's cycles)."""
@@ -127,9 +128,9 @@ def load_router_weights(w_router, b_router, KT, k0=0, k1=None, decreasing=False)
     br = load_router_bias(b_router, E)
     wr = nl.ndarray((P_MAX, KT, E), dtype=w_router.dtype, buffer=nl.sbuf)
     src = w_router.reshape((P_MAX, KT, E))
-    if decreasing:
+    if decreasing or pieces:
         a = k0
-        for sz in router_w_pieces(k1 - k0, E * w_router.dtype.itemsize):
+        for sz in pieces or router_w_pieces(k1 - k0, E * w_router.dtype.itemsize):
             nisa.dma_copy(dst=wr[:, a:a + sz, :], src=src[:, a:a + sz, :])
             a += sz
         return wr, br

@@ -96,10 +96,11 @@ def test_gpt_oss_20b_tp8_lnc2(T, mode, lnc):
 MID = dict(H=1024, E=32, top_k=4, inter=360, hidden_actual=960)      # GPT-OSS-20B's experts, a narrower H
 
 
-@pytest.mark.parametrize("T,bias_dtype", [(4, torch.float32), (2, torch.bfloat16)])
+@pytest.mark.parametrize("T,bias_dtype", [(4, torch.float32), (2, torch.bfloat16), (1, torch.float32)])
 def test_router_weight_swap_lnc2(T, bias_dtype):
     """LNC=2, T <= 8, E < 128: the cores swap their W_r halves (sendrecv) instead of their partial logits and both
-    add the two halves' logits in the same order: both must pick the reference's experts (bf16 / fp32 b_r)."""
+    add the two halves' logits in the same order: both must pick the reference's experts (bf16 / fp32 b_r). T = 1
+    adds them in PSUM (an fp32 ones matmul onto the other half's group) and the top-k reads them there."""
     args, kw = make_tkg_inputs(T=T, seed=3, **MID)
     kw["b_router"] = kw["b_router"].to(bias_dtype)
     out, idx, aff = moe_tkg(*args, **kw, expert_mode="selective", backend="nkisim", lnc=2)
@@ -150,6 +151,31 @@ def test_one_token_variants(over, lnc):
     """T = 1 takes its own selective path (slots straight from the top-k, per-slot down-bias rows, x loaded
     transposed, fused RMSNorm steps): the options it must honour."""
     run_and_check(1, SMALL, "selective", lnc=lnc, **over)
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32, None])
+def test_one_token_transposed_logits_exchange_lnc2(bias_dtype):
+    """T = 1, LNC=2 without the W_r swap (KT odd here; E = 128 at GPT-OSS-120B): each core's partial logits are
+    computed transposed ([E, 1], W_r stationary), exchanged, and turned into the logits row by two fp32 identity
+    matmuls accumulating own + other in PSUM (the bias, bf16 / fp32 / none, in core 0's part): both cores must pick
+    the reference's experts and the output must match."""
+    shape = dict(H=384, E=16, top_k=2, inter=200, hidden_actual=None)
+    args, kw = make_tkg_inputs(T=1, seed=5, **shape)
+    kw["b_router"] = None if bias_dtype is None else kw["b_router"].to(bias_dtype)
+    out, idx, aff = moe_tkg(*args, **kw, expert_mode="selective", backend="nkisim", lnc=2)
+    ref, ridx, raff = moe_torch(*args, **kw)
+    assert torch.equal(idx.long(), ridx), "expert indices differ"
+    assert torch.allclose(aff, raff, rtol=RTOL, atol=ATOL)
+    err = (out.float() - ref).abs().max().item()
+    assert err <= ATOL + RTOL * ref.abs().max().item(), f"max err {err} vs range {ref.abs().max().item()}"
+
+
+@pytest.mark.parametrize("inter,over", [(100, {}), (300, dict(activation="swiglu", b_down=None))])
+def test_one_token_hsplit_activation_rows_lnc2(inter, over):
+    """T = 1, LNC=2, k even (the H split): each activation act^T [128, MT] crosses to the other core as MT rows on
+    partitions 120.. (_ActSwap: TensorE transposes there and back, exact); MT = 1 and 3 (a 44-row partial tile),
+    the H half in the two kt blocks of _hsplit_blocks (down biases as a block) or one (no down bias)."""
+    run_and_check(1, dict(SMALL, top_k=4, inter=inter), "selective", lnc=2, **over)
 
 
 @pytest.mark.parametrize("shape,over", [
