@@ -159,7 +159,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
             _exchange_oT(cfg, oT[0], b_lo, b_hi, cfg.per_core)
         if cfg.core == 0:
             _update_cache(cfg, qkv, K_cache, V_cache, pos_sb, tiles, rows)
-        _output_projection(cfg, consts, oT, wo, ins.bias_o, out, tiles)
+        _output_projection(cfg, consts, oT, wo, ins.bias_o, out, tiles, ins.bias_o_row)
     return out
 
 

@@ -44,6 +44,7 @@ STRIDE_MIN_SCAN = 8192
 FIRST_PIECE_MIN = 128
 FIRST_PIECE_SPLITS = 2
 FIRST_PIECE_SPLITS_FP8 = 1
+BIAS_ROWS = (64, 96)   # partitions of bias_o's even / odd 128-column chunks (_Config.bias_psum)
 # d < 128 (GPT-OSS's two-batch K^T stacks): the unrotated batches' whole-slot K^T loads (planning._whole_k: SBUF
 # runs of 2w bytes, DMA efficiency 0.85 instead of 0.80 at w = 2048) only when the core scans at least this many
 # packs, i.e. where the K/V stream paces the row (modelled trn2 GPT-OSS B=64 16K 516.67 -> 510.44 us); with one or
@@ -366,6 +367,19 @@ class _Config(nl.NKIObject):
         self.kt_swap = (v3 and not self.pmajor and not self.dyn and not self.paged and self.kpp == 2
                         and self.halves == 1 and self.kv_bufs % 2 == 0 and min(self.pack, self.b_hi - self.b_lo) >= 2
                         and _kt_swap_pays(self))
+        # bias_o added in PSUM (oproj._accumulate_out_chunks: a K = 1 matmul opening each out^T chunk's accumulation
+        # group, issued long before W_o arrives) where W_o is resident, so the O-projection's evictions are plain
+        # copies alternating VectorE / ScalarE instead of VectorE adds of the broadcast bias (modelled trn2 GPT-OSS
+        # B=64 16K: 3 x 1.07 us serial VectorE evictions after W_o's last byte -> 0.5 / 0.4 / 0.5 us alternating).
+        # NeuronCore-v3 only: on trn3 the packed few-token layouts gain nothing and B=16 4K lost 0.8 %.
+        self.bias_psum = not self.wo_chunk and v3
+        # Row-major steps of the kernel's last pack (flash._row_max): the row max as one VectorE reduce per score
+        # chunk (each starts when its chunk's score matmuls are done, the second while TensorE computes the other)
+        # and a max of the partial maxima, instead of one reduce after the whole step's scores: the last steps run
+        # as a VectorE -> ScalarE -> TensorE chain after the last K/V bytes (modelled trn2 GPT-OSS B=64 16K 495.23 ->
+        # 494.69 us, B=8 16K 86.65 -> 85.90, ragged B=8 66.43 -> 64.94). Other packs keep one reduce (the extra
+        # instruction on VectorE, which paces GPT-OSS B=64 4K's bound); trn2 only (trn3 GPT-OSS B=16 4K +1.1 %).
+        self.rmax_split = v3
         self._frozen = True     # last: nothing changes the configuration from here on
 
 

@@ -217,4 +217,4 @@ def _decode_attention_dp(cfg, cfg_g, dp, X, W_qkv, K_cache, V_cache, position_id
     wo = _load_w_o(cfg_g, W_o)       # issued after every K/V load, as in the plain launch
     oT_g = _swap_sequences_for_heads(cfg, cfg_g, dp, oT, own, gath)
     _update_cache(cfg, qkv, K_cache, V_cache, pos_sb, own, rows)
-    _output_projection(cfg_g, consts, oT_g, wo, ins.bias_o, out, gath)
+    _output_projection(cfg_g, consts, oT_g, wo, ins.bias_o, out, gath, ins.bias_o_row)

@@ -502,8 +502,9 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
             _online_step_pm(cfg, consts, st, sm, step.sc, rows, nb, views[step.slot][1], step.blocks, gates[k],
                             step.pre_pv)
         else:
+            split = tuple((c0, c1) for c0, c1, _i in step.chunks) if cfg.rmax_split and st.last_pack else None
             _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks, gates[k],
-                         pv_gates[k], pv_gates[k - 1] if k > 0 else None, step.pre_pv)
+                         pv_gates[k], pv_gates[k - 1] if k > 0 else None, step.pre_pv, split)
         step.pre_pv = None
         step.sc = None
         if k == 0 and cfg.ragged and sm.acc is None:
@@ -815,7 +816,20 @@ def _stack_rows(cfg, jj, nb):
     return min(cfg.kpp, nb - jj // cfg.halves * cfg.kpp) * cfg.kd
 
 
-def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None, prev=None, pre_pv=None):
+def _row_max(m_t, sc, rows, cols, split=None):
+    """m_t[:rows] = the row max of sc[:rows, :cols]; split (column ranges of the step's score chunks, _Config.
+    rmax_split): one reduce per chunk, each as soon as its chunk's scores are done, then the max of the partial
+    maxima."""
+    if split is None or len(split) < 2:
+        nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=sc[:rows, :cols], axis=(1,))
+        return
+    part = nl.ndarray((P_MAX, 4), dtype=nl.float32, buffer=nl.sbuf)
+    for i, (c0, c1) in enumerate(split):
+        nisa.tensor_reduce(dst=part[:rows, i:i + 1], op=nl.maximum, data=sc[:rows, c0:c1], axis=(1,))
+    nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=part[:rows, :len(split)], axis=(1,))
+
+
+def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None, prev=None, pre_pv=None, split=None):
     """One online-softmax update over the masked scores sc[:rows, :cols] + PV.
 
     blocks: (first column, column stride, positions K, V block index) of each P^T block.
@@ -825,11 +839,11 @@ def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None,
     """
     if gate is not None:
         nl.fori_loop(0, gate, lambda _i: _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv,
-                                                              prev, pre_pv))
+                                                              prev, pre_pv, split))
         return
     scale = cfg.scale
     m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=sc[:rows, :cols], axis=(1,))
+    _row_max(m_t, sc, rows, cols, split)
     m_new = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=m_new[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum)
     nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -865,7 +879,7 @@ def _group_cols(cfg, G, nb):
     return b0 * cfg.d, b1 * cfg.d, b0, b1
 
 
-def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, prev=None, pre_pv=None):
+def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, prev=None, pre_pv=None, split=None):
     """_online_step writing the state in place (after a first step gave it its buffers), with the same VectorE /
     ScalarE instruction counts: nbias = -scale * max(m, rowmax) in one op; the previous step's PV is flushed before
     alpha overwrites the pending one; then l and m are updated in place. pv / prev (ragged, see
@@ -873,7 +887,7 @@ def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, pr
     step's PV."""
     scale = cfg.scale
     m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=m_t[:rows], op=nl.maximum, data=sc[:rows, :cols], axis=(1,))
+    _row_max(m_t, sc, rows, cols, split)
     nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=nbias[:rows], data=sm.m[:rows], op0=nl.maximum, operand0=m_t[:rows], op1=nl.multiply,
                        operand1=-scale)

@@ -7,7 +7,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from ...common.tiles import evict
-from .config import P_MAX, PSUM_F, TRANSPOSE_GROUP, W_O_DMAS, X_ROW_S_MAX
+from .config import BIAS_ROWS, P_MAX, PSUM_F, TRANSPOSE_GROUP, W_O_DMAS, X_ROW_S_MAX
 
 # Token tiles of 33..64 rows are stored in this many column ranges, each once the O-projection has evicted it
 # (_store_halves): the first ranges' stores overlap the last W_o loads instead of all following them (modelled trn2
@@ -252,7 +252,7 @@ class _OutLayout(nl.NKIObject):
     [128, H/128, tokens], or packed outP [128, group, token, chunk of the group] (cpt chunks per group, rem in the
     last), ev chunks per PSUM eviction (_out_groups)."""
 
-    def __init__(self, cfg, nt, dtype):
+    def __init__(self, cfg, nt, dtype, split_last=False):
         n_c = (cfg.H + P_MAX - 1) // P_MAX
         hc0, hc1 = cfg.hc                                        # this core's 128-column chunks of H
         self.outT = nl.ndarray((P_MAX, n_c, P_MAX), dtype=dtype, buffer=nl.sbuf)
@@ -266,14 +266,30 @@ class _OutLayout(nl.NKIObject):
             if self.rem < cpt:     # the partial group's unused chunks: finite (they are transposed, never stored)
                 nisa.memset(dst=self.outP[:, n_g - 1, :, self.rem:], value=0.0)
         self.ev = ev
+        # Eviction groups (first chunk, chunks). split_last (bias_o in PSUM: the evictions are plain copies
+        # alternating VectorE / ScalarE, _Config.bias_psum), unpacked: the last group is split in two, the second
+        # at most half of it in whole banks, and the store ranges follow the groups when all hold an even chunk
+        # count (_store_ranges), so what follows the last matmul is a smaller eviction and the last range alone
+        # (modelled trn2 GPT-OSS B=64 16K 495.81 -> 495.23 us).
+        self.groups = [(c0, min(ev, hc1 - c0)) for c0 in range(hc0, hc1, ev)]
+        self.ranges = None
+        per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, 128] fp32 per bank
+        if split_last and not self.packed and self.groups[-1][1] >= 2 * per_bank:
+            c0, n = self.groups.pop()
+            last = n // 2 // per_bank * per_bank
+            self.groups += [(c0, n - last), (c0 + n - last, last)]
+            if all(k % 2 == 0 for _c, k in self.groups):
+                self.ranges = tuple((c, c + k) for c, k in self.groups)
 
 
-def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
+def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles, bias_row=None):
     """out[tokens, H] = o @ W_o (+ bias), computed transposed: out^T chunk c [128 (H), tokens] = sum over K chunks
     of matmul(stationary = W_o rows [K chunk, 128 H columns], moving = o^T [K chunk, tokens]) -- max(tokens, 64)
     cycles per matmul instead of 512 with W_o moving. The bias is a per-partition scalar of out^T (added by the
-    eviction), then TensorE transposes bring [tokens, H] back for one contiguous store per token tile (few tokens:
-    several chunks per transpose, see _store_packed). A streamed W_o (_WoStream): see _output_projection_streamed.
+    eviction), or with bias_row (_Config.bias_psum: qkv._Inputs.bias_o_row) added in PSUM by a K = 1 matmul that
+    opens each chunk's accumulation group (the evictions are then plain copies), then TensorE transposes bring
+    [tokens, H] back for one contiguous store per token tile (few tokens: several chunks per transpose, see
+    _store_packed). A streamed W_o (_WoStream): see _output_projection_streamed.
     """
     if cfg.wo_chunk:          # W_o streamed (wo is its _WoStream)
         _output_projection_streamed(cfg, oTs, wo, bias_T, out, tiles)
@@ -283,19 +299,19 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles):
     hc0, hc1 = cfg.hc                                        # this core's 128-column chunks of H
     for ti, tl in enumerate(tiles):
         t0, nt = tl.t0, tl.nt
-        lay = _OutLayout(cfg, nt, out.dtype)
+        lay = _OutLayout(cfg, nt, out.dtype, split_last=bias_row is not None)
         # A packed tile of several evictions (d = 128): each eviction's groups are transposed and stored right after
         # it, under the next column piece's W_o transfer and matmuls, so after W_o's last byte only the last
         # eviction's groups are (modelled trn2 Llama-8B B=16 4K 112.67 -> 112.04 us, B=8 71.48 -> 71.17; DESIGN.md
         # "The Llama-8B 4K rows"). d = 64 (GPT-OSS) gains too (B=16 4K 55.01 -> 54.49) but keeps one store per
         # tile: its LNC=2 / fp8 rows are held to ratios of the LNC=1 bf16 rows, not checked here.
         early = _early_store(cfg, lay.packed, lay.ev)
-        for c0 in range(hc0, hc1, lay.ev):
-            ncb = min(lay.ev, hc1 - c0)
+        for gi, (c0, ncb) in enumerate(lay.groups):
             ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
             pv = ps[:, :ncb * nt].reshape((P_MAX, ncb, nt))
-            _accumulate_out_chunks(pv, c0, ncb, hc0, 0, n_k, K, oTs[ti], nt, wo, 0)
-            _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T)
+            _accumulate_out_chunks(pv, c0, ncb, hc0, 0, n_k, K, oTs[ti], nt, wo, 0,
+                                   None if bias_row is None else (bias_row, _bias_ones(consts, bias_row.dtype, nt)))
+            _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T, n_ev=gi)
             ps = None
             _store_evicted_ranges(cfg, lay, out, t0, nt, c0, ncb)
             if early:       # this eviction's whole groups (ev is a multiple of cpt), stored under the next ones
@@ -346,25 +362,45 @@ def _output_projection_streamed(cfg, oTs, ws, bias_T, out, tiles):
         _store_tile(cfg, lays[ti], out, tl.t0, tl.nt)
 
 
-def _accumulate_out_chunks(pv, c0, ncb, hc0, k0, k1, K, oT, nt, w, kbase):
+def _bias_ones(consts, dtype, nt):
+    """The moving operands [1, nt] of ones on the partitions BIAS_ROWS (bias_o's chunks, qkv._load_small_inputs) of
+    the K = 1 bias matmuls."""
+    if dtype == nl.bfloat16:
+        ones = consts.ones
+    elif dtype == nl.float32:
+        ones = consts.ones_f32
+    else:
+        ones = nl.ndarray((P_MAX, P_MAX), dtype=dtype, buffer=nl.sbuf)
+        for p in BIAS_ROWS:
+            nisa.memset(dst=ones[p:p + 1, :], value=1.0)
+    return tuple(ones[p:p + 1, :nt] for p in BIAS_ROWS)
+
+
+def _accumulate_out_chunks(pv, c0, ncb, hc0, k0, k1, K, oT, nt, w, kbase, bias=None):
     """out^T chunks [c0, c0 + ncb) of this core (pv [128, ncb, nt] in one PSUM bank, one accumulation group at a
     time) summed over the 128-row K chunks [k0, k1): stationary = the W_o rows of K chunk k held at w[:, k - kbase]
     (w: [128, K chunks, this core's H columns], resident W_o or one streamed ring buffer), the 128 columns of
-    chunk c; moving = o^T [rows, nt]."""
+    chunk c; moving = o^T [rows, nt]. bias (bias rows, their ones: _bias_ones): first a K = 1 matmul of chunk c's
+    bias row (partition BIAS_ROWS[c % 2], column block c // 2) against ones, so the group holds out^T + bias; it
+    waits for neither W_o nor o^T and runs whenever TensorE is free."""
     for c in range(c0, c0 + ncb):
         h0 = (c - hc0) * P_MAX
+        if bias is not None:      # (bias rows, ones): chunk c's bias on partition BIAS_ROWS[c % 2]
+            p, j = BIAS_ROWS[c % 2], c // 2
+            nisa.nc_matmul(dst=pv[:, c - c0, :], stationary=bias[0][p:p + 1, j * P_MAX:(j + 1) * P_MAX],
+                           moving=bias[1][c % 2], accumulate=False)
         for k in range(k0, k1):
             kn = min(P_MAX, K - k * P_MAX)
             nisa.nc_matmul(dst=pv[:, c - c0, :], stationary=w[:kn, k - kbase, h0:h0 + P_MAX], moving=oT[:kn, k, :nt],
-                           accumulate=(k > k0))
+                           accumulate=(k > k0 or bias is not None))
 
 
-def _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T, acc=None):
+def _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T, acc=None, n_ev=None):
     """out^T chunks [c0, c0 + ncb) from PSUM bank ps ([128, ncb * nt] used) into the tile's store layout (+ bias,
     or + the streamed O-projection's fp32 partial sums acc [128, (H/128 of this core) * nt], bias included)."""
     hc0 = cfg.hc[0]
     pv = ps[:, :ncb * nt].reshape((P_MAX, ncb, nt))
-    n_ev = (c0 - hc0) // lay.ev
+    n_ev = (c0 - hc0) // lay.ev if n_ev is None else n_ev
 
     def part_of(c, n, shape):
         return None if acc is None else acc[:, (c - hc0) * nt:(c - hc0 + n) * nt].reshape(shape)
@@ -385,8 +421,11 @@ def _evict_group(cfg, lay, c0, ncb, nt, ps, bias_T, acc=None):
                    bias_T, c0 + nfull * cpt, part, nt, acc=part_of(c0 + nfull * cpt, part, (P_MAX, part, nt)))
 
 
-def _store_ranges(cfg):
-    """The column ranges (out^T chunks of this core) _store_halves stores one at a time (STORE_RANGES)."""
+def _store_ranges(cfg, lay):
+    """The column ranges (out^T chunks of this core) _store_halves stores one at a time: the layout's eviction
+    groups (_OutLayout.ranges), else STORE_RANGES equal ones."""
+    if lay.ranges is not None:
+        return lay.ranges
     hc0, hc1 = cfg.hc
     n_pc = STORE_RANGES
     return tuple((hc0 + i * (hc1 - hc0) // n_pc, hc0 + (i + 1) * (hc1 - hc0) // n_pc) for i in range(n_pc))
@@ -394,7 +433,7 @@ def _store_ranges(cfg):
 
 def _split_store(cfg, lay, nt):
     """Whether a token tile is stored by _store_halves (unpacked, 32 < nt <= 64, ranges of an even chunk count)."""
-    return not lay.packed and 2 * nt <= P_MAX and all((hi - lo) % 2 == 0 for lo, hi in _store_ranges(cfg))
+    return not lay.packed and 2 * nt <= P_MAX and all((hi - lo) % 2 == 0 for lo, hi in _store_ranges(cfg, lay))
 
 
 def _store_evicted_ranges(cfg, lay, out, t0, nt, c0, ncb):
@@ -403,7 +442,7 @@ def _store_evicted_ranges(cfg, lay, out, t0, nt, c0, ncb):
     exactly one eviction group, so each is stored once. Both O-projection paths (resident and streamed W_o) call
     this after their final evictions, as _store_tile leaves such a tile to them."""
     if _split_store(cfg, lay, nt):
-        for lo, hi in _store_ranges(cfg):
+        for lo, hi in _store_ranges(cfg, lay):
             if c0 < hi <= c0 + ncb:
                 _store_halves(cfg, lay, out, t0, nt, lo, hi)
 

@@ -9,6 +9,7 @@ import nki.language as nl
 from ...common.tiles import evict, transpose_token_groups, transpose_tokens
 from .common import _ones_row
 from .config import (
+    BIAS_ROWS,
     P_MAX,
     PSUM_F,
     QKV_BANKS,
@@ -27,6 +28,7 @@ class _Inputs(nl.NKIObject):
     def __init__(self):
         self.x, self.cos, self.sin = (), (), ()
         self.gamma, self.bias_qkv, self.bias_o, self.bias_o_rows = None, None, None, None
+        self.bias_o_row = None      # _Config.bias_psum: bias_o's chunks on partitions BIAS_ROWS
         self.ks, self.vs, self.ks_inv, self.vs_inv = None, None, None, None   # fp8 cache scales [128, nkv] fp32
 
 
@@ -82,7 +84,19 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale
     if bias_qkv is not None:
         ins.bias_qkv = nl.ndarray((1, cfg.C), dtype=bias_qkv.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=ins.bias_qkv, src=bias_qkv)
-    if bias_o is not None:
+    if bias_o is not None and cfg.bias_psum:
+        # the stationaries of the K = 1 bias matmuls opening each out^T chunk's PSUM accumulation group
+        # (oproj._accumulate_out_chunks): chunk c's 128 values on partition BIAS_ROWS[c % 2], columns
+        # (c // 2) * 128.. (two 1-partition rows at quadrant starts, C13; DMA engines 8 and 12, away from the pack
+        # tables' 0..7; H / 2 elements per partition instead of H)
+        n_c = cfg.H // P_MAX
+        row = nl.ndarray((P_MAX, (n_c + 1) // 2 * P_MAX), dtype=bias_o.dtype, buffer=nl.sbuf)
+        for h, p in enumerate(BIAS_ROWS):
+            nh = (n_c - h + 1) // 2
+            nisa.dma_copy(dst=row[p:p + 1, :nh * P_MAX].reshape((1, nh, P_MAX)),
+                          src=bias_o.ap([[cfg.H, 1], [2 * P_MAX, nh], [1, P_MAX]], offset=h * P_MAX))
+        ins.bias_o_row = row
+    elif bias_o is not None:
         # bias_o[c * 128 + p] on partition p, column c (a per-partition scalar of the transposed O-projection):
         # a contiguous [H/128, 128] load and one TensorE transpose.
         n_c = cfg.H // P_MAX

@@ -656,6 +656,64 @@ def test_add_bias_o_selects_the_rank_that_adds_the_bias():
         decode_attention(*args, **kw, backend="nkisim", add_bias_o=1)
 
 
+
+@pytest.mark.parametrize("H,B,lnc", [(3072, 40, 1), (2944, 48, 2)])
+def test_bias_o_added_in_psum(H, B, lnc):
+    """trn2 with W_o resident (_Config.bias_psum): bias_o is added in PSUM by a K = 1 matmul opening each out^T
+    chunk's accumulation group (chunk c's row on partition BIAS_ROWS[c % 2], column block c // 2), the evictions
+    are plain copies, and an unpacked token tile's last eviction group is split in two (_OutLayout.groups). 33..64
+    tokens per tile (unpacked); H = 23 * 128: an odd chunk count (the two rows hold 12 and 11 chunks), LNC=2 splits
+    the chunks between the cores. The kernel's own bias effect (output with bias_o minus output without) must be
+    bias_o on every token (a unit-scale bias, so a chunk read from the wrong row or column block shows far beyond
+    the outputs' bf16 rounding), and the output must match the reference."""
+    shape = dict(GPT_OSS_20B_TP8, H=H)
+    args, kw = make_inputs(B, 1, s_max=256, ctx=256, seed=5, **shape)
+    kw["bias_o"] = torch.randn(1, H, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    seen = []
+    orig = cfg_mod._Config.__init__
+
+    def spy(self, *a, **k):
+        orig(self, *a, **k)
+        seen.append(self.bias_psum and not self.wo_chunk)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cfg_mod._Config, "__init__", spy)
+        with_b = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim", lnc=lnc).float()
+    assert seen and all(seen), "bias_psum is off: the case tests no bias added in PSUM"
+    without_b = decode_attention(*[a.clone() for a in args], **dict(kw, bias_o=None), backend="nkisim",
+                                 lnc=lnc).float()
+    effect = with_b - without_b
+    want = kw["bias_o"].float().expand_as(effect)
+    tol = 0.02 + 2.0 ** -7 * with_b.abs().max().item()
+    assert (effect - want).abs().max().item() <= tol, (effect - want).abs().max().item()
+    ref = decode_attention_torch(*[a.clone() for a in args], **kw).float()
+    assert (with_b - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+
+
+def test_last_pack_row_max_per_chunk():
+    """trn2 (_Config.rmax_split): the kernel's last pack takes each step's row max as one reduce per score chunk
+    and a max of the partial maxima (flash._row_max). A max is exact, so the output must be bit-identical to the
+    one-reduce row max's (a chunk left out moves the exponent's reference point of its rows, hence the rounding of
+    their bf16 probabilities) and match the reference. GPT-OSS B=8: one pack, the last; two score chunks per
+    1024-position step."""
+    from nki_kernels.attention.decode import flash
+    args, kw = make_inputs(8, 1, s_max=4096, ctx=4096, seed=11, **GPT_OSS_20B_TP8)
+    orig = flash._row_max
+    seen = []
+
+    def spy(m_t, sc, rows, cols, split=None):
+        seen.append(split is not None and len(split) > 1)
+        orig(m_t, sc, rows, cols, split)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "_row_max", spy)
+        out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
+    assert any(seen), "no step took its row max per chunk"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "_row_max", lambda m_t, sc, rows, cols, split=None: orig(m_t, sc, rows, cols))
+        one = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
+    assert torch.equal(out, one)
+    ref = decode_attention_torch(*[a.clone() for a in args], **kw).float()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+
 # ---- ragged contexts: each sequence is scanned to its own length ---------------------------------------------------
 
 RAGGED_FIRST = (1, 130, 1000, 4095, 2500)        # first new position of each sequence (its cache length)
