@@ -380,6 +380,14 @@ class _Config(nl.NKIObject):
         # 494.69 us, B=8 16K 86.65 -> 85.90, ragged B=8 66.43 -> 64.94). Other packs keep one reduce (the extra
         # instruction on VectorE, which paces GPT-OSS B=64 4K's bound); trn2 only (trn3 GPT-OSS B=16 4K +1.1 %).
         self.rmax_split = v3
+        # With rmax_split, a kernel of one pack scanning slots of more than one piece (ragged GPT-OSS B=8, B=8 16K:
+        # the last pack's steps are the whole 16K scan) continues the first chunk's max in the second chunk's
+        # reduce (tensor_scalar_reduce, load_reduce) instead of a separate max of the partial maxima
+        # (flash._row_max): one small VectorE instruction less per step on the VectorE-paced chain (modelled ragged
+        # GPT-OSS B=8 63.58 -> 62.58 us, B=8 16K 85.74 -> 85.63). Not with several packs (GPT-OSS B=16 16K,
+        # TensorE-paced: +0.4 %, a list-schedule shift before the last pack) nor one-piece slots (4K: paged B=1
+        # 32.98 -> 33.40, LNC=2 B=8 4K 33.64 -> 33.95, attention DP 2 groups 55.90 -> 56.45).
+        self.rmax_chain = v3 and n_packs == 1 and nkv == 1 and not self.paged and _kt_swap_pays(self)
         self._frozen = True     # last: nothing changes the configuration from here on
 
 

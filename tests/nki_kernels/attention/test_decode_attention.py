@@ -700,19 +700,47 @@ def test_last_pack_row_max_per_chunk():
     orig = flash._row_max
     seen = []
 
-    def spy(m_t, sc, rows, cols, split=None):
+    def spy(m_t, sc, rows, cols, split=None, chain=False):
         seen.append(split is not None and len(split) > 1)
-        orig(m_t, sc, rows, cols, split)
+        orig(m_t, sc, rows, cols, split, chain)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(flash, "_row_max", spy)
         out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
     assert any(seen), "no step took its row max per chunk"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flash, "_row_max", lambda m_t, sc, rows, cols, split=None: orig(m_t, sc, rows, cols))
+        mp.setattr(flash, "_row_max", lambda m_t, sc, rows, cols, split=None, chain=False: orig(m_t, sc, rows, cols))
         one = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
     assert torch.equal(out, one)
     ref = decode_attention_torch(*[a.clone() for a in args], **kw).float()
     assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+
+
+def test_one_pack_row_max_chained_and_m_on_gpsimd():
+    """trn2, a kernel of one pack scanning two-piece slots (_Config.rmax_chain): the second score chunk's row-max
+    reduce continues the first chunk's max (tensor_scalar_reduce, load_reduce) instead of a third reduce of the
+    partial maxima, and the last pack's in-place steps update m on GpSimd (flash._online_step_inplace). Both are
+    exact: the output must be bit-identical to the one-reduce row max's and match the reference; the instruction
+    counts show both paths taken (fails with either reverted: no tensor_scalar_reduce / no [rows, 1] GpSimd max; a
+    chained reduce started without the first chunk's max moves the bits). GPT-OSS B=8 at 8K, random positions:
+    one pack, gated steps, 2048-position slots."""
+    import nkisim
+    from nki_kernels.attention.decode import flash
+    args, kw = make_inputs(8, 1, s_max=8192, ctx=8192, seed=12, **GPT_OSS_20B_TP8)
+    rep = nkisim.profile(decode_attention_nki, *[a.clone() for a in args], target="trn2", **kw)[1]
+    chained = sum(1 for e in rep.events if e.op == "tensor_scalar_reduce")
+    m_gpsimd = sum(1 for e in rep.events if e.op == "tensor_tensor" and e.engine == "gpsimd" and e.meta.get("n") == 1
+                   and e.meta.get("op") == "maximum")
+    assert chained >= 3, f"{chained} chained row-max reduces"
+    assert m_gpsimd >= 2, f"{m_gpsimd} m updates on GpSimd"
+    out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
+    orig = flash._row_max
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "_row_max", lambda m_t, sc, rows, cols, split=None, chain=False: orig(m_t, sc, rows, cols))
+        one = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
+    assert torch.equal(out, one)
+    ref = decode_attention_torch(*[a.clone() for a in args], **kw).float()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+
 
 # ---- ragged contexts: each sequence is scanned to its own length ---------------------------------------------------
 
