@@ -742,6 +742,37 @@ def test_one_pack_row_max_chained_and_m_on_gpsimd():
     assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
 
 
+def test_ragged_final_normalisation_split_vector_scalar():
+    """trn2 (flash._normalise_full, ragged per-group PV): the final o = acc / l is computed half on VectorE, half on
+    ScalarE (activation copy with the per-row 1/l as scale), both halves fp32 products rounded to bf16: the output
+    equals the all-VectorE normalisation's and the reference; fails when the ScalarE half is not issued or reads
+    the other half's columns."""
+    from nki_kernels.attention.decode import flash
+    args, kw = make_inputs(8, 1, s_max=8192, ctx=8192, seed=13, **GPT_OSS_20B_TP8)
+    orig = flash.nisa.activation
+    calls = []
+
+    def spy(*a, **k):
+        if not isinstance(k.get("scale", 1.0), float) and k.get("op") is flash.nl.copy:
+            calls.append(k["dst"].shape)
+        return orig(*a, **k)
+
+    def vector_only(*a, **k):
+        if not isinstance(k.get("scale", 1.0), float) and k.get("op") is flash.nl.copy:
+            return flash.nisa.tensor_scalar(dst=k["dst"], data=k["data"], op0=flash.nl.multiply, operand0=k["scale"])
+        return orig(*a, **k)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash.nisa, "activation", spy)
+        out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
+    assert calls, "no ScalarE half of the normalisation"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash.nisa, "activation", vector_only)
+        one = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
+    assert torch.equal(out, one)
+    ref = decode_attention_torch(*[a.clone() for a in args], **kw).float()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+
+
 # ---- ragged contexts: each sequence is scanned to its own length ---------------------------------------------------
 
 RAGGED_FIRST = (1, 130, 1000, 4095, 2500)        # first new position of each sequence (its cache length)
