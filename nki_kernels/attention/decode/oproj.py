@@ -224,8 +224,8 @@ def _out_groups(cfg, nt):
     # Chunks per eviction: a bank holds PSUM_F // nt chunks of [128, nt] (few tokens: many chunks per
     # eviction instead of one small eviction per 4 chunks, whose fixed costs paced the tail), but at most half
     # of the range, so two evictions alternate engines while TensorE works; packed: whole groups, and one group
-    # per eviction where each eviction's groups are stored right after it (_early_store: d = 128; Llama-8B B=16:
-    # 8 chunks instead of 16, so after W_o's last byte one group is evicted, transposed and stored, not two;
+    # per eviction where each eviction's groups are stored right after it (_early_store: d = 128 or 64; Llama-8B
+    # B=16: 8 chunks instead of 16, so after W_o's last byte one group is evicted, transposed and stored, not two;
     # modelled trn2 B=16 4K 110.93 -> 110.51 us on its own, see _wo_pieces).
     ev = max(per_bank, min(PSUM_F // nt, (nr + 1) // 2))
     if cpt > 0:
@@ -233,18 +233,25 @@ def _out_groups(cfg, nt):
     return cpt > 0, cpt, ev
 
 
+# head dims whose packed token tiles store eviction by eviction (_early_store) and take the short tail (_short_tail)
+TAIL_D = (P_MAX // 2, P_MAX)
+
+
 def _short_tail(cfg):
-    """d = 128, bf16 caches of <= X_ROW_S_MAX positions: one packed group per eviction and W_o's last piece half
-    of the last eviction (_out_groups, _wo_pieces). Elsewhere they cost more than the shorter tail saves (modelled
-    trn2: fp8 B=16 16K +0.6 %, fp8 paged B=16 4K +1.7 %, ragged B=16 (16K) +0.6 %, trn3 B=8 16K +0.3 %)."""
-    return cfg.d == P_MAX and not cfg.fp8 and cfg.s_max <= X_ROW_S_MAX
+    """d = 128 or 64, bf16 caches of <= X_ROW_S_MAX positions: one packed group per eviction and W_o's last piece
+    half of the last eviction (_out_groups, _wo_pieces). Elsewhere (d = 128) they cost more than the shorter tail
+    saves (modelled trn2: fp8 B=16 16K +0.6 %, fp8 paged B=16 4K +1.7 %, ragged B=16 (16K) +0.6 %, trn3 B=8 16K
+    +0.3 %). d = 64 (GPT-OSS: 12 / 8 chunks per group at 8 / 16 tokens) gains on every row, trn3 too (modelled
+    trn2 B=8 4K 49.83 -> 49.27 us, B=16 4K 54.61 -> 54.09; trn3 B=8 4K 40.78 -> 40.54)."""
+    return cfg.d in TAIL_D and not cfg.fp8 and cfg.s_max <= X_ROW_S_MAX
 
 
 def _early_store(cfg, packed, ev):
-    """Whether a packed token tile of several evictions stores each eviction's groups right after it (d = 128; see
-    _output_projection)."""
+    """Whether a packed token tile of several evictions stores each eviction's groups right after it (d = 128 or 64;
+    see _output_projection; d = 64 at any cache: modelled GPT-OSS B=16 16K trn2 144.89 -> 144.36 us, fp8 B=16 16K
+    150.84 -> 150.32, every GPT-OSS row equal or faster)."""
     hc0, hc1 = cfg.hc
-    return packed and ev < hc1 - hc0 and cfg.d == P_MAX
+    return packed and ev < hc1 - hc0 and cfg.d in TAIL_D
 
 
 class _OutLayout(nl.NKIObject):
@@ -300,11 +307,10 @@ def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles, bias_row=None):
     for ti, tl in enumerate(tiles):
         t0, nt = tl.t0, tl.nt
         lay = _OutLayout(cfg, nt, out.dtype, split_last=bias_row is not None)
-        # A packed tile of several evictions (d = 128): each eviction's groups are transposed and stored right after
-        # it, under the next column piece's W_o transfer and matmuls, so after W_o's last byte only the last
+        # A packed tile of several evictions (d = 128 or 64): each eviction's groups are transposed and stored right
+        # after it, under the next column piece's W_o transfer and matmuls, so after W_o's last byte only the last
         # eviction's groups are (modelled trn2 Llama-8B B=16 4K 112.67 -> 112.04 us, B=8 71.48 -> 71.17; DESIGN.md
-        # "The Llama-8B 4K rows"). d = 64 (GPT-OSS) gains too (B=16 4K 55.01 -> 54.49) but keeps one store per
-        # tile: its LNC=2 / fp8 rows are held to ratios of the LNC=1 bf16 rows, not checked here.
+        # "The Llama-8B 4K rows"; GPT-OSS with _short_tail: B=16 4K 54.61 -> 54.09, its LNC=2 / fp8 rows too).
         early = _early_store(cfg, lay.packed, lay.ev)
         for gi, (c0, ncb) in enumerate(lay.groups):
             ps = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)

@@ -131,6 +131,14 @@ def test_wo_last_piece_with_a_partial_group(lnc):
                                                          sinks=False), lnc=lnc)
 
 
+@pytest.mark.parametrize("B,lnc", [(8, 1), (16, 1), (16, 2)])
+def test_gptoss_wo_last_piece_eviction_by_eviction(B, lnc):
+    """d = 64 (GPT-OSS-20B TP8, biases, sinks): the packed token tile stored eviction by eviction (groups of 12 / 8
+    chunks, oproj._early_store) with W_o's last piece half of the last eviction (oproj._wo_pieces); LNC=2: split
+    weights, core 1's chunks from 12."""
+    run_and_check(B, 1, s_max=256, ctx=256, shape=GPT_OSS_20B_TP8, lnc=lnc)
+
+
 def test_odd_shapes_no_norm_no_rope():
     run_and_check(5, 3, s_max=200, ctx=130, shape=SMALL_D, rope=False)
     run_and_check(2, 8, s_max=129, ctx=129, shape=SMALL_D)

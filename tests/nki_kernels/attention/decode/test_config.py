@@ -132,21 +132,24 @@ class _W:      # a weight's dtype, as _wo_pieces reads it
         itemsize = 2
 
 
-@pytest.mark.parametrize("B,H,lnc,groups,pieces", [
-    (16, 4096, 1, (True, 8, 8), ((0, 28), (28, 32))),        # Llama-3.1-8B TP8 B=16: one group per eviction
-    (8, 4096, 1, (True, 16, 16), ((0, 24), (24, 32))),       # B=8: groups of 16 chunks
-    (16, 5376, 1, (True, 8, 8), ((0, 38), (38, 42))),        # a partial last group (42 chunks)
-    (1, 4096, 1, (True, 32, 32), ((0, 16), (16, 32))),       # one eviction: W_o's pieces as before
-    (8, 4096, 2, (True, 16, 16), ((16, 32),)),               # LNC=2 core 1: one eviction of its 16 chunks
+@pytest.mark.parametrize("B,H,lnc,groups,pieces,d", [
+    (16, 4096, 1, (True, 8, 8), ((0, 28), (28, 32)), 128),     # Llama-3.1-8B TP8 B=16: one group per eviction
+    (8, 4096, 1, (True, 16, 16), ((0, 24), (24, 32)), 128),    # B=8: groups of 16 chunks
+    (16, 5376, 1, (True, 8, 8), ((0, 38), (38, 42)), 128),     # a partial last group (42 chunks)
+    (1, 4096, 1, (True, 32, 32), ((0, 16), (16, 32)), 128),    # one eviction: W_o's pieces as before
+    (8, 4096, 2, (True, 16, 16), ((16, 32),), 128),           # LNC=2 core 1: one eviction of its 16 chunks
+    (8, 3072, 1, (True, 12, 12), ((0, 18), (18, 24)), 64),     # GPT-OSS-20B TP8 (d = 64) B=8: groups of 12 chunks
+    (16, 3072, 1, (True, 8, 8), ((0, 20), (20, 24)), 64),     # B=16: one group of 8 per eviction
+    (8, 3072, 2, (True, 12, 12), ((12, 24),), 64),            # LNC=2 core 1
 ])
-def test_wo_last_piece_is_half_the_last_eviction(B, H, lnc, groups, pieces):
-    """d = 128 token tiles stored eviction by eviction (oproj._early_store): one packed group per eviction, and W_o
-    in two column pieces, the last one half of the last eviction's columns (oproj._wo_pieces); other tiles keep
+def test_wo_last_piece_is_half_the_last_eviction(B, H, lnc, groups, pieces, d):
+    """d = 128 / 64 token tiles stored eviction by eviction (oproj._early_store): one packed group per eviction, and
+    W_o in two column pieces, the last one half of the last eviction's columns (oproj._wo_pieces); other tiles keep
     the pieces of >= 3 KiB runs. The pieces always partition this core's columns."""
     from nki_kernels.attention.decode.oproj import _out_groups, _wo_pieces
     from nki_kernels.attention.decode.planning import _token_tiles
 
-    cfg = _Config(B, 1, H, 128, 1, 4, 4096, 4096, 128 ** -0.5, H, 0, 2, n_prog=lnc, core=lnc - 1)
+    cfg = _Config(B, 1, H, d, 1, 512 // d, 4096, 4096, d ** -0.5, H, 0, 2, n_prog=lnc, core=lnc - 1)
     tiles = _token_tiles(cfg, 0, B)
     assert len(tiles) == 1 and _out_groups(cfg, tiles[0].nt) == groups
     got = _wo_pieces(cfg, _W, tiles)
