@@ -44,6 +44,22 @@ def transpose_token_groups(groups, nt, KT):
     return xT
 
 
+def transpose_spread_rows(x_sb, nt, KT, stride):
+    """transpose_tokens of nt token rows on partitions stride * t of x_sb [32 / 64 / 128, H] (the partitions between
+    hold zeros: a TensorE transpose multiplies every partition by the identity): one transpose of the whole block
+    per kt, TRANSPOSE_GROUP per PSUM bank, the eviction picks every stride-th column."""
+    p = x_sb.shape[0]
+    xT = nl.ndarray((P_MAX, KT, P_MAX), dtype=x_sb.dtype, buffer=nl.sbuf)
+    for c0 in range(0, KT, TRANSPOSE_GROUP):
+        nc = min(TRANSPOSE_GROUP, KT - c0)
+        ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x_sb.dtype, buffer=nl.psum)
+        for c in range(nc):
+            kt = c0 + c
+            nisa.nc_transpose(dst=ps[:, c, :p], data=x_sb[:, kt:kt + (P_MAX - 1) * KT + 1:KT])
+        nisa.tensor_copy(dst=xT[:, c0:c0 + nc, :nt], src=ps[:, :nc, 0:(nt - 1) * stride + 1:stride])
+    return xT
+
+
 def run_gated(gate, body):
     """body(0) at trace time when gate is None, else inside a runtime loop of gate (0 or 1) iterations (gate: a
     register or a 1x1 SBUF scalar of schedule data)."""

@@ -86,6 +86,18 @@ XT_DIRECT_TOKENS = 16
 X_ROW_PARTS = ((96, 6), (32, 5), (0, 4), (64, 1))
 X_ROW_S_MAX = 4096
 X_ROW_PARTS_MIN = 9
+# ... and (_Config.x_spread: trn2, d < 128, no LNC=2 weight split) X of 2..X_SPREAD_TOKENS tokens loads as rows on
+# partitions X_SPREAD_STRIDE * t, one per DMA engine (6 KiB runs at H = 3072: 0.27 us of one engine each), the
+# partitions between zeroed (a memset split between GpSimd and VectorE), and one TensorE transpose of the
+# 32 / 64-partition block per kt whose eviction picks the token columns (tiles.transpose_spread_rows): the
+# transposed load's 48-byte runs (DMA efficiency 0.16) cost every engine 0.86 us at GPT-OSS B=8, ahead of W_qkv
+# and the K/V stream (modelled trn2 GPT-OSS B=8 4K 49.27 -> 48.69 us, 16K 85.55 -> 84.69). Not kept elsewhere
+# (modelled): 9..16 tokens on every engine (GPT-OSS B=16 4K 54.09 -> 56.83: the compute-paced middle of that row
+# moves), d = 128 (Llama-8B B=8 4K 70.95 -> 70.42 but its asserted LNC=2 B=8 4K <= 0.6x LNC=1 is lost: 0.602;
+# nki-library q2 H5376 B8 1K +7 %), LNC=2 split weights (GPT-OSS B=8 4K 33.74 -> 37.08), trn3 (B=8 4K +6 %),
+# B=1 (+5 %), stride 16 (ragged GPT-OSS B=8 +0.9 %), the whole memset on VectorE (ragged B=8 +3.3 %).
+X_SPREAD_TOKENS = 8
+X_SPREAD_STRIDE = 8     # partitions per DMA engine
 # First partition of a token tile's RoPE tables (cos / sin rows, _Config.small_p0) when the tile has at most 32 rows:
 # a DMA is served by the DMA engines owning its SBUF partitions (8 each), and partitions 0..7 (engine 0) also carry
 # the token rows' other small transfers (positions, pack tables, cache-update stores) and a ragged pack's first V
@@ -355,6 +367,8 @@ class _Config(nl.NKIObject):
         # start only reorders the list schedule (modelled GPT-OSS ragged B=16 +2.4 %, trn3 Llama B=16 4K +0.6 %).
         self.small_p0 = SMALL_P0 if v3 and self.d == P_MAX else 0
         self.x_row_parts = v3 and self.d == P_MAX and not fp8 and s_max <= X_ROW_S_MAX
+        self.x_spread = X_SPREAD_STRIDE if (v3 and self.d < P_MAX and not self.wsplit
+                                            and 2 <= B * S <= X_SPREAD_TOKENS) else 0
         # Several sequences per pack on 2-batch stacks (d = 64, bf16, row-major steps): batch j's K^T lands on the
         # stack half j % 2, so the 8 DMA rings of partitions 0..63 carried the even batches' K bytes and the other
         # 8 the odd ones': with ragged lengths the halves differed by up to 2.4x (GPT-OSS B=8 16K, bench

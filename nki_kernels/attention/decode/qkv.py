@@ -6,7 +6,7 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 import nki.isa as nisa
 import nki.language as nl
 
-from ...common.tiles import evict, transpose_token_groups, transpose_tokens
+from ...common.tiles import evict, transpose_spread_rows, transpose_token_groups, transpose_tokens
 from .common import _ones_row
 from .config import (
     BIAS_ROWS,
@@ -64,6 +64,16 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale
                     groups.append((x[p0:p0 + m], g0, m))
                 g0 += m
             xs.append(tuple(groups))
+            continue
+        if cfg.x_spread:    # rows on partitions x_spread * t (one DMA engine each), zeros between (X_SPREAD_TOKENS)
+            sp = cfg.x_spread
+            x = nl.ndarray((32 if (nt - 1) * sp < 32 else 64, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
+            h2 = cfg.H // 2
+            nisa.memset(dst=x[:, :h2], value=0.0, engine=nisa.engine.gpsimd)
+            nisa.memset(dst=x[:, h2:], value=0.0, engine=nisa.engine.vector)
+            for t in range(nt):
+                nisa.dma_copy(dst=x[t * sp:t * sp + 1, :], src=X2[t0 + t:t0 + t + 1, :])
+            xs.append(x)
             continue
         if nt <= XT_DIRECT_TOKENS:      # transposed on load: [128, tokens, KT] (see XT_DIRECT_TOKENS)
             x = nl.ndarray((P_MAX, XT_DIRECT_TOKENS, cfg.KT), dtype=X.dtype, buffer=nl.sbuf)
@@ -169,7 +179,13 @@ def _rmsnorm(cfg, consts, ins, tiles, eps):
     for ti, tl in enumerate(tiles):
         nt = tl.nt
         x = ins.x[ti]
-        if isinstance(x, tuple):        # rows in groups (X_ROW_PARTS)
+        if cfg.x_spread:                # rows on every x_spread-th partition (X_SPREAD_TOKENS)
+            xT = transpose_spread_rows(x, nt, KT, cfg.x_spread)
+            if ins.gamma is None:
+                xTs.append(xT)
+                continue
+            xT = xT[:, :, :nt]
+        elif isinstance(x, tuple):        # rows in groups (X_ROW_PARTS)
             xT = transpose_token_groups(x, nt, KT)
             if ins.gamma is None:
                 xTs.append(xT)
