@@ -87,7 +87,9 @@ X_ROW_PARTS = ((96, 6), (32, 5), (0, 4), (64, 1))
 X_ROW_S_MAX = 4096
 X_ROW_PARTS_MIN = 9
 # ... and (_Config.x_spread: trn2, d < 128, no LNC=2 weight split) X of 2..X_SPREAD_TOKENS tokens loads as rows on
-# partitions X_SPREAD_STRIDE * t, one per DMA engine (6 KiB runs at H = 3072: 0.27 us of one engine each), the
+# partitions X_SPREAD_STRIDE * t (+ 64 for caches of <= X_ROW_S_MAX positions: engines 8..15, where W_o's last bytes
+# land first; modelled GPT-OSS B=8 4K 48.61 -> 48.47 us, but B=8 16K +0.3 %, nki-library q8 B4 11K +1.1 %), one per
+# DMA engine (6 KiB runs at H = 3072: 0.27 us of one engine each), the
 # partitions between zeroed (a memset split between GpSimd and VectorE), and one TensorE transpose of the
 # 32 / 64-partition block per kt whose eviction picks the token columns (tiles.transpose_spread_rows): the
 # transposed load's 48-byte runs (DMA efficiency 0.16) cost every engine 0.86 us at GPT-OSS B=8, ahead of W_qkv
@@ -362,10 +364,11 @@ class _Config(nl.NKIObject):
         # (42.38 -> 43.03 us without the first one).
         self.k_packs = self.k_plain and self.kpp == 1 and not self.wsplit and n_packs >= KW_PACKS
         # The RoPE tables of token tiles of <= 32 rows land on partitions SMALL_P0.. (DMA engines 4..7) instead of
-        # 0.. (engine 0, the busiest ring of the DMA-paced rows: Llama-8B ragged B=8 -0.25 %). Where the K/V stream
-        # paces the rows, as k_whole: trn2 and d = 128; on GPT-OSS's compute-paced packs and on trn3 the earlier
-        # start only reorders the list schedule (modelled GPT-OSS ragged B=16 +2.4 %, trn3 Llama B=16 4K +0.6 %).
-        self.small_p0 = SMALL_P0 if v3 and self.d == P_MAX else 0
+        # 0.. (engine 0, the busiest ring of the DMA-paced rows: Llama-8B ragged B=8 -0.25 %). trn2 only: on trn3
+        # the earlier start only reorders the list schedule (modelled trn3 Llama B=16 4K +0.6 %). d = 64 too since
+        # the GPT-OSS rows' rings pace them (modelled GPT-OSS B=8 / B=16 4K 48.69 / 53.64 -> 48.61 / 53.56 us, paged
+        # B=16 -0.35 %, every GPT-OSS row within +0.09 %; it cost ragged B=16 +2.4 % when that row was compute-paced).
+        self.small_p0 = SMALL_P0 if v3 else 0
         self.x_row_parts = v3 and self.d == P_MAX and not fp8 and s_max <= X_ROW_S_MAX
         self.x_spread = X_SPREAD_STRIDE if (v3 and self.d < P_MAX and not self.wsplit
                                             and 2 <= B * S <= X_SPREAD_TOKENS) else 0

@@ -18,6 +18,7 @@ from .config import (
     W_QKV_DMAS,
     X_ROW_PARTS,
     X_ROW_PARTS_MIN,
+    X_ROW_S_MAX,
     XT_DIRECT_TOKENS,
 )
 
@@ -67,7 +68,9 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale
             continue
         if cfg.x_spread:    # rows on partitions x_spread * t (one DMA engine each), zeros between (X_SPREAD_TOKENS)
             sp = cfg.x_spread
-            x = nl.ndarray((32 if (nt - 1) * sp < 32 else 64, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
+            blk = 32 if (nt - 1) * sp < 32 else 64
+            x = nl.ndarray((P_MAX, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
+            x = x[P_MAX - blk:] if cfg.s_max <= X_ROW_S_MAX else x[:blk]
             h2 = cfg.H // 2
             nisa.memset(dst=x[:, :h2], value=0.0, engine=nisa.engine.gpsimd)
             nisa.memset(dst=x[:, h2:], value=0.0, engine=nisa.engine.vector)

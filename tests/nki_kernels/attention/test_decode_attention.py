@@ -959,16 +959,17 @@ def test_x_rows_in_groups_with_nan_tails(B, S, lnc):
     assert seen and all(seen), "X's rows not loaded in groups (_Config.x_row_parts)"
 
 
-@pytest.mark.parametrize("B,S,lnc", [(8, 1, 1), (5, 1, 1), (3, 2, 1), (2, 1, 1), (5, 1, 2)])
-def test_x_rows_spread_with_nan_tails(B, S, lnc):
+@pytest.mark.parametrize("B,S,lnc,ctx", [(8, 1, 1, 1024), (5, 1, 1, 1024), (3, 2, 1, 1024), (2, 1, 1, 1024),
+                                         (5, 1, 2, 1024), (8, 1, 1, 4224), (2, 1, 1, 4224)])
+def test_x_rows_spread_with_nan_tails(B, S, lnc, ctx):
     """GPT-OSS (d = 64) on trn2 with 2..8 tokens (_Config.x_spread): X's rows load on partitions 8 * t (one DMA
     engine each) of a zeroed 32 / 64-partition block, transposed whole per kt, the eviction picking every 8th column
-    (tiles.transpose_spread_rows); 8 tokens fill 57 partitions, 5 / 6 a 64-block, 2 a 32-block; LNC=2 with an odd
-    batch (no weight split): each core its own 3 / 2 rows. NaN past every length: finite, equal to the reference,
-    bit-identical to a clean cache."""
-    ctx = 1024
+    (tiles.transpose_spread_rows); 8 tokens fill 57 partitions, 5 / 6 a 64-block, 2 a 32-block, at the top of the
+    partitions (64.. / 96..) for caches of <= X_ROW_S_MAX positions, at 0.. for longer ones (4224); LNC=2 with an odd
+    batch (no weight split): each core its own 3 / 2 rows. The RoPE tables on partitions SMALL_P0.. (_Config.small_p0,
+    d = 64 too). NaN past every length: finite, equal to the reference, bit-identical to a clean cache."""
     args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=41 + B, **GPT_OSS_20B_TP8)
-    lens = [100 + 120 * b for b in range(B)]
+    lens = [100 + (ctx - 200) // B * b for b in range(B)]
     args[4][:, :] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)[None, :]
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
@@ -977,11 +978,11 @@ def test_x_rows_spread_with_nan_tails(B, S, lnc):
 
     def spy(self, *a, **k):
         orig(self, *a, **k)
-        seen.append(self.x_spread == cfg_mod.X_SPREAD_STRIDE)
+        seen.append(self.x_spread == cfg_mod.X_SPREAD_STRIDE and self.small_p0 == cfg_mod.SMALL_P0)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cfg_mod._Config, "__init__", spy)
         _assert_nan_tails_clean(args, clean, kw, lnc=lnc)
-    assert seen and all(seen), "X's rows not spread over the DMA engines (_Config.x_spread)"
+    assert seen and all(seen), "X's rows not spread over the DMA engines (_Config.x_spread) or RoPE tables at 0"
 
 
 @pytest.mark.parametrize("S,ctx,lens", [
