@@ -520,8 +520,8 @@ def _store_packed(cfg, outP, out, t0, nt, cpt, rem, qa=0, qb=None):
     """Few tokens (nt <= 32): out^T held as outP [128 (H), group q, token t, chunk c of the group] (cpt <= 128 / nt
     chunks per group, groups from hc0, the last one holding rem chunks) goes back to [tokens, H] with ONE TensorE
     transpose per group: partition t * cpt + c of group q holds out[t, (hc0 + q * cpt + c) * 128 + p]. The
-    transposes and evictions handle 128 rows instead of nt; per token one store of the whole groups and one of
-    the partial group (disjoint rows, 256 B runs, spread over the DMA engines of cpt partitions each).
+    transposes and evictions handle 128 rows instead of nt; one store of every token's whole groups (256 B runs,
+    spread over the DMA engines of the nt * cpt partitions) and per token one of the partial group.
     Groups [qa, qb) only (default: all): _output_projection stores the groups of an eviction right after it."""
     hc0 = cfg.hc[0]
     H = cfg.H
@@ -536,11 +536,14 @@ def _store_packed(cfg, outP, out, t0, nt, cpt, rem, qa=0, qb=None):
         evict(q0 // TRANSPOSE_GROUP, res[:rows, q0 - qa:q0 - qa + qn, :], pt[:rows, :qn, :])
         pt = None
     n_full = (qb if rem == cpt or qb < n_g else n_g - 1) - qa
+    if n_full:      # the whole groups of every token in one store (one DMA per engine: a token's cpt rows may
+        # share an engine with the next token's, whose own store then queued behind; modelled GPT-OSS B=8 4K
+        # 48.47 -> 48.38 us)
+        nisa.dma_copy(dst=out.ap([[H, nt], [P_MAX, cpt], [cpt * P_MAX, n_full], [1, P_MAX]],
+                                 offset=t0 * H + (hc0 + qa * cpt) * P_MAX),
+                      src=res[:rows, :n_full, :])
     for t in range(nt):
         base = (t0 + t) * H + (hc0 + qa * cpt) * P_MAX
-        if n_full:
-            nisa.dma_copy(dst=out.ap([[P_MAX, cpt], [cpt * P_MAX, n_full], [1, P_MAX]], offset=base),
-                          src=res[t * cpt:(t + 1) * cpt, :n_full, :])
         if qa + n_full < qb:
             nisa.dma_copy(dst=out.ap([[P_MAX, rem], [1, P_MAX]], offset=base + n_full * cpt * P_MAX),
                           src=res[t * cpt:t * cpt + rem, n_full, :])

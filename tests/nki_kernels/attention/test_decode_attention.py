@@ -139,6 +139,21 @@ def test_gptoss_wo_last_piece_eviction_by_eviction(B, lnc):
     run_and_check(B, 1, s_max=256, ctx=256, shape=GPT_OSS_20B_TP8, lnc=lnc)
 
 
+@pytest.mark.parametrize("B,shape", [(8, GPT_OSS_20B_TP8), (16, LLAMA31_8B_TP8), (16, GPT_OSS_20B_TP8)])
+def test_packed_groups_stored_in_one_dma(B, shape):
+    """A packed token tile's whole groups go out in one store per eviction (oproj._store_packed: every token's rows
+    in one DMA, not one per token): GPT-OSS B=8 two evictions of 12 chunks, Llama-8B B=16 four of 8, GPT-OSS B=16
+    three of 8; same output as the reference."""
+    import nkisim
+
+    args, kw = make_inputs(B, 1, s_max=256, ctx=256, **shape)
+    rep = nkisim.profile(decode_attention_nki, *args, target="trn2", **kw).report
+    # the output stores: DMAs writing >= 1 KiB to HBM (the cache update writes one d-row per sequence and DMA)
+    stores = [e for e in rep.events if e.engine == "dma" and e.cost.hbm_write >= 1024]
+    assert 0 < len(stores) <= shape["H"] // 128 // 8, len(stores)
+    run_and_check(B, 1, s_max=256, ctx=256, shape=shape)
+
+
 def test_odd_shapes_no_norm_no_rope():
     run_and_check(5, 3, s_max=200, ctx=130, shape=SMALL_D, rope=False)
     run_and_check(2, 8, s_max=129, ctx=129, shape=SMALL_D)
