@@ -31,7 +31,8 @@ from bench.peers import nkilib
 from modules.model_specs import GPT_OSS_20B, GPT_OSS_120B
 from nki_kernels.moe import blockwise_mapping
 from nki_kernels.moe.cte_inputs import make_cte_inputs, make_cte_mx_weights
-from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki, tile_gate_up
+from nki_kernels.moe.gate_up_layout import tile_gate_up
+from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki
 from nki_kernels.moe.tkg_inputs import tkg_shard
 
 pytestmark = pytest.mark.skipif(not nkisim.active(), reason="real nki present: the CTE figures are modelled")
@@ -93,7 +94,7 @@ def _run(model, T, target, lnc, impl):
             s = SHARDS[model]
             _, _, mx = make_cte_mx_weights(s["E"], s["H"], s["inter"])
             w_gu, w_d = mx.pop("w_gate_up"), mx.pop("w_down")
-        if not mx:     # bf16 experts in the kernel's tiled gate/up layout (a load-time permutation, tile_gate_up)
+        if not mx:     # bf16 experts in the tiled gate/up layout MoELayer holds (gate_up_layout.py)
             w_gu = tile_gate_up(w_gu)
         rep = nkisim.profile(kernel, x, w_gu, w_d, *arrays, b_gate_up=b_gu, b_down=b_d, target=target,
                              useful_flops=flops, routed_rows=idx.numel(), **mx).report

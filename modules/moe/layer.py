@@ -65,6 +65,7 @@ from modules.moe.shape import MoEShape
 from nki_kernels.entry import BACKENDS, resolve_backend
 from nki_kernels.entry import to_torch as as_torch
 from nki_kernels.moe import ACTIVATIONS, moe_cte, moe_tkg, rmsnorm_torch
+from nki_kernels.moe.gate_up_layout import P as P_TILE
 from nki_kernels.moe.moe_tkg import MAX_TOKENS as TKG_MAX_TOKENS
 from nki_kernels.moe.moe_tkg import OUTT_MAX_TOKENS as TKG_MX_MAX_TOKENS
 from nki_kernels.moe.tkg_cost import choose_mx_decode_route
@@ -76,9 +77,14 @@ EXPERT_FORMATS = ("bf16", "mxfp4")
 class MoELayer(nn.Module):
     """GPT-OSS-style MoE block sharded on the intermediate dimension over ``tp_group``.
 
-    Parameters (kernel layout, this rank's shard): router.weight [Hp, E], router.bias [E], w_gate_up [E, Hp, 2, Is],
-    b_gate_up [E, 2, Is], w_down [E, Is, Hp], b_down [E, Hp] (replicated, added on rank 0), and gamma [Hp] when
-    ``norm_eps`` is given (the fused pre-MoE RMSNorm). Each parameter carries its GPT-OSS checkpoint loader.
+    Parameters (kernel layout, this rank's shard): router.weight [Hp, E], router.bias [E], w_gate_up
+    [E, 128, Hp/128, 2·Is] (the tiled layout of ``nki_kernels/moe/gate_up_layout.py``: element [e, p, kt, g·Is + i] =
+    gate (g 0) / up (g 1) weight of hidden row kt·128 + p; ``untile_gate_up`` gives [E, Hp, 2, Is]), b_gate_up
+    [E, 2, Is], w_down [E, Is, Hp], b_down [E, Hp] (replicated, added on rank 0), and gamma [Hp] when ``norm_eps`` is
+    given (the fused pre-MoE RMSNorm). Each parameter carries its GPT-OSS checkpoint loader. The gate/up weights are
+    held ONCE, tiled, and passed as such to moe_cte (prefill: one DMA run per partition and expert for its x^T paths)
+    and moe_tkg (decode: x^T in natural H tiles for the experts); a second [E, Hp, 2, Is] copy would double the
+    expert bytes in HBM.
     expert_format "mxfp4" (module docstring): w_gate_up [E, 128, Hp/512, 2·Is] and w_down [E, 128, ceil(Is/512), Hp]
     int16 words, w_gate_up_scale / w_down_scale [E, 16, chunks, N] uint8, loaded from the MXFP4 checkpoint only.
     forward(x, sequence_parallel) returns the MoE output (no residual) with x's width (H or Hp) and dtype.
@@ -123,7 +129,8 @@ class MoELayer(nn.Module):
             self.w_down_scale = param(*mx["w_down_scale"], loader=mx_down_loader(shape, "scales"),
                                       pdtype=torch.uint8)
         else:
-            self.w_gate_up = param(E, Hp, 2, Is, loader=gate_up_weight_loader(shape))
+            # tiled [E, 128, Hp/128, 2·Is] (gate_up_layout.py): the one copy both kernels read (class docstring)
+            self.w_gate_up = param(E, P_TILE, Hp // P_TILE, 2 * Is, loader=gate_up_weight_loader(shape, tiled=True))
             self.w_down = param(E, Is, Hp, loader=down_weight_loader(shape))
         self.b_gate_up = param(E, 2, Is, loader=gate_up_bias_loader(shape)) if bias else None
         self.b_down = param(E, Hp, loader=hidden_vector_loader(shape, "down_proj_bias [E, H]")) if bias else None

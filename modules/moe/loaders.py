@@ -21,8 +21,10 @@ read through the search tool, huggingface/transformers; keys under ``model.layer
   convert_moe_packed_tensors dequantises blocks [E, R, G, 16] to [E, R, G·32] and transposes the last two axes, so
   the MXFP4 rows are the bf16 tensor's last axis: gate_up rows keep the gate/up interleave, down rows are H.
 
-Kernel layout (``nki_kernels/moe/moe_torch.py``): w_router [Hp, E], w_gate_up [E, Hp, 2, Is] (gate 0, up 1),
-b_gate_up [E, 2, Is], w_down [E, Is, Hp], b_down [E, Hp]; Hp = padded hidden, Is = this rank's padded I-shard.
+Kernel layout (``nki_kernels/moe/moe_torch.py``): w_router [Hp, E], w_gate_up [E, Hp, 2, Is] (gate 0, up 1; the
+MoE layer holds it tiled, [E, 128, Hp/128, 2·Is], ``nki_kernels/moe/gate_up_layout.py``: gate_up_weight_loader(tiled=
+True) tiles this rank's slice), b_gate_up [E, 2, Is], w_down [E, Is, Hp], b_down [E, Hp]; Hp = padded hidden, Is =
+this rank's padded I-shard.
 
 Rank r holds the real intermediate columns ``shape.i_range(r)``; an interleaved gate_up slice of those columns is the
 contiguous range [2·start, 2·stop) of the checkpoint's 2I axis, so one slice read serves both gate and up. MXFP4
@@ -49,6 +51,7 @@ import torch
 
 from modules.loading.loaders import slice_shape
 from modules.moe.shape import MX_BLOCK, MoEShape, mx_aligned_intermediate
+from nki_kernels.moe.gate_up_layout import tile_gate_up
 from nki_kernels.moe.moe_torch import E8M0_BIAS, E8M0_NAN, FP4_E2M1_VALUES
 
 MX_BYTES = MX_BLOCK // 2  # two E2M1 values a byte
@@ -283,8 +286,9 @@ def hidden_vector_loader(shape: MoEShape, what: str):
     return load
 
 
-def gate_up_weight_loader(shape: MoEShape):
-    """gate_up_proj [E, H, 2I] (or its MXFP4 blocks/scales) → this rank's w_gate_up [E, Hp, 2, Is]."""
+def gate_up_weight_loader(shape: MoEShape, tiled: bool = False):
+    """gate_up_proj [E, H, 2I] (or its MXFP4 blocks/scales) → this rank's w_gate_up [E, Hp, 2, Is], or with tiled the
+    kernels' tiled layout [E, 128, Hp/128, 2·Is] of that slice (gate_up_layout.tile_gate_up: what MoELayer holds)."""
     E, H, inter = shape.experts, shape.hidden, shape.intermediate
 
     def load(sources: Any, rank: int) -> torch.Tensor:
@@ -308,7 +312,8 @@ def gate_up_weight_loader(shape: MoEShape):
                 w = dequant_mxfp4_rows_last(b, sc)                                    # [E, H, 2, n]
             else:
                 w = torch.zeros(E, H, 2, 0)
-        return _pad(_pad(w, 3, shape.i_per_rank), 1, shape.hidden_padded)
+        w = _pad(_pad(w, 3, shape.i_per_rank), 1, shape.hidden_padded)
+        return tile_gate_up(w) if tiled else w
 
     return load
 

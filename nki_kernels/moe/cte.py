@@ -12,6 +12,7 @@ import numpy as np
 
 from ..entry import BACKENDS, resolve_backend, to_torch
 from .blockwise import BLOCK_MAX, blockwise_mapping, check_block_size
+from .gate_up_layout import gate_up_layout, gate_up_layout_error, logical_gate_up
 from .moe_torch import ACTIVATIONS
 
 H_ALIGN = 128          # H lives on the 128 SBUF partitions in 128-row tiles (the gate/up contraction)
@@ -31,9 +32,10 @@ def argument_error(x, expert_index, affinities, w_gate_up, w_down, b_gate_up=Non
     T, H = _shape(x)
     if H % H_ALIGN:
         return f"moe_cte: H={H} must be a multiple of {H_ALIGN} (pad the hidden size)"
-    if len(_shape(w_gate_up)) != 4 or _shape(w_gate_up)[1:3] != (H, 2):
-        return f"moe_cte: w_gate_up must be [E, H={H}, 2, I], got shape {_shape(w_gate_up)}"
-    E, _, _, inter = _shape(w_gate_up)
+    err = gate_up_layout_error("moe_cte", _shape(w_gate_up), H)
+    if err:
+        return err
+    _, E, inter = gate_up_layout(_shape(w_gate_up), H)
     if _shape(w_down) != (E, inter, H):
         return f"moe_cte: w_down must be [E={E}, I={inter}, H={H}] to match w_gate_up, got shape {_shape(w_down)}"
     if b_gate_up is not None and _shape(b_gate_up) != (E, 2, inter):
@@ -71,7 +73,8 @@ def moe_cte(x, expert_index, affinities, w_gate_up, w_down, *, b_gate_up=None, b
     for the reduce-scatter; the down bias is added iff add_down_bias (True on exactly one rank of the TP group).
 
     x [T, H]; expert_index [T, k] (local expert ids, distinct per token); affinities [T, k];
-    w_gate_up [E, H, 2, I]; w_down [E, I, H]; b_gate_up [E, 2, I]; b_down [E, H] (moe_torch.py's layout).
+    w_gate_up [E, H, 2, I] (moe_torch.py's layout) or tiled [E, 128, H/128, 2I] (gate_up_layout.py, what MoELayer
+    holds: one DMA run per partition); w_down [E, I, H]; b_gate_up [E, 2, I]; b_down [E, H].
     block_size: rows per block (a multiple of 128 in 128..512), None = auto.
     w_gate_up_scale / w_down_scale: given, the weights are MXFP4 in mx_weights.py's kernel layout (w_gate_up
     [E, 128, H/512, 2I] float4_e2m1fn_x4 words, w_down [E, 128, KDm, H], scales [E, 16, chunks, N] uint8): the
@@ -102,7 +105,7 @@ def moe_cte(x, expert_index, affinities, w_gate_up, w_down, *, b_gate_up=None, b
         from .moe_cte_torch import moe_cte_torch
         tx = to_torch
         mapping = blockwise_mapping(expert_index, w_gate_up.shape[0], B)
-        wg, wd = (ref_gu, ref_d) if mx else (tx(w_gate_up), tx(w_down))
+        wg, wd = (ref_gu, ref_d) if mx else (logical_gate_up(tx(w_gate_up), x.shape[1]), tx(w_down))
         out = moe_cte_torch(tx(x), tx(expert_index), tx(affinities), wg, wd, tx(b_gate_up), tx(b_down), activation,
                             add_down_bias, B, mapping=mapping, mx=mx)
         return out.float().numpy().astype(x.dtype) if isinstance(x, np.ndarray) else out

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..common.tiles import evict, run_gated
 from .blockwise import blockwise_mapping
+from .gate_up_layout import gate_up_layout, gate_up_layout_error
 from .moe_torch import GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT
 from .mx_ops import MX_CHUNK, MX_GROUPS, lane_columns, load_mx_scales
 
@@ -139,8 +140,8 @@ class _Config(nl.NKIObject):
         self.dtype, self.activation, self.bias_gu, self.bias_d, self.n_cores = (dtype, activation, bias_gu, bias_d,
                                                                                 n_cores)
         self.KT = H // P_MAX                   # gate/up contraction tiles
-        # gate/up weights in the tiled layout [E, 128, KT, 2I] (tile_gate_up): natural H tiles (H row kt * 128 + p
-        # on partition p) with one contiguous run per partition, for either x^T path
+        # gate/up weights in the tiled layout [E, 128, KT, 2I] (gate_up_layout.py): natural H tiles (H row
+        # kt * 128 + p on partition p) with one contiguous run per partition, for either x^T path
         self.gu_tiled = gu_tiled
         # x^T by DMA gather-transposes or by TensorE transposes of the gathered rows. The H order of a contraction
         # tile follows: DMA transposes read natural tiles (H index kt * 128 + p on partition p), so each partition
@@ -338,12 +339,9 @@ def _validate_inputs(x, w_gate_up, w_down, rows, schedule, b_gate_up, b_down,
     if mx:
         E, inter, KDm = _validate_mx(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
     else:
-        gu_tiled = len(w_gate_up.shape) == 4 and tuple(w_gate_up.shape[1:3]) == (P_MAX, H // P_MAX) and (
-            w_gate_up.shape[3] % 2 == 0)
-        assert len(w_gate_up.shape) == 4 and (tuple(w_gate_up.shape[1:3]) == (H, 2) or gu_tiled), \
-            (f"w_gate_up must be [E, H={H}, 2, I] or tiled [E, {P_MAX}, H/{P_MAX}={H // P_MAX}, 2I] (tile_gate_up), "
-             f"got shape {tuple(w_gate_up.shape)}")
-        E, inter = w_gate_up.shape[0], w_gate_up.shape[3] // 2 if gu_tiled else w_gate_up.shape[3]
+        err = gate_up_layout_error("moe_cte", tuple(w_gate_up.shape), H)
+        assert err is None, err
+        gu_tiled, E, inter = gate_up_layout(tuple(w_gate_up.shape), H)
         assert tuple(w_down.shape) == (E, inter, H), \
             f"w_down must be [E={E}, I={inter}, H={H}], got shape {tuple(w_down.shape)}"
     assert b_gate_up is None or tuple(b_gate_up.shape) == (E, 2, inter), \
@@ -1164,18 +1162,6 @@ def kernel_inputs(expert_index, affinities, num_experts, block_size, n_cores=1):
     rows[:, ROW_SCATTER] = ids
     rows[:, ROW_AFF] = row_aff.view(np.int32)
     return m, rows, sched
-
-
-def tile_gate_up(w_gate_up):
-    """[E, H, 2, I] gate/up weights → the kernel's tiled layout [E, 128, H/128, 2I]: element [e, p, kt, g * I + i] =
-    w[e, kt * 128 + p, g, i] (a load-time permutation, as MXFP4's packing): each partition's rows of an expert are one
-    contiguous DMA run whichever x^T path the kernel takes (the [E, H, 2, I] layout gives the DMA-transpose path
-    runs of 2I elements, 720 B at GPT-OSS-120B TP16: ~74% DMA efficiency in the model). numpy or torch."""
-    E, H, two, inter = w_gate_up.shape
-    w = w_gate_up.reshape(E, H // P_MAX_HOST, P_MAX_HOST, two * inter)
-    if isinstance(w, np.ndarray):
-        return np.ascontiguousarray(w.transpose(0, 2, 1, 3))
-    return w.transpose(1, 2).contiguous()
 
 
 def rows_table(rows):

@@ -8,9 +8,10 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from ..common.tiles import evict, transpose_tokens
+from ..common.tiles import TRANSPOSE_GROUP, evict, transpose_tokens
 from ..entry import resolve_backend, shape_of, to_torch
 from . import tkg_mx
+from .gate_up_layout import gate_up_layout, gate_up_layout_error, logical_gate_up
 from .moe_torch import ACTIVATIONS, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT, moe_torch
 from .router import (
     H_TILE,
@@ -71,9 +72,10 @@ def tkg_argument_error(x_shape, w_router_shape, w_gate_up_shape, w_down_shape, *
         return f"{op}: activation={activation!r} must be one of {ACTIVATIONS}"
     if expert_mode not in EXPERT_MODES:
         return f"{op}: expert_mode={expert_mode!r} must be one of {EXPERT_MODES}"
-    if w_gate_up_shape is None or len(w_gate_up_shape) != 4 or w_gate_up_shape[:3] != (E, H, 2):
-        return f"{op}: w_gate_up must be [E={E}, H={H}, 2, I], got shape {w_gate_up_shape}"
-    inter = w_gate_up_shape[3]
+    err = gate_up_layout_error(op, () if w_gate_up_shape is None else w_gate_up_shape, H, E)
+    if err:
+        return err
+    _, _, inter = gate_up_layout(w_gate_up_shape, H)
     if w_down_shape != (E, inter, H):
         return f"{op}: w_down must be [E={E}, I={inter}, H={H}] to match w_gate_up, got shape {w_down_shape}"
     if b_gate_up_shape is not None and b_gate_up_shape != (E, 2, inter):
@@ -92,8 +94,9 @@ def moe_tkg(x, w_router, w_gate_up, w_down, *, top_k, b_router=None, b_gate_up=N
             add_down_bias=True, expert_mode="auto", backend="auto", lnc=1, w_gate_up_scale=None, w_down_scale=None):
     """Decode MoE block for one TP rank: (RMSNorm) → router → Σ_k affinity · expert(x) → partial out [T, H].
 
-    x [T, H] (or [B, S, H], flattened to T = B·S ≤ 128), bf16. Weights in moe_torch's layout (w_gate_up [E, H, 2, I],
-    w_down [E, I, H], b_gate_up [E, 2, I], b_down [E, H]); under TP the output is this rank's partial sum and
+    x [T, H] (or [B, S, H], flattened to T = B·S ≤ 128), bf16. Weights in moe_torch's layout (w_gate_up [E, H, 2, I]
+    or tiled [E, 128, H/128, 2I] (gate_up_layout.py, what MoELayer holds), w_down [E, I, H], b_gate_up [E, 2, I],
+    b_down [E, H]); under TP the output is this rank's partial sum and
     add_down_bias must be True on exactly one rank. Returns (out [T, H] in x's dtype, expert_index [T, k],
     affinities [T, k] fp32). expert_mode "auto" | "selective" | "all" only schedules the kernel (same result).
     w_gate_up_scale / w_down_scale: given, the experts are MXFP4 in mx_weights.py's kernel layout (w_gate_up
@@ -128,14 +131,14 @@ def moe_tkg(x, w_router, w_gate_up, w_down, *, top_k, b_router=None, b_gate_up=N
                                           b_gate_up=b_gate_up, b_down=b_down, gamma=gamma).items()}
     if backend == "torch":
         out, index, aff = moe_torch(
-            x2, t["w_router"], t["w_gate_up"], t["w_down"], top_k=top_k,
+            x2, t["w_router"], logical_gate_up(t["w_gate_up"], x2.shape[1]), t["w_down"], top_k=top_k,
             b_router=None if b_router is None else t["b_router"].reshape(-1), b_gate_up=t["b_gate_up"],
             b_down=t["b_down"], gamma=None if gamma is None else t["gamma"].reshape(-1), eps=eps,
             hidden_actual=hidden_actual, router_mode=router_mode, renormalize=renormalize, activation=activation,
             add_down_bias=add_down_bias, mx=mx)
         return out.to(x.dtype), index, aff
     T, H = x2.shape
-    E, inter = t["w_gate_up"].shape[0], t["w_gate_up"].shape[3]
+    _, E, inter = gate_up_layout(t["w_gate_up"].shape, H)
     if expert_mode == "auto":
         expert_mode = choose_expert_mode(T, E, top_k, H, inter, mx=mx)
     kernel = moe_tkg_nki if lnc == 1 else moe_tkg_nki[lnc]
@@ -178,7 +181,11 @@ class _Cfg(nl.NKIObject):
         self.E = w_router.shape[1]
         self.mx = mx
         # MXFP4 (trn3): w_gate_up is [E, 128, H/512, 2I] words (mx_weights.py's layout), the rest in x's dtype
-        self.inter = w_gate_up.shape[3] // 2 if mx else w_gate_up.shape[3]
+        # bf16: [E, H, 2, I] or the tiled layout [E, 128, H/128, 2I] (gate_up_layout.py: the experts' x^T then in
+        # natural H tiles, _Natural)
+        self.gu_tiled = (not mx) and len(w_gate_up.shape) == 4 and bool(
+            (gate_up_layout(tuple(w_gate_up.shape), x.shape[1]) or (False,))[0])
+        self.inter = w_gate_up.shape[3] // 2 if mx or self.gu_tiled else w_gate_up.shape[3]
         self.k = top_k
         self.KT = self.H // H_TILE
         self.MT = (self.inter + I_TILE - 1) // I_TILE
@@ -255,6 +262,9 @@ def tkg_kernel_error(cfg):
         if not cfg.psum_ok:
             return (f"moe_tkg: MXFP4 gate/up accumulators of I={cfg.inter} at T={cfg.T} do not fit PSUM beside the "
                     "output; shard I further across ranks")
+    if cfg.gu_tiled and cfg.KT > P_MAX:
+        return (f"moe_tkg: w_gate_up in the tiled layout needs H <= {P_MAX * P_MAX} (its x^T is transposed from "
+                f"[H/128, 128] rows), got H={cfg.H}; pass [E, H, 2, I]")
     if cfg.MT > MAX_I_TILES or not cfg.psum_ok:
         return (f"moe_tkg: expert intermediate size I={cfg.inter} exceeds {MAX_I_TILES * I_TILE} (its gate/up "
                 "accumulators must fit 3 PSUM banks); shard I further across ranks")
@@ -296,7 +306,145 @@ def _load_x_step(cfg, x):
         return xs[:, :T, :].permute((0, 2, 1))
     x_sb = nl.ndarray((P_MAX, cfg.H), dtype=x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=x_sb[:T, :], src=x)
+    cfg.x_rows = x_sb       # (the tiled gate/up layout's natural x^T transposes these rows too)
     return transpose_tokens(x_sb, T, KT)[:, :, :T]
+
+
+def _load_natural_step(cfg, x, gamma):
+    """Tiled gate/up layout (gate_up_layout.py): the DMAs of the experts' natural-tile x^T (_Natural). x rows as
+    [KT, T, 128] (T <= XT_DMA_MAX_TOKENS: row kt holds H columns [128 kt, 128 (kt + 1)) of every token, 256 B runs;
+    larger T transposes the rows _load_x_step loaded) and gamma as [KT, 128], at partitions _natural_rows_at. Issued
+    after the routing in program order (the priority of the DMA queues and engines): issued before the router's
+    loads they delayed the W_r rows (GPT-OSS-120B T = 1 trn3 LNC 2 +1.2 %, modelled). Returns (x rows or None,
+    gamma rows or None)."""
+    T, KT = cfg.T, cfg.KT
+    q = _natural_rows_at(KT)
+    xk = None
+    if T <= XT_DMA_MAX_TOKENS:
+        xk = nl.ndarray((P_MAX, T, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=xk[q:q + KT], src=x.ap([[P_MAX, KT], [cfg.H, T], [1, P_MAX]], offset=0))
+        xk = xk[q:q + KT]
+    gk = None
+    if gamma is not None:
+        gk = nl.ndarray((P_MAX, P_MAX), dtype=gamma.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=gk[q:q + KT], src=gamma.reshape((KT, P_MAX)))
+        gk = gk[q:q + KT]
+    return xk, gk
+
+
+def _natural_rows_at(KT):
+    """First partition of _load_natural_step's x and gamma rows: the top quadrant(s) holding KT (96 at H 3072), so
+    their DMA runs on the engines of the high partitions, not on engines 0-2 ahead of the W_r halves' swap
+    (sendrecv) at LNC 2: GPT-OSS-20B T = 4 trn3 88.171 -> 87.551 us modelled (= the [E, H, 2, I] run)."""
+    return max(0, P_MAX - -(-KT // 32) * 32)
+
+
+class _Natural(nl.NKIObject):
+    """Tiled gate/up layout: the experts' hT in natural H tiles, hg [128, KT, T] with H row kt * 128 + p on
+    partition p (the weights' order at (p, kt), gate_up_layout.py); the router keeps hT's order p * KT + kt, whose
+    W_r rows are one DMA run per partition. Every DMA of the gate/up weights is the same access pattern as for
+    [E, H, 2, I] (gate_up_layout.py: the same flat offsets), so every kt piece / block split of the loads holds.
+
+    Scheduling (modelled; the list scheduler starts any ready instruction on a free engine and never preempts, so
+    work of low priority that is ready early still takes an engine from the routing): selective mode (the routing
+    paces the first weight DMA) builds hg at its first use (`get`, from the first gate/up step in program order,
+    never inside a runtime loop: _selective_slots asks before its slot loops), after the routing and the compaction,
+    and issues its loads there too (T = 1) or right after the compaction's instructions (T > 1; at first use
+    GPT-OSS-120B T = 4 trn3 LNC 1 was +0.43 %, here 120B T = 4 trn2 LNC 1 is +0.11 %). The scaling runs on ScalarE
+    (the PSUM eviction) and GpSimd, not on VectorE (the top-k and the compaction), and at T > 8 the ScalarE
+    instructions wait for rstd (a zero bias computed from it) instead of running before the RMSNorm's. All-expert
+    mode (the weights stream from the start) loads x and gamma at once and builds hg as early as it is ready.
+    Without these: +0.03 .. +1.4 % on the bench cells.
+
+    Numerics: hg = x * rstd * gamma in fp32, rounded once to x's dtype: T <= 8 _rmsnorm_step's instructions (the
+    same bits per element as hT); T > 8 (x * gamma) * rstd."""
+
+    def __init__(self, cfg, x, gamma, rstd):
+        self.cfg, self.x, self.gamma, self.rstd = cfg, x, gamma, rstd
+        self.hg = self.xk = self.gk = None
+        self.loaded = cfg.mode == "all"
+        if self.loaded:     # all-expert mode: the weights stream from the start, hg is wanted early
+            self.xk, self.gk = _load_natural_step(cfg, x, gamma)
+
+    def load(self):
+        """Issue the x / gamma row loads now (program order: their priority) unless done."""
+        if not self.loaded:
+            self.xk, self.gk = _load_natural_step(self.cfg, self.x, self.gamma)
+            self.loaded = True
+
+    def get(self):
+        if self.hg is None:
+            self.load()
+            self.hg = self._build()
+        return self.hg
+
+    def _gamma(self, dtype):
+        """gamma in natural tiles [128, KT] (TensorE transpose of the [KT, 128] rows, exact), in `dtype`."""
+        KT = self.cfg.KT
+        ps_g = nl.ndarray((P_MAX, KT), dtype=self.gk.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=ps_g, data=self.gk)
+        gn = nl.ndarray((P_MAX, KT), dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=gn, src=ps_g)
+        return gn
+
+    def _build(self):
+        cfg, T, KT = self.cfg, self.cfg.T, self.cfg.KT
+        if self.xk is not None:     # T <= 8: the [KT, T, 128] rows, one transpose per token
+            dtype = self.xk.dtype
+            hg = nl.ndarray((P_MAX, KT, cfg.GS), dtype=dtype, buffer=nl.sbuf)
+            gn = None if self.gk is None else self._gamma(dtype)
+            ps = nl.ndarray((P_MAX, T, KT), dtype=dtype, buffer=nl.psum)
+            for t in range(T):
+                nisa.nc_transpose(dst=ps[:, t, :], data=self.xk[:, t, :])
+            if gn is None:
+                nisa.activation(dst=hg[:, :, :T], op=nl.copy, data=ps.permute((0, 2, 1)))
+            elif T == 1:            # _rmsnorm_step's T = 1 instruction
+                nisa.scalar_tensor_tensor(dst=hg[:, :, 0], data=ps[:, 0, :], op0=nl.multiply,
+                                          operand0=self.rstd[:, 0:1], op1=nl.multiply, operand1=gn)
+            else:                   # its T > 1 pair (x * rstd, then * gamma) on GpSimd, after a ScalarE eviction
+                xs = nl.ndarray((P_MAX, KT, T), dtype=dtype, buffer=nl.sbuf)
+                nisa.activation(dst=xs, op=nl.copy, data=ps.permute((0, 2, 1)))
+                self._scale(hg, xs, 0, KT, T, gn)
+            return hg
+        x_sb = cfg.x_rows       # T > 8: the rows _load_x_step loaded, natural column tiles transposed
+        hg = nl.ndarray((P_MAX, KT, cfg.GS), dtype=x_sb.dtype, buffer=nl.sbuf)
+        gn = None if self.gk is None else self._gamma(nl.float32)
+        zero = None
+        if gn is not None and cfg.mode == "selective":
+            # selective: a zero bias computed from rstd (finite: eps > 0), so the ScalarE instructions below wait for
+            # the RMSNorm instead of taking ScalarE ahead of it (x * gamma + 0: -0 becomes +0, the sums are the same)
+            zero = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=zero, op=nl.copy, data=self.rstd[:, 0:1], scale=0.0)
+        for c0 in range(0, KT, TRANSPOSE_GROUP):
+            nc = min(TRANSPOSE_GROUP, KT - c0)
+            ps = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=x_sb.dtype, buffer=nl.psum)
+            for c in range(nc):
+                kt = c0 + c
+                nisa.nc_transpose(dst=ps[:, c, :T], data=x_sb[:T, kt * P_MAX:(kt + 1) * P_MAX])
+            if gn is None:
+                evict(c0 // TRANSPOSE_GROUP, hg[:, c0:c0 + nc, :T], ps[:, :nc, :T])
+                continue
+            xg = nl.ndarray((P_MAX, TRANSPOSE_GROUP, cfg.GS), dtype=nl.float32, buffer=nl.sbuf)
+            for c in range(nc):     # x * gamma, fp32, on ScalarE: gamma is a per-partition scale of tile kt
+                nisa.activation(dst=xg[:, c, :T], op=nl.copy, data=ps[:, c, :T], scale=gn[:, c0 + c:c0 + c + 1],
+                                bias=zero)
+            nisa.tensor_tensor(dst=hg[:, c0:c0 + nc, :T], data1=xg[:, :nc, :T],
+                               data2=self.rstd[:, :T].expand_dim(1).broadcast(1, nc), op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+        return hg
+
+    def _scale(self, hg, xs, a, b, T, gn):
+        """hg[:, a:b, :T] = (xs * rstd) * gamma on GpSimd (fp32, rounded once), as _rmsnorm_step's T > 1 pair."""
+        xr = nl.ndarray((P_MAX, b - a, T), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=xr, data1=xs, data2=self.rstd[:, :T].expand_dim(1).broadcast(1, b - a),
+                           op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=hg[:, a:b, :T], data1=xr, data2=gn[:, a:b].expand_dim(2).broadcast(2, T),
+                           op=nl.multiply, engine=nisa.engine.gpsimd)
+
+
+def _hT_of(hT):
+    """The experts' x^T: hT itself, or the natural-tile copy of the tiled gate/up layout (_Natural)."""
+    return hT.get() if isinstance(hT, _Natural) else hT
 
 
 def _rmsnorm_step(cfg, consts, xT, gamma):
@@ -804,6 +952,7 @@ def _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, has_bias):
     matmul's output partition is the stationary column, so its rows land on partitions o .. o + rows.
     Group n_acc gets the slot's affinities broadcast to all partitions, aff[p, t] = aff_col[t] (a ones matmul
     over diag(aff_col): exact in fp32)."""
+    hT = _hT_of(hT)
     T, inter = cfg.T, pt.inter
     ps = ring.ps_gu[ring.n % cfg.n_gu]
     diag = ring.tmp[ring.n % 2][4]
@@ -833,6 +982,7 @@ def _gate_up_step(cfg, pt, consts, ring, b, hT, aff_col, has_bias):
 def _gate_up_tok_step(cfg, pt, consts, ring, b, hT, has_bias):
     """cfg.flip: gate | up [T, 2I] fp32 in one PSUM bank, the tokens stationary (hT tile kt, M = T) and the expert's
     gate/up rows moving (N = 2I), contracted over KT; the bias a K=1 matmul (ones x bias row) opening the group."""
+    hT = _hT_of(hT)
     T, n2 = cfg.T, 2 * pt.inter
     ps = ring.ps_f[ring.n % cfg.n_gu]
     if has_bias:
@@ -1699,6 +1849,8 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
         hT = nl.ndarray((P_MAX, cfg.KT, P_MAX), dtype=x.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=hT[:, :, :T], src=xT)
     idx, aff = _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize, wr)
+    if cfg.gu_tiled:    # the experts' x^T in the weights' natural H tiles, built at its first use (the router keeps hT)
+        hT = _Natural(cfg, x, gamma, rstd)
     if mx:
         _mx_experts(cfg, consts, ring, idx, aff, x, gamma, rstd, (w_gate_up, w_down, w_gate_up_scale, w_down_scale),
                     b_gate_up, b_down if add_down_bias else None, out)
@@ -1728,6 +1880,8 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
         touched = _touched_step(cfg, consts, idx)
         affc, sched, half, dense, denseT = _schedule_step(
             cfg, consts, None, None, touched=touched, dense_fn=lambda: _dense_step(cfg, consts, idx, aff))
+        if isinstance(hT, _Natural):     # its loads after the compaction's instructions (see _Natural)
+            hT.load()
         acc = _init_acc_step(cfg, consts, denseT, b_down, add_down_bias)
         _selective_slots(cfg, consts, ring, sched, affc, hT, acc, w_gate_up, w_down, b_gate_up)
         if half is not None:
@@ -1754,6 +1908,7 @@ def _selective_slots(cfg, consts, ring, sched, affc, hT, acc, w_gate_up, w_down,
     matmuls (partial I tiles loaded first, _tail_tiles) follow the last weight byte. Slot j always takes ring
     position base + j (weights slot (base + j) % nbuf), whether or not earlier slots ran."""
     T, pt, I2 = cfg.T, cfg.part, 2 * cfg.inter
+    hT = _hT_of(hT)     # (the tiled layout's natural x^T: built here, not inside a slot's runtime loop)
     slots = list(range(cfg.core, min(cfg.E, T * cfg.k), cfg.ncores))
     base = ring.n
     tiles = _tail_tiles(pt)

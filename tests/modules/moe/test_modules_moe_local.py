@@ -20,6 +20,7 @@ from modules.moe import (
 from modules.parallel.coordinator import StaticGroup
 from modules.testing import assert_close_global
 from modules.testing.gpt_oss_moe import full_kernel_weights, make_gpt_oss_moe, save_checkpoint
+from nki_kernels.moe.gate_up_layout import tile_gate_up, untile_gate_up
 from nki_kernels.moe.moe_torch import moe_torch, router_torch
 
 E, H, INTER, K = 8, 96, 160, 4
@@ -38,12 +39,13 @@ def test_gpt_oss_rank_shapes_follow_the_seed():
 
 
 def test_gpt_oss_20b_tp8_rank_parameters_are_the_seeds():
-    """The seed's per-rank shards (gate_up [32, 3072, 768], down [32, 384, 3072]) in the kernel layout."""
+    """The seed's per-rank shards (gate_up [32, 3072, 768], down [32, 384, 3072]) in the kernel layout: gate/up held
+    once in the tiled layout [E, 128, Hp/128, 2·Is] (gate_up_layout.py) that both kernels read."""
     shape = MoEShape.from_spec(GPT_OSS_20B, 8, intermediate_padded=mx_aligned_intermediate(GPT_OSS_20B.intermediate, 8))
     with torch.device("meta"):
         layer = MoELayer(shape, StaticGroup(8, 3), norm_eps=1e-5)
     got = {n: tuple(p.shape) for n, p in layer.named_parameters()}
-    assert got == {"router.weight": (3072, 32), "router.bias": (32,), "w_gate_up": (32, 3072, 2, 384),
+    assert got == {"router.weight": (3072, 32), "router.bias": (32,), "w_gate_up": (32, 128, 24, 768),
                    "w_down": (32, 384, 3072), "b_gate_up": (32, 2, 384), "b_down": (32, 3072), "gamma": (3072,)}
     assert all(p.dtype == torch.bfloat16 for p in layer.parameters())
 
@@ -93,7 +95,9 @@ def test_every_rank_loads_its_slice_in_kernel_layout(ckpts, form, tp, padded):
     shape = MoEShape(H, INTER, E, K, tp, intermediate_padded=mx_aligned_intermediate(INTER, tp) if padded else 0)
     Hp, Is = shape.hidden_padded, shape.i_per_rank
     layers = [_load(path, shape, r)[0] for r in range(tp)]
-    gu = torch.cat([m.w_gate_up for m in layers], dim=3)          # [E, Hp, 2, I_pad]
+    for m in layers:    # held tiled: [E, 128, Hp/128, 2·Is], H row kt·128 + p at (p, kt)
+        assert tuple(m.w_gate_up.shape) == (E, 128, Hp // 128, 2 * Is)
+    gu = torch.cat([untile_gate_up(m.w_gate_up) for m in layers], dim=3)          # [E, Hp, 2, I_pad]
     gub = torch.cat([m.b_gate_up for m in layers], dim=2)         # [E, 2, I_pad]
     down = torch.cat([m.w_down for m in layers], dim=1)           # [E, I_pad, Hp]
     assert gu.shape == (E, Hp, 2, tp * Is) and down.shape == (E, tp * Is, Hp)
@@ -108,6 +112,39 @@ def test_every_rank_loads_its_slice_in_kernel_layout(ckpts, form, tp, padded):
         assert torch.equal(m.router.bias, ref["b_router"])
         assert torch.equal(m.b_down[:, :H], ref["b_down"]) and not m.b_down[:, H:].any()
         assert torch.equal(m.gamma[:H], ref["gamma"]) and not m.gamma[H:].any()
+
+
+def test_bf16_layer_holds_gate_up_tiled_once_for_both_kernels(ckpts, monkeypatch):
+    """bf16 experts: the layer's w_gate_up IS the tiled layout of this rank's [E, Hp, 2, Is] slice (element
+    [e, p, kt, g·Is + i] = slice[e, kt·128 + p, g, i]), the only gate/up copy it holds, and that same tensor goes to
+    moe_cte (prefill) and moe_tkg (decode)."""
+    path, ref = ckpts["bf16"]
+    shape = MoEShape(H, INTER, E, K, 2)
+    layer, _ = _load(path, shape, 1)
+    Hp, Is = shape.hidden_padded, shape.i_per_rank
+    assert Hp // 128 > 1 and tuple(layer.w_gate_up.shape) == (E, 128, Hp // 128, 2 * Is)
+    start, stop = shape.i_range(1)
+    want = torch.zeros(E, Hp, 2, Is)
+    want[:, :H, :, :stop - start] = ref["w_gate_up"][..., start:stop]
+    assert torch.equal(layer.w_gate_up, tile_gate_up(want))
+    assert torch.equal(layer.w_gate_up[3, 5, 2, Is + 7], want[3, 2 * 128 + 5, 1, 7])
+    gate_up_bytes = sum(p.numel() for n, p in layer.named_parameters() if n.startswith("w_gate_up"))
+    assert gate_up_bytes == E * Hp * 2 * Is
+    seen = []
+    for name in ("moe_cte", "moe_tkg"):
+        real = getattr(moe_layer, name)
+
+        def spy(x, *a, _real=real, _name=name, **kw):
+            w = a[1] if _name == "moe_tkg" else a[2]    # moe_tkg(x, w_r, w_gu, ...) / moe_cte(x, idx, aff, w_gu, ...)
+            seen.append((_name, w is layer.w_gate_up))
+            return _real(x, *a, **kw)
+
+        monkeypatch.setattr(moe_layer, name, spy)
+    layer, _ = _load(path, MoEShape(H, INTER, E, K, 1), 0)     # size 1: the collectives are bypassed
+    x = torch.randn(4, H)
+    layer(x, sequence_parallel=True)
+    layer(x)
+    assert seen == [("moe_cte", True), ("moe_tkg", True)]
 
 
 def test_a_rank_reads_only_its_slice(ckpts):
@@ -133,7 +170,7 @@ def test_mxfp4_loads_to_bf16_exactly(ckpts):
     layer, _ = _load(ckpts["mxfp4"][0], MoEShape(H, INTER, E, K, 2), 1, dtype=torch.bfloat16)
     ref = ckpts["mxfp4"][1]
     assert layer.w_gate_up.dtype == torch.bfloat16
-    assert torch.equal(layer.w_gate_up[:, :H, :, :].float(), ref["w_gate_up"][..., 80:])
+    assert torch.equal(untile_gate_up(layer.w_gate_up)[:, :H, :, :].float(), ref["w_gate_up"][..., 80:])
 
 
 def test_bad_checkpoints_are_named(ckpts):

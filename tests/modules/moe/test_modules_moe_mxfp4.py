@@ -21,6 +21,7 @@ from modules.parallel.coordinator import CollectiveLog, GroupCoordinator, Static
 from modules.testing import assert_close_global, run_distributed
 from modules.testing.gpt_oss_moe import full_kernel_weights, make_gpt_oss_moe, save_checkpoint
 from nki_kernels.moe import mx_weights
+from nki_kernels.moe.gate_up_layout import untile_gate_up
 from nki_kernels.moe.moe_torch import MX_BLOCK, moe_torch
 
 E, H, INTER, K, EPS = 8, 96, 160, 4, 1e-5      # H pads to 512 (one MX chunk); I = 5 MX blocks
@@ -86,7 +87,7 @@ def test_every_rank_packs_its_slice_equal_to_the_dequantising_loader(ckpt, tp):
         gu, down = mx_weights.dequantized_weights(packed.w_gate_up.numpy(), packed.w_down.numpy(),
                                                   packed.w_gate_up_scale.numpy(), packed.w_down_scale.numpy())
         assert gu.shape == (E, Hp, 2, Is) and down.shape == (E, Is, Hp)
-        assert torch.equal(gu, plain.w_gate_up) and torch.equal(down, plain.w_down), f"tp={tp} rank={r}"
+        assert torch.equal(gu, untile_gate_up(plain.w_gate_up)) and torch.equal(down, plain.w_down), f"tp={tp} rank={r}"
         start, stop = shape.i_range(r)
         assert (plain.w_down.abs().sum() > 0) == (stop > start)   # tp 4: rank 3 holds only padding
         for name in ("router.weight", "router.bias", "b_gate_up", "b_down", "gamma"):

@@ -384,7 +384,8 @@ def test_kernel_tiled_gate_up_layout(target, inter, lnc, monkeypatch):
     """Gate/up weights in the tiled layout [E, 128, H/128, 2I] (tile_gate_up: natural H tiles, one DMA run per
     partition): TensorE transposes of natural column tiles (trn2, I 96) and DMA gather-transposes (trn3, I 256),
     full, partial and narrow last tiles; same result as the [E, H, 2, I] layout's reference."""
-    from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki, tile_gate_up
+    from nki_kernels.moe.gate_up_layout import tile_gate_up
+    from nki_kernels.moe.moe_cte import kernel_inputs, moe_cte_nki
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     T, H, E, k = 300, 256, 4, 2
     x, idx, aff, w_gu, w_d, b_gu, b_d = make_inputs(T, H, E, inter, k)
@@ -423,3 +424,22 @@ def test_kernel_lnc2_last_down_tile_by_core(target, monkeypatch):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
     run_and_check(600, 256, 4, 180, 2, lnc=2, block_size=128)
     assert rem_core and all(rem_core) and not any(rem_high)
+
+
+def test_entry_takes_the_tiled_gate_up_layout():
+    """The functional entry (what MoELayer calls) takes w_gate_up tiled [E, 128, H/128, 2I] (gate_up_layout.py): the
+    torch reference untiles it (same bits as [E, H, 2, I]), the kernel runs it; a wrong shape names both layouts."""
+    from nki_kernels.moe.gate_up_layout import gate_up_layout, tile_gate_up, untile_gate_up
+    T, H, E, inter, k = 40, 256, 4, 96, 2
+    x, idx, aff, w_gu, w_d, b_gu, b_d = make_inputs(T, H, E, inter, k)
+    tiled = tile_gate_up(w_gu)
+    assert gate_up_layout(tiled.shape, H) == (True, E, inter) and gate_up_layout(w_gu.shape, H) == (False, E, inter)
+    assert torch.equal(untile_gate_up(tiled), w_gu)
+    assert np.array_equal(untile_gate_up(tile_gate_up(w_gu.float().numpy())), w_gu.float().numpy())
+    opts = dict(b_gate_up=b_gu, b_down=b_d, activation="clamped_swiglu", add_down_bias=True, block_size=128)
+    ref = moe_cte(x, idx, aff, w_gu, w_d, **opts, backend="torch")
+    assert torch.equal(moe_cte(x, idx, aff, tiled, w_d, **opts, backend="torch"), ref)
+    assert_close(moe_cte(x, idx, aff, tiled, w_d, **opts, backend="nkisim"), ref)
+    with pytest.raises(ValueError, match=r"moe_cte: w_gate_up must be \[E, H=256, 2, I\] or tiled "
+                                         r"\[E, 128, H/128=2, 2I\]"):
+        moe_cte(x, idx, aff, torch.zeros(E, 128, 3, 2 * inter), w_d, **opts, backend="torch")

@@ -10,6 +10,8 @@ import torch
 import nki_kernels  # noqa: F401 - registers the nki layer
 from modules.model_specs import GPT_OSS_20B, GPT_OSS_120B
 from nki_kernels.moe import moe_tkg, moe_torch
+from nki_kernels.moe.gate_up_layout import tile_gate_up, untile_gate_up
+from nki_kernels.moe.tkg_cost import choose_expert_mode
 from nki_kernels.moe.tkg_inputs import make_tkg_inputs, tkg_shard
 
 RTOL, ATOL = 2e-2, 1e-5
@@ -206,3 +208,103 @@ def test_expert_mode_rule():
     assert choose_expert_mode(128, E=128, k=4, H=3072, inter=180) == "all"
     assert expected_touched(1, 32, 4) == pytest.approx(32 * (1 - (31 / 32) ** 4))
     assert expected_touched(128, 32, 4) <= 32
+
+
+# ---- gate/up weights in the tiled layout [E, 128, H/128, 2I] (gate_up_layout.py: what MoELayer holds) -------------
+
+def _run_both(T, shape, mode, lnc, seed=0, exact=False, skew=None, **over):
+    """(tiled out, [E, H, 2, I] out, reference, idx of each): the same inputs, the gate/up weights in both layouts.
+    exact: small-integer multiples of 2^-3 (x) and 2^-6 (weights), no RMSNorm, so every fp32 sum of the gate/up
+    contraction is exact whatever its order and the two layouts must give the same bits."""
+    args, kw = make_tkg_inputs(T=T, seed=seed, skew=skew, **shape)
+    kw.update(over)
+    if exact:
+        g = torch.Generator().manual_seed(seed + 1)
+        x, w_r, w_gu, w_d = args
+
+        def q(t, scale):
+            return (torch.randint(-2, 3, t.shape, generator=g).float() * scale).to(t.dtype)
+
+        x = q(x, 2.0 ** -3)
+        if shape.get("hidden_actual"):
+            x[:, shape["hidden_actual"]:] = 0
+        args = (x, w_r, q(w_gu, 2.0 ** -6), w_d)
+        kw["gamma"] = None
+    tiled = (args[0], args[1], tile_gate_up(args[2]), args[3])
+    out_t, idx_t, aff_t = moe_tkg(*tiled, **kw, expert_mode=mode, backend="nkisim", lnc=lnc)
+    out_h, idx_h, aff_h = moe_tkg(*args, **kw, expert_mode=mode, backend="nkisim", lnc=lnc)
+    ref, ridx, _ = moe_torch(*args, **kw)
+    assert torch.equal(idx_t, idx_h) and torch.equal(aff_t, aff_h), "routing differs between the layouts"
+    assert torch.equal(idx_t.long(), ridx), "expert indices differ from the reference"
+    err = (out_t.float() - ref).abs().max().item()
+    assert not torch.isnan(out_t).any()
+    assert err <= ATOL + RTOL * ref.abs().max().item(), f"tiled: max err {err} vs range {ref.abs().max().item()}"
+    return out_t, out_h, ref
+
+
+@pytest.mark.parametrize("T,mode,lnc,over", [
+    (1, "selective", 1, {}),                                     # T = 1 slots, the last expert in kt pieces
+    (1, "selective", 1, dict(top_k=3, inter=180)),               # _Spread (a partial I tile), odd k
+    (1, "selective", 2, dict(top_k=4, inter=300)),               # the H split (k even), MT 3
+    (1, "selective", 2, dict(top_k=3)),                          # LNC 2 odd k: partial outputs exchanged
+    (4, "selective", 2, {}),                                     # the W_r swap
+    (8, "all", 1, dict(hidden_actual=500)),
+    (8, "selective", 1, dict(gamma=None)),
+    (16, "selective", 2, dict(top_k=1, skew="one")),             # one expert split by I columns between cores
+    (32, "selective", 2, {}),                                    # rows + natural-tile transposes (T > 8)
+    (100, "all", 1, dict(gamma=None)),                           # tokens stationary (cfg.flip)
+    (128, "all", 2, {}),
+])
+def test_tiled_gate_up_layout(T, mode, lnc, over):
+    """moe_tkg takes w_gate_up tiled [E, 128, H/128, 2I] (partition p, kt block = H row kt * 128 + p): the experts'
+    x^T then in natural H tiles (_Natural), the weight DMAs' access patterns unchanged. Every path (T = 1 pieces,
+    _Spread, the LNC 2 H split, the W_r swap, the split expert, T > 8 rows, cfg.flip, all-expert mode) matches the
+    reference and the [E, H, 2, I] run to within the fp32 order of the contraction's partial sums."""
+    over = dict(over)
+    skew = over.pop("skew", None)
+    shape = {k: over.pop(k) if k in over else v for k, v in SMALL.items()}
+    out_t, out_h, ref = _run_both(T, shape, mode, lnc, skew=skew, **over)
+    d = (out_t.float() - out_h.float()).abs().max().item()
+    assert d <= 2 ** -6 * ref.abs().max().item(), f"tiled vs [E, H, 2, I]: {d}"
+
+
+@pytest.mark.parametrize("shape", [OSS20_TP8, OSS120_TP16], ids=["20b-tp8", "120b-tp16"])
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("T", [1, 8])
+def test_tiled_gate_up_layout_rank_shapes_bit_identical(shape, lnc, T):
+    """GPT-OSS-20B TP8 (H 2880 -> 3072, E 32, k 4, I 360) and GPT-OSS-120B TP16 (E 128, I 180) ranks, LNC 1 and 2,
+    T 1 and 8, the auto mode: with exact data (every partial sum exact) the tiled layout's output is bit-identical to
+    the [E, H, 2, I] run's -- a kt block of the tiled layout read from or contracted against the wrong H rows
+    changes it."""
+    mode = choose_expert_mode(T, shape["E"], shape["top_k"], shape["H"], shape["inter"])
+    out_t, out_h, _ = _run_both(T, shape, mode, lnc, seed=7, exact=True)
+    assert torch.equal(out_t, out_h), f"{(out_t.float() - out_h.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("T,lnc", [(1, 2), (8, 1)])
+def test_tiled_gate_up_layout_rank_shape_with_rmsnorm(T, lnc):
+    """The 20B TP8 rank with the fused RMSNorm and random weights: the tiled layout against the reference and the
+    [E, H, 2, I] run (equal up to the fp32 order of the contraction's partial sums: the two layouts group the H rows
+    differently into the 128-row matmuls)."""
+    out_t, out_h, ref = _run_both(T, OSS20_TP8, "selective", lnc, seed=2)
+    d = (out_t.float() - out_h.float()).abs().max().item()
+    assert d <= 2 ** -7 * ref.abs().max().item(), f"tiled vs [E, H, 2, I]: {d}"
+
+
+def test_tiled_gate_up_layout_checks_and_torch_backend():
+    """The entry's shape check names w_gate_up and both accepted layouts; the torch backend (the reference) takes the
+    tiled layout too (untiled for moe_torch)."""
+    args, kw = make_tkg_inputs(T=4, H=256, E=8, top_k=2, inter=64)
+    tiled = (args[0], args[1], tile_gate_up(args[2]), args[3])
+    assert tuple(tiled[2].shape) == (8, 128, 2, 128)
+    assert torch.equal(tiled[2][3, 5, 1, 64 + 7], args[2][3, 128 + 5, 1, 7])
+    assert torch.equal(untile_gate_up(tiled[2]), args[2])
+    out_t, idx_t, _ = moe_tkg(*tiled, **kw, backend="torch")
+    out_h, idx_h, _ = moe_tkg(*args, **kw, backend="torch")
+    assert torch.equal(out_t, out_h) and torch.equal(idx_t, idx_h)
+    for bad in (torch.zeros(8, 128, 3, 128), torch.zeros(8, 128, 2, 127), torch.zeros(7, 128, 2, 128)):
+        with pytest.raises(ValueError, match=r"moe_tkg: w_gate_up must be \[E=8, H=256, 2, I\] or tiled "
+                                             r"\[E=8, 128, H/128=2, 2I\]"):
+            moe_tkg(args[0], args[1], bad, args[3], **kw)
+    with pytest.raises(ValueError, match="w_down must be"):      # I from the tiled shape: 2I = 128 -> I = 64
+        moe_tkg(args[0], args[1], torch.zeros(8, 128, 2, 64), args[3], **kw)
