@@ -497,10 +497,10 @@ def _kv_bytes_beyond_empty(first, ctx, seed, shape):
     return reads[0] - reads[1]
 
 
-def _check_nan_tails_where(args, clean, kw, probe, why):
-    """Run the kernel on the poisoned args, recording probe(cfg) for every _Config it builds (each must hold, else
-    the case does not test what it says: `why`), then the NaN-tail checks: finite, equal to the reference and
-    bit-identical to the clean cache's output."""
+def _check_nan_tails_where(args, clean, kw, probe, why, **launch):
+    """Run the kernel on the poisoned args (launch: e.g. lnc), recording probe(cfg) for every _Config it builds
+    (each must hold, else the case does not test what it says: `why`), then the NaN-tail checks: finite, equal to
+    the reference and bit-identical to the clean cache's output."""
     seen = []
     orig = cfg_mod._Config.__init__
 
@@ -509,7 +509,7 @@ def _check_nan_tails_where(args, clean, kw, probe, why):
         seen.append(probe(self))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cfg_mod._Config, "__init__", spy)
-        _assert_nan_tails_clean(args, clean, kw)
+        _assert_nan_tails_clean(args, clean, kw, **launch)
     assert seen and all(seen), why
 
 
@@ -712,6 +712,20 @@ def test_bias_o_added_in_psum(H, B, lnc):
     assert (with_b - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
 
 
+def _assert_equals_one_reduce_row_max(args, kw, out):
+    """out (the kernel's row max per score chunk, chained or not) must be bit-identical to the same kernel with one
+    reduce per step (a max is exact: a chunk left out moves the exponent's reference point of its rows) and match
+    the reference."""
+    from nki_kernels.attention.decode import flash
+    orig = flash._row_max
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "_row_max", lambda m_t, sc, rows, cols, split=None, chain=False: orig(m_t, sc, rows, cols))
+        one = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
+    assert torch.equal(out, one)
+    ref = decode_attention_torch(*[a.clone() for a in args], **kw).float()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+
+
 def test_last_pack_row_max_per_chunk():
     """trn2 (_Config.rmax_split): the kernel's last pack takes each step's row max as one reduce per score chunk
     and a max of the partial maxima (flash._row_max). A max is exact, so the output must be bit-identical to the
@@ -730,12 +744,7 @@ def test_last_pack_row_max_per_chunk():
         mp.setattr(flash, "_row_max", spy)
         out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
     assert any(seen), "no step took its row max per chunk"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flash, "_row_max", lambda m_t, sc, rows, cols, split=None, chain=False: orig(m_t, sc, rows, cols))
-        one = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
-    assert torch.equal(out, one)
-    ref = decode_attention_torch(*[a.clone() for a in args], **kw).float()
-    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    _assert_equals_one_reduce_row_max(args, kw, out)
 
 
 def test_one_pack_row_max_chained_and_m_on_gpsimd():
@@ -747,7 +756,6 @@ def test_one_pack_row_max_chained_and_m_on_gpsimd():
     chained reduce started without the first chunk's max moves the bits). GPT-OSS B=8 at 8K, random positions:
     one pack, gated steps, 2048-position slots."""
     import nkisim
-    from nki_kernels.attention.decode import flash
     args, kw = make_inputs(8, 1, s_max=8192, ctx=8192, seed=12, **GPT_OSS_20B_TP8)
     rep = nkisim.profile(decode_attention_nki, *[a.clone() for a in args], target="trn2", **kw)[1]
     chained = sum(1 for e in rep.events if e.op == "tensor_scalar_reduce")
@@ -756,13 +764,7 @@ def test_one_pack_row_max_chained_and_m_on_gpsimd():
     assert chained >= 3, f"{chained} chained row-max reduces"
     assert m_gpsimd >= 2, f"{m_gpsimd} m updates on GpSimd"
     out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
-    orig = flash._row_max
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flash, "_row_max", lambda m_t, sc, rows, cols, split=None, chain=False: orig(m_t, sc, rows, cols))
-        one = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
-    assert torch.equal(out, one)
-    ref = decode_attention_torch(*[a.clone() for a in args], **kw).float()
-    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    _assert_equals_one_reduce_row_max(args, kw, out)
 
 
 def test_ragged_final_normalisation_split_vector_scalar():
@@ -962,16 +964,9 @@ def test_x_rows_in_groups_with_nan_tails(B, S, lnc):
     args[4][:, :] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)[None, :]
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
-    seen = []
-    orig = cfg_mod._Config.__init__
-
-    def spy(self, *a, **k):
-        orig(self, *a, **k)
-        seen.append(self.x_row_parts and cfg_mod.X_ROW_PARTS_MIN <= B * S <= cfg_mod.XT_DIRECT_TOKENS)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cfg_mod._Config, "__init__", spy)
-        _assert_nan_tails_clean(args, clean, kw, lnc=lnc)
-    assert seen and all(seen), "X's rows not loaded in groups (_Config.x_row_parts)"
+    _check_nan_tails_where(args, clean, kw,
+                           lambda cfg: cfg.x_row_parts and cfg_mod.X_ROW_PARTS_MIN <= B * S <= cfg_mod.XT_DIRECT_TOKENS,
+                           "X's rows not loaded in groups (_Config.x_row_parts)", lnc=lnc)
 
 
 @pytest.mark.parametrize("B,S,lnc,ctx", [(8, 1, 1, 1024), (5, 1, 1, 1024), (3, 2, 1, 1024), (2, 1, 1, 1024),
@@ -988,16 +983,9 @@ def test_x_rows_spread_with_nan_tails(B, S, lnc, ctx):
     args[4][:, :] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)[None, :]
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
-    seen = []
-    orig = cfg_mod._Config.__init__
-
-    def spy(self, *a, **k):
-        orig(self, *a, **k)
-        seen.append(self.x_spread == cfg_mod.X_SPREAD_STRIDE and self.small_p0 == cfg_mod.SMALL_P0)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cfg_mod._Config, "__init__", spy)
-        _assert_nan_tails_clean(args, clean, kw, lnc=lnc)
-    assert seen and all(seen), "X's rows not spread over the DMA engines (_Config.x_spread) or RoPE tables at 0"
+    _check_nan_tails_where(args, clean, kw,
+                           lambda cfg: cfg.x_spread == cfg_mod.X_SPREAD_STRIDE and cfg.small_p0 == cfg_mod.SMALL_P0,
+                           "X's rows not spread over the DMA engines (_Config.x_spread) or RoPE tables at 0", lnc=lnc)
 
 
 @pytest.mark.parametrize("S,ctx,lens", [
