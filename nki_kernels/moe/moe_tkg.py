@@ -11,7 +11,7 @@ import nki.language as nl
 from ..common.tiles import TRANSPOSE_GROUP, evict, transpose_tokens
 from ..entry import resolve_backend, shape_of, to_torch
 from . import tkg_mx
-from .gate_up_layout import gate_up_layout, gate_up_layout_error, logical_gate_up
+from .gate_up_layout import gate_up_layout, gate_up_layout_error, is_tiled, logical_gate_up
 from .moe_torch import ACTIVATIONS, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT, moe_torch
 from .router import (
     H_TILE,
@@ -183,8 +183,7 @@ class _Cfg(nl.NKIObject):
         # MXFP4 (trn3): w_gate_up is [E, 128, H/512, 2I] words (mx_weights.py's layout), the rest in x's dtype
         # bf16: [E, H, 2, I] or the tiled layout [E, 128, H/128, 2I] (gate_up_layout.py: the experts' x^T then in
         # natural H tiles, _Natural)
-        self.gu_tiled = (not mx) and len(w_gate_up.shape) == 4 and bool(
-            (gate_up_layout(tuple(w_gate_up.shape), x.shape[1]) or (False,))[0])
+        self.gu_tiled = not mx and is_tiled(tuple(w_gate_up.shape), x.shape[1])
         self.inter = w_gate_up.shape[3] // 2 if mx or self.gu_tiled else w_gate_up.shape[3]
         self.k = top_k
         self.KT = self.H // H_TILE
@@ -298,16 +297,16 @@ def _load_x_step(cfg, x):
     """x^T [128, KT, T] (a view), H index p * KT + kt. Small T (<= XT_DMA_MAX_TOKENS): one DMA straight into
     [128, T, KT] (partition p reads KT contiguous elements per token: short runs, but T * KT * 2 bytes per
     partition is little), viewed permuted -- no x row load, TensorE transposes and PSUM eviction on the routing's
-    critical path. Else the rows and TensorE transposes (transpose_tokens)."""
+    critical path. Else the rows and TensorE transposes (transpose_tokens). Returns (x^T, the x rows [T, H] or None
+    at small T: the tiled gate/up layout's natural x^T transposes them too, _Natural)."""
     T, KT = cfg.T, cfg.KT
     if T <= XT_DMA_MAX_TOKENS:
         xs = nl.ndarray((P_MAX, cfg.GS, KT), dtype=x.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=xs[:, :T, :], src=x.ap([[KT, P_MAX], [cfg.H, T], [1, KT]], offset=0))
-        return xs[:, :T, :].permute((0, 2, 1))
+        return xs[:, :T, :].permute((0, 2, 1)), None
     x_sb = nl.ndarray((P_MAX, cfg.H), dtype=x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=x_sb[:T, :], src=x)
-    cfg.x_rows = x_sb       # (the tiled gate/up layout's natural x^T transposes these rows too)
-    return transpose_tokens(x_sb, T, KT)[:, :, :T]
+    return transpose_tokens(x_sb, T, KT)[:, :, :T], x_sb
 
 
 def _load_natural_step(cfg, x, gamma):
@@ -359,8 +358,8 @@ class _Natural(nl.NKIObject):
     Numerics: hg = x * rstd * gamma in fp32, rounded once to x's dtype: T <= 8 _rmsnorm_step's instructions (the
     same bits per element as hT); T > 8 (x * gamma) * rstd."""
 
-    def __init__(self, cfg, x, gamma, rstd):
-        self.cfg, self.x, self.gamma, self.rstd = cfg, x, gamma, rstd
+    def __init__(self, cfg, x, x_rows, gamma, rstd):
+        self.cfg, self.x, self.x_rows, self.gamma, self.rstd = cfg, x, x_rows, gamma, rstd
         self.hg = self.xk = self.gk = None
         self.loaded = cfg.mode == "all"
         if self.loaded:     # all-expert mode: the weights stream from the start, hg is wanted early
@@ -406,7 +405,7 @@ class _Natural(nl.NKIObject):
                 nisa.activation(dst=xs, op=nl.copy, data=ps.permute((0, 2, 1)))
                 self._scale(hg, xs, 0, KT, T, gn)
             return hg
-        x_sb = cfg.x_rows       # T > 8: the rows _load_x_step loaded, natural column tiles transposed
+        x_sb = self.x_rows      # T > 8: the rows _load_x_step loaded, natural column tiles transposed
         hg = nl.ndarray((P_MAX, KT, cfg.GS), dtype=x_sb.dtype, buffer=nl.sbuf)
         gn = None if self.gk is None else self._gamma(nl.float32)
         zero = None
@@ -1840,7 +1839,7 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
 
     consts = _Consts(cfg.E, T, cfg.eps)
     wr = _load_router_swap_step(cfg, w_router, b_router) if _wr_swap(cfg) else None
-    xT = _load_x_step(cfg, x)
+    xT, x_rows = _load_x_step(cfg, x)
     ring = tkg_mx.MxRing(cfg) if mx else _Ring(cfg, consts)
     rstd = None
     if gamma is not None:
@@ -1850,7 +1849,7 @@ def moe_tkg_kernel(x, w_router, w_gate_up, w_down, b_router=None, b_gate_up=None
         nisa.tensor_copy(dst=hT[:, :, :T], src=xT)
     idx, aff = _route_step(cfg, consts, hT, w_router, b_router, router_mode, renormalize, wr)
     if cfg.gu_tiled:    # the experts' x^T in the weights' natural H tiles, built at its first use (the router keeps hT)
-        hT = _Natural(cfg, x, gamma, rstd)
+        hT = _Natural(cfg, x, x_rows, gamma, rstd)
     if mx:
         _mx_experts(cfg, consts, ring, idx, aff, x, gamma, rstd, (w_gate_up, w_down, w_gate_up_scale, w_down_scale),
                     b_gate_up, b_down if add_down_bias else None, out)
