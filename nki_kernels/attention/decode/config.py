@@ -51,6 +51,9 @@ BIAS_ROWS = (64, 96)   # partitions of bias_o's even / odd 128-column chunks (_C
 # two packs the TensorE steps after the last K/V byte pace it and the coarser transfers cost (B=8 16K +0.4 %,
 # B=16 16K +1.0 %).
 KW_PACKS = 4
+# The pack tables loaded once for all packs (_Config.pack_tables) from this scan length: shorter scans (nki-library's
+# q8 d64 B64 1K rows) are not paced by the K/V stream's start, and the on-chip selections cost there (+1.4 .. +1.9 %).
+PACK_TABLES_MIN_SCAN = 4096
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
@@ -352,6 +355,13 @@ class _Config(nl.NKIObject):
         # of 1024-position halves, 2 KiB SBUF runs at 0.80, ~27 % of each DMA ring's busy time).
         self.k_plain = self.k_whole and self.kpp in (1, 2) and self.halves == 1
         self.rot_unit = self.kpp if self.k_plain else 1     # batches per rotation unit (planning._rot_batch)
+        # Two-batch stacks of k_plain (GPT-OSS B >= 32 on trn2: every DMA ring busy to the end, modelled): the packs'
+        # position and sink tables without a DMA per pack (flash._prefetch_packs): each batch's position on every
+        # partition in one load for all packs (flash._pos_cols), each row's first position selected out of it on
+        # chip (flash._own_position), the sink rows loaded once. Their 4- and 32-byte-run DMAs cost each DMA engine
+        # ~0.1 us per pack, ahead of the K/V stream. Not elsewhere: with d = 128 (Llama-8B ragged B=16 +0.6 %) or on
+        # trn3 (GPT-OSS B=16 16K +1.8 %) the shifted list schedule costs more than the DMA time saves.
+        self.pack_tables = self.k_plain and self.kpp == 2 and self.scan >= PACK_TABLES_MIN_SCAN
         # One batch per stack (d = 128), where this core scans at least KW_PACKS packs with whole weights (LNC=1: the
         # K/V stream paces those rows): the scan's first and last slots are not split to one step
         # (planning._slot_bounds), so every slot is two pieces or more: its K^T moves as whole slots and pairs (4 / 8

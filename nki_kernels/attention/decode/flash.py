@@ -106,11 +106,16 @@ class _PackInputs(nl.NKIObject):
     position (q_pos), p_first per column on every partition (pf_cols [128, rows], position-major steps), the
     sequences' valid ranges (isolation) and the sink logits of each KV head's rows (sinks[g] [rows, 1])."""
 
-    def __init__(self, cfg, position_ids, sinks, p0, nb):
+    def __init__(self, cfg, position_ids, sinks, p0, nb, shared=None):
         S, G = cfg.S, cfg.group
         rows = nb * cfg.R
         self.p_first = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=self.p_first[:rows], src=position_ids.ap([[S, nb], [0, S], [0, G]], offset=p0 * S))
+        self.valid = None
+        if shared is not None:      # _Config.pack_tables: (positions of the core's batches, its first, sink rows)
+            self.valid = _valid_ranges(cfg, position_ids, p0, nb, shared[:2])
+            _own_position(cfg, self.p_first, shared[0], p0 - shared[1], nb)
+        else:
+            nisa.dma_copy(dst=self.p_first[:rows], src=position_ids.ap([[S, nb], [0, S], [0, G]], offset=p0 * S))
         self.pf_cols = None
         if cfg.pmajor:
             self.pf_cols = nl.ndarray((P_MAX, PMAJOR_ROWS), dtype=nl.float32, buffer=nl.sbuf)
@@ -120,22 +125,58 @@ class _PackInputs(nl.NKIObject):
         if S > 1 or cfg.window > 0:
             self.q_pos = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=self.q_pos[:rows], src=position_ids.ap([[S, nb], [1, S], [0, G]], offset=p0 * S))
-        self.valid = _valid_ranges(cfg, position_ids, p0, nb)
-        self.sinks = ()
-        if sinks is not None:
-            sk = []
-            for g in range(cfg.nkv):
-                t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=t[:rows], src=sinks.ap([[0, nb], [0, S], [1, G]], offset=g * G))
-                sk.append(t)
-            self.sinks = tuple(sk)
+        if shared is None:
+            self.valid = _valid_ranges(cfg, position_ids, p0, nb)
+        self.sinks = shared[2] if shared is not None else _sink_rows(cfg, sinks, nb)
+
+
+def _own_position(cfg, dst, pos_all, c0, nb):
+    """dst[r] = pos_all[r, c0 + r // R] (fp32 [rows, 1]): each attention row's first new position, selected on chip
+    out of the batches' positions on every partition (_pos_cols) instead of a DMA of 4-byte runs per pack (~0.09 us
+    of each of the 8 DMA engines of partitions 0..63, modelled). Exact: one position kept per row, zeros added."""
+    rows = nb * cfg.R
+    lo = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)     # r >= R * j
+    nisa.affine_select(dst=lo[:rows, :nb], pattern=[[-cfg.R, nb]], channel_multiplier=1,
+                       on_true_tile=pos_all[:rows, c0:c0 + nb], on_false_value=0.0, cmp_op=nl.greater_equal)
+    own = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)    # and r < R * (j + 1)
+    nisa.affine_select(dst=own[:rows, :nb], pattern=[[-cfg.R, nb]], channel_multiplier=1, on_true_tile=lo[:rows, :nb],
+                       on_false_value=0.0, cmp_op=nl.less, offset=-cfg.R)
+    nisa.tensor_reduce(dst=dst[:rows], op=nl.add, data=own[:rows, :nb], axis=(1,))
+
+
+def _pos_cols(cfg, position_ids, b_lo, b_hi):
+    """fp32 [128, batches]: each batch's first new position on every partition, for all packs of the core in one
+    DMA (runs of 4 * batches bytes at S = 1) instead of one per pack (runs of 4 * pack bytes: ~0.1 us of every DMA
+    engine each, modelled), which the K/V stream queued behind."""
+    t = nl.ndarray((P_MAX, b_hi - b_lo), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=position_ids.ap([[0, P_MAX], [cfg.S, b_hi - b_lo]], offset=b_lo * cfg.S))
+    return t
+
+
+def _sink_rows(cfg, sinks, nb):
+    """Each KV head's sink logits per attention row of a pack of nb batches (fp32 [rows, 1] per head): the same for
+    every pack (row (batch, token, head) <- sinks[g * G + head]), so loaded once for all of them. Each of these 4-byte
+    run DMAs cost the 8 DMA engines of partitions 0..63 ~0.09 us (modelled), which the K/V stream then waits for."""
+    if sinks is None:
+        return ()
+    S, G = cfg.S, cfg.group
+    sk = []
+    for g in range(cfg.nkv):
+        t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:nb * cfg.R], src=sinks.ap([[0, nb], [0, S], [1, G]], offset=g * G))
+        sk.append(t)
+    return tuple(sk)
 
 
 def _prefetch_packs(cfg, position_ids, sinks, b_lo, b_hi):
     """_PackInputs of every pack of this core, keyed by its first batch. Called before the weights are loaded: the
     DMA engines serve transfers in program order, so these small loads (and the K/V loads' runtime gates computed
     from them) would otherwise wait behind W_qkv, and the cache stream would start late (B = 1: ~2 us)."""
-    return {pk.p0: _PackInputs(cfg, position_ids, sinks, pk.p0, pk.nb) for pk in _packs(cfg, b_lo, b_hi)}
+    packs = _packs(cfg, b_lo, b_hi)
+    shared = None
+    if cfg.pack_tables:
+        shared = (_pos_cols(cfg, position_ids, b_lo, b_hi), b_lo, _sink_rows(cfg, sinks, max(pk.nb for pk in packs)))
+    return {pk.p0: _PackInputs(cfg, position_ids, sinks, pk.p0, pk.nb, shared) for pk in packs}
 
 
 def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi, W_o,

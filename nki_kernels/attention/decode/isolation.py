@@ -30,11 +30,15 @@ class _ValidRange(nl.NKIObject):
         self.slot_act = {}                  # per slot start (fp8 casts): per load group 1 iff it reaches the slot
 
 
-def _valid_ranges(cfg, position_ids, p0, nb):
+def _valid_ranges(cfg, position_ids, p0, nb, pos_all=None):
     S, d, kpp = cfg.S, cfg.kd, cfg.kpp
     nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
     pv = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=pv[:, :nb], src=position_ids.ap([[0, P_MAX], [S, nb]], offset=p0 * S))
+    if pos_all is not None:     # (table, its first batch): every batch of the core's, loaded once (flash._pos_cols)
+        nisa.tensor_copy(dst=pv[:, :nb], src=pos_all[0][:, p0 - pos_all[1]:p0 - pos_all[1] + nb],
+                         engine=nisa.engine.gpsimd)
+    else:
+        nisa.dma_copy(dst=pv[:, :nb], src=position_ids.ap([[0, P_MAX], [S, nb]], offset=p0 * S))
     # NeuronCore-v4: the K^T layout's table is copied out of pv on chip (same partitions, strided columns) instead
     # of loaded: its DMAs of 4-byte runs cost 0.25-0.5 us of every DMA engine they used, ahead of the weights and
     # the K/V stream that paces trn3's B = 8 4K rows (modelled -0.2 .. -0.8 %). trn2 too since the gptoss round

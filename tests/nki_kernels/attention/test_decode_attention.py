@@ -930,6 +930,30 @@ def test_ragged_gptoss_k_plain_pairs_with_nan_tails():
     assert pair, "no K^T pair transpose"
 
 
+def test_pack_tables_without_per_pack_loads():
+    """GPT-OSS ragged on trn2 with two-batch K^T stacks and >= KW_PACKS packs (_Config.pack_tables): every batch's
+    position on every partition comes from one load for all packs (flash._pos_cols; each pack's table copied on
+    chip), each attention row's first position is selected on chip out of it (flash._own_position) and the sink rows
+    are loaded once for all packs (flash._sink_rows). 29 sequences: packs of 8, 8, 8, 5 (nonzero column offsets; the
+    last pack reads a prefix of the shared sink rows); NaN past every length: finite, equal to the reference and
+    bit-identical to a clean cache. Modelled: none of the per-pack 4-byte-run loads of p_first / sinks is left."""
+    import nkisim
+
+    ctx = 4096
+    lens = (3000, 4095, 900, 2047, 2049, 1500, 3900, 100, 2600, 1024, 3500, 1800, 4000, 700, 2200, 3300, 1200, 2900,
+            500, 3700, 1600, 2400, 3100, 1300, 2800, 600, 3600, 2000, 1025)
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=85, **GPT_OSS_20B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.pack_tables and cfg.pack == 8,
+                           "pack_tables is off: the case tests no shared pack tables")
+    _, rep = nkisim.profile(decode_attention_nki, *clean, target="trn2", **kw)
+    rows = GPT_OSS_20B_TP8["nq"] // GPT_OSS_20B_TP8["nkv"]
+    per_pack = [e for e in rep.events if e.op == "dma_copy" and e.cost.hbm_read in (8 * rows * 4, 5 * rows * 4)]
+    assert len(per_pack) == 1, f"{len(per_pack)} row-table loads: expected the sink rows' one"
+
+
 def test_ragged_whole_end_slots_with_nan_tails():
     """Llama-8B ragged on trn2 scanning >= KW_PACKS packs (_Config.k_packs): the scan's first and last slots are not
     split to one step (planning._slot_bounds), so at 4K both slots are two-piece (2048 positions): the first one's
