@@ -339,7 +339,18 @@ class _Config(nl.NKIObject):
         # two-piece slots as the first piece or the whole slot (planning._whole_k); the latter for d < 128 too when
         # this core scans KW_PACKS packs or more.
         n_packs = (self.b_hi - self.b_lo + self.pack - 1) // self.pack
-        self.k_whole = self.v_rot and (self.d == P_MAX or n_packs >= KW_PACKS)
+        # Ragged scans of d < 128 whose every slot is one load piece of FA_SUB positions (the 4K rows: first and
+        # last slots split, planning._slot_bounds) load each slot in two half pieces (planning._load_pieces): V as
+        # two blocks of 64 partitions (the same 1 KiB runs), K^T as the first half alone or the whole slot
+        # (k_whole below: one transpose, 2 KiB SBUF runs), so a sequence ending in the first half of its last slot
+        # reads half of it; the two-piece slots then take the rotation by stack (v_rot, k_plain), which balances the
+        # half pieces' V between the two halves of the DMA rings. Modelled trn2 GPT-OSS B=8 4K 48.38 -> 46.22 us
+        # (DESIGN.md). Not d = 128 (Llama-8B B=8 4K gains 5.5 %, LNC=2 B=8 4K 3.2 %: the asserted LNC=2 <= 0.6x
+        # LNC=1 is lost), not fp8, not trn3 (v_rot is trn2-only).
+        self.k_packs, self.half_pieces = False, False     # read by _one_piece_plan; decided here and below
+        self.half_pieces = (self.v_rot and self.d < P_MAX and not fp8 and not self.stride
+                            and _one_piece_plan(self))
+        self.k_whole = self.v_rot and (self.d == P_MAX or n_packs >= KW_PACKS or self.half_pieces)
         splits = FIRST_PIECE_SPLITS_FP8 if fp8 else FIRST_PIECE_SPLITS
         self.first_prefixes = splits if self.k_whole and self.d == P_MAX else 0
         # One batch per K^T stack (bf16, d = 128): the rotated batches' K^T is loaded in the plain layout too (the
@@ -361,7 +372,10 @@ class _Config(nl.NKIObject):
         # chip (flash._own_position), the sink rows loaded once. Their 4- and 32-byte-run DMAs cost each DMA engine
         # ~0.1 us per pack, ahead of the K/V stream. Not elsewhere: with d = 128 (Llama-8B ragged B=16 +0.6 %) or on
         # trn3 (GPT-OSS B=16 16K +1.8 %) the shifted list schedule costs more than the DMA time saves.
-        self.pack_tables = self.k_plain and self.kpp == 2 and self.scan >= PACK_TABLES_MIN_SCAN
+        # Not with half_pieces (their k_plain): modelled GPT-OSS B=64 4K 178.42 -> 179.43 us with the tables, DP 2
+        # groups 54.40 -> 55.01 (B=16 4K 52.61 -> 52.52).
+        self.pack_tables = (self.k_plain and self.kpp == 2 and self.scan >= PACK_TABLES_MIN_SCAN
+                            and not self.half_pieces)
         # One batch per stack (d = 128), where this core scans at least KW_PACKS packs with whole weights (LNC=1: the
         # K/V stream paces those rows): the scan's first and last slots are not split to one step
         # (planning._slot_bounds), so every slot is two pieces or more: its K^T moves as whole slots and pairs (4 / 8
@@ -416,6 +430,18 @@ class _Config(nl.NKIObject):
         # 32.98 -> 33.40, LNC=2 B=8 4K 33.64 -> 33.95, attention DP 2 groups 55.90 -> 56.45).
         self.rmax_chain = v3 and n_packs == 1 and nkv == 1 and not self.paged and _kt_swap_pays(self)
         self._frozen = True     # last: nothing changes the configuration from here on
+
+
+def _one_piece_plan(cfg):
+    """Whether this core's contiguous scan is two slots or more, every one at most FA_SUB positions wide (one load
+    piece; the 4K rows: first and last slots split) and one FA_SUB wide (_Config.half_pieces). A one-slot scan (1K)
+    keeps whole pieces: modelled nki-library q8 d64 B64 1K 96.95 -> 99.10 us with the halves."""
+    from .planning import _slot_bounds  # planning imports this module
+    if cfg.paged or cfg.dyn:
+        return False
+    b = _slot_bounds(cfg, cfg.lo, cfg.hi)
+    widths = [e - a for a, e in zip(b, b[1:])]
+    return len(widths) >= 2 and max(widths) == FA_SUB
 
 
 def _kt_swap_pays(cfg):

@@ -197,6 +197,8 @@ def _load_pieces(cfg, j0, w):
     n = w // P_MAX
     body = n * P_MAX
     step = max(n, FA_SUB // n * n) if n else FA_SUB     # whole V partitions of n positions each
+    if cfg.half_pieces and w == FA_SUB:     # two half pieces (config._Config.half_pieces)
+        step = FA_SUB // 2
     pieces = tuple((j0 + a, min(step, body - a)) for a in range(0, body, step))
     if j0 == 0 and pieces and cfg.first_prefixes:      # the scan's first piece as prefix alternatives (_first_prefixes)
         pieces = _first_prefixes(pieces[0][1], n, cfg.first_prefixes) + pieces[1:]

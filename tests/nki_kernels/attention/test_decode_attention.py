@@ -930,7 +930,7 @@ def test_ragged_gptoss_k_plain_pairs_with_nan_tails():
     assert pair, "no K^T pair transpose"
 
 
-def test_pack_tables_without_per_pack_loads():
+def test_pack_tables_without_per_pack_loads(monkeypatch):
     """GPT-OSS ragged on trn2 with two-batch K^T stacks and >= KW_PACKS packs (_Config.pack_tables): every batch's
     position on every partition comes from one load for all packs (flash._pos_cols; each pack's table copied on
     chip), each attention row's first position is selected on chip out of it (flash._own_position) and the sink rows
@@ -939,6 +939,9 @@ def test_pack_tables_without_per_pack_loads():
     bit-identical to a clean cache. Modelled: none of the per-pack 4-byte-run loads of p_first / sinks is left."""
     import nkisim
 
+    # 4K: one-piece slots, which load as half pieces (_Config.half_pieces) without the shared pack tables; this case
+    # keeps whole pieces so that the tables apply
+    monkeypatch.setattr(cfg_mod, "_one_piece_plan", lambda cfg: False)
     ctx = 4096
     lens = (3000, 4095, 900, 2047, 2049, 1500, 3900, 100, 2600, 1024, 3500, 1800, 4000, 700, 2200, 3300, 1200, 2900,
             500, 3700, 1600, 2400, 3100, 1300, 2800, 600, 3600, 2000, 1025)
@@ -1080,6 +1083,30 @@ def test_ragged_short_sequences_load_a_prefix_of_the_first_piece():
     short = [n for n in lens if n < FA_SUB]
     kv, row = _kv_bytes_beyond_empty(short, ctx, 73, LLAMA31_8B_TP8), 2 * d * 2
     assert sum(short) * row <= kv <= 0.7 * len(short) * FA_SUB * row, (kv, sum(short) * row)
+
+
+def test_ragged_one_piece_slots_load_in_half_pieces():
+    """GPT-OSS (d = 64) B=8 at 4K on trn2: every slot is one FA_SUB-position piece, loaded as two half pieces
+    (_Config.half_pieces): V as two blocks of 64 partitions, K^T as the first half alone or the whole slot
+    (_whole_k), the second and fourth batch pair rotated by half (rotation by stack, k_plain). Lengths end in the
+    first half of their last slot (100, 1500, 2560: exactly at the half, 3073: one row past a slot start) and in the
+    second (700, 2047, 3600, 4095), in rotated and unrotated stacks; NaN past every length: the unloaded halves keep
+    the ring buffer's earlier rows (NaN in a fresh buffer), which the scrubs must clear. Finite, equal to the
+    reference, bit-identical to a clean cache; the modelled K/V bytes read are exactly the half pieces up to each
+    length (each sequence's last slot read whole without them)."""
+    from nki_kernels.attention.decode.config import FA_SUB
+
+    ctx, d = 4096, GPT_OSS_20B_TP8["d"]
+    lens = (100, 4095, 1500, 2560, 3073, 700, 2047, 3600)
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=74, **GPT_OSS_20B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw, lambda c: c.half_pieces and c.k_plain and c.rot_unit == 2,
+                           "the launch must load half pieces, rotated by stack (_Config.half_pieces, k_plain)")
+    half = FA_SUB // 2
+    rows = sum((n + half - 1) // half * half for n in lens)     # K and V alike
+    assert _kv_bytes_beyond_empty(lens, ctx, 74, GPT_OSS_20B_TP8) == 2 * rows * d * 2
 
 
 # ---- LNC=2 batch split balanced at run time: both cores on every sequence, alternating slots, states merged -------
