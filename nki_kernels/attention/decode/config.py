@@ -351,6 +351,14 @@ class _Config(nl.NKIObject):
         self.half_pieces = (self.v_rot and self.d < P_MAX and not fp8 and not self.stride
                             and _one_piece_plan(self))
         self.k_whole = self.v_rot and (self.d == P_MAX or n_packs >= KW_PACKS or self.half_pieces)
+        # ... and where this core scans KW_PACKS packs or more (DMA-paced: GPT-OSS B=64 4K), ring buffers as wide as
+        # those slots (fa_tile = FA_SUB: the same slot plan), so a slot's K^T of batches j, j + 2 (adjacent stacks)
+        # is contiguous per partition and two partners both needing the whole slot load it in one transpose
+        # (flash._load_k_pair: 4 KiB SBUF runs, DMA efficiency 0.85 vs 0.80). Modelled trn2 GPT-OSS B=64 4K 178.42 ->
+        # 172.66 us; with fewer packs the longer transfers cost (B=16 4K 52.61 -> 52.89, LNC=2 B=8 4K 32.70 ->
+        # 33.03; B=8 4K gains 46.22 -> 45.92).
+        if self.half_pieces and n_packs >= KW_PACKS:
+            self.fa_tile = FA_SUB
         splits = FIRST_PIECE_SPLITS_FP8 if fp8 else FIRST_PIECE_SPLITS
         self.first_prefixes = splits if self.k_whole and self.d == P_MAX else 0
         # One batch per K^T stack (bf16, d = 128): the rotated batches' K^T is loaded in the plain layout too (the

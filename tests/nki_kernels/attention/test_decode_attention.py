@@ -930,6 +930,30 @@ def test_ragged_gptoss_k_plain_pairs_with_nan_tails():
     assert pair, "no K^T pair transpose"
 
 
+def test_ragged_gptoss_half_piece_pairs_with_nan_tails():
+    """GPT-OSS (d = 64) at 4K on trn2 with >= KW_PACKS packs: one-piece slots load as half pieces
+    (_Config.half_pieces) and the ring buffers are as wide as the slots (fa_tile = FA_SUB), so batches j, j + 2 both
+    needing a slot's whole K^T load it in one transpose (flash._load_k_pair). 49 sequences: 7 packs of 7 (an
+    unpaired batch each), random lengths ending in both halves of their last slot while their partner goes on; NaN
+    past every length: finite, equal to the reference and bit-identical to a clean cache. Modelled: some transposes
+    move a pair's two whole slots (none with the ring buffers FA_TILE_MAX / 2 wide)."""
+    import nkisim
+    from nki_kernels.attention.decode.config import FA_SUB
+
+    ctx = 4096
+    lens = tuple(torch.randint(1, ctx, (49,), generator=torch.Generator().manual_seed(86)).tolist())
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=86, **GPT_OSS_20B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.half_pieces and cfg.fa_tile == FA_SUB and cfg.pack == 8,
+                           "the case must load half pieces into FA_SUB-wide ring buffers, packs of <= 8")
+    _, rep = nkisim.profile(decode_attention_nki, *clean, target="trn2", **kw)
+    d = GPT_OSS_20B_TP8["d"]
+    pair = [e for e in rep.events if e.op == "dma_transpose" and e.cost.dma_bytes == 2 * FA_SUB * d * 2]
+    assert pair, "no K^T pair transpose"
+
+
 def test_pack_tables_without_per_pack_loads(monkeypatch):
     """GPT-OSS ragged on trn2 with two-batch K^T stacks and >= KW_PACKS packs (_Config.pack_tables): every batch's
     position on every partition comes from one load for all packs (flash._pos_cols; each pack's table copied on
