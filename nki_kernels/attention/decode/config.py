@@ -112,6 +112,11 @@ SMALL_P0 = 32
 SMALL_ROWS_MAX = P_MAX // 4   # ... for tiles of at most a quadrant's rows (C13: <= 32 partitions may start at 32)
 W_QKV_DMAS = 4         # W_qkv is loaded in this many DMAs (>= 2 KiB contiguous per partition each)
 W_O_DMAS = 4           # ... and W_o in up to this many column pieces per 128-row chunk (>= 3 KiB runs)
+# NeuronCore-v4 (trn3): at most this many out^T chunks per packed group of the O-projection's few-token layout
+# (oproj._out_groups; the packing allows 128 / tokens). W_o has landed before o^T there, so what follows the last
+# attention step is the whole O-projection; smaller groups leave less after its last matmul (modelled trn3
+# GPT-OSS B=8 4K 40.48 -> 40.32 us, B=8 16K 81.27 -> 81.11; DESIGN.md "trn3 GPT-OSS B=8 4K: the profile").
+OUT_GROUP_V4 = 8
 # Position-major steps (scores^T: cache positions on the partitions, query rows on the free axis) for packs of at
 # most this many rows (a tuning choice, modelled: B = 1 GPT-OSS / Llama-8B -3..-5 %, but 10..64 rows slower, e.g.
 # GPT-OSS B=8 4K +19 %: the per-128-position matmul floor and the per-step chain outweigh the saved row work).
@@ -422,6 +427,9 @@ class _Config(nl.NKIObject):
         # B=64 16K: 3 x 1.07 us serial VectorE evictions after W_o's last byte -> 0.5 / 0.4 / 0.5 us alternating).
         # NeuronCore-v3 only: on trn3 the packed few-token layouts gain nothing and B=16 4K lost 0.8 %.
         self.bias_psum = not self.wo_chunk and v3
+        # trn3, d < 128: the O-projection's packed groups capped at OUT_GROUP_V4 chunks (oproj._out_groups; 0: no
+        # cap). Not d = 128 (modelled trn3 Llama-8B B=8 4K 52.79 -> 52.96 us, 16K 118.30 -> 118.53).
+        self.out_group_max = OUT_GROUP_V4 if not v3 and self.d < P_MAX else 0
         # Row-major steps of the kernel's last pack (flash._row_max): the row max as one VectorE reduce per score
         # chunk (each starts when its chunk's score matmuls are done, the second while TensorE computes the other)
         # and a max of the partial maxima, instead of one reduce after the whole step's scores: the last steps run

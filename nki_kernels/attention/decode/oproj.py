@@ -216,6 +216,8 @@ def _out_groups(cfg, nt):
     # chunks per packed group (<= 128 / tokens: whole banks, dividing the range when possible; otherwise the
     # last group is partial)
     cmax = P_MAX // nt // per_bank * per_bank
+    if cfg.out_group_max:       # trn3 (_Config.out_group_max): smaller groups, a shorter tail after the last one
+        cmax = min(cmax, cfg.out_group_max)
     cpt = cmax
     while cpt > 0 and nr % cpt != 0:
         cpt -= per_bank

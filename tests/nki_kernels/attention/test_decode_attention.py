@@ -219,6 +219,22 @@ def test_trn3(B, S, ctx, shape, lnc, bs, monkeypatch):
     run_and_check(B, S, s_max=ctx if not bs else 1024, ctx=ctx, shape=shape, lnc=lnc, block_size=bs)
 
 
+def test_trn3_gptoss_out_groups_capped(monkeypatch):
+    """trn3, d = 64 (_Config.out_group_max): GPT-OSS B=8's packed out^T groups hold OUT_GROUP_V4 = 8 chunks (trn2:
+    12), so the O-projection evicts and stores three groups of 8 instead of two of 12; same output as the
+    reference, stale NaN rows still excluded."""
+    import nkisim
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    args, kw = make_inputs(8, 1, s_max=256, ctx=256, **GPT_OSS_20B_TP8)
+    rep = nkisim.profile(decode_attention_nki, *args, target="trn3", **kw).report
+    # the output stores: DMAs writing >= 1 KiB to HBM (the cache update writes one d-row per sequence and DMA)
+    stores = [e for e in rep.events if e.engine == "dma" and e.cost.hbm_write >= 1024]
+    assert len(stores) == GPT_OSS_20B_TP8["H"] // 128 // 8, len(stores)
+    run_and_check(8, 1, s_max=256, ctx=256, shape=GPT_OSS_20B_TP8)
+    test_nan_in_stale_cache_rows_stays_isolated(GPT_OSS_20B_TP8, 8, 1, 256, 0, 0, 1, None)
+
+
 # ---- LNC=2 ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("B,S,ctx,window,shape", [
