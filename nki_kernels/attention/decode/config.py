@@ -430,6 +430,14 @@ class _Config(nl.NKIObject):
         # trn3, d < 128: the O-projection's packed groups capped at OUT_GROUP_V4 chunks (oproj._out_groups; 0: no
         # cap). Not d = 128 (modelled trn3 Llama-8B B=8 4K 52.79 -> 52.96 us, 16K 118.30 -> 118.53).
         self.out_group_max = OUT_GROUP_V4 if not v3 and self.d < P_MAX else 0
+        # NeuronCore-v4, caches of <= X_ROW_S_MAX positions: the QKV projection in the transposed form of the LNC=2
+        # split (qkv._qkv_split_transposed without the exchange: W_qkv stationary, x^T moving, max(tokens, 64)
+        # cycles per matmul instead of W_qkv's 512 / 128 columns streaming, then TensorE transposes back to the
+        # token layout). On trn3 the QKV matmuls are TensorE-paced (6.4 us at B=8, starting when x^T is ready) and
+        # on the critical path to q: modelled trn3 GPT-OSS B=8 / B=16 4K 39.77 / 51.96 -> 39.38 / 50.89 us,
+        # Llama-8B 52.79 / 86.37 -> 52.37 / 85.02. Not 16K (GPT-OSS B=16 16K +0.2 %, the others unchanged) nor
+        # trn2 (its K/V stream paces the rows).
+        self.qkv_t = not v3 and s_max <= X_ROW_S_MAX
         # Row-major steps of the kernel's last pack (flash._row_max): the row max as one VectorE reduce per score
         # chunk (each starts when its chunk's score matmuls are done, the second while TensorE computes the other)
         # and a max of the partial maxima, instead of one reduce after the whole step's scores: the last steps run

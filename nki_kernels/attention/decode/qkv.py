@@ -258,7 +258,7 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
             nisa.dma_copy(dst=wq[:, k0 - kt0:k1 - kt0, :], src=w3[:, k0:k1, :])
     qkv = tuple(_qkv_tile(cfg, W_qkv.dtype, tiles[ti].nt) for ti in range(len(tiles)))
     n_cc = (C + P_MAX - 1) // P_MAX
-    if qsplit and not cfg.wq_chunk and len(tiles) == 1 and n_cc * tiles[0].nt <= PSUM_F:
+    if (qsplit or cfg.qkv_t) and not cfg.wq_chunk and len(tiles) == 1 and n_cc * tiles[0].nt <= PSUM_F:
         _qkv_split_transposed(cfg, consts, xT[0], wq, bias, tiles[0].nt, kt0, kt1, qkv[0])
         return qkv
     part = ()
@@ -301,7 +301,8 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
 
 
 def _qkv_split_transposed(cfg, consts, xT, wq, bias, nt, kt0, kt1, dst):
-    """LNC=2 split contraction (one token tile, resident W_qkv share wq = rows [kt0, kt1)): this core's partial sums
+    """Also with one core (_Config.qkv_t, trn3: the sums not exchanged, evicted to bf16 directly).
+    LNC=2 split contraction (one token tile, resident W_qkv share wq = rows [kt0, kt1)): this core's partial sums
     computed transposed, partT [128 (C rows of chunk j), chunk j, tokens] fp32 in one PSUM bank (stationary = a
     128-column block of W_qkv, moving = x^T: max(tokens, 64) cycles per matmul instead of 512 with W_qkv moving),
     exchanged with the other core in that layout and added; the bf16 sum goes back to the token layout dst
@@ -329,17 +330,23 @@ def _qkv_split_transposed(cfg, consts, xT, wq, bias, nt, kt0, kt1, dst):
             cw = min(P_MAX, C - j * P_MAX)
             nisa.nc_matmul(dst=pv[:cw, j, :], stationary=wq[:, kt - kt0, j * P_MAX:j * P_MAX + cw],
                            moving=xT[:, kt, :nt], accumulate=(kt > kt0 or bias is not None))
-    part = nl.ndarray((P_MAX, n_cc, nt), dtype=nl.float32, buffer=nl.sbuf)
-    if cl:          # the partial chunk's unused rows: zeros (exchanged and added, never read back)
+    exchange = cfg.wsplit and cfg.KT >= 2
+    # LNC=2: this core's fp32 partial sums, exchanged and added (bf16 sum); one core (_Config.qkv_t): the sums
+    # evicted to bf16 directly (the row form's rounding point)
+    part = nl.ndarray((P_MAX, n_cc, nt), dtype=nl.float32 if exchange else dst.dtype, buffer=nl.sbuf)
+    if cl:          # the partial chunk's unused rows: zeros (exchanged and added / transposed, never read back)
         nisa.memset(dst=part[:, nf, :], value=0.0, engine=nisa.engine.gpsimd)
     if nf:
         evict(0, part[:, :nf, :], pv[:, :nf, :])
     if cl:
         evict(1, part[:cl, nf, :], pv[:cl, nf, :])
-    other = nl.ndarray((P_MAX, n_cc, nt), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.sendrecv(src=part, dst=other, send_to_rank=1 - cfg.core, recv_from_rank=1 - cfg.core, pipe_id=cfg.nkv)
-    sT = nl.ndarray((P_MAX, n_cc, nt), dtype=dst.dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=sT, data1=part, data2=other, op=nl.add)
+    sT = part
+    if exchange:
+        other = nl.ndarray((P_MAX, n_cc, nt), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.sendrecv(src=part, dst=other, send_to_rank=1 - cfg.core, recv_from_rank=1 - cfg.core,
+                      pipe_id=cfg.nkv)
+        sT = nl.ndarray((P_MAX, n_cc, nt), dtype=dst.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=sT, data1=part, data2=other, op=nl.add)
     pad = cfg.pad
     for j0 in range(0, n_cc, TRANSPOSE_GROUP):
         n = min(TRANSPOSE_GROUP, n_cc - j0)

@@ -250,6 +250,23 @@ def test_trn3_one_pack_row_max_split(monkeypatch):
     test_nan_in_stale_cache_rows_stays_isolated(g, 8, 1, 2048, 0, 0, 1, None)
 
 
+@pytest.mark.parametrize("B,shape", [(8, GPT_OSS_20B_TP8), (8, LLAMA31_8B_TP8)])
+def test_trn3_qkv_transposed(B, shape, monkeypatch):
+    """trn3, <= 4K caches (_Config.qkv_t): the QKV projection in the transposed form (W_qkv stationary, x^T moving:
+    no matmul with the tokens' x^T as stationary and W_qkv columns moving), then back to the token layout; same
+    output as the reference, stale NaN rows still excluded."""
+    import nkisim
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    args, kw = make_inputs(B, 1, s_max=256, ctx=256, **shape)
+    rep = nkisim.profile(decode_attention_nki, *args, target="trn3", **kw).report
+    row_form = [e for e in rep.events if e.op == "nc_matmul" and e.meta.get("k") == 128 and e.meta.get("m") == B
+                and e.meta.get("n", 0) >= 128]
+    assert not row_form, len(row_form)
+    run_and_check(B, 1, s_max=256, ctx=256, shape=shape)
+    test_nan_in_stale_cache_rows_stays_isolated(shape, B, 1, 256, 0, 0, 1, None)
+
+
 # ---- LNC=2 ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("B,S,ctx,window,shape", [
@@ -934,37 +951,6 @@ def test_ragged_k_pairs_with_nan_tails():
     w = 2048
     pair = [e for e in rep.events if e.op == "dma_transpose" and e.cost.dma_bytes == 2 * w * 128 * 2]
     assert pair, "no K^T pair transpose"
-
-
-@pytest.mark.parametrize("lens,lnc", [
-    ((4095, 3000, 300, 3100, 2047, 2049, 900, 3500, 1024), 1),     # packs of 5 / 4: an unpaired last batch
-    ((4095, 1100, 3072, 3073, 2500, 200, 3900, 2000), 2),           # LNC=2 weight split: each core one pack of 4
-])
-def test_one_step_slots_k_pairs_with_nan_tails(lens, lnc):
-    """Llama-8B at 4K on trn2 with fewer than KW_PACKS packs: the scan [0, 4096) of 2048-position slots has its first
-    and last slot split, so every slot is one step (1024 positions); the K^T ring buffers then hold stacks of 1024
-    columns (planning._kt_width) and batches 2i, 2i + 1 both reaching a one-piece slot load its K^T in one transpose
-    (planning._pair_k, flash._load_k_pair: 4 KiB SBUF runs), each alone when its partner ends before the slot; the
-    first slot's longest prefix alternative likewise (300 / 200: a partner loading a shorter prefix). Sequences
-    ending in every slot, at and beside slot bounds, pairs split by a short partner; NaN past every
-    length: finite, equal to the reference and bit-identical to a clean cache. Modelled: some transposes move a
-    pair's two one-step slots."""
-    import nkisim
-    from nki_kernels.attention.decode.planning import _kt_width, _pair_k, _plan
-
-    ctx = 4096
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=89, **LLAMA31_8B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
-    _check_nan_tails_where(args, clean, kw,
-                           lambda cfg: _kt_width(cfg) == 1024 and any(_pair_k(cfg, sl.j0, sl.w)
-                                                                      for sl in _plan(cfg)[0]),
-                           "no one-step slot loads K^T pairs (planning._pair_k)", lnc=lnc)
-    kernel = decode_attention_nki if lnc == 1 else decode_attention_nki[lnc]
-    _, rep = nkisim.profile(kernel, *clean, target="trn2", **kw)
-    pair = [e for e in rep.events if e.op == "dma_transpose" and e.cost.dma_bytes == 2 * 1024 * 128 * 2]
-    assert pair and all(e.cost.efficiency > 0.84 for e in pair), "no K^T pair transpose of one-step slots"
 
 
 def test_ragged_gptoss_k_plain_pairs_with_nan_tails():
