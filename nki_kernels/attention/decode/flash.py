@@ -22,7 +22,7 @@ from .config import (
 from .isolation import _scrub_slot, _scrub_v, _valid_ranges
 from .kv_io import _cast_pairs, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
 from .oproj import _load_w_o, _oT_token_major, _rows_to_oT, _rows_to_tokens, _transpose_o
-from .planning import _load_pieces, _packs, _plan, _rot_batch, _slot_split, _v_rotated, _whole_k
+from .planning import _kt_width, _load_pieces, _packs, _pair_k, _plan, _rot_batch, _slot_split, _v_rotated, _whole_k
 from .ragged import _load_gates, _pv_group, _stack_gates, _step_gates
 
 
@@ -38,15 +38,16 @@ class _AttnState(nl.NKIObject):
         self.ps_t = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=dtype, buffer=nl.psum)
         self.ps_sel = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
         # K^T slots: bf16 stacks [128, stack, w]; fp8 cache whose dtype the matmul takes (fp8_mm): the fp8 pairs
-        # of each load group as loaded (2-byte elements, see _load_piece), read by the score matmuls (_kview)
-        kt_shape, kt_dtype = ((P_MAX, cfg.ngroups, cfg.fa_tile), nl.uint16) if cfg.fp8_mm else \
-            ((P_MAX, cfg.nst, cfg.fa_tile), dtype)
+        # of each load group as loaded (2-byte elements, see _load_piece), read by the score matmuls (_kview); each
+        # stack as wide as the plan's widest slot (_kt_width: one-step slots only pack the stacks, see _pair_k)
+        ktw = _kt_width(cfg)
+        kt_shape, kt_dtype = ((P_MAX, cfg.ngroups, ktw), nl.uint16) if cfg.fp8_mm else ((P_MAX, cfg.nst, ktw), dtype)
         self.kT = tuple(nl.ndarray(kt_shape, dtype=kt_dtype, buffer=nl.sbuf) for _ in range(cfg.kv_bufs))
         self.v = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX + 1, d), dtype=dtype, buffer=nl.sbuf)
                        for _ in range(cfg.kv_bufs))
         # fp8 cache cast to bf16: the K^T load groups as loaded, fp8 pairs (dims 2i, 2i + 1) in 2-byte elements,
         # scrubbed, then cast into the even / odd stacks of kT (_cast_pairs); otherwise the loads write kT directly
-        self.kg = tuple(nl.ndarray((P_MAX, cfg.ngroups, cfg.fa_tile), dtype=nl.uint16, buffer=nl.sbuf)
+        self.kg = tuple(nl.ndarray((P_MAX, cfg.ngroups, ktw), dtype=nl.uint16, buffer=nl.sbuf)
                         for _ in range(PAIR_BUFS)) if cfg.fp8 and not cfg.fp8_mm else self.kT
         self.qm = qm
         self.qm_sw_bufs, self.qm_sw = (None, None), None   # _Config.kt_swap: swapped-half queries (this pack's)
@@ -635,7 +636,8 @@ def _load_k_pair(cfg, K_cache, kT, b, g, j, j0, w, lane=0):
     """_Config.k_plain: K^T of the whole slot [j0, j0 + w) of batches j and j + kpp (sequences b, b + kpp: the same
     partitions of adjacent stacks of a full-width slot; kpp = 2: partition block (j + lane) % 2, see
     kv_io._load_piece) in one 4-D dma_transpose: [1, 2, w, d] -> [d, 2, w, 1], SBUF runs of 2w positions (8 KiB
-    at w = 2048 bf16, 4 KiB at d = 64: DMA efficiency 0.87 / 0.85 instead of 0.85 / 0.80... for one batch's slot)."""
+    at w = 2048 bf16, 4 KiB at d = 64: DMA efficiency 0.87 / 0.85 instead of 0.85 / 0.80... for one batch's slot).
+    Whole two-piece slots (planning._whole_k) and one-step slots as wide as the ring's stacks (planning._pair_k)."""
     kpp, kd = cfg.kpp, cfg.kd
     u0, jj = ((j + lane) % kpp) * kd, j // kpp
     nisa.dma_transpose(dst=kT[u0:u0 + kd, jj:jj + 2, :w].expand_dim(3),
@@ -685,21 +687,28 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                     continue
                 pieces = _load_pieces(cfg, j0, w)
                 kw = None if rot and _rot_batch(cfg, j) and not cfg.k_plain else _whole_k(cfg, j0, w)
+                k1 = kw is None and _pair_k(cfg, j0, w)      # one piece, K^T of batch pairs (planning._pair_k)
                 for k, (a, size) in enumerate(pieces):    # a sequence's loads stop at its length
                     _run(st.load_gates[(a, size)][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v,
-                         lane=lane, r=rot and _rot_batch(cfg, j), pt="v" if kw is not None and k >= kw else "kv":
+                         lane=lane, r=rot and _rot_batch(cfg, j),
+                         pt="v" if (kw is not None and k >= kw) or (k1 and k == len(pieces) - 1) else "kv":
                          _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane, r, pt))
-                if kw is not None:     # K^T: the first piece alone, or the whole slot (planning._whole_k)
-                    f, nf = st.load_gates[pieces[kw + 1]], st.load_gates.get(("k2n", j0))
-                    if j == 0 and nf is not None:    # 1 - f (ragged._load_gates), registered at the slot's loads
-                        nf = st.load_gates[("k2n", j0)] = _registers(*nf)
+                if kw is not None or k1:     # K^T: the first piece alone, or the whole slot (planning._whole_k,
+                    # _pair_k: the whole one-piece slot, alone or with the partner's; shorter prefixes above)
+                    f = st.load_gates[pieces[-1] if k1 else pieces[kw + 1]]
+                    nf = st.load_gates.get(("k2r", j0))
+                    if nf is None and ("k2n", j0) in st.load_gates:    # 1 - f (ragged._load_gates), registered at
+                        # the slot's first loads (once per pack: every KV head's loads of the slot reuse them)
+                        nf = st.load_gates[("k2r", j0)] = _registers(*st.load_gates[("k2n", j0)])
                     pj = j ^ cfg.kpp     # the partner: the same partitions of the adjacent stack (ragged._load_gates)
                     paired = nf is not None and pj < len(nf)
                     if paired and j & cfg.kpp == 0:    # both sequences need the whole slot: one transpose
                         _run(f[j], lambda _i, b=b, j=j, j0=j0, w=w, kg=kg, f=f, pj=pj, lane=lane: _run(
                             f[pj], lambda _i2: _load_k_pair(cfg, K_cache, kg, b, g, j, j0, w, lane)))
-                    for a, size, gt, g2 in ((j0, pieces[kw][1], st.load_gates[("k1", j0)][j], None),
-                                            (j0, w, f[j], nf[pj] if paired else None)):
+                    loads = [(j0, w, f[j], nf[pj] if paired else None)]    # alone: the partner does not need it
+                    if not k1:
+                        loads.insert(0, (j0, pieces[kw][1], st.load_gates[("k1", j0)][j], None))
+                    for a, size, gt, g2 in loads:
                         _run(gt, lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v, lane=lane, g2=g2: _run(
                             g2, lambda _i2: _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane,
                                                         False, "k")))

@@ -8,7 +8,7 @@ import nki.language as nl
 from .common import _const_row, _registers
 from .config import P_MAX
 from .isolation import _flag_ints
-from .planning import _load_pieces, _piece_thresholds, _rot_batch, _whole_k
+from .planning import _load_pieces, _pair_k, _piece_thresholds, _rot_batch, _whole_k
 
 
 def _step_gates(cfg, st, steps):
@@ -194,7 +194,7 @@ def _load_gates(cfg, st, slots, nb):
                 vr.load_regs[("k1", j0)] = tuple(
                     None if _rot_batch(cfg, j) and not cfg.k_plain else _registers(df[:, k0 + kw, j:j + 1], 1)[0]
                     for j in range(nb))
-            if kw is not None and npr and w == cfg.fa_tile:
+            if npr and ((kw is not None and w == cfg.fa_tile) or _pair_k(cfg, j0, w)):
                 # k_plain, whole slots: batches 2i, 2i + 1 both needing the whole slot's K^T (f = 1: the gate of
                 # the slot's second piece) load it in one dma_transpose (adjacent stacks: 8 KiB SBUF runs), each
                 # alone iff f = 1 and its partner's f = 0: nested runtime loops over f and 1 - f (flash._issue_scores)
@@ -204,7 +204,8 @@ def _load_gates(cfg, st, slots, nb):
                                        op1=nl.add, operand1=1.0, engine=nisa.engine.vector)
                 # registered at the slot's loads (28 more register loads at each pack's start, ahead of its first
                 # loads, cost the ragged B=16 row 3.6 us)
-                vr.load_regs[("k2n", j0)] = (nf[:, k0 + kw + 1, :], npr)
+                last = len(_load_pieces(cfg, j0, w)) - 1 if kw is None else kw + 1    # the whole slot's gate
+                vr.load_regs[("k2n", j0)] = (nf[:, k0 + last, :], npr)
             k0 += len(_load_pieces(cfg, j0, w))
         ik, iv = _flag_ints(cfg, inside, ns, nb)
         for k, (j0, _w) in enumerate(slots):

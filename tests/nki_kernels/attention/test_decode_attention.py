@@ -953,6 +953,37 @@ def test_ragged_k_pairs_with_nan_tails():
     assert pair, "no K^T pair transpose"
 
 
+@pytest.mark.parametrize("lens,lnc", [
+    ((4095, 3000, 300, 3100, 2047, 2049, 900, 3500, 1024), 1),     # packs of 5 / 4: an unpaired last batch
+    ((4095, 1100, 3072, 3073, 2500, 200, 3900, 2000), 2),           # LNC=2 weight split: each core one pack of 4
+])
+def test_one_step_slots_k_pairs_with_nan_tails(lens, lnc):
+    """Llama-8B at 4K on trn2 with fewer than KW_PACKS packs: the scan [0, 4096) of 2048-position slots has its first
+    and last slot split, so every slot is one step (1024 positions); the K^T ring buffers then hold stacks of 1024
+    columns (planning._kt_width) and batches 2i, 2i + 1 both reaching a one-piece slot load its K^T in one transpose
+    (planning._pair_k, flash._load_k_pair: 4 KiB SBUF runs), each alone when its partner ends before the slot; the
+    first slot's longest prefix alternative likewise (300 / 200: a partner loading a shorter prefix). Sequences
+    ending in every slot, at and beside slot bounds, pairs split by a short partner; NaN past every
+    length: finite, equal to the reference and bit-identical to a clean cache. Modelled: some transposes move a
+    pair's two one-step slots."""
+    import nkisim
+    from nki_kernels.attention.decode.planning import _kt_width, _pair_k, _plan
+
+    ctx = 4096
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=89, **LLAMA31_8B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw,
+                           lambda cfg: _kt_width(cfg) == 1024 and any(_pair_k(cfg, sl.j0, sl.w)
+                                                                      for sl in _plan(cfg)[0]),
+                           "no one-step slot loads K^T pairs (planning._pair_k)", lnc=lnc)
+    kernel = decode_attention_nki if lnc == 1 else decode_attention_nki[lnc]
+    _, rep = nkisim.profile(kernel, *clean, target="trn2", **kw)
+    pair = [e for e in rep.events if e.op == "dma_transpose" and e.cost.dma_bytes == 2 * 1024 * 128 * 2]
+    assert pair and all(e.cost.efficiency > 0.84 for e in pair), "no K^T pair transpose of one-step slots"
+
+
 def test_ragged_gptoss_k_plain_pairs_with_nan_tails():
     """GPT-OSS (two batches per K^T stack, d = 64) ragged scans of >= KW_PACKS packs on trn2: the rotation is by
     stack (batches 2, 3 of every 4: _Config.rot_unit), every batch's K^T is loaded plain (the rotated stacks' score
