@@ -79,7 +79,7 @@ WEIGHT_ROOM = None         # bytes per partition a weight may take (None: from t
 # TensorE transposes. More tokens keep the rows (enough engines; the 2-byte-per-KT runs would cost more).
 XT_DIRECT_TOKENS = 16
 # ... except (_Config.x_row_parts: trn2, d = 128, bf16 cache, where the DMA rings pace the K/V stream) for
-# X_ROW_PARTS_MIN .. XT_DIRECT_TOKENS tokens: the transposed load moves 64-byte runs (DMA efficiency 0.20: Llama-8B
+# 9 .. XT_DIRECT_TOKENS tokens: the transposed load moves 64-byte runs (DMA efficiency 0.20: Llama-8B
 # B=16 1.9 us on every engine), so the rows load instead, in groups (first partition, at most this many rows; 0.37 us
 # of one engine per row) on engines 12, 4, 0 and 8 (a group starts on a quadrant, as TensorE transposes it; engine 0
 # carries the small per-token tables, engine 4 the RoPE tables, engine 8 the rotated batches' first-slot prefixes),
@@ -88,7 +88,15 @@ XT_DIRECT_TOKENS = 16
 # so do caches of more than X_ROW_S_MAX positions: B=16 16K would gain (265.85 -> 264.75) but ragged B=16 lose 0.05).
 X_ROW_PARTS = ((96, 6), (32, 5), (0, 4), (64, 1))
 X_ROW_S_MAX = 4096
-X_ROW_PARTS_MIN = 9
+# ... and 8 tokens (Llama-8B B=8) in four groups of two rows (rings 12 / 4 / 0 / 8, 0.74 us each), as the transposed
+# load cost every ring 1.02 us ahead of W_qkv: modelled trn2 Llama-8B B=8 4K 70.05 -> 69.89 us, LNC=2 B=8 4K 42.02
+# -> 41.89 (each core loads the whole x^T for its half of the QKV contraction). Three groups of 3 / 3 / 2 off ring 0
+# lost (+0.3 / +0.9 % before the K^T pairs). Scans of at least X_ROW_FEW_SCAN positions only, where the K/V stream
+# paces the row: nki-library q2 d128 H5376 B8 1K (its QKV chain paces it; the rows' transposes queue there) lost
+# 4.3 / 10.6 % at LNC 1 / 2.
+X_ROW_PARTS_FEW = ((96, 2), (32, 2), (0, 2), (64, 2))
+X_ROW_PARTS_MIN = 8
+X_ROW_FEW_SCAN = 2048
 # ... and (_Config.x_spread: trn2, d < 128, no LNC=2 weight split) X of 2..X_SPREAD_TOKENS tokens loads as rows on
 # partitions X_SPREAD_STRIDE * t (+ 64 for caches of <= X_ROW_S_MAX positions: engines 8..15, where W_o's last bytes
 # land first; modelled GPT-OSS B=8 4K 48.61 -> 48.47 us, but B=8 16K +0.3 %, nki-library q8 B4 11K +1.1 %), one per
@@ -534,6 +542,21 @@ def _ring_bytes(bufs, pack, ft, kpp, d, itemsize, halves=1):
     fp8 pairs as loaded (one 2-byte element per position of each load group; cast into a slot right after)."""
     pairs = PAIR_BUFS * ((pack + kpp - 1) // kpp) * ft * 2 if halves == 2 else 0
     return bufs * _slot_bytes(pack, ft, kpp, d, itemsize, halves) + pairs
+
+
+def x_row_groups(cfg, nt):
+    """(first partition, at most this many rows) of X's row groups for a token tile of nt tokens
+    (_Config.x_row_parts; see X_ROW_PARTS), or () when the tile loads X otherwise."""
+    if not cfg.x_row_parts or not X_ROW_PARTS_MIN <= nt <= XT_DIRECT_TOKENS:
+        return ()
+    if nt <= sum(cap for _p0, cap in X_ROW_PARTS_FEW):
+        if cfg.scan < X_ROW_FEW_SCAN:
+            return ()
+        parts = X_ROW_PARTS_FEW
+    else:
+        parts = X_ROW_PARTS
+    assert sum(cap for _p0, cap in parts) >= nt, "X's row groups hold fewer rows than XT_DIRECT_TOKENS"
+    return parts
 
 
 def argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table=None):

@@ -16,10 +16,9 @@ from .config import (
     SMALL_ROWS_MAX,
     TRANSPOSE_GROUP,
     W_QKV_DMAS,
-    X_ROW_PARTS,
-    X_ROW_PARTS_MIN,
     X_ROW_S_MAX,
     XT_DIRECT_TOKENS,
+    x_row_groups,
 )
 
 
@@ -53,9 +52,8 @@ def _load_small_inputs(cfg, X, gamma, bias_qkv, bias_o, cos, sin, tiles, k_scale
     xs = []
     for tl in tiles:
         t0, nt = tl.t0, tl.nt
-        parts = X_ROW_PARTS if cfg.x_row_parts and X_ROW_PARTS_MIN <= nt <= XT_DIRECT_TOKENS else ()
+        parts = x_row_groups(cfg, nt)
         if parts:       # rows in len(parts) groups, each on its own partitions (see X_ROW_PARTS)
-            assert sum(cap for _p0, cap in parts) >= nt, "X_ROW_PARTS holds fewer rows than XT_DIRECT_TOKENS"
             x = nl.ndarray((P_MAX, cfg.H), dtype=X.dtype, buffer=nl.sbuf)
             groups, g0 = [], 0
             for p0, cap in parts:

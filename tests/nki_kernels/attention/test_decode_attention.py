@@ -1081,22 +1081,24 @@ def test_ragged_whole_end_slots_with_nan_tails():
                            "not the whole-end-slot plan (k_packs, two 2048-position slots)")
 
 
-@pytest.mark.parametrize("B,S,lnc", [(9, 1, 1), (11, 1, 1), (3, 4, 1), (16, 1, 2)])
-def test_x_rows_in_groups_with_nan_tails(B, S, lnc):
-    """Llama-8B on trn2 with 9..16 tokens and a bf16 cache of <= X_ROW_S_MAX positions (_Config.x_row_parts): X's
+@pytest.mark.parametrize("B,S,lnc,ctx", [(9, 1, 1, 1024), (11, 1, 1, 1024), (3, 4, 1, 1024), (16, 1, 2, 1024),
+                                         (8, 1, 1, 2048), (4, 2, 1, 2048), (8, 1, 2, 2048)])
+def test_x_rows_in_groups_with_nan_tails(B, S, lnc, ctx):
+    """Llama-8B on trn2 with 8..16 tokens and a bf16 cache of <= X_ROW_S_MAX positions (_Config.x_row_parts): X's
     rows load in groups on partitions 96 / 32 / 0 / 64 (config.X_ROW_PARTS; 9 tokens: 6 + 3, 11: 6 + 5, 12 and 16:
-    every group, the last partial) and are transposed per group into one x^T (tiles.transpose_token_groups); LNC=2
-    feeds the split-contraction QKV. NaN past every length: finite, equal to the reference, bit-identical to a
-    clean cache."""
-    ctx = 1024
+    every group, the last partial; 8 tokens, scans of >= X_ROW_FEW_SCAN positions: X_ROW_PARTS_FEW, two rows per
+    group) and are transposed per group into one x^T (tiles.transpose_token_groups); LNC=2 feeds the
+    split-contraction QKV (B=8: the weight-split batch split). NaN past every length: finite, equal to the
+    reference, bit-identical to a clean cache."""
     args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=31 + B, **LLAMA31_8B_TP8)
     lens = [90 + 61 * b for b in range(B)]
     args[4][:, :] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)[None, :]
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
     _check_nan_tails_where(args, clean, kw,
-                           lambda cfg: cfg.x_row_parts and cfg_mod.X_ROW_PARTS_MIN <= B * S <= cfg_mod.XT_DIRECT_TOKENS,
-                           "X's rows not loaded in groups (_Config.x_row_parts)", lnc=lnc)
+                           lambda cfg: cfg_mod.x_row_groups(cfg, B * S) == (
+                               cfg_mod.X_ROW_PARTS_FEW if B * S <= 8 else cfg_mod.X_ROW_PARTS),
+                           "X's rows not loaded in groups (_Config.x_row_parts, config.x_row_groups)", lnc=lnc)
 
 
 @pytest.mark.parametrize("B,S,lnc,ctx", [(8, 1, 1, 1024), (5, 1, 1, 1024), (3, 2, 1, 1024), (2, 1, 1, 1024),
