@@ -54,6 +54,9 @@ KW_PACKS = 4
 # The pack tables loaded once for all packs (_Config.pack_tables) from this scan length: shorter scans (nki-library's
 # q8 d64 B64 1K rows) are not paced by the K/V stream's start, and the on-chip selections cost there (+1.4 .. +1.9 %).
 PACK_TABLES_MIN_SCAN = 4096
+# _Config.tail_cuts: the kernel's last pack ANDs each K^T stack's scrub in this many column pieces, so a score chunk's
+# matmuls wait for its own columns' ANDs only (GpSimd, 0.43 us per 512-column piece), not the whole slot's 1.7 us.
+LAST_K_AND_PIECES = 4
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
@@ -397,6 +400,13 @@ class _Config(nl.NKIObject):
         # groups 54.40 -> 55.01 (B=16 4K 52.61 -> 52.52).
         self.pack_tables = (self.k_plain and self.kpp == 2 and self.scan >= PACK_TABLES_MIN_SCAN
                             and not self.half_pieces)
+        # Where pack_tables holds, the end is the last pack's final steps after its last K/V bytes (GPT-OSS B=64
+        # 16K, modelled: VectorE busy ~100 % from the last slot's K^T ANDs to o^T): (1) that pack's K^T scrub ANDs
+        # in LAST_K_AND_PIECES column pieces (isolation._scrub_slot), (2) its l updates on GpSimd (two fp32 ops, the
+        # same rounding as one scalar_tensor_tensor; flash._online_step_inplace), (3) o^T's PSUM -> SBUF copy of the
+        # other packs' token columns issued before the last pack, only its own columns after it
+        # (flash._attention_flash_decode). Modelled trn2 GPT-OSS B=64 16K 492.25 -> 491.59 us (DESIGN.md).
+        self.tail_cuts = self.pack_tables
         # One batch per stack (d = 128), where this core scans at least KW_PACKS packs with whole weights (LNC=1: the
         # K/V stream paces those rows): the scan's first and last slots are not split to one step
         # (planning._slot_bounds), so every slot is two pieces or more: its K^T moves as whole slots and pairs (4 / 8

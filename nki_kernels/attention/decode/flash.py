@@ -220,10 +220,22 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
     if not direct:
         o_acc = tuple(nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
     packs = _packs(cfg, b_lo, b_hi)
+    oT = ps = None
+    if direct:
+        nt, K = tiles[0].nt, cfg.nq * cfg.d
+        if _oT_token_major(cfg, n_k, qkT.dtype.itemsize):     # [128, tokens, K chunk] viewed [128, K chunk, tokens]
+            oT = nl.ndarray((P_MAX, P_MAX, n_k), dtype=qkT.dtype, buffer=nl.sbuf).permute((0, 2, 1))
+        else:
+            oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=qkT.dtype, buffer=nl.sbuf)
+        ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
+    # _Config.tail_cuts: the other packs' token columns of o^T copied before the last pack, its own after it
+    c_last = (packs[-1].p0 - tiles[0].b0) * cfg.S if direct and cfg.tail_cuts and cfg.nkv == 1 else 0
     for g in range(cfg.nkv):
         for pi, pack in enumerate(packs):
             p0, nb = pack.p0, pack.nb
             st.last_pack = g == cfg.nkv - 1 and pi == len(packs) - 1      # isolation._tail_rule
+            if st.last_pack and c_last:
+                _copy_oT(oT, ps, K, n_k, 0, c_last)
             full = full_all or (direct and not cfg.stride and st.last_pack)
             o_rows = _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0,
                                   nb, bmask, full=full)
@@ -233,19 +245,7 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
                 _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
     wo = _load_w_o(cfg, W_o, tiles) if W_o is not None else None    # attention DP loads its W_o shard itself
     if direct:
-        nt, K = tiles[0].nt, cfg.nq * cfg.d
-        if _oT_token_major(cfg, n_k, qkT.dtype.itemsize):     # [128, tokens, K chunk] viewed [128, K chunk, tokens]
-            oT = nl.ndarray((P_MAX, P_MAX, n_k), dtype=qkT.dtype, buffer=nl.sbuf).permute((0, 2, 1))
-        else:
-            oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=qkT.dtype, buffer=nl.sbuf)
-        ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
-        if K % P_MAX == 0:
-            nisa.tensor_copy(dst=oT[:, :, :nt], src=ps)
-        else:
-            if n_k > 1:
-                nisa.tensor_copy(dst=oT[:, :n_k - 1, :nt], src=ps[:, :n_k - 1, :])
-            kl = K - (n_k - 1) * P_MAX
-            nisa.tensor_copy(dst=oT[:kl, n_k - 1, :nt], src=ps[:kl, n_k - 1, :])
+        _copy_oT(oT, ps, K, n_k, c_last, nt)
         return (oT,), wo
     o_tok = []
     for ti, tl in enumerate(tiles):
@@ -255,6 +255,17 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
         o_tok.append(o)
     st = None      # release the attention's PSUM banks before the transposes allocate theirs
     return _transpose_o(cfg, tuple(o_tok), tiles), wo
+
+
+def _copy_oT(oT, ps, K, n_k, c0, c1):
+    """o^T[:, :, c0:c1] = the selection bank's token columns c0:c1 (bf16; the last K chunk's rows only if partial)."""
+    if K % P_MAX == 0:
+        nisa.tensor_copy(dst=oT[:, :, c0:c1], src=ps[:, :, c0:c1])
+        return
+    if n_k > 1:
+        nisa.tensor_copy(dst=oT[:, :n_k - 1, c0:c1], src=ps[:, :n_k - 1, c0:c1])
+    kl = K - (n_k - 1) * P_MAX
+    nisa.tensor_copy(dst=oT[:kl, n_k - 1, c0:c1], src=ps[:kl, n_k - 1, c0:c1])
 
 
 def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0, nb, bmask,
@@ -973,8 +984,13 @@ def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, pr
     # after the exp (modelled: trn2 GPT-OSS fp8 B=16 16K 152.81 -> 152.47 us, trn3 B=16 4K -0.3 / -0.4 %).
     _flush_inplace(cfg, st, sm, rows, nb, prev)    # previous step's PV, in place: acc = acc * alpha_prev + PV
     nisa.activation(dst=sm.pending[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)  # alpha
-    nisa.scalar_tensor_tensor(dst=sm.l[:rows], data=sm.l[:rows], op0=nl.multiply, operand0=sm.pending[:rows],
-                              op1=nl.add, operand1=l_t[:rows])
+    if split and cfg.tail_cuts:     # the last pack: l's update on GpSimd too (two fp32 ops, the same rounding)
+        nisa.tensor_tensor(dst=sm.l[:rows], data1=sm.l[:rows], data2=sm.pending[:rows], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=sm.l[:rows], data1=sm.l[:rows], data2=l_t[:rows], op=nl.add, engine=nisa.engine.gpsimd)
+    else:
+        nisa.scalar_tensor_tensor(dst=sm.l[:rows], data=sm.l[:rows], op0=nl.multiply, operand0=sm.pending[:rows],
+                                  op1=nl.add, operand1=l_t[:rows])
     # the last pack (split): m's update on GpSimd, idle by then, off the VectorE-paced step chain (modelled ragged
     # GPT-OSS B=8 64.94 -> 63.58 us); nothing on VectorE waits for it before the next step's nbias
     nisa.tensor_tensor(dst=sm.m[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum,

@@ -5,7 +5,7 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 import nki.isa as nisa
 import nki.language as nl
 
-from .config import P_MAX
+from .config import LAST_K_AND_PIECES, P_MAX
 from .kv_io import _start_rows
 from .planning import _rot_batch, _slot_split
 
@@ -208,7 +208,11 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
                 # kpp even: the table holds each partition's own layout; kpp = 1: the odd stacks are rotated
                 rp = rramp if rramp is not None and (cfg.kpp % 2 == 0 or jj % 2 == 1) else ramp
                 nisa.activation(dst=m[ps, :w], op=nl.sign, data=rp[ps, :w], bias=bias[ps, jj:jj + 1], scale=sc)
-                _and_bits(kT[ps, jj, :w], m[ps, :w], vector=not _tail_rule(cfg, st) and jj % 2 == 1)
+                # the kernel's last pack (_Config.tail_cuts): in column pieces, each score chunk waits for its own
+                n = LAST_K_AND_PIECES if cfg.tail_cuts and st.last_pack else 1
+                cuts = [w * i // n for i in range(n + 1)]
+                for c0, c1 in zip(cuts[:-1], cuts[1:]):
+                    _and_bits(kT[ps, jj, c0:c1], m[ps, c0:c1], vector=not _tail_rule(cfg, st) and jj % 2 == 1)
         nl.fori_loop(0, st.gates[0][jj], stack)    # runs only when a sequence of the stack has invalid rows here
 
 

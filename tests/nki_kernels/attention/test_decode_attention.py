@@ -1060,6 +1060,54 @@ def test_pack_tables_without_per_pack_loads(monkeypatch):
     assert len(per_pack) == 1, f"{len(per_pack)} row-table loads: expected the sink rows' one"
 
 
+def test_last_pack_tail_cuts_with_nan_tails():
+    """GPT-OSS ragged on trn2 with the pack tables (_Config.tail_cuts): the kernel's last pack ANDs each K^T stack's
+    scrub in LAST_K_AND_PIECES column pieces, updates l on GpSimd (multiply, then add), and o^T's PSUM copy is split
+    (the other packs' token columns before the last pack, its own after). 32 sequences (packs of 8); the last pack's
+    end in different quarters of the four 1024-position slots; NaN past every length: finite, equal to the reference
+    and bit-identical to a clean cache. Checked to fail with the last piece's AND dropped, the split copy's columns
+    off by one token, and each cut reverted (its spy)."""
+    import nki.isa as nisa_mod
+    import nki.language as nl_mod
+
+    from nki_kernels.attention.decode import flash, isolation
+
+    ctx = 4096
+    lens = (3000, 4095, 900, 2047, 2049, 1500, 3900, 100, 2600, 1024, 3500, 1800, 4000, 700, 2200, 3300, 1200, 2900,
+            500, 3700, 1600, 2400, 3100, 1300, 300, 700, 1100, 1900, 2047, 2500, 3800, 4095)
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=88, **GPT_OSS_20B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    widths, copies, l_adds = [], [], []
+    and_bits, copy_oT, tensor_tensor = isolation._and_bits, flash._copy_oT, nisa_mod.tensor_tensor
+
+    def spy_and(data, mask, vector=False):
+        widths.append(data.shape[-1])
+        and_bits(data, mask, vector)
+
+    def spy_copy(oT, ps, K, n_k, c0, c1):
+        copies.append((c0, c1))
+        copy_oT(oT, ps, K, n_k, c0, c1)
+
+    def spy_tt(dst, data1, data2, op, engine=nisa_mod.engine.unknown, **k):
+        if engine == nisa_mod.engine.gpsimd and op == nl_mod.add and dst.shape[-1] == 1:
+            l_adds.append(1)
+        return tensor_tensor(dst=dst, data1=data1, data2=data2, op=op, engine=engine, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        # 4K: whole pieces, so that the pack tables (and tail_cuts) apply (see test_pack_tables_without_per_pack_loads)
+        mp.setattr(cfg_mod, "_one_piece_plan", lambda cfg: False)
+        mp.setattr(isolation, "_and_bits", spy_and)
+        mp.setattr(flash, "_copy_oT", spy_copy)
+        mp.setattr(nisa_mod, "tensor_tensor", spy_tt)
+        _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.tail_cuts and cfg.pack == 8,
+                               "tail_cuts is off: the case tests none of the last pack's cuts")
+    assert 1024 // cfg_mod.LAST_K_AND_PIECES in widths, f"K^T ANDs not in column pieces: {sorted(set(widths))}"
+    assert (0, 24) in copies and (24, 32) in copies, f"o^T copies {sorted(set(copies))}: not split at the last pack"
+    assert l_adds, "the last pack's l updates are not on GpSimd"
+
+
 def test_ragged_whole_end_slots_with_nan_tails():
     """Llama-8B ragged on trn2 scanning >= KW_PACKS packs (_Config.k_packs): the scan's first and last slots are not
     split to one step (planning._slot_bounds), so at 4K both slots are two-piece (2048 positions): the first one's
