@@ -462,10 +462,11 @@ class _Config(nl.NKIObject):
         # as a VectorE -> ScalarE -> TensorE chain after the last K/V bytes (modelled trn2 GPT-OSS B=64 16K 495.23 ->
         # 494.69 us, B=8 16K 86.65 -> 85.90, ragged B=8 66.43 -> 64.94). Other packs keep one reduce (the extra
         # instruction on VectorE, which paces GPT-OSS B=64 4K's bound). The flag also puts half of the tail's
-        # normalisation on ScalarE (flash._normalise_full). trn3: only for one pack of one-piece slots (GPT-OSS B=8
-        # 4K: modelled 40.32 -> 39.77 us, the split row max 0.13 of it, the normalisation 0.43); elsewhere there it
-        # costs (GPT-OSS B=16 4K +1.1 %, B=8 16K +0.3 %).
-        self.rmax_split = v3 or (n_packs == 1 and not _kt_swap_pays(self))
+        # normalisation on ScalarE (flash._normalise_full). trn3: for scans of one-piece slots (4K; GPT-OSS B=8 4K:
+        # modelled 40.32 -> 39.77 us, the split row max 0.13 of it, the normalisation 0.43; with qkv_t below also
+        # several packs: GPT-OSS B=16 4K 50.89 -> 50.42, Llama-8B B=8 / B=16 4K 52.37 / 85.02 -> 51.98 / 84.18,
+        # before qkv_t B=16 4K was +1.1 %); not two-piece slots (16K: GPT-OSS B=8 16K +0.3 %).
+        self.rmax_split = v3 or not _kt_swap_pays(self)
         # With rmax_split, a kernel of one pack scanning slots of more than one piece (ragged GPT-OSS B=8, B=8 16K:
         # the last pack's steps are the whole 16K scan) continues the first chunk's max in the second chunk's
         # reduce (tensor_scalar_reduce, load_reduce) instead of a separate max of the partial maxima

@@ -236,18 +236,19 @@ def test_trn3_gptoss_out_groups_capped(monkeypatch):
 
 
 def test_trn3_one_pack_row_max_split(monkeypatch):
-    """trn3, one pack scanning one-piece slots (GPT-OSS B <= 8, <= 4K; _Config.rmax_split): the row max per score
-    chunk and the tail's normalisation half on ScalarE, as on trn2; two-piece slots (16K), several packs (B=16) and
-    d = 128 (Llama-8B B=8: two packs) keep one reduce. Output and NaN isolation on such a scan."""
+    """trn3, scans of one-piece slots (<= 4K; _Config.rmax_split): the row max per score chunk and the tail's
+    normalisation half on ScalarE, as on trn2, with one pack or several (GPT-OSS B=16, Llama-8B B=8); two-piece
+    slots (16K) keep one reduce. Output and NaN isolation on such a scan."""
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
     g, ll = GPT_OSS_20B_TP8, LLAMA31_8B_TP8
-    for shape, B, s_max, split in ((g, 8, 4096, True), (g, 8, 2048, True), (g, 8, 16384, False), (g, 16, 4096, False),
-                                   (ll, 8, 4096, False)):
+    for shape, B, s_max, split in ((g, 8, 4096, True), (g, 8, 2048, True), (g, 8, 16384, False), (g, 16, 4096, True),
+                                   (ll, 8, 4096, True), (ll, 16, 16384, False)):
         cfg = cfg_mod._Config(B, 1, shape["H"], shape["d"], shape["nkv"], shape["nq"], s_max, s_max, 1.0,
                               shape.get("hidden_actual", shape["H"]), 0, 2)
         assert cfg.rmax_split == split, (B, s_max)
     run_and_check(8, 1, s_max=2048, ctx=2048, shape=g)
     test_nan_in_stale_cache_rows_stays_isolated(g, 8, 1, 2048, 0, 0, 1, None)
+    test_nan_in_stale_cache_rows_stays_isolated(ll, 8, 1, 2048, 0, 0, 1, None)    # two packs
 
 
 @pytest.mark.parametrize("B,shape", [(8, GPT_OSS_20B_TP8), (8, LLAMA31_8B_TP8)])
