@@ -405,7 +405,9 @@ class _Config(nl.NKIObject):
         # in LAST_K_AND_PIECES column pieces (isolation._scrub_slot), (2) its l updates on GpSimd (two fp32 ops, the
         # same rounding as one scalar_tensor_tensor; flash._online_step_inplace), (3) o^T's PSUM -> SBUF copy of the
         # other packs' token columns issued before the last pack, only its own columns after it
-        # (flash._attention_flash_decode). Modelled trn2 GPT-OSS B=64 16K 492.25 -> 491.59 us (DESIGN.md).
+        # (flash._attention_flash_decode), (4) its sink term added to l before its steps (rescaled with l by every
+        # alpha; flash._add_sink), (5) its pending PV groups' flush folded into the normalisation
+        # (flash._normalise_full). Modelled trn2 GPT-OSS B=64 16K 492.25 -> 491.59 (1-3) -> 491.40 us (DESIGN.md).
         self.tail_cuts = self.pack_tables
         # One batch per stack (d = 128), where this core scans at least KW_PACKS packs with whole weights (LNC=1: the
         # K/V stream paces those rows): the scan's first and last slots are not split to one step

@@ -314,6 +314,12 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         nisa.tensor_tensor(dst=qp_rel[:rows], data1=q_pos[:rows], data2=start[:rows], op=nl.subtract)
         p_first, q_pos = pf_rel, qp_rel
     st.cur_valid = pk.valid     # per pack, shared by the KV heads
+    # _Config.tail_cuts, the kernel's last pack: the sink term joins l after the new tokens' step (e^(sink - scale m)
+    # with that step's m), so every later alpha rescales it with l, instead of after the last step (exp on ScalarE
+    # behind the last P^T copy, then an add, on the tail)
+    sink_first = sinks is not None and cfg.tail_cuts and st.last_pack and not cfg.split
+    if sink_first:
+        _add_sink(cfg, sm, pk.sinks[g], rows, sm.l)
     _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
     if cfg.split:
         _flush_acc(cfg, st, sm, rows, nb)
@@ -322,14 +328,9 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         _combine_cores(cfg, sm, rows, 1 if cfg.stride else nb, g)
     # Final normalisation; sinks join the denominator only.
     l_fin = sm.l
-    if sinks is not None:
-        sk = pk.sinks[g]
-        nb_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=nb_f[:rows], data=sm.m[:rows], op0=nl.multiply, operand0=-cfg.scale)
-        e_sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=e_sk[:rows], op=nl.exp, data=sk[:rows], bias=nb_f[:rows], scale=1.0)
+    if sinks is not None and not sink_first:
         l_fin = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=l_fin[:rows], data1=sm.l[:rows], data2=e_sk[:rows], op=nl.add)
+        _add_sink(cfg, sm, pk.sinks[g], rows, l_fin)
     rinv = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=rinv[:rows], data=l_fin[:rows])
     if cfg.fp8:      # PV summed V in cache units: o = acc * v_scale / l
@@ -354,11 +355,41 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     return o_rows
 
 
+def _add_sink(cfg, sm, sk, rows, dst):
+    """dst = l + e^(sink - scale * m) (the sinks join the softmax denominator only)."""
+    nb_f = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nb_f[:rows], data=sm.m[:rows], op0=nl.multiply, operand0=-cfg.scale)
+    e_sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=e_sk[:rows], op=nl.exp, data=sk[:rows], bias=nb_f[:rows], scale=1.0)
+    nisa.tensor_tensor(dst=dst[:rows], data1=sm.l[:rows], data2=e_sk[:rows], op=nl.add)
+
+
 def _normalise_full(cfg, st, sm, rows, nb, rinv, dtype):
     """o = (acc * alpha + PV) / l for every batch block (bf16), folding the pending flush into the normalisation:
     acc * alpha / l is formed while TensorE finishes the last PV, then one pass PV / l + that."""
     n = nb * cfg.d
     o_n = nl.ndarray((P_MAX, PV_COLS), dtype=dtype, buffer=nl.sbuf)
+    if sm.fin_gates is not None and sm.pending is not None and cfg.tail_cuts:
+        # ragged, per-group PV, _Config.tail_cuts: the pending groups' flush folded into the normalisation as below
+        # (acc * alpha / l while TensorE finishes the last PV), every group's acc / l first (ScalarE / VectorE
+        # halves), the pending groups' then overwritten by PV / l + acc * alpha / l: one pass after the last PV
+        a2 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=a2[:rows], data1=sm.pending[:rows], data2=rinv[:rows], op=nl.multiply)
+        acc_s = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
+        for G, gate in enumerate(sm.fin_gates):
+            c0, c1, _b0, _b1 = _group_cols(cfg, G, nb)
+            _run(gate, lambda _i, c0=c0, c1=c1: nisa.tensor_scalar(
+                dst=acc_s[:rows, c0:c1], data=sm.acc[:rows, c0:c1], op0=nl.multiply, operand0=a2[:rows]))
+        h = n // 2 // cfg.d * cfg.d
+        nisa.tensor_scalar(dst=o_n[:rows, h:n], data=sm.acc[:rows, h:n], op0=nl.multiply, operand0=rinv[:rows])
+        nisa.activation(dst=o_n[:rows, :h], op=nl.copy, data=sm.acc[:rows, :h], scale=rinv[:rows])
+        for G, gate in enumerate(sm.fin_gates):
+            c0, c1, _b0, _b1 = _group_cols(cfg, G, nb)
+            _run(gate, lambda _i, c0=c0, c1=c1: nisa.scalar_tensor_tensor(
+                dst=o_n[:rows, c0:c1], data=st.ps_o[:rows, c0:c1], op0=nl.multiply, operand0=rinv[:rows],
+                op1=nl.add, operand1=acc_s[:rows, c0:c1]))
+        sm.pending = None
+        return o_n
     if sm.fin_gates is not None:     # ragged, per-group PV: only the groups whose PV is pending (_flush_acc)
         _flush_acc(cfg, st, sm, rows, nb)
     if sm.pending is None:  # already flushed (context split, per-group PV)

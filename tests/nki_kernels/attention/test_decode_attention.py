@@ -1064,10 +1064,11 @@ def test_pack_tables_without_per_pack_loads(monkeypatch):
 def test_last_pack_tail_cuts_with_nan_tails():
     """GPT-OSS ragged on trn2 with the pack tables (_Config.tail_cuts): the kernel's last pack ANDs each K^T stack's
     scrub in LAST_K_AND_PIECES column pieces, updates l on GpSimd (multiply, then add), and o^T's PSUM copy is split
-    (the other packs' token columns before the last pack, its own after). 32 sequences (packs of 8); the last pack's
+    (the other packs' token columns before the last pack, its own after), the sink term joins l before its steps
+    and its pending PV groups' flush is folded into the normalisation. 32 sequences (packs of 8); the last pack's
     end in different quarters of the four 1024-position slots; NaN past every length: finite, equal to the reference
     and bit-identical to a clean cache. Checked to fail with the last piece's AND dropped, the split copy's columns
-    off by one token, and each cut reverted (its spy)."""
+    off by one token, the folded groups' acc scaled by 1/l instead of alpha/l, and each cut reverted (its spy)."""
     import nki.isa as nisa_mod
     import nki.language as nl_mod
 
@@ -1080,8 +1081,22 @@ def test_last_pack_tail_cuts_with_nan_tails():
     args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
-    widths, copies, l_adds = [], [], []
+    widths, copies, l_adds, order = [], [], [], []
     and_bits, copy_oT, tensor_tensor = isolation._and_bits, flash._copy_oT, nisa_mod.tensor_tensor
+    add_sink, prior_steps, flush_acc = flash._add_sink, flash._prior_steps, flash._flush_acc
+
+    def spy_sink(*a, **k):
+        order.append("sink")
+        add_sink(*a, **k)
+
+    def spy_steps(*a, **k):
+        order.append("steps")
+        prior_steps(*a, **k)
+        order.append("end")
+
+    def spy_flush(*a, **k):
+        order.append("flush")
+        flush_acc(*a, **k)
 
     def spy_and(data, mask, vector=False):
         widths.append(data.shape[-1])
@@ -1102,11 +1117,17 @@ def test_last_pack_tail_cuts_with_nan_tails():
         mp.setattr(isolation, "_and_bits", spy_and)
         mp.setattr(flash, "_copy_oT", spy_copy)
         mp.setattr(nisa_mod, "tensor_tensor", spy_tt)
+        mp.setattr(flash, "_add_sink", spy_sink)
+        mp.setattr(flash, "_prior_steps", spy_steps)
+        mp.setattr(flash, "_flush_acc", spy_flush)
         _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.tail_cuts and cfg.pack == 8,
                                "tail_cuts is off: the case tests none of the last pack's cuts")
     assert 1024 // cfg_mod.LAST_K_AND_PIECES in widths, f"K^T ANDs not in column pieces: {sorted(set(widths))}"
     assert (0, 24) in copies and (24, 32) in copies, f"o^T copies {sorted(set(copies))}: not split at the last pack"
     assert l_adds, "the last pack's l updates are not on GpSimd"
+    # the last pack (of each run): the sink term before its steps, no flush after them (folded into _normalise_full)
+    i = len(order) - 1 - order[::-1].index("steps")
+    assert order[i - 1] == "sink" and order[-1] == "end", f"the last pack's sink / steps / flush: {order[i - 1:]}"
 
 
 def test_ragged_whole_end_slots_with_nan_tails():
