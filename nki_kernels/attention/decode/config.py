@@ -363,7 +363,7 @@ class _Config(nl.NKIObject):
         # half pieces' V between the two halves of the DMA rings. Modelled trn2 GPT-OSS B=8 4K 48.38 -> 46.22 us
         # (DESIGN.md). Not d = 128 (Llama-8B B=8 4K gains 5.5 %, LNC=2 B=8 4K 3.2 %: the asserted LNC=2 <= 0.6x
         # LNC=1 is lost), not fp8, not trn3 (v_rot is trn2-only).
-        self.k_packs, self.half_pieces = False, False     # read by _one_piece_plan; decided here and below
+        self.k_packs = False     # read by _one_piece_plan (planning._slot_bounds); decided below
         self.half_pieces = (self.v_rot and self.d < P_MAX and not fp8 and not self.stride
                             and _one_piece_plan(self))
         self.k_whole = self.v_rot and (self.d == P_MAX or n_packs >= KW_PACKS or self.half_pieces)
@@ -392,7 +392,7 @@ class _Config(nl.NKIObject):
         self.rot_unit = self.kpp if self.k_plain else 1     # batches per rotation unit (planning._rot_batch)
         # Two-batch stacks of k_plain (GPT-OSS B >= 32 on trn2: every DMA ring busy to the end, modelled): the packs'
         # position and sink tables without a DMA per pack (flash._prefetch_packs): each batch's position on every
-        # partition in one load for all packs (flash._pos_cols), each row's first position selected out of it on
+        # partition in one load for all packs (flash._PackTables), each row's first position selected out of it on
         # chip (flash._own_position), the sink rows loaded once. Their 4- and 32-byte-run DMAs cost each DMA engine
         # ~0.1 us per pack, ahead of the K/V stream. Not elsewhere: with d = 128 (Llama-8B ragged B=16 +0.6 %) or on
         # trn3 (GPT-OSS B=16 16K +1.8 %) the shifted list schedule costs more than the DMA time saves.

@@ -107,14 +107,14 @@ class _PackInputs(nl.NKIObject):
     position (q_pos), p_first per column on every partition (pf_cols [128, rows], position-major steps), the
     sequences' valid ranges (isolation) and the sink logits of each KV head's rows (sinks[g] [rows, 1])."""
 
-    def __init__(self, cfg, position_ids, sinks, p0, nb, shared=None):
+    def __init__(self, cfg, position_ids, sinks, p0, nb, tables=None):
         S, G = cfg.S, cfg.group
         rows = nb * cfg.R
         self.p_first = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         self.valid = None
-        if shared is not None:      # _Config.pack_tables: (positions of the core's batches, its first, sink rows)
-            self.valid = _valid_ranges(cfg, position_ids, p0, nb, shared[:2])
-            _own_position(cfg, self.p_first, shared[0], p0 - shared[1], nb)
+        if tables is not None:      # _Config.pack_tables: selected out of the core's _PackTables on chip
+            self.valid = _valid_ranges(cfg, position_ids, p0, nb, tables)
+            _own_position(cfg, self.p_first, tables.pos, p0 - tables.b0, nb)
         else:
             nisa.dma_copy(dst=self.p_first[:rows], src=position_ids.ap([[S, nb], [0, S], [0, G]], offset=p0 * S))
         self.pf_cols = None
@@ -126,15 +126,29 @@ class _PackInputs(nl.NKIObject):
         if S > 1 or cfg.window > 0:
             self.q_pos = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=self.q_pos[:rows], src=position_ids.ap([[S, nb], [1, S], [0, G]], offset=p0 * S))
-        if shared is None:
+        if tables is None:
             self.valid = _valid_ranges(cfg, position_ids, p0, nb)
-        self.sinks = shared[2] if shared is not None else _sink_rows(cfg, sinks, nb)
+        self.sinks = tables.sinks if tables is not None else _sink_rows(cfg, sinks, nb)
+
+
+class _PackTables(nl.NKIObject):
+    """_Config.pack_tables: the tables every pack of this core [b_lo, b_hi) shares, each loaded once instead of one
+    DMA per pack (runs of 4 * pack bytes: ~0.1 us of every DMA engine each, modelled, which the K/V stream queued
+    behind): pos [128, batches] fp32, each batch's first new position on every partition (batch b in column b - b0;
+    one DMA of 4 * batches-byte runs at S = 1), and the sink rows of a pack of nb_max batches (_sink_rows)."""
+
+    def __init__(self, cfg, position_ids, sinks, b_lo, b_hi, nb_max):
+        self.b0 = b_lo
+        self.pos = nl.ndarray((P_MAX, b_hi - b_lo), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.pos, src=position_ids.ap([[0, P_MAX], [cfg.S, b_hi - b_lo]], offset=b_lo * cfg.S))
+        self.sinks = _sink_rows(cfg, sinks, nb_max)
 
 
 def _own_position(cfg, dst, pos_all, c0, nb):
     """dst[r] = pos_all[r, c0 + r // R] (fp32 [rows, 1]): each attention row's first new position, selected on chip
-    out of the batches' positions on every partition (_pos_cols) instead of a DMA of 4-byte runs per pack (~0.09 us
-    of each of the 8 DMA engines of partitions 0..63, modelled). Exact: one position kept per row, zeros added."""
+    out of the batches' positions on every partition (_PackTables.pos) instead of a DMA of 4-byte runs per pack
+    (~0.09 us of each of the 8 DMA engines of partitions 0..63, modelled). Exact: one position kept per row, zeros
+    added."""
     rows = nb * cfg.R
     lo = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)     # r >= R * j
     nisa.affine_select(dst=lo[:rows, :nb], pattern=[[-cfg.R, nb]], channel_multiplier=1,
@@ -143,15 +157,6 @@ def _own_position(cfg, dst, pos_all, c0, nb):
     nisa.affine_select(dst=own[:rows, :nb], pattern=[[-cfg.R, nb]], channel_multiplier=1, on_true_tile=lo[:rows, :nb],
                        on_false_value=0.0, cmp_op=nl.less, offset=-cfg.R)
     nisa.tensor_reduce(dst=dst[:rows], op=nl.add, data=own[:rows, :nb], axis=(1,))
-
-
-def _pos_cols(cfg, position_ids, b_lo, b_hi):
-    """fp32 [128, batches]: each batch's first new position on every partition, for all packs of the core in one
-    DMA (runs of 4 * batches bytes at S = 1) instead of one per pack (runs of 4 * pack bytes: ~0.1 us of every DMA
-    engine each, modelled), which the K/V stream queued behind."""
-    t = nl.ndarray((P_MAX, b_hi - b_lo), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=position_ids.ap([[0, P_MAX], [cfg.S, b_hi - b_lo]], offset=b_lo * cfg.S))
-    return t
 
 
 def _sink_rows(cfg, sinks, nb):
@@ -174,10 +179,10 @@ def _prefetch_packs(cfg, position_ids, sinks, b_lo, b_hi):
     DMA engines serve transfers in program order, so these small loads (and the K/V loads' runtime gates computed
     from them) would otherwise wait behind W_qkv, and the cache stream would start late (B = 1: ~2 us)."""
     packs = _packs(cfg, b_lo, b_hi)
-    shared = None
+    tables = None
     if cfg.pack_tables:
-        shared = (_pos_cols(cfg, position_ids, b_lo, b_hi), b_lo, _sink_rows(cfg, sinks, max(pk.nb for pk in packs)))
-    return {pk.p0: _PackInputs(cfg, position_ids, sinks, pk.p0, pk.nb, shared) for pk in packs}
+        tables = _PackTables(cfg, position_ids, sinks, b_lo, b_hi, max(pk.nb for pk in packs))
+    return {pk.p0: _PackInputs(cfg, position_ids, sinks, pk.p0, pk.nb, tables) for pk in packs}
 
 
 def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, b_lo, b_hi, W_o,
@@ -373,16 +378,13 @@ def _normalise_full(cfg, st, sm, rows, nb, rinv, dtype):
         # ragged, per-group PV, _Config.tail_cuts: the pending groups' flush folded into the normalisation as below
         # (acc * alpha / l while TensorE finishes the last PV), every group's acc / l first (ScalarE / VectorE
         # halves), the pending groups' then overwritten by PV / l + acc * alpha / l: one pass after the last PV
-        a2 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=a2[:rows], data1=sm.pending[:rows], data2=rinv[:rows], op=nl.multiply)
+        a2 = _alpha_over_l(sm, rows, rinv)
         acc_s = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)
         for G, gate in enumerate(sm.fin_gates):
             c0, c1, _b0, _b1 = _group_cols(cfg, G, nb)
             _run(gate, lambda _i, c0=c0, c1=c1: nisa.tensor_scalar(
                 dst=acc_s[:rows, c0:c1], data=sm.acc[:rows, c0:c1], op0=nl.multiply, operand0=a2[:rows]))
-        h = n // 2 // cfg.d * cfg.d
-        nisa.tensor_scalar(dst=o_n[:rows, h:n], data=sm.acc[:rows, h:n], op0=nl.multiply, operand0=rinv[:rows])
-        nisa.activation(dst=o_n[:rows, :h], op=nl.copy, data=sm.acc[:rows, :h], scale=rinv[:rows])
+        _acc_over_l(o_n, sm, rows, n // 2 // cfg.d * cfg.d, n, rinv)
         for G, gate in enumerate(sm.fin_gates):
             c0, c1, _b0, _b1 = _group_cols(cfg, G, nb)
             _run(gate, lambda _i, c0=c0, c1=c1: nisa.scalar_tensor_tensor(
@@ -395,22 +397,33 @@ def _normalise_full(cfg, st, sm, rows, nb, rinv, dtype):
     if sm.pending is None:  # already flushed (context split, per-group PV)
         # trn2: the first half of the batch blocks on ScalarE (the same fp32 product), the rest on VectorE, at once
         # (the tail after the last step; modelled ragged GPT-OSS B=8 62.58 -> 62.10 us)
-        h = n // 2 // cfg.d * cfg.d if cfg.rmax_split else 0
-        nisa.tensor_scalar(dst=o_n[:rows, h:n], data=sm.acc[:rows, h:n], op0=nl.multiply, operand0=rinv[:rows])
-        if h:
-            nisa.activation(dst=o_n[:rows, :h], op=nl.copy, data=sm.acc[:rows, :h], scale=rinv[:rows])
+        _acc_over_l(o_n, sm, rows, n // 2 // cfg.d * cfg.d if cfg.rmax_split else 0, n, rinv)
         return o_n
     if sm.acc is None:  # only the active step
         nisa.activation(dst=o_n[:rows, :n], op=nl.copy, data=st.ps_o[:rows, :n], scale=rinv[:rows])
         return o_n
-    a2 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=a2[:rows], data1=sm.pending[:rows], data2=rinv[:rows], op=nl.multiply)
+    a2 = _alpha_over_l(sm, rows, rinv)
     acc_s = nl.ndarray((P_MAX, PV_COLS), dtype=nl.float32, buffer=nl.sbuf)      # while TensorE finishes the PV
     nisa.tensor_scalar(dst=acc_s[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply, operand0=a2[:rows])
     nisa.scalar_tensor_tensor(dst=o_n[:rows, :n], data=st.ps_o[:rows, :n], op0=nl.multiply, operand0=rinv[:rows],
                               op1=nl.add, operand1=acc_s[:rows, :n])
     sm.pending = None
     return o_n
+
+
+def _alpha_over_l(sm, rows, rinv):
+    """alpha / l [rows, 1] fp32: the factor of the pending flush's acc folded into the normalisation."""
+    a2 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=a2[:rows], data1=sm.pending[:rows], data2=rinv[:rows], op=nl.multiply)
+    return a2
+
+
+def _acc_over_l(o_n, sm, rows, h, n, rinv):
+    """o_n[:, :n] = acc / l: columns h:n on VectorE, the first h (whole batch blocks; 0: none) on ScalarE at once
+    (the same fp32 product)."""
+    nisa.tensor_scalar(dst=o_n[:rows, h:n], data=sm.acc[:rows, h:n], op0=nl.multiply, operand0=rinv[:rows])
+    if h:
+        nisa.activation(dst=o_n[:rows, :h], op=nl.copy, data=sm.acc[:rows, :h], scale=rinv[:rows])
 
 
 def _own_blocks(cfg, sm, rows, nb, bmask):

@@ -30,13 +30,13 @@ class _ValidRange(nl.NKIObject):
         self.slot_act = {}                  # per slot start (fp8 casts): per load group 1 iff it reaches the slot
 
 
-def _valid_ranges(cfg, position_ids, p0, nb, pos_all=None):
+def _valid_ranges(cfg, position_ids, p0, nb, tables=None):
     S, d, kpp = cfg.S, cfg.kd, cfg.kpp
     nst, npk = (nb + kpp - 1) // kpp, min(kpp, nb) * d
     pv = nl.ndarray((P_MAX, cfg.pack), dtype=nl.float32, buffer=nl.sbuf)
-    if pos_all is not None:     # (table, its first batch): every batch of the core's, loaded once (flash._pos_cols)
-        nisa.tensor_copy(dst=pv[:, :nb], src=pos_all[0][:, p0 - pos_all[1]:p0 - pos_all[1] + nb],
-                         engine=nisa.engine.gpsimd)
+    if tables is not None:      # every batch of the core's, loaded once (flash._PackTables)
+        c0 = p0 - tables.b0
+        nisa.tensor_copy(dst=pv[:, :nb], src=tables.pos[:, c0:c0 + nb], engine=nisa.engine.gpsimd)
     else:
         nisa.dma_copy(dst=pv[:, :nb], src=position_ids.ap([[0, P_MAX], [S, nb]], offset=p0 * S))
     # NeuronCore-v4: the K^T layout's table is copied out of pv on chip (same partitions, strided columns) instead

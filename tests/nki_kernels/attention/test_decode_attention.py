@@ -1036,7 +1036,7 @@ def test_ragged_gptoss_half_piece_pairs_with_nan_tails():
 
 def test_pack_tables_without_per_pack_loads(monkeypatch):
     """GPT-OSS ragged on trn2 with two-batch K^T stacks and >= KW_PACKS packs (_Config.pack_tables): every batch's
-    position on every partition comes from one load for all packs (flash._pos_cols; each pack's table copied on
+    position on every partition comes from one load for all packs (flash._PackTables; each pack's table copied on
     chip), each attention row's first position is selected on chip out of it (flash._own_position) and the sink rows
     are loaded once for all packs (flash._sink_rows). 29 sequences: packs of 8, 8, 8, 5 (nonzero column offsets; the
     last pack reads a prefix of the shared sink rows); NaN past every length: finite, equal to the reference and
