@@ -57,6 +57,11 @@ PACK_TABLES_MIN_SCAN = 4096
 # _Config.tail_cuts: the kernel's last pack ANDs each K^T stack's scrub in this many column pieces, so a score chunk's
 # matmuls wait for its own columns' ANDs only (GpSimd, 0.43 us per 512-column piece), not the whole slot's 1.7 us.
 LAST_K_AND_PIECES = 4
+# _Config.k_mask_pieces: a one-pack kernel's K^T scrub masks (ScalarE sign, [kp, w]: 1.7 us at w = 2048) are issued
+# in this many column pieces, so the QKV eviction that becomes ready while one runs (the list schedule does not
+# preempt) waits for a piece, not the whole mask: q, and the first scores, ~0.8 us earlier (modelled trn2 ragged
+# GPT-OSS B=8; 3 pieces gave 61.57 us, 4 the same as 2).
+K_MASK_PIECES = 2
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
@@ -477,6 +482,10 @@ class _Config(nl.NKIObject):
         # TensorE-paced: +0.4 %, a list-schedule shift before the last pack) nor one-piece slots (4K: paged B=1
         # 32.98 -> 33.40, LNC=2 B=8 4K 33.64 -> 33.95, attention DP 2 groups 55.90 -> 56.45).
         self.rmax_chain = v3 and n_packs == 1 and nkv == 1 and not self.paged and _kt_swap_pays(self)
+        # The same one-pack kernels issue each K^T scrub mask in K_MASK_PIECES column pieces (isolation._scrub_slot):
+        # modelled ragged GPT-OSS B=8 61.74 -> 61.61 us; every other row of bench/test_decode_attention.py unchanged
+        # (GPT-OSS B=8 16K's masks do not block its QKV eviction).
+        self.k_mask_pieces = K_MASK_PIECES if self.rmax_chain else 1
         self._frozen = True     # last: nothing changes the configuration from here on
 
 

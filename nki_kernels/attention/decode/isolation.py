@@ -207,7 +207,11 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
                 ps = slice(q0, q0 + kp)
                 # kpp even: the table holds each partition's own layout; kpp = 1: the odd stacks are rotated
                 rp = rramp if rramp is not None and (cfg.kpp % 2 == 0 or jj % 2 == 1) else ramp
-                nisa.activation(dst=m[ps, :w], op=nl.sign, data=rp[ps, :w], bias=bias[ps, jj:jj + 1], scale=sc)
+                # in column pieces (_Config.k_mask_pieces): a ready QKV eviction waits for one piece on ScalarE
+                mc = [w * i // cfg.k_mask_pieces for i in range(cfg.k_mask_pieces + 1)]
+                for a0, a1 in zip(mc[:-1], mc[1:]):
+                    nisa.activation(dst=m[ps, a0:a1], op=nl.sign, data=rp[ps, a0:a1], bias=bias[ps, jj:jj + 1],
+                                    scale=sc)
                 # the kernel's last pack (_Config.tail_cuts): in column pieces, each score chunk waits for its own
                 n = LAST_K_AND_PIECES if cfg.tail_cuts and st.last_pack else 1
                 cuts = [w * i // n for i in range(n + 1)]

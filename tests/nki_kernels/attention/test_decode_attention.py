@@ -816,6 +816,30 @@ def test_one_pack_row_max_chained_and_m_on_gpsimd():
     _assert_equals_one_reduce_row_max(args, kw, out)
 
 
+def test_one_pack_k_masks_in_pieces_with_nan_tails():
+    """trn2, a kernel of one pack scanning two-piece slots (_Config.k_mask_pieces, with rmax_chain): each K^T scrub
+    mask (ScalarE sign over the slot's columns) is issued in K_MASK_PIECES column pieces, so a QKV eviction that
+    becomes ready meanwhile waits for a piece only. Every piece must be written before the AND reads the mask: with
+    NaN past every sequence's length the output is bit-identical to a clean cache's and matches the reference.
+    Fails with the masks whole (no sign activation narrower than a slot) or with a piece left out (a wrong
+    output vs the reference). GPT-OSS B=8 at 8K, ragged lengths: one pack, 2048-position slots."""
+    import nkisim
+    from nki_kernels.attention.decode.config import K_MASK_PIECES
+    args, kw = make_inputs(8, 1, s_max=8192, ctx=8192, seed=14, **GPT_OSS_20B_TP8)
+    args[4][:, 0] = torch.tensor([100, 700, 1500, 2100, 3000, 4097, 6000, 8000], dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_stale_rows(args, 0)
+    rep = nkisim.profile(decode_attention_nki, *[a.clone() for a in args], target="trn2", **kw)[1]
+    signs = [e.meta.get("n") for e in rep.events if e.op == "activation" and e.meta.get("op") == "sign"]
+    assert signs and max(signs) <= 2048 // K_MASK_PIECES, f"K^T mask widths {sorted(set(signs))}"
+    out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
+    ref_out = decode_attention(*[a.clone() for a in clean], **kw, backend="nkisim")
+    assert torch.isfinite(out.float()).all()
+    assert _same_bits(out, ref_out)
+    ref = decode_attention_torch(*[a.clone() for a in clean], **kw).float()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+
+
 def test_ragged_final_normalisation_split_vector_scalar():
     """trn2 (flash._normalise_full, ragged per-group PV): the final o = acc / l is computed half on VectorE, half on
     ScalarE (activation copy with the per-row 1/l as scale), both halves fp32 products rounded to bf16: the output
