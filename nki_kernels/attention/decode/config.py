@@ -62,6 +62,10 @@ LAST_K_AND_PIECES = 4
 # preempt) waits for a piece, not the whole mask: q, and the first scores, ~0.8 us earlier (modelled trn2 ragged
 # GPT-OSS B=8; 3 pieces gave 61.57 us, 4 the same as 2).
 K_MASK_PIECES = 2
+# _Config.tail_cuts also on the 16K scans of one or two packs of two-batch stacks (GPT-OSS B=8 / B=16 16K, trn2): the
+# last pack's steps run after the K/V stream (a TensorE backlog of the sparse late slots), the same tail as B=64's.
+# Not below 16K: modelled GPT-OSS B=16 4K 52.61 -> 52.94 us with them (see DESIGN.md, helper-92).
+TAIL_CUTS_MIN_SCAN = 16384
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
@@ -413,7 +417,11 @@ class _Config(nl.NKIObject):
         # (flash._attention_flash_decode), (4) its sink term added to l before its steps (rescaled with l by every
         # alpha; flash._add_sink), (5) its pending PV groups' flush folded into the normalisation
         # (flash._normalise_full). Modelled trn2 GPT-OSS B=64 16K 492.25 -> 491.59 (1-3) -> 491.40 us (DESIGN.md).
-        self.tail_cuts = self.pack_tables
+        # Also (helper-92) the 16K scans of d = 64 bf16 packs where pack_tables does not hold (fewer than KW_PACKS
+        # packs): modelled GPT-OSS B=8 16K 83.91 -> 82.65 us (mostly (1): the last pack's K^T ANDs by column piece),
+        # ragged B=8 / B=16 61.61 / 88.90 -> 60.06 / 87.19 (DESIGN.md).
+        self.tail_cuts = self.pack_tables or (self.v_rot and self.kpp == 2 and not fp8
+                                              and self.scan >= TAIL_CUTS_MIN_SCAN)
         # One batch per stack (d = 128), where this core scans at least KW_PACKS packs with whole weights (LNC=1: the
         # K/V stream paces those rows): the scan's first and last slots are not split to one step
         # (planning._slot_bounds), so every slot is two pieces or more: its K^T moves as whole slots and pairs (4 / 8

@@ -1154,6 +1154,60 @@ def test_last_pack_tail_cuts_with_nan_tails():
     assert order[i - 1] == "sink" and order[-1] == "end", f"the last pack's sink / steps / flush: {order[i - 1:]}"
 
 
+def test_tail_cuts_16k_few_packs_with_nan_tails():
+    """GPT-OSS ragged on trn2 scanning 16K in one pack of 8 (no pack tables: fewer than KW_PACKS packs) takes the
+    last pack's tail cuts too (_Config.tail_cuts from TAIL_CUTS_MIN_SCAN, helper-92): the K^T ANDs of its
+    2048-position slots in LAST_K_AND_PIECES column pieces, l updated on GpSimd, the sink term before its steps.
+    Sequences ending in different pieces of the slots (one at the last position, stack partners in different
+    slots); NaN past every length: finite, equal to the reference and bit-identical to a clean cache. Checked to
+    fail with the config change reverted (tail_cuts off: the probe)."""
+    import nki.isa as nisa_mod
+    import nki.language as nl_mod
+
+    from nki_kernels.attention.decode import flash, isolation
+
+    ctx = 16384
+    lens = (16383, 5000, 9300, 700, 12289, 2047, 14600, 8191)
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=92, **GPT_OSS_20B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    widths, l_adds, order = [], [], []
+    and_bits, tensor_tensor = isolation._and_bits, nisa_mod.tensor_tensor
+    add_sink, prior_steps = flash._add_sink, flash._prior_steps
+
+    def spy_and(data, mask, vector=False):
+        widths.append(data.shape[-1])
+        and_bits(data, mask, vector)
+
+    def spy_tt(dst, data1, data2, op, engine=nisa_mod.engine.unknown, **k):
+        if engine == nisa_mod.engine.gpsimd and op == nl_mod.add and dst.shape[-1] == 1:
+            l_adds.append(1)
+        return tensor_tensor(dst=dst, data1=data1, data2=data2, op=op, engine=engine, **k)
+
+    def spy_sink(*a, **k):
+        order.append("sink")
+        add_sink(*a, **k)
+
+    def spy_steps(*a, **k):
+        order.append("steps")
+        prior_steps(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(isolation, "_and_bits", spy_and)
+        mp.setattr(nisa_mod, "tensor_tensor", spy_tt)
+        mp.setattr(flash, "_add_sink", spy_sink)
+        mp.setattr(flash, "_prior_steps", spy_steps)
+        _check_nan_tails_where(args, clean, kw,
+                               lambda cfg: cfg.tail_cuts and not cfg.pack_tables and cfg.pack == 8 and cfg.scan == ctx,
+                               "tail_cuts is off (or pack_tables on): the case tests none of the 16K cuts")
+    assert 2048 // cfg_mod.LAST_K_AND_PIECES in widths and 2048 not in widths, \
+        f"K^T ANDs not in column pieces: {sorted(set(widths))}"
+    assert l_adds, "the last pack's l updates are not on GpSimd"
+    # one pack per run (the poisoned and the clean cache): its sink term before its steps
+    assert order and order == ["sink", "steps"] * (len(order) // 2), f"the pack's sink / steps: {order}"
+
+
 def test_ragged_whole_end_slots_with_nan_tails():
     """Llama-8B ragged on trn2 scanning >= KW_PACKS packs (_Config.k_packs): the scan's first and last slots are not
     split to one step (planning._slot_bounds), so at 4K both slots are two-piece (2048 positions): the first one's
