@@ -66,6 +66,9 @@ K_MASK_PIECES = 2
 # last pack's steps run after the K/V stream (a TensorE backlog of the sparse late slots), the same tail as B=64's.
 # Not below 16K: modelled GPT-OSS B=16 4K 52.61 -> 52.94 us with them (see DESIGN.md, helper-92).
 TAIL_CUTS_MIN_SCAN = 16384
+# _Config.mask_dve: the cache steps' masks compare fp16 key offsets on VectorE; fp16 holds every integer up to 2048
+# exactly, so only slots of at most this many positions (key offsets 0 .. w - 1).
+MASK_DVE_MAX_SLOT = 2048
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
@@ -489,6 +492,14 @@ class _Config(nl.NKIObject):
         # GPT-OSS B=8 63.58 -> 62.58 us, B=8 16K 85.74 -> 85.63). Not with several packs (GPT-OSS B=16 16K,
         # TensorE-paced: +0.4 %, a list-schedule shift before the last pack) nor one-piece slots (4K: paged B=1
         # 32.98 -> 33.40, LNC=2 B=8 4K 33.64 -> 33.95, attention DP 2 groups 55.90 -> 56.45).
+        # The cache steps' causal masks (key offset > the row's threshold, 0 / 1 bf16) on VectorE as a tensor_scalar
+        # of fp16 key offsets against the row's fp32 threshold (perf mode: 0.13 us per 512 columns) instead of
+        # GpSimd's int16 tensor_tensor against the broadcast threshold (0.43 us), where GpSimd paces the start of the
+        # steps (K^T / V scrub ANDs, ramps, these masks: 100 % busy to ~39 us at GPT-OSS B=8 16K, modelled): the
+        # 16K scans of one or two packs of tail_cuts (d = 64 bf16). Modelled trn2 GPT-OSS B=8 16K 82.65 -> 82.24 us,
+        # B=16 16K 143.61 -> 142.77. Not where VectorE is the roof engine (GPT-OSS B=64 4K +1.7 %, Llama-8B ragged
+        # B=16 +6.1 %, B=64 4K +0.6 %, nki-library q8 d64 B64 1K +0.6 %).
+        self.mask_dve = self.tail_cuts and not self.pack_tables and self.fa_tile <= MASK_DVE_MAX_SLOT
         self.rmax_chain = v3 and n_packs == 1 and nkv == 1 and not self.paged and _kt_swap_pays(self)
         # The same one-pack kernels issue each K^T scrub mask in K_MASK_PIECES column pieces (isolation._scrub_slot):
         # modelled ragged GPT-OSS B=8 61.74 -> 61.61 us; every other row of bench/test_decode_attention.py unchanged

@@ -540,12 +540,17 @@ def _fold_mask(cfg, consts, sc, rows, chunks, key, thr_base, cmp, shift):
 
 
 def _build_mask(cfg, rows, cols, key, thr_base, cmp, shift):
-    """0/1 bf16 mask [rows, cols] = cmp(key offset, threshold + shift) on GpSimd (threshold a per-row scalar)."""
+    """0/1 bf16 mask [rows, cols] = cmp(key offset, threshold + shift) on GpSimd (threshold a per-row scalar).
+    fp16 key offsets (_Config.mask_dve, fp32 thresholds): on VectorE as a tensor_scalar against the per-row scalar,
+    one 16-bit input and output (perf mode: 4x the element rate) instead of GpSimd's two-input tensor_tensor."""
     thr = thr_base
     if shift != 0.0:
         thr = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=thr[:rows], data=thr_base[:rows], op0=nl.add, operand0=shift)
     m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
+    if key.dtype == nl.float16:
+        nisa.tensor_scalar(dst=m[:rows, :cols], data=key[:rows, :cols], op0=cmp, operand0=thr[:rows])
+        return m
     nisa.tensor_tensor(dst=m[:rows, :cols], data1=key[:rows, :cols], data2=thr[:rows].broadcast(1, cols), op=cmp,
                        engine=nisa.engine.gpsimd)
     return m
@@ -584,9 +589,10 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
             k = steps.index(step)
             step.thr_rot = tuple(t[:, k:k + 1] for t in rot_thr)
             continue
-        step.thr_hi = _step_threshold(p_first, rows, -1.0 - step.pos0)    # invalid if j > pos[b, 0] - 1
+        tdt = nl.float32 if cfg.mask_dve else nl.int16     # VectorE masks: fp32 scalar operands
+        step.thr_hi = _step_threshold(p_first, rows, -1.0 - step.pos0, tdt)    # invalid if j > pos[b, 0] - 1
         if cfg.window > 0:                                                       # invalid if j <= pos - W
-            step.thr_lo = _step_threshold(q_pos, rows, -float(cfg.window) - step.pos0)
+            step.thr_lo = _step_threshold(q_pos, rows, -float(cfg.window) - step.pos0, tdt)
     gates = _step_gates(cfg, st, steps) if cfg.ragged else (None,) * len(steps)
     st.load_gates = _load_gates(cfg, st, slots, nb) if cfg.ragged else None
     sgates, pv_gates, fin = (_stack_gates(cfg, st, steps, slots, nb) if cfg.ragged and not cfg.pmajor
@@ -668,21 +674,22 @@ def _rot_thresholds(cfg, st, slots, steps, p_first, rows):
                        operand1=-1.0)
     out = []
     for sgn in (nrr, rr):
-        t = nl.ndarray((P_MAX, ns), dtype=nl.int16, buffer=nl.sbuf)
+        t = nl.ndarray((P_MAX, ns), dtype=nl.float32 if cfg.mask_dve else nl.int16, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=t[:rows], data=hv[:rows], op0=nl.multiply, operand0=sgn[:rows], op1=nl.add,
                                   operand1=base[:rows])
         out.append(t)
     return tuple(out)
 
 
-def _step_threshold(base, rows, shift):
+def _step_threshold(base, rows, shift, dtype=nl.int16):
     """int16 [rows, 1] mask threshold base + shift of a cache step, clamped below to -1 (key offsets of a step are
     0 .. fa_tile - 1 < FA_TILE_MAX, so the clamp changes no comparison). Above, the fp32 -> int16 write saturates
     (nki-api.md: float -> int casts round to nearest even and saturate), and 32767 > every key offset compares
     like the exact value, so S_max >= 2^15 needs no second clamp (test: S_max 33024). With int16 key offsets
     (st.iota) the GpSimd mask compare streams 2-byte data: twice the fp32 rate on trn2's GpSimd (32 lanes per core
-    instead of 16), where the per-step masks pace ragged batches."""
-    thr = nl.ndarray((P_MAX, 1), dtype=nl.int16, buffer=nl.sbuf)
+    instead of 16), where the per-step masks pace ragged batches. dtype fp32: the VectorE masks' scalar operand
+    (_Config.mask_dve; exact, no saturation)."""
+    thr = nl.ndarray((P_MAX, 1), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=thr[:rows], data=base[:rows], op0=nl.add, operand0=shift, op1=nl.maximum, operand1=-1.0)
     return thr
 
@@ -786,7 +793,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         key = st.iota_pm(w // P_MAX, len(step.blocks))
         _run(gate, lambda _i: _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane))
     else:
-        key = st.iota(step.key_id, step.key_pattern, step.cols, nl.int16)
+        key = st.iota(step.key_id, step.key_pattern, step.cols, nl.float16 if cfg.mask_dve else nl.int16)
         q = st.qm_sw if cfg.kt_swap and lane else qm
         _run(gate, lambda _i: _step_scores(cfg, consts, q, kT, sc, key, rows, nb, step, j0, w, lane))
     # V is needed by the step's PV: the slot's V scrub is issued inside the step that first reads the slot, after
@@ -849,6 +856,10 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0):
         m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
         hc = step.cols // 2
         for h, thr in enumerate(step.thr_rot):
+            if cfg.mask_dve:    # VectorE, fp16 key offsets: see _build_mask
+                nisa.tensor_scalar(dst=m[:rows, h * hc:(h + 1) * hc], data=key[:rows, h * hc:(h + 1) * hc],
+                                   op0=nl.greater, operand0=thr[:rows])
+                continue
             nisa.tensor_tensor(dst=m[:rows, h * hc:(h + 1) * hc], data1=key[:rows, h * hc:(h + 1) * hc],
                                data2=thr[:rows].broadcast(1, hc), op=nl.greater, engine=nisa.engine.gpsimd)
         masks = [m]

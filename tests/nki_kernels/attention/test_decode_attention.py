@@ -1157,10 +1157,12 @@ def test_last_pack_tail_cuts_with_nan_tails():
 def test_tail_cuts_16k_few_packs_with_nan_tails():
     """GPT-OSS ragged on trn2 scanning 16K in one pack of 8 (no pack tables: fewer than KW_PACKS packs) takes the
     last pack's tail cuts too (_Config.tail_cuts from TAIL_CUTS_MIN_SCAN, helper-92): the K^T ANDs of its
-    2048-position slots in LAST_K_AND_PIECES column pieces, l updated on GpSimd, the sink term before its steps.
-    Sequences ending in different pieces of the slots (one at the last position, stack partners in different
-    slots); NaN past every length: finite, equal to the reference and bit-identical to a clean cache. Checked to
-    fail with the config change reverted (tail_cuts off: the probe)."""
+    2048-position slots in LAST_K_AND_PIECES column pieces, l updated on GpSimd, the sink term before its steps; and
+    the steps' masks on VectorE (_Config.mask_dve: fp16 key offsets 0 .. 2047, exact, against fp32 thresholds), no
+    GpSimd mask compare. Sequences ending in different pieces of the slots (one at the last position, stack partners
+    in different slots); NaN past every length: finite, equal to the reference and bit-identical to a clean cache.
+    Checked to fail with the tail_cuts change reverted (the probe), with mask_dve off (the spies) and with the fp16
+    key offsets one too high (reference mismatch)."""
     import nki.isa as nisa_mod
     import nki.language as nl_mod
 
@@ -1170,11 +1172,18 @@ def test_tail_cuts_16k_few_packs_with_nan_tails():
     lens = (16383, 5000, 9300, 700, 12289, 2047, 14600, 8191)
     args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=92, **GPT_OSS_20B_TP8)
     args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    for b, n in enumerate(lens):     # a large V at each last valid key: a mask one position off changes the output
+        args[3][b, :, n - 1, :] = 64.0
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
-    widths, l_adds, order = [], [], []
-    and_bits, tensor_tensor = isolation._and_bits, nisa_mod.tensor_tensor
+    widths, l_adds, order, gp_masks, dve_masks = [], [], [], [], []
+    and_bits, tensor_tensor, tensor_scalar = isolation._and_bits, nisa_mod.tensor_tensor, nisa_mod.tensor_scalar
     add_sink, prior_steps = flash._add_sink, flash._prior_steps
+
+    def spy_ts(dst, data, op0, operand0, *a, **k):
+        if data.dtype == nl_mod.float16 and op0 in (nl_mod.greater, nl_mod.less_equal):
+            dve_masks.append(1)
+        return tensor_scalar(dst, data, op0, operand0, *a, **k)
 
     def spy_and(data, mask, vector=False):
         widths.append(data.shape[-1])
@@ -1183,6 +1192,8 @@ def test_tail_cuts_16k_few_packs_with_nan_tails():
     def spy_tt(dst, data1, data2, op, engine=nisa_mod.engine.unknown, **k):
         if engine == nisa_mod.engine.gpsimd and op == nl_mod.add and dst.shape[-1] == 1:
             l_adds.append(1)
+        if engine == nisa_mod.engine.gpsimd and op == nl_mod.greater and dst.shape[-1] >= 128:   # a cache step's
+            gp_masks.append(1)
         return tensor_tensor(dst=dst, data1=data1, data2=data2, op=op, engine=engine, **k)
 
     def spy_sink(*a, **k):
@@ -1196,14 +1207,17 @@ def test_tail_cuts_16k_few_packs_with_nan_tails():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(isolation, "_and_bits", spy_and)
         mp.setattr(nisa_mod, "tensor_tensor", spy_tt)
+        mp.setattr(nisa_mod, "tensor_scalar", spy_ts)
         mp.setattr(flash, "_add_sink", spy_sink)
         mp.setattr(flash, "_prior_steps", spy_steps)
         _check_nan_tails_where(args, clean, kw,
-                               lambda cfg: cfg.tail_cuts and not cfg.pack_tables and cfg.pack == 8 and cfg.scan == ctx,
+                               lambda cfg: cfg.tail_cuts and not cfg.pack_tables and cfg.pack == 8 and cfg.scan == ctx
+                               and cfg.mask_dve,
                                "tail_cuts is off (or pack_tables on): the case tests none of the 16K cuts")
     assert 2048 // cfg_mod.LAST_K_AND_PIECES in widths and 2048 not in widths, \
         f"K^T ANDs not in column pieces: {sorted(set(widths))}"
     assert l_adds, "the last pack's l updates are not on GpSimd"
+    assert dve_masks and not gp_masks, f"step masks: {len(dve_masks)} on VectorE, {len(gp_masks)} on GpSimd"
     # one pack per run (the poisoned and the clean cache): its sink term before its steps
     assert order and order == ["sink", "steps"] * (len(order) // 2), f"the pack's sink / steps: {order}"
 
