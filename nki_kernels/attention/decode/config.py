@@ -505,6 +505,14 @@ class _Config(nl.NKIObject):
         # modelled ragged GPT-OSS B=8 61.74 -> 61.61 us; every other row of bench/test_decode_attention.py unchanged
         # (GPT-OSS B=8 16K's masks do not block its QKV eviction).
         self.k_mask_pieces = K_MASK_PIECES if self.rmax_chain else 1
+        # NeuronCore-v4, d = 64 (two batches' V fill the PE array's 128 columns): PV with V stationary (flash._pv_t)
+        # and the accumulator transposed, acc^T [(batch of the pair, dim), row]: per 128-position block one matmul
+        # per batch pair, moving = the pair's P^T columns (2R <= 64: the 64-cycle floor), instead of P^T stationary
+        # and the batches' V moving (128 columns per pair). Halves the PV's TensorE cycles on trn3, where TensorE
+        # runs the steps without a gap (see DESIGN.md). alpha / (1 / l) act along the free axis: broadcast to every
+        # partition by a ones x diag matmul. Row-major one-token steps of unsplit contiguous bf16 caches only.
+        self.pv_t = (not v3 and 2 * self.d == P_MAX and S == 1 and not self.split and not self.stride
+                     and not self.pmajor and not self.fp8 and not self.paged and not self.dyn)
         self._frozen = True     # last: nothing changes the configuration from here on
 
 

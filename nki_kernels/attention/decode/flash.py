@@ -67,6 +67,8 @@ class _AttnState(nl.NKIObject):
         self.pos0_run = None    # pos0 with step 0's start as -1 (it always runs), when > 0 (ragged._step_gates)
         self.pf_cols = None     # position-major: fp32 [128, rows] first new position of each row, every partition
         self.rot_tabs = None    # _Config.v_rot: constant tables of _rot_thresholds (built once)
+        self.pvt = False        # _Config.pv_t in use (every pack the full form, whole batch pairs): acc^T layout
+        self.consts = None      # with pvt: the constants (identity, ones) of the alpha / 1/l broadcasts
 
     def iota_pm(self, n, ni):
         """Position-major steps: fp32 [128, ni] key offsets q*n + il of score tile il on partition q (relative to
@@ -225,6 +227,8 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
     if not direct:
         o_acc = tuple(nl.ndarray((P_MAX, cfg.nq * cfg.d), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
     packs = _packs(cfg, b_lo, b_hi)
+    st.pvt = cfg.pv_t and full_all and all(pk.nb % _pv_group(cfg) == 0 for pk in packs)
+    st.consts = consts
     oT = ps = None
     if direct:
         nt, K = tiles[0].nt, cfg.nq * cfg.d
@@ -244,7 +248,9 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
             full = full_all or (direct and not cfg.stride and st.last_pack)
             o_rows = _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles, g, p0,
                                   nb, bmask, full=full)
-            if direct:
+            if st.pvt:
+                _accT_to_oT(cfg, consts, st, o_rows, tiles[0], g, p0, nb)
+            elif direct:
                 _rows_to_oT(cfg, consts, st, o_rows, tiles[0], g, p0, nb, full=full)
             else:
                 _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
@@ -322,7 +328,8 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     # _Config.tail_cuts, the kernel's last pack: the sink term joins l after the new tokens' step (e^(sink - scale m)
     # with that step's m), so every later alpha rescales it with l, instead of after the last step (exp on ScalarE
     # behind the last P^T copy, then an add, on the tail)
-    sink_first = sinks is not None and cfg.tail_cuts and st.last_pack and not cfg.split
+    # The same with st.pvt (_Config.pv_t): the tail's normalisation then needs only l (1 / l broadcast, _bcast_rows)
+    sink_first = sinks is not None and ((cfg.tail_cuts and st.last_pack) or st.pvt) and not cfg.split
     if sink_first:
         _add_sink(cfg, sm, pk.sinks[g], rows, sm.l)
     _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
@@ -374,6 +381,11 @@ def _normalise_full(cfg, st, sm, rows, nb, rinv, dtype):
     acc * alpha / l is formed while TensorE finishes the last PV, then one pass PV / l + that."""
     n = nb * cfg.d
     o_n = nl.ndarray((P_MAX, PV_COLS), dtype=dtype, buffer=nl.sbuf)
+    if st.pvt:      # acc^T [(pair batch, dim), row] in PSUM (_pv_t): times 1 / l along the free axis
+        bc = _bcast_rows(st, rinv, rows)
+        nisa.tensor_tensor(dst=o_n[:, :rows], data1=st.ps_o[:, :rows], data2=bc, op=nl.multiply)
+        sm.pending = None
+        return o_n
     if sm.fin_gates is not None and sm.pending is not None and cfg.tail_cuts:
         # ragged, per-group PV, _Config.tail_cuts: the pending groups' flush folded into the normalisation as below
         # (acc * alpha / l while TensorE finishes the last PV), every group's acc / l first (ScalarE / VectorE
@@ -515,7 +527,12 @@ def _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, 
     v_new = nl.ndarray((P_MAX, PV_COLS), dtype=kact.dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=v_new[:S, :nb * d], src=va[:S, :nb * d])
     half = max(1, PSUM_F // d)
-    for h0 in range(0, nb, half):
+    if st.pvt:      # acc^T: the pair's V stationary, its P^T columns moving (_pv_t)
+        per = _pv_group(cfg)
+        for b0 in range(0, nb, per):
+            nisa.nc_matmul(dst=st.ps_o[:per * d, b0 * R:(b0 + per) * R], stationary=v_new[:S, b0 * d:(b0 + per) * d],
+                           moving=pT[:S, b0 * R:(b0 + per) * R], accumulate=False)
+    for h0 in range(0, 0 if st.pvt else nb, half):
         hn = min(half, nb - h0)
         nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:S, :rows],
                        moving=v_new[:S, h0 * d:(h0 + hn) * d], accumulate=False)
@@ -984,6 +1001,8 @@ def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None,
     nisa.tensor_scalar(dst=nbias[:rows], data=m_new[:rows], op0=nl.multiply, operand0=-scale)
     alpha = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=alpha[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)
+    if st.pvt:      # acc^T in PSUM (the new tokens' PV) times alpha, while ScalarE computes P
+        _rescale_t(st, alpha, rows)
     p = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
     l_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=p[:rows, :cols], op=nl.exp, data=sc[:rows, :cols], bias=nbias[:rows], scale=scale,
@@ -1001,7 +1020,8 @@ def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None,
     nisa.activation(dst=pT[:kmax, :nblk, :rows], op=nl.copy, data=st.ps_t[:kmax, :nblk, :rows])   # ScalarE
     if pre_pv is not None:
         pre_pv()
-    _flush_acc(cfg, st, sm, rows, nb)     # previous step's PV, placed after this step's statistics on VectorE
+    if not st.pvt:
+        _flush_acc(cfg, st, sm, rows, nb)     # previous step's PV, placed after this step's statistics on VectorE
     _pv(cfg, st, pT, v, rows, nb, blocks, pv)
     sm.m, sm.l, sm.pending = m_new, l_new, alpha
 
@@ -1025,6 +1045,9 @@ def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, pr
     nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=nbias[:rows], data=sm.m[:rows], op0=nl.maximum, operand0=m_t[:rows], op1=nl.multiply,
                        operand1=-scale)
+    if st.pvt:      # alpha first: acc^T's rescale (_rescale_t) runs while ScalarE computes P
+        nisa.activation(dst=sm.pending[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)
+        _rescale_t(st, sm.pending, rows)
     p = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
     l_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=p[:rows, :cols], op=nl.exp, data=sc[:rows, :cols], bias=nbias[:rows], scale=scale,
@@ -1038,7 +1061,8 @@ def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, pr
     # behind it on ScalarE, so this step's l / m updates, which the next step's row max follows on VectorE, start
     # after the exp (modelled: trn2 GPT-OSS fp8 B=16 16K 152.81 -> 152.47 us, trn3 B=16 4K -0.3 / -0.4 %).
     _flush_inplace(cfg, st, sm, rows, nb, prev)    # previous step's PV, in place: acc = acc * alpha_prev + PV
-    nisa.activation(dst=sm.pending[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)  # alpha
+    if not st.pvt:
+        nisa.activation(dst=sm.pending[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)  # alpha
     if split and cfg.tail_cuts:     # the last pack: l's update on GpSimd too (two fp32 ops, the same rounding)
         nisa.tensor_tensor(dst=sm.l[:rows], data1=sm.l[:rows], data2=sm.pending[:rows], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
@@ -1062,6 +1086,9 @@ def _pv(cfg, st, pT, v, rows, nb, blocks, pv=None):
     of whose sequences reaches the step is skipped (its rows' probabilities are all 0 there), its columns keep an
     already flushed PV."""
     d = cfg.d
+    if st.pvt:
+        _pv_t(cfg, st, pT, v, nb, blocks, pv)
+        return
     if pv is not None:
         for G, gate in enumerate(pv):
 
@@ -1083,6 +1110,8 @@ def _pv(cfg, st, pT, v, rows, nb, blocks, pv=None):
 def _flush_inplace(cfg, st, sm, rows, nb, gates=None):
     """acc = acc * alpha + PV of the pending step, in place; with per-group gates (ragged, _stack_gates) only the
     groups whose PV is pending (the others' PSUM columns hold an already flushed PV)."""
+    if st.pvt:      # acc^T stays in PSUM, rescaled before each step's PV (_rescale_t)
+        return
     if gates is None:
         n = nb * cfg.d
         nisa.scalar_tensor_tensor(dst=sm.acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,
@@ -1207,6 +1236,9 @@ def _flush_acc(cfg, st, sm, rows, nb):
     """acc = acc * alpha + PV of the pending step (ps_o), or acc = PV for the first step."""
     if sm.pending is None:
         return
+    if st.pvt:      # acc^T stays in PSUM, rescaled before each step's PV (_rescale_t)
+        sm.pending = None
+        return
     if sm.fin_gates is not None:    # ragged, per-group PV: the groups' pending PVs of the last step run
         _flush_inplace(cfg, st, sm, rows, nb, sm.fin_gates)
         sm.pending = None
@@ -1219,3 +1251,71 @@ def _flush_acc(cfg, st, sm, rows, nb):
         nisa.scalar_tensor_tensor(dst=acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,
                                   operand0=sm.pending[:rows], op1=nl.add, operand1=st.ps_o[:rows, :n])
     sm.acc, sm.pending = acc, None
+
+
+# _Config.pv_t (st.pvt): PV with V stationary, the accumulator transposed. acc^T / ps_o hold [(b % 2, dim), row]:
+# column r is query row r (batch r // R), partitions b%2 * d.. the dims of the pair's batch b; only the blocks with
+# b = the row's batch are used (the others are finite: V is scrubbed). The broadcasts of a [rows, 1] vector along
+# the free axis land in ps_o's second bank (the first holds the PV).
+PVT_BC = PSUM_F
+
+
+def _pv_t(cfg, st, pT, v, nb, blocks, pv=None):
+    """PV of a step accumulated onto acc^T (ps_o[:, :rows], already rescaled by the step's alpha, _rescale_t): per
+    batch pair (ragged._pv_group: a gated group when pv) and 128-position block one matmul, stationary = the
+    pair's V [positions, 2 * d], moving = the pair's P^T columns (2R: the 64-cycle floor). A skipped pair keeps its
+    columns (alpha = 1 on its rows: m did not change)."""
+    d, R, per = cfg.d, cfg.R, _pv_group(cfg)
+    for G, b0 in enumerate(range(0, nb, per)):
+
+        def group(_i, b0=b0):
+            for i, (_c0, _s, k, vb) in enumerate(blocks):
+                nisa.nc_matmul(dst=st.ps_o[:per * d, b0 * R:(b0 + per) * R], stationary=v[:k, b0:b0 + per, vb, :],
+                               moving=pT[:k, i, b0 * R:(b0 + per) * R], accumulate=True)
+        _run(pv[G] if pv is not None else None, group)
+
+
+def _bcast_rows(st, vec, rows):
+    """fp32 [128, rows]: column r = vec[r] on every partition, as ones x diag(vec) (the diagonal on VectorE, one fp32
+    matmul into ps_o's second bank: exact), copied to SBUF on ScalarE (modelled trn3 GPT-OSS B=8 4K: the fastest of
+    the diagonal / copy placements on GpSimd, ScalarE and VectorE, 38.06 against up to 38.50 us)."""
+    diag = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=diag[:rows, :rows], data=st.consts.ident[:rows, :rows], op0=nl.multiply,
+                       operand0=vec[:rows])
+    bc_ps = st.ps_o[:, PVT_BC:PVT_BC + rows]
+    nisa.nc_matmul(dst=bc_ps, stationary=st.consts.ones_f32[:rows, :], moving=diag[:rows, :rows], accumulate=False)
+    bc = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)     # SBUF: acc^T is in PSUM (C9)
+    nisa.activation(dst=bc[:, :rows], op=nl.copy, data=bc_ps)      # ScalarE
+    return bc[:, :rows]
+
+
+def _rescale_t(st, alpha, rows):
+    """acc^T (ps_o[:, :rows], in PSUM) *= alpha along the free axis (column r: row r's alpha), in place."""
+    bc = _bcast_rows(st, alpha, rows)
+    nisa.tensor_tensor(dst=st.ps_o[:, :rows], data1=st.ps_o[:, :rows], data2=bc, op=nl.multiply)
+
+
+def _accT_to_oT(cfg, consts, st, o_t, tile, g, p0, nb):
+    """o^T[(hg*d + e) % 128, (hg*d + e) // 128, token] from the normalised acc^T o_t [(b % 2, e), row] (bf16): per
+    (pair half bp, o^T half u) one matmul, stationary = the identity block of half bp, moving = the columns of the
+    rows (batch j = 2i + bp, head h = u mod 2) in (head, batch) order, written to partitions u*d.. of the
+    selection bank; only the diagonal blocks (the row's own batch) are read."""
+    d, G, R, per = cfg.d, cfg.group, cfg.R, _pv_group(cfg)
+    rows = nb * R
+    nt, tb0 = tile.nt, tile.b0
+    n_k = (cfg.nq * d + P_MAX - 1) // P_MAX
+    ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
+    c0 = p0 - tb0                        # this pack's first token column (S = 1)
+    dup = P_MAX // d
+    o4 = o_t[:, :rows].reshape((P_MAX, nb // per, per, R))
+    for u in range(dup):
+        h0 = (u - g * G) % dup
+        if h0 >= G:
+            continue
+        cnt = (G - h0 + dup - 1) // dup
+        k0 = (g * G + h0) // dup
+        for bp in range(per):
+            src = o4[bp * d:(bp + 1) * d, :, bp, h0:h0 + (cnt - 1) * dup + 1:dup].permute((0, 2, 1))
+            nisa.nc_matmul(dst=ps[u * d:(u + 1) * d, k0:k0 + cnt, c0 + bp:c0 + nb:per],
+                           stationary=consts.ident[bp * d:(bp + 1) * d, bp * d:(bp + 1) * d], moving=src,
+                           accumulate=False)

@@ -365,12 +365,21 @@ def _scrub_v(cfg, st, v, j0, w, nb, gates, defer=False, rot=False):
     if v4:      # see _and_bits: VectorE on int32 pairs
         mv32 = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.int32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=mv32[:, :nb, :], src=mv[:, :nb, :])
-    def ands():
+    # _Config.pv_t: only the VectorE ANDs deferred; GpSimd's run as soon as V lands (the last slot's, deferred, were
+    # the last PV's input on the tail)
+    early = defer and v4 and st.pvt and not _tail_rule(cfg, st)
+
+    def on_vector(j):
+        return v4 and (_tail_rule(cfg, st) or (j // cfg.kpp) % 2 == 0)
+
+    def ands(which=None):
         for j in range(nb):
+            if which is not None and on_vector(j) != which:
+                continue
 
             def batch(_i, j=j):
                 # VectorE where the K^T stack ANDs on GpSimd (even stacks; every stack under _tail_rule)
-                if v4 and (_tail_rule(cfg, st) or (j // cfg.kpp) % 2 == 0):
+                if on_vector(j):
                     v32 = v.view(nl.int32)
                     nisa.tensor_tensor(dst=v32[:, j, :nblk, :], data1=v32[:, j, :nblk, :],
                                        data2=mv32[:, j, :].expand_dim(2).broadcast(2, d // 2), op=nl.bitwise_and,
@@ -378,6 +387,9 @@ def _scrub_v(cfg, st, v, j0, w, nb, gates, defer=False, rot=False):
                 else:
                     _and_bits(v[:, j, :nblk, :], mv[:, j, :].expand_dim(2).broadcast(2, d))
             nl.fori_loop(0, gates[j], batch)     # only a batch with invalid rows in this slot
+    if early:
+        ands(False)
+        return lambda: ands(True)
     if defer:
         return ands
     ands()

@@ -268,6 +268,32 @@ def test_trn3_qkv_transposed(B, shape, monkeypatch):
     test_nan_in_stale_cache_rows_stays_isolated(shape, B, 1, 256, 0, 0, 1, None)
 
 
+def test_trn3_pv_v_stationary(monkeypatch):
+    """trn3, d = 64 (_Config.pv_t): PV with each batch pair's V stationary and the pair's P^T columns moving (2R = 16
+    columns: the 64-cycle floor), the accumulator o^T-like in PSUM, rescaled by alpha along the free axis, o^T
+    assembled from it; no PV with P^T stationary and V moving. Not d = 128 (Llama-8B) nor trn2. Output as the
+    reference with one pack, two packs and an odd batch (the row-form PV), stale NaN rows still excluded."""
+    import nkisim
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    g, ll = GPT_OSS_20B_TP8, LLAMA31_8B_TP8
+    for shape, B, s_max, want in ((g, 8, 4096, True), (g, 16, 16384, True), (ll, 8, 4096, False)):
+        cfg = cfg_mod._Config(B, 1, shape["H"], shape["d"], shape["nkv"], shape["nq"], s_max, s_max, 1.0,
+                              shape.get("hidden_actual", shape["H"]), 0, 2)
+        assert cfg.pv_t == want, (B, s_max)
+    args, kw = make_inputs(8, 1, s_max=2048, ctx=2048, **g)
+    rep = nkisim.profile(decode_attention_nki, *args, target="trn3", **kw).report
+    mm = [(int(e.meta.get("k", 0)), int(e.meta.get("m", 0)), int(e.meta.get("n", 0))) for e in rep.events
+          if e.op == "nc_matmul"]
+    R = g["nq"] // g["nkv"]
+    assert (128, 2 * g["d"], 2 * R) in mm                   # V of a pair stationary, its P^T columns moving
+    assert (128, 8 * R, 2 * g["d"]) not in mm               # P^T stationary, a pair's V moving
+    run_and_check(8, 1, s_max=2048, ctx=2048, shape=g)
+    run_and_check(5, 1, s_max=1024, ctx=1024, shape=g)
+    test_nan_in_stale_cache_rows_stays_isolated(g, 8, 1, 2048, 0, 0, 1, None)
+    test_nan_in_stale_cache_rows_stays_isolated(g, 16, 1, 2048, 0, 0, 1, None)    # two packs
+
+
 # ---- LNC=2 ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("B,S,ctx,window,shape", [
