@@ -513,6 +513,11 @@ class _Config(nl.NKIObject):
         # partition by a ones x diag matmul. Row-major one-token steps of unsplit contiguous bf16 caches only.
         self.pv_t = (not v3 and 2 * self.d == P_MAX and S == 1 and not self.split and not self.stride
                      and not self.pmajor and not self.fp8 and not self.paged and not self.dyn)
+        # With pv_t and one pack (trn3 GPT-OSS B <= 8), the steps after the last K/V byte are VectorE-paced: the
+        # chained row max there too (one small VectorE instruction less per step; modelled B=8 4K 37.71 -> 37.61 us;
+        # not several packs: B=16 4K 50.27 -> 50.69). Its K^T mask pieces stay trn2's (k_mask_pieces above).
+        if self.pv_t and n_packs == 1:
+            self.rmax_chain = True
         self._frozen = True     # last: nothing changes the configuration from here on
 
 

@@ -277,10 +277,12 @@ def test_trn3_pv_v_stationary(monkeypatch):
 
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
     g, ll = GPT_OSS_20B_TP8, LLAMA31_8B_TP8
-    for shape, B, s_max, want in ((g, 8, 4096, True), (g, 16, 16384, True), (ll, 8, 4096, False)):
+    for shape, B, s_max, want, chain in ((g, 8, 4096, True, True), (g, 16, 16384, True, False),
+                                         (g, 16, 4096, True, False), (ll, 8, 4096, False, False)):
         cfg = cfg_mod._Config(B, 1, shape["H"], shape["d"], shape["nkv"], shape["nq"], s_max, s_max, 1.0,
                               shape.get("hidden_actual", shape["H"]), 0, 2)
         assert cfg.pv_t == want, (B, s_max)
+        assert cfg.rmax_chain == chain, (B, s_max)     # one pack: the chained row max too
     args, kw = make_inputs(8, 1, s_max=2048, ctx=2048, **g)
     rep = nkisim.profile(decode_attention_nki, *args, target="trn3", **kw).report
     mm = [(int(e.meta.get("k", 0)), int(e.meta.get("m", 0)), int(e.meta.get("n", 0))) for e in rep.events
