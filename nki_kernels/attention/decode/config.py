@@ -425,6 +425,16 @@ class _Config(nl.NKIObject):
         # ragged B=8 / B=16 61.61 / 88.90 -> 60.06 / 87.19 (DESIGN.md).
         self.tail_cuts = self.pack_tables or (self.v_rot and self.kpp == 2 and not fp8
                                               and self.scan >= TAIL_CUTS_MIN_SCAN)
+        # Where pack_tables holds, the last pack's steps are a chain over TensorE / ScalarE / VectorE and after it the
+        # O-projection waits for o^T and for W_o's last bytes (modelled GPT-OSS B=64 16K: o^T at 486.1, W_o's last
+        # byte 488.05 us); tail_halves: (1) that pack's alpha and m in two buffers alternating by step
+        # (flash._alpha_bufs: an alpha no longer waits (WAR) for the flush reading the previous one, nor the next
+        # step's nbias for m's update behind l's on GpSimd), (2) its in-place steps with the two halves of the P^T
+        # blocks on the two partition halves (flash._p128_steps: row max, exp and transposes over [128, 512]
+        # instead of [64, 1024]), (3) its o^T selection one matmul per batch (oproj._sel_pairs) and (4) W_o's
+        # last column piece the last eviction group's (oproj._wo_pieces). Modelled trn2 GPT-OSS B=64 16K 491.40
+        # -> 490.51 us (x1.1512 -> x1.1491; DESIGN.md).
+        self.tail_halves = self.pack_tables
         # One batch per stack (d = 128), where this core scans at least KW_PACKS packs with whole weights (LNC=1: the
         # K/V stream paces those rows): the scan's first and last slots are not split to one step
         # (planning._slot_bounds), so every slot is two pieces or more: its K^T moves as whole slots and pairs (4 / 8

@@ -21,7 +21,7 @@ from .config import (
 )
 from .isolation import _scrub_slot, _scrub_v, _valid_ranges
 from .kv_io import _cast_pairs, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
-from .oproj import _load_w_o, _oT_token_major, _rows_to_oT, _rows_to_tokens, _transpose_o
+from .oproj import _copy_oT_pairs, _load_w_o, _oT_token_major, _rows_to_oT, _rows_to_tokens, _sel_pairs, _transpose_o
 from .planning import _kt_width, _load_pieces, _packs, _pair_k, _plan, _rot_batch, _slot_split, _v_rotated, _whole_k
 from .ragged import _load_gates, _pv_group, _stack_gates, _step_gates
 
@@ -102,6 +102,7 @@ class _Softmax(nl.NKIObject):
     def __init__(self):
         self.m, self.l, self.acc, self.pending = None, None, None, None
         self.fin_gates = None   # ragged, per PV group: 1 iff its PV of the last step run is pending
+        self.alt, self.alt_prev, self.alt_n = None, None, 0     # _Config.tail_halves: _alpha_bufs
 
 
 class _PackInputs(nl.NKIObject):
@@ -256,7 +257,11 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
                 _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
     wo = _load_w_o(cfg, W_o, tiles) if W_o is not None else None    # attention DP loads its W_o shard itself
     if direct:
-        _copy_oT(oT, ps, K, n_k, c_last, nt)
+        y = _sel_pairs(cfg, st, tiles[0], packs[-1].p0, packs[-1].nb, n_k) if c_last else None
+        if y is not None:
+            _copy_oT_pairs(cfg, oT, y, c_last, packs[-1].nb)
+        else:
+            _copy_oT(oT, ps, K, n_k, c_last, nt)
         return (oT,), wo
     o_tok = []
     for ti, tl in enumerate(tiles):
@@ -616,6 +621,7 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
                              else ((None,) * len(steps), (None,) * len(steps), None))
     for step, sg in zip(steps, sgates):
         step.stack_gates = sg
+    _p128_steps(cfg, st, steps, rows)
     views = []
     _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[0], views, gates[0])
     for k in range(len(steps)):
@@ -629,7 +635,8 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
         else:
             split = tuple((c0, c1) for c0, c1, _i in step.chunks) if cfg.rmax_split and st.last_pack else None
             _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks, gates[k],
-                         pv_gates[k], pv_gates[k - 1] if k > 0 else None, step.pre_pv, split)
+                         pv_gates[k], pv_gates[k - 1] if k > 0 else None, step.pre_pv, split,
+                         p128=step.halves is not None)
         step.pre_pv = None
         step.sc = None
         if k == 0 and cfg.ragged and sm.acc is None:
@@ -639,6 +646,8 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
             nisa.memset(dst=sm.acc[:rows, :nb * cfg.d], value=0.0)
     if fin is not None:
         sm.fin_gates = fin
+    if sm.alt is not None:      # _Config.tail_halves: m of the last step run is in one of two buffers (runtime)
+        sm.m = None
 
 
 def _rot_thresholds(cfg, st, slots, steps, p_first, rows):
@@ -809,6 +818,10 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
     if cfg.pmajor:
         key = st.iota_pm(w // P_MAX, len(step.blocks))
         _run(gate, lambda _i: _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane))
+    elif step.halves is not None:      # _Config.tail_halves: the two halves of the blocks on the two partition halves
+        h = len(step.blocks) // 2
+        key = st.iota(f"{step.key_id}_h", [[w // P_MAX, P_MAX], [1, h]], P_MAX * h, nl.int16)
+        _run(gate, lambda _i: _step_scores_p128(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
     else:
         key = st.iota(step.key_id, step.key_pattern, step.cols, nl.float16 if cfg.mask_dve else nl.int16)
         q = st.qm_sw if cfg.kt_swap and lane else qm
@@ -980,7 +993,8 @@ def _row_max(m_t, sc, rows, cols, split=None, chain=False):
                                   reduce_init=part[:rows, i - 1:i])
 
 
-def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None, prev=None, pre_pv=None, split=None):
+def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None, prev=None, pre_pv=None, split=None,
+                 p128=False):
     """One online-softmax update over the masked scores sc[:rows, :cols] + PV.
 
     blocks: (first column, column stride, positions K, V block index) of each P^T block.
@@ -989,8 +1003,13 @@ def _online_step(cfg, st, sm, sc, rows, nb, cols, v, blocks, gate=None, pv=None,
     pre_pv: issued after the step's statistics, before the PV (the V scrub of a slot this step reads first).
     """
     if gate is not None:
+        alt = _alpha_bufs(sm, rows) if split and cfg.tail_halves and not st.pvt else None
+        if p128:
+            nl.fori_loop(0, gate, lambda _i: _online_step_p128(cfg, st, sm, sc, rows, nb, v, blocks, pv, prev,
+                                                               pre_pv, alt))
+            return
         nl.fori_loop(0, gate, lambda _i: _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv,
-                                                              prev, pre_pv, split))
+                                                              prev, pre_pv, split, alt))
         return
     scale = cfg.scale
     m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -1033,26 +1052,160 @@ def _group_cols(cfg, G, nb):
     return b0 * cfg.d, b1 * cfg.d, b0, b1
 
 
-def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, prev=None, pre_pv=None, split=None):
+def _alpha_bufs(sm, rows):
+    """(alpha of the previous step, this step's alpha buffer, m before this step, this step's m buffer): two buffers
+    of each alternating by step (static parity: the steps are unrolled), the first previous ones step 0's. The m
+    buffers hold m on both partition halves (rows + 64 .. as rows: _online_step_p128)."""
+    if sm.alt is None:
+        sm.alt = tuple(nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(4))
+        m0 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+        for h0 in (0, P_MAX // 2):
+            nisa.tensor_copy(dst=m0[h0:h0 + rows], src=sm.m[:rows], engine=nisa.engine.gpsimd)
+        sm.alt_prev = (sm.pending, m0)
+    k = sm.alt_n % 2
+    cur = (sm.alt[k], sm.alt[2 + k])
+    prev = sm.alt_prev
+    sm.alt_prev, sm.alt_n = cur, sm.alt_n + 1
+    return prev[0], cur[0], prev[1], cur[1]
+
+
+def _p128_steps(cfg, st, steps, rows):
+    """_Config.tail_halves, the kernel's last pack of 64 rows: when every in-place step (k >= 1) has the row-major
+    layout of ni blocks (P^T block il = the score columns il::ni over both 512-column chunks), each such step puts
+    the scores of blocks il < ni / 2 on partitions 0..63 and the others on 64..127 ([128, 64 ni] in one PSUM bank),
+    so its row max, exp and P^T transposes stream half the columns on all 128 partitions. Builds each step's mask
+    thresholds for both halves (the upper half's key offsets start at ni / 2: thresholds - ni / 2)."""
+    half = P_MAX // 2
+    if not (cfg.tail_halves and st.last_pack and rows == half and not cfg.pmajor and not cfg.split and not st.pvt
+            and len(steps) > 1):
+        return
+    for step in steps[1:]:
+        ni = len(step.blocks)
+        if not (step.thr_lo is None and ni % 2 == 0 and step.cols == P_MAX * ni and P_MAX * ni // 2 <= PSUM_F
+                and step.chunks == ((0, half * ni, ni), (half * ni, P_MAX * ni, ni))
+                and all(b[:3] == (i, ni, P_MAX) for i, b in enumerate(step.blocks))):
+            return
+    for step in steps[1:]:
+        h = len(step.blocks) // 2
+        out = []
+        for thr in (step.thr_rot if step.thr_rot is not None else (step.thr_hi,)):
+            t2 = nl.ndarray((P_MAX, 1), dtype=nl.int16, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=t2[:half], src=thr[:half])
+            nisa.tensor_scalar(dst=t2[half:], data=thr[:half], op0=nl.add, operand0=-h)
+            out.append(t2)
+        step.halves = tuple(out)
+
+
+def _step_scores_p128(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
+    """_step_scores in the _Config.tail_halves layout: partition half e (rows e*64 ..) holds the scores of the blocks
+    il = e*h .. e*h + h - 1 (h = ni / 2), column q*h + il - e*h <-> position q*n + i0 + il (one 512-column chunk per
+    half); the masks are built over both halves at once (the upper half's thresholds shifted by -h)."""
+    n, ni = w // P_MAX, len(step.blocks)
+    h, half = ni // 2, P_MAX // 2
+    cols = P_MAX * h
+    m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
+    thr = step.halves
+    hc = cols // len(thr)       # rotated slots: each half of the q columns its thresholds
+    for t, tt in enumerate(thr):
+        nisa.tensor_tensor(dst=m[:, t * hc:(t + 1) * hc], data1=key[:, t * hc:(t + 1) * hc],
+                           data2=tt.broadcast(1, hc), op=nl.greater, engine=nisa.engine.gpsimd)
+    sg = step.stack_gates
+    k_rot = cfg.k_plain and _v_rotated(cfg, j0, w)
+    i0 = step.pos0 - j0
+    # one mask matmul (MASK_NEG * I, [128, 128]) for both halves; ragged: it opens both accumulation groups, the
+    # stacks run gated
+    fold = dict(dst=sc[:, :cols].reshape((P_MAX, P_MAX, h)), stationary=consts.neg_eye,
+                moving=m[:, :cols].reshape((P_MAX, P_MAX, h)))
+    if sg is not None:
+        nisa.nc_matmul(**fold, accumulate=False)
+    for e in range(2):
+        pe = slice(e * half, e * half + rows)
+        dst = sc[pe, :cols].reshape((rows, P_MAX, h))
+        for jj in range(_stacks(cfg, nb)):
+            kp = _stack_rows(cfg, jj, nb)
+            parts = [(0, P_MAX, 0)]
+            if k_rot and _rot_batch(cfg, jj * cfg.kpp):     # a rotated stack: plain block (q + 64) % 128
+                parts = [(0, half, half), (half, P_MAX, 0)]
+            mov = [((q0, q1), _kview(cfg, kT, jj, kp, n * P_MAX, (kp, P_MAX, n),
+                                     (slice(None), slice(qk, qk + q1 - q0), slice(i0 + e * h, i0 + e * h + h))))
+                   for q0, q1, qk in parts]
+
+            def scores(_i, jj=jj, kp=kp, mov=mov, dst=dst, acc=(sg is not None or jj > 0)):
+                for (q0, q1), mv in mov:
+                    nisa.nc_matmul(dst=dst[:, q0:q1, :], stationary=qm[:kp, jj, :rows], moving=mv, accumulate=acc)
+            if sg is not None:
+                nl.fori_loop(0, sg[jj // cfg.halves], scores)
+                continue
+            scores(0)
+    if sg is None:
+        nisa.nc_matmul(**fold, accumulate=True)
+
+
+def _online_step_p128(cfg, st, sm, sc, rows, nb, v, blocks, pv, prev, pre_pv, alt):
+    """_online_step_inplace for a _Config.tail_halves step (scores [128, 64 ni]: blocks il < h on partitions 0..63, the
+    others on 64..127, h = ni / 2): one row max over both halves, then each row's max on both halves (a VectorE
+    and a GpSimd max across the halves); m kept on both halves (_alpha_bufs); one exp over [128, 64 ni]; h
+    transposes of [128, 128] (P^T blocks il and il + h side by side); l += both halves' sums."""
+    scale = cfg.scale
+    a_prev, a_cur, m_prev, m_cur = alt
+    ni = len(blocks)
+    h, half = ni // 2, P_MAX // 2
+    cols = P_MAX * h
+    part = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=part, op=nl.maximum, data=sc[:, :cols], axis=(1,))
+    m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=m_t[:half], data1=part[:half], data2=part[half:], op=nl.maximum)
+    nisa.tensor_tensor(dst=m_t[half:], data1=part[half:], data2=part[:half], op=nl.maximum,
+                       engine=nisa.engine.gpsimd)
+    nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nbias, data=m_prev, op0=nl.maximum, operand0=m_t, op1=nl.multiply, operand1=-scale)
+    nisa.tensor_tensor(dst=m_cur, data1=m_prev, data2=m_t, op=nl.maximum, engine=nisa.engine.gpsimd)
+    p = nl.ndarray((P_MAX, FA_SUB // 2), dtype=nl.bfloat16, buffer=nl.sbuf)
+    l_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p[:, :cols], op=nl.exp, data=sc[:, :cols], bias=nbias, scale=scale, reduce_op=nl.add,
+                    reduce_res=l_t, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    pT = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+    for j in range(h):
+        nisa.nc_transpose(dst=st.ps_t[:, j, :], data=p[:, j:j + (P_MAX - 1) * h + 1:h])
+    _flush_inplace(cfg, st, sm, rows, nb, prev, a_prev)    # previous step's PV: acc = acc * alpha_prev + PV
+    nisa.activation(dst=a_cur[:rows], op=nl.exp, data=m_prev[:rows], bias=nbias[:rows], scale=scale)  # alpha
+    nisa.tensor_tensor(dst=sm.l[:rows], data1=sm.l[:rows], data2=a_cur[:rows], op=nl.multiply,
+                       engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=sm.l[:rows], data1=sm.l[:rows], data2=l_t[:rows], op=nl.add, engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=sm.l[:rows], data1=sm.l[:rows], data2=l_t[half:half + rows], op=nl.add,
+                       engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=sm.pending[:rows], src=a_cur[:rows], engine=nisa.engine.gpsimd)
+    nisa.activation(dst=pT[:, :h, :], op=nl.copy, data=st.ps_t[:, :h, :])   # ScalarE
+    if pre_pv is not None:
+        pre_pv()
+    _pv(cfg, st, pT, v, rows, nb, blocks, pv, ph=h)
+
+
+def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, prev=None, pre_pv=None, split=None,
+                         alt=None):
     """_online_step writing the state in place (after a first step gave it its buffers), with the same VectorE /
     ScalarE instruction counts: nbias = -scale * max(m, rowmax) in one op; the previous step's PV is flushed before
     alpha overwrites the pending one; then l and m are updated in place. pv / prev (ragged, see
     ragged._stack_gates): per PV group, runtime trip counts of this step's PV matmuls / of the flush of the previous
     step's PV."""
     scale = cfg.scale
+    a_prev, a_cur, m_prev, m_cur = alt if alt is not None else (sm.pending, sm.pending, sm.m, sm.m)
     m_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     _row_max(m_t, sc, rows, cols, split, cfg.rmax_chain)
     nbias = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=nbias[:rows], data=sm.m[:rows], op0=nl.maximum, operand0=m_t[:rows], op1=nl.multiply,
+    nisa.tensor_scalar(dst=nbias[:rows], data=m_prev[:rows], op0=nl.maximum, operand0=m_t[:rows], op1=nl.multiply,
                        operand1=-scale)
+    if alt is not None:
+        nisa.tensor_tensor(dst=m_cur[:rows], data1=m_prev[:rows], data2=m_t[:rows], op=nl.maximum,
+                           engine=nisa.engine.gpsimd)
     if st.pvt:      # alpha first: acc^T's rescale (_rescale_t) runs while ScalarE computes P
         nisa.activation(dst=sm.pending[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)
         _rescale_t(st, sm.pending, rows)
+    nblk = len(blocks)
     p = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
     l_t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=p[:rows, :cols], op=nl.exp, data=sc[:rows, :cols], bias=nbias[:rows], scale=scale,
                     reduce_op=nl.add, reduce_res=l_t[:rows], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    nblk = len(blocks)
     pT = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
     for i, (c0, stride, k, _vb) in enumerate(blocks):
         nisa.nc_transpose(dst=st.ps_t[:k, i, :rows], data=p[:rows, c0:c0 + (k - 1) * stride + 1:stride])
@@ -1060,27 +1213,30 @@ def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, pr
     # The state update before the P^T copy (which waits for the transposes on TensorE): alpha no longer queues
     # behind it on ScalarE, so this step's l / m updates, which the next step's row max follows on VectorE, start
     # after the exp (modelled: trn2 GPT-OSS fp8 B=16 16K 152.81 -> 152.47 us, trn3 B=16 4K -0.3 / -0.4 %).
-    _flush_inplace(cfg, st, sm, rows, nb, prev)    # previous step's PV, in place: acc = acc * alpha_prev + PV
+    _flush_inplace(cfg, st, sm, rows, nb, prev, a_prev)    # previous step's PV: acc = acc * alpha_prev + PV
     if not st.pvt:
-        nisa.activation(dst=sm.pending[:rows], op=nl.exp, data=sm.m[:rows], bias=nbias[:rows], scale=scale)  # alpha
+        nisa.activation(dst=a_cur[:rows], op=nl.exp, data=m_prev[:rows], bias=nbias[:rows], scale=scale)  # alpha
     if split and cfg.tail_cuts:     # the last pack: l's update on GpSimd too (two fp32 ops, the same rounding)
-        nisa.tensor_tensor(dst=sm.l[:rows], data1=sm.l[:rows], data2=sm.pending[:rows], op=nl.multiply,
+        nisa.tensor_tensor(dst=sm.l[:rows], data1=sm.l[:rows], data2=a_cur[:rows], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
         nisa.tensor_tensor(dst=sm.l[:rows], data1=sm.l[:rows], data2=l_t[:rows], op=nl.add, engine=nisa.engine.gpsimd)
+        if alt is not None:
+            nisa.tensor_copy(dst=sm.pending[:rows], src=a_cur[:rows], engine=nisa.engine.gpsimd)
     else:
         nisa.scalar_tensor_tensor(dst=sm.l[:rows], data=sm.l[:rows], op0=nl.multiply, operand0=sm.pending[:rows],
                                   op1=nl.add, operand1=l_t[:rows])
     # the last pack (split): m's update on GpSimd, idle by then, off the VectorE-paced step chain (modelled ragged
     # GPT-OSS B=8 64.94 -> 63.58 us); nothing on VectorE waits for it before the next step's nbias
-    nisa.tensor_tensor(dst=sm.m[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum,
-                       engine=nisa.engine.gpsimd if split else nisa.engine.unknown)
+    if alt is None:
+        nisa.tensor_tensor(dst=sm.m[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum,
+                           engine=nisa.engine.gpsimd if split else nisa.engine.unknown)
     nisa.activation(dst=pT[:kmax, :nblk, :rows], op=nl.copy, data=st.ps_t[:kmax, :nblk, :rows])   # ScalarE
     if pre_pv is not None:
         pre_pv()
     _pv(cfg, st, pT, v, rows, nb, blocks, pv)
 
 
-def _pv(cfg, st, pT, v, rows, nb, blocks, pv=None):
+def _pv(cfg, st, pT, v, rows, nb, blocks, pv=None, ph=0):
     """PV of a step into ps_o [rows, nb * d] (every batch's V side by side; only the diagonal blocks are used).
     pv (ragged, see ragged._stack_gates): per PV group (ragged._pv_group batches) a runtime trip count; a group none
     of whose sequences reaches the step is skipped (its rows' probabilities are all 0 there), its columns keep an
@@ -1095,7 +1251,7 @@ def _pv(cfg, st, pT, v, rows, nb, blocks, pv=None):
             def group(_i, G=G):
                 c0, c1, b0, b1 = _group_cols(cfg, G, nb)
                 for i, (_c0, _s, k, vb) in enumerate(blocks):
-                    nisa.nc_matmul(dst=st.ps_o[:rows, c0:c1], stationary=pT[:k, i, :rows],
+                    nisa.nc_matmul(dst=st.ps_o[:rows, c0:c1], stationary=_pT_block(pT, i, k, rows, ph),
                                    moving=v[:k, b0:b1, vb, :], accumulate=(i > 0))
             nl.fori_loop(0, gate, group)
         return
@@ -1103,26 +1259,37 @@ def _pv(cfg, st, pT, v, rows, nb, blocks, pv=None):
     for h0 in range(0, nb, half):
         hn = min(half, nb - h0)
         for i, (_c0, _s, k, vb) in enumerate(blocks):
-            nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=pT[:k, i, :rows],
+            nisa.nc_matmul(dst=st.ps_o[:rows, h0 * d:(h0 + hn) * d], stationary=_pT_block(pT, i, k, rows, ph),
                            moving=v[:k, h0:h0 + hn, vb, :], accumulate=(i > 0))
 
 
-def _flush_inplace(cfg, st, sm, rows, nb, gates=None):
+def _pT_block(pT, i, k, rows, ph=0):
+    """The PV stationary of P^T block i: pT[:k, i, :rows], or with ph (_Config.tail_halves) the rows of block i in slot
+    i % ph, columns 64 * (i // ph) .."""
+    if not ph:
+        return pT[:k, i, :rows]
+    c = i // ph * (P_MAX // 2)
+    return pT[:k, i % ph, c:c + rows]
+
+
+def _flush_inplace(cfg, st, sm, rows, nb, gates=None, alpha=None):
     """acc = acc * alpha + PV of the pending step, in place; with per-group gates (ragged, _stack_gates) only the
-    groups whose PV is pending (the others' PSUM columns hold an already flushed PV)."""
+    groups whose PV is pending (the others' PSUM columns hold an already flushed PV). alpha: the pending step's
+    alpha (default sm.pending)."""
     if st.pvt:      # acc^T stays in PSUM, rescaled before each step's PV (_rescale_t)
         return
+    a = sm.pending if alpha is None else alpha
     if gates is None:
         n = nb * cfg.d
         nisa.scalar_tensor_tensor(dst=sm.acc[:rows, :n], data=sm.acc[:rows, :n], op0=nl.multiply,
-                                  operand0=sm.pending[:rows], op1=nl.add, operand1=st.ps_o[:rows, :n])
+                                  operand0=a[:rows], op1=nl.add, operand1=st.ps_o[:rows, :n])
         return
     for G, gate in enumerate(gates):
 
         def group(_i, G=G):
             c0, c1, _b0, _b1 = _group_cols(cfg, G, nb)
             nisa.scalar_tensor_tensor(dst=sm.acc[:rows, c0:c1], data=sm.acc[:rows, c0:c1], op0=nl.multiply,
-                                      operand0=sm.pending[:rows], op1=nl.add, operand1=st.ps_o[:rows, c0:c1])
+                                      operand0=a[:rows], op1=nl.add, operand1=st.ps_o[:rows, c0:c1])
         nl.fori_loop(0, gate, group)
 
 

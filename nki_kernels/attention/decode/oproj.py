@@ -72,6 +72,30 @@ def _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb):
                                    data2=st.ps_sel[:nt, :hn * d], op=nl.add)
 
 
+def _sel_pairs(cfg, st, tile, p0, nb, n_k):
+    """_Config.tail_halves (d = 64, S = 1, one KV head, the kernel's last pack in the full form): the PSUM columns
+    [128, nb * G] after o^T's in the selection bank where _rows_to_oT writes, per batch j, all G heads at once:
+    stationary = batch block j twice ([rows, 2, 64]: M = 128), moving = the G selection columns of its token, so
+    column (j, h) holds head h on both partition halves; o^T takes the even heads' lower halves and the odd heads'
+    upper halves (_copy_oT_pairs). One matmul per batch instead of one per batch and head parity (64-cycle
+    minimum each). None where it does not apply."""
+    if not (cfg.tail_halves and not st.pvt and 2 * cfg.d == P_MAX and cfg.S == 1 and cfg.nkv == 1 and cfg.group % 2 == 0
+            and p0 + nb == tile.b0 + tile.nt and n_k * tile.nt + nb * cfg.group <= PSUM_F):
+        return None
+    c = n_k * tile.nt
+    return st.ps_sel[:, c:c + nb * cfg.group]
+
+
+def _copy_oT_pairs(cfg, oT, y, c0, nb):
+    """o^T[:, :, c0:c0 + nb] from _sel_pairs' columns y [128, nb * G]: partitions 0..63 of chunk kk = head 2kk
+    (column j * G + 2kk), 64..127 = head 2kk + 1; the two halves on VectorE and ScalarE at once."""
+    half, G = P_MAX // 2, cfg.group
+    y4 = y.reshape((P_MAX, nb, G // 2, 2))
+    for u, eng in ((0, nisa.engine.vector), (1, nisa.engine.scalar)):
+        nisa.tensor_copy(dst=oT[u * half:(u + 1) * half, :G // 2, c0:c0 + nb],
+                         src=y4[u * half:(u + 1) * half, :, :, u].permute((0, 2, 1)), engine=eng)
+
+
 def _rows_to_oT(cfg, consts, st, o_rows, tile, g, p0, nb, full=False):
     """o^T[(hg*d + e) % 128, (hg*d + e) // 128, token] = o_rows[row(token, h), e] (hg = g*G + h) by selection
     matmuls written straight into the selection PSUM bank ([128, n_k, tokens] fp32): stationary o_rows [rows, d],
@@ -92,6 +116,13 @@ def _rows_to_oT(cfg, consts, st, o_rows, tile, g, p0, nb, full=False):
     # Heads h with (g*G + h) % dup == u land on partitions u*d.. of consecutive chunks: one matmul covers them all
     # (moving = their selection columns, stride dup heads).
     dup = P_MAX // d
+    y = _sel_pairs(cfg, st, tile, p0, nb, n_k) if full else None
+    if y is not None:
+        for j in range(nb):
+            nisa.nc_matmul(dst=y[:, j * G:(j + 1) * G],
+                           stationary=o_rows[:rows, j * d:(j + 1) * d].expand_dim(1).broadcast(1, 2),
+                           moving=sel[:rows, :, j], accumulate=False)
+        return
     for u in range(dup):
         h0 = (u - g * G) % dup
         if h0 >= G:
@@ -148,6 +179,15 @@ def _wo_pieces(cfg, W_o, tiles):
     columns (>= 1 KiB runs), so every other eviction is computed, stored or under way before W_o's last byte, and
     after it only that half's matmuls (modelled trn2 Llama-8B B=16 4K 110.51 -> 110.14 us, B=8 4K 71.17 -> 70.95)."""
     hc0, hc1 = cfg.hc
+    if tiles is not None and len(tiles) == 1 and not cfg.wo_chunk and cfg.tail_halves:
+        # _Config.tail_halves: the last piece is the last eviction group's columns, so after W_o's last byte only
+        # that group's matmuls, eviction and store remain; before it the two halves' first half and the rest (one
+        # piece of all of it: its longer transfers per DMA engine delay the last K/V loads; modelled GPT-OSS B=64
+        # 16K 491.59 us)
+        c0 = _eviction_groups(cfg, tiles[0].nt, split_last=True)[0][-1][0]
+        mid = (hc0 + hc1) // 2
+        if hc0 < mid < c0:
+            return ((hc0, mid), (mid, c0), (c0, hc1))
     if tiles is not None and len(tiles) == 1 and not cfg.wo_chunk:
         packed, _cpt, ev = _out_groups(cfg, tiles[0].nt)
         last = ev // 2
@@ -280,15 +320,24 @@ class _OutLayout(nl.NKIObject):
         # at most half of it in whole banks, and the store ranges follow the groups when all hold an even chunk
         # count (_store_ranges), so what follows the last matmul is a smaller eviction and the last range alone
         # (modelled trn2 GPT-OSS B=64 16K 495.81 -> 495.23 us).
-        self.groups = [(c0, min(ev, hc1 - c0)) for c0 in range(hc0, hc1, ev)]
+        self.groups, split = _eviction_groups(cfg, nt, split_last)
         self.ranges = None
-        per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, 128] fp32 per bank
-        if split_last and not self.packed and self.groups[-1][1] >= 2 * per_bank:
-            c0, n = self.groups.pop()
-            last = n // 2 // per_bank * per_bank
-            self.groups += [(c0, n - last), (c0 + n - last, last)]
-            if all(k % 2 == 0 for _c, k in self.groups):
-                self.ranges = tuple((c, c + k) for c, k in self.groups)
+        if split and all(k % 2 == 0 for _c, k in self.groups):
+            self.ranges = tuple((c, c + k) for c, k in self.groups)
+
+
+def _eviction_groups(cfg, nt, split_last=False):
+    """(_OutLayout's eviction groups (first chunk, chunks) of a token tile of nt tokens, whether the last one was
+    split (split_last: see there))."""
+    hc0, hc1 = cfg.hc
+    packed, _cpt, ev = _out_groups(cfg, nt)
+    groups = [(c0, min(ev, hc1 - c0)) for c0 in range(hc0, hc1, ev)]
+    per_bank = max(1, PSUM_F // P_MAX)                  # out^T chunks of [128, 128] fp32 per bank
+    if not (split_last and not packed and groups[-1][1] >= 2 * per_bank):
+        return groups, False
+    c0, n = groups.pop()
+    last = n // 2 // per_bank * per_bank
+    return groups + [(c0, n - last), (c0 + n - last, last)], True
 
 
 def _output_projection(cfg, consts, oTs, wo, bias_T, out, tiles, bias_row=None):

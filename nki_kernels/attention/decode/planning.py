@@ -71,6 +71,7 @@ class _Step(nl.NKIObject):
         self.cols = chunks[-1][1]
         self.sc, self.thr_hi, self.thr_lo = None, None, None
         self.thr_rot = None     # a step over a rotated slot (_v_rotated): thresholds of each half of the columns
+        self.halves = None      # _Config.p128: the thresholds of the two partition halves (flash._p128_steps)
         self.stack_gates = None     # ragged: per K^T load group, a runtime trip count (ragged._stack_gates)
 
 

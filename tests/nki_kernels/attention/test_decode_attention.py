@@ -1135,6 +1135,7 @@ def test_last_pack_tail_cuts_with_nan_tails():
     _poison_past(args, lens, False)
     widths, copies, l_adds, order = [], [], [], []
     and_bits, copy_oT, tensor_tensor = isolation._and_bits, flash._copy_oT, nisa_mod.tensor_tensor
+    copy_pairs = flash._copy_oT_pairs
     add_sink, prior_steps, flush_acc = flash._add_sink, flash._prior_steps, flash._flush_acc
 
     def spy_sink(*a, **k):
@@ -1158,6 +1159,10 @@ def test_last_pack_tail_cuts_with_nan_tails():
         copies.append((c0, c1))
         copy_oT(oT, ps, K, n_k, c0, c1)
 
+    def spy_pairs(cfg, oT, y, c0, nb):      # _Config.tail_halves: the last pack's columns from _sel_pairs
+        copies.append((c0, c0 + nb))
+        copy_pairs(cfg, oT, y, c0, nb)
+
     def spy_tt(dst, data1, data2, op, engine=nisa_mod.engine.unknown, **k):
         if engine == nisa_mod.engine.gpsimd and op == nl_mod.add and dst.shape[-1] == 1:
             l_adds.append(1)
@@ -1168,6 +1173,7 @@ def test_last_pack_tail_cuts_with_nan_tails():
         mp.setattr(cfg_mod, "_one_piece_plan", lambda cfg: False)
         mp.setattr(isolation, "_and_bits", spy_and)
         mp.setattr(flash, "_copy_oT", spy_copy)
+        mp.setattr(flash, "_copy_oT_pairs", spy_pairs)
         mp.setattr(nisa_mod, "tensor_tensor", spy_tt)
         mp.setattr(flash, "_add_sink", spy_sink)
         mp.setattr(flash, "_prior_steps", spy_steps)
@@ -1248,6 +1254,64 @@ def test_tail_cuts_16k_few_packs_with_nan_tails():
     assert dve_masks and not gp_masks, f"step masks: {len(dve_masks)} on VectorE, {len(gp_masks)} on GpSimd"
     # one pack per run (the poisoned and the clean cache): its sink term before its steps
     assert order and order == ["sink", "steps"] * (len(order) // 2), f"the pack's sink / steps: {order}"
+
+
+def test_last_pack_tail_halves_with_nan_tails():
+    """GPT-OSS ragged on trn2 with the pack tables (_Config.tail_halves): the kernel's last pack (64 rows) keeps
+    alpha and m in two buffers alternating by step (flash._alpha_bufs), its in-place steps put the two halves of
+    the P^T blocks on the two partition halves (flash._p128_steps: scores [128, 512], thresholds shifted by -ni / 2
+    on the upper half), its o^T selection is one matmul per batch (oproj._sel_pairs) and W_o's last column piece
+    is the last eviction group's (oproj._wo_pieces). 32 sequences (packs of 8; 1024-position slots, the first one
+    step 0), the last pack's ending in the lower and upper halves of its in-place steps; NaN past every length:
+    finite, equal to the reference and bit-identical to a clean cache, with random inputs and with inputs where
+    every cache key scores ~-32 and the new key 0 (a key past the end wrongly kept, score ~0 once scrubbed, then
+    weighs as much as the new one). Checked to fail (reference mismatch) with the upper half's threshold shift left
+    out (second inputs), with the pair copy taking the other parity's half, with the flush reading this step's
+    alpha buffer, and with the P^T blocks of the upper half read from the lower columns (first inputs)."""
+    from nki_kernels.attention.decode import flash, oproj
+
+    ctx = 4096
+    lens = (3000, 4095, 900, 2047, 2049, 1500, 3900, 100, 2600, 1024, 3500, 1800, 4000, 700, 2200, 3300, 1200, 2900,
+            500, 3700, 1600, 2400, 3100, 1300, 1028, 3333, 2051, 2047, 1500, 3077, 1030, 3585)
+    steps, pairs, pieces = [], [], []
+    step_p128, copy_pairs, wo_pieces = flash._online_step_p128, flash._copy_oT_pairs, oproj._wo_pieces
+
+    def spy_step(*a, **k):
+        steps.append(1)
+        step_p128(*a, **k)
+
+    def spy_pairs(cfg, oT, y, c0, nb):
+        pairs.append((c0, nb))
+        copy_pairs(cfg, oT, y, c0, nb)
+
+    def spy_pieces(cfg, W_o, tiles=None):
+        out = wo_pieces(cfg, W_o, tiles)
+        pieces.append(out)
+        return out
+
+    for dominant in (False, True):
+        args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=90, rope=not dominant, **GPT_OSS_20B_TP8)
+        args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+        if dominant:    # q = 4 (bias only), new k = 0, cached keys -1: cache scores -32 * d * scale, new key 0
+            nq_d, d = GPT_OSS_20B_TP8["nq"] * GPT_OSS_20B_TP8["d"], GPT_OSS_20B_TP8["d"]
+            bias = kw["bias_qkv"].clone()
+            bias[:, :nq_d] = 4.0
+            bias[:, nq_d:nq_d + d] = 0.0
+            args = (args[0], args[1] * 0, torch.full_like(args[2], -1.0)) + tuple(args[3:])
+            kw["bias_qkv"] = bias
+        clean = [a.clone() if a is not None else None for a in args]
+        _poison_past(args, lens, False)
+        with pytest.MonkeyPatch.context() as mp:
+            # 4K: whole pieces, so that the pack tables and tail_halves apply (see test_pack_tables_without_...)
+            mp.setattr(cfg_mod, "_one_piece_plan", lambda cfg: False)
+            mp.setattr(flash, "_online_step_p128", spy_step)
+            mp.setattr(flash, "_copy_oT_pairs", spy_pairs)
+            mp.setattr(oproj, "_wo_pieces", spy_pieces)
+            _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.tail_halves and cfg.pack == 8,
+                                   "tail_halves is off: the case tests none of the last pack's halves")
+    assert steps, "no step of the last pack in the two-halves layout"
+    assert (24, 8) in pairs, f"o^T's last columns not from the paired selection: {pairs}"
+    assert any(len(p) == 3 and p[-1] == (20, 24) for p in pieces), f"W_o's pieces: {pieces}"
 
 
 def test_ragged_whole_end_slots_with_nan_tails():
