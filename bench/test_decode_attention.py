@@ -40,15 +40,18 @@ CONTEXTS = (4096, 16384)
 _REPORTS = {}     # (shape id, B, ctx, target, window, block size, lnc) -> (report, bound): rows reuse each other
 
 
-def modelled(shape, B, ctx, target, window=0, block_size=0, lnc=1, fp8=False):
-    key = (id(shape), B, ctx, target, window, block_size, lnc, fp8)
+def modelled(shape, B, ctx, target, window=0, block_size=0, lnc=1, fp8=False, k_t=False):
+    key = (id(shape), B, ctx, target, window, block_size, lnc, fp8, k_t)
     if key not in _REPORTS:
-        _REPORTS[key] = _modelled(shape, B, ctx, target, window, block_size, lnc, fp8)
+        _REPORTS[key] = _modelled(shape, B, ctx, target, window, block_size, lnc, fp8, k_t)
     return _REPORTS[key]
 
 
-def _modelled(shape, B, ctx, target, window=0, block_size=0, lnc=1, fp8=False):
+def _modelled(shape, B, ctx, target, window=0, block_size=0, lnc=1, fp8=False, k_t=False):
     args, kw = make_inputs(B, 1, s_max=ctx, ctx=ctx, **shape)
+    if k_t:      # K_cache_transposed: K stored [B, nkv, d, S_max]
+        args = args[:2] + (args[2].transpose(2, 3).contiguous(),) + args[3:]
+        kw = dict(kw, K_cache_transposed=True)
     if block_size:
         args, kw = to_paged(args, kw, block_size)
     if fp8:      # e4m3 cache, per-tensor scales (the values' magnitude does not change the modelled cost)
@@ -190,6 +193,27 @@ def test_decode_attention_lnc2_batch_modelled(benchmark, model, B, ctx):
     assert rep.hbm_bytes <= 1.02 * one.hbm_bytes       # no weight read twice
     if (model, B, ctx) in LNC2_TARGET_ASSERTED:
         assert ratio <= 0.6, f"issue-11 LNC=2 target lost: {ratio:.3f}x LNC=1's latency > 0.6"
+
+
+# K_cache_transposed (K stored [B, nkv, d, S_max], AWS nki-library's attention_block_tkg layout): the K^T loads
+# are plain DMA copies instead of DMA transposes (DMA efficiency 0.80 at d = 64); compare with the main grid's rows
+K_T_CELLS = [("gpt-oss-20b-tp8", B, ctx) for B in (8, 16, 64) for ctx in CONTEXTS] + [("llama-3.1-8b-tp8", 8, 4096)]
+
+
+@pytest.mark.parametrize("model,B,ctx", K_T_CELLS)
+def test_decode_attention_k_transposed_modelled(benchmark, model, B, ctx):
+    """Transposed K cache on trn2 (same inputs as the main grid's cell, K transposed on the host): latency, its
+    roofline (`modelled_bound_s`) and the row-major cell's (`modelled_row_major_bound_s`: the same useful work; the
+    issue-11 ratio is taken against it), recorded, not asserted."""
+    rep, bound = benchmark.pedantic(modelled, args=(SHAPES[model], B, ctx, "trn2"), kwargs=dict(k_t=True),
+                                    rounds=1, iterations=1)
+    row, row_bound = modelled(SHAPES[model], B, ctx, "trn2")
+    _record(benchmark, rep, bound, model=model, batch=B, context=ctx, k_cache="transposed [B, nkv, d, S_max]")
+    benchmark.extra_info.update({"modelled_row_major_latency_s": row.latency_s,
+                                 "modelled_row_major_bound_s": row_bound,
+                                 "modelled_latency_over_row_major_bound": rep.latency_s / row_bound,
+                                 "modelled_target_ratio": _target(B, ctx, "trn2"),
+                                 "modelled_meets_target": rep.latency_s <= _target(B, ctx, "trn2") * row_bound})
 
 
 @pytest.mark.parametrize("B,ctx", [(16, 16384)])

@@ -55,8 +55,10 @@ def check_block_table(block_table, num_blocks, block_size, position_ids, context
 def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None, sinks=None,
                      bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0, sliding_window=0,
                      block_table=None, backend="auto", lnc=1, add_bias_o=True, k_scale=None, v_scale=None,
-                     attn_dp_groups=None, attn_dp_rank=0):
+                     attn_dp_groups=None, attn_dp_rank=0, K_cache_transposed=False):
     """Fused decode attention for one TP rank. See `decode_attention_kernel` for shapes and semantics.
+
+    K_cache_transposed: K_cache is [B, kv_heads, d, S_max] (contiguous bf16 cache only; V_cache unchanged).
 
     attn_dp_groups / attn_dp_rank: attention DP with in-kernel all-to-alls (kernel backends only; every rank of the
     groups calls this at once). On "nkisim" inside torch.distributed workers each process is one rank of the kernel's
@@ -74,13 +76,16 @@ def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     # check reads the column's width
     w_qkv = W_qkv if attn_dp_groups is None else _column_qkv(W_qkv, K_cache.shape[3], len(attn_dp_groups[0]),
                                                              K_cache.shape[1])
-    err = argument_error(X, w_qkv, K_cache, V_cache, cos, sin, block_table)
+    if K_cache_transposed and attn_dp_groups is not None:
+        raise ValueError("K_cache_transposed=True is not supported with attn_dp_groups (attention DP takes the "
+                         "row-major K_cache [B, kv_heads, S_max, d])")
+    err = argument_error(X, w_qkv, K_cache, V_cache, cos, sin, block_table, bool(K_cache_transposed))
     if err is not None:      # before the position checks, which read S_max from the cache's shape
         raise ValueError(err)
     position_ids = as_int32("position_ids", position_ids)
     block_table = as_int32("block_table", block_table)
     if block_table is None:
-        check_positions(position_ids, K_cache.shape[2], context_len)
+        check_positions(position_ids, V_cache.shape[2], context_len)
     else:
         check_positions(position_ids, block_table.shape[1] * K_cache.shape[2], context_len)
         check_block_table(block_table, K_cache.shape[0], K_cache.shape[2], position_ids, context_len)
@@ -88,6 +93,8 @@ def decode_attention(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
                   softmax_scale=float(softmax_scale), eps=float(eps), hidden_actual=int(hidden_actual),
                   sliding_window=int(sliding_window), block_table=block_table, add_bias_o=add_bias_o,
                   k_scale=k_scale, v_scale=v_scale)
+    if K_cache_transposed:      # only when set: the default call is unchanged
+        kwargs["K_cache_transposed"] = True
     if attn_dp_groups is not None:
         kwargs.update(attn_dp_groups=tuple(tuple(int(r) for r in g) for g in attn_dp_groups),
                       attn_dp_rank=int(attn_dp_rank))

@@ -40,7 +40,7 @@ __all__ = ["decode_attention_kernel", "decode_attention_nki", "P_MAX", "PSUM_F",
 def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None,
                             sinks=None, bias_o=None, context_len=0, softmax_scale=0.0, eps=1e-5, hidden_actual=0,
                             sliding_window=0, block_table=None, add_bias_o=True, k_scale=None, v_scale=None,
-                            attn_dp_groups=None, attn_dp_rank=0):
+                            attn_dp_groups=None, attn_dp_rank=0, K_cache_transposed=False):
     """Fused decode attention block: out = O_proj(Attn(RoPE(QKV(RMSNorm(X)))), with in-place KV-cache update.
 
     Dimensions:
@@ -54,6 +54,8 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         K_cache, V_cache ([B, nkv, S_max, d] @ HBM): caches, updated in place at the new positions. Paged layout
             (block_table given): [num_blocks, nkv, block_size, d]; position j of sequence b lives in block
             block_table[b, j // block_size] at row j % block_size (block_size a power of two in 16..512).
+            K_cache_transposed=True: K_cache is [B, nkv, d, S_max] @ HBM (V_cache unchanged), read with plain DMA
+            copies instead of DMA transposes, the new tokens' K written as columns.
         position_ids ([B, S] int32 @ HBM): position of each new token; consecutive within a sequence.
         cos, sin ([B, S, d/2] @ HBM): RoPE tables of the new positions, half-split layout (None: no RoPE).
         W_o ([nq * d, H] @ HBM): O-projection shard.
@@ -74,6 +76,9 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
             Dequantised on load (K read as fp8 pairs and cast to bf16 on an engine, V cast by its DMA; k_scale
             folds into q, v_scale into the final 1/l); the new
             tokens' K/V are quantised (value / scale, rounded to fp8) before use, as the cache stores them.
+        K_cache_transposed (bool): K_cache stored transposed, [B, nkv, d, S_max] (AWS nki-library's
+            attention_block_tkg name); contiguous bf16 cache only (not with block_table, attn_dp_groups or an fp8
+            cache: ValueError / assertion before any work).
         sinks ([nq] @ HBM): optional per-head sink logits (scaled-logit units); join the softmax denominator only.
         context_len (int): static number of cache positions scanned (L); 0 = S_max. Every position must be < L.
         softmax_scale (float): 0.0 = 1/sqrt(d). eps (float): RMSNorm epsilon.
@@ -111,6 +116,8 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         out = o @ W_o + b_o ; K_cache[b, :, pos[b]] = k ; V_cache[b, :, pos[b]] = v
     """
     if attn_dp_groups is not None:
+        assert not K_cache_transposed, \
+            "K_cache_transposed=True is not supported with attn_dp_groups (attention DP takes the row-major K_cache)"
         cfg, cfg_g, dp = _validate_dp(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks,
                                       bias_o, context_len, softmax_scale, hidden_actual, sliding_window, block_table,
                                       add_bias_o, k_scale, v_scale, nl.num_programs(), attn_dp_groups, attn_dp_rank)
@@ -120,7 +127,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         return out
     cfg = _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
                            context_len, softmax_scale, hidden_actual, sliding_window, block_table, add_bias_o,
-                           k_scale, v_scale, nl.num_programs(), nl.program_id(0))
+                           k_scale, v_scale, nl.num_programs(), nl.program_id(0), K_cache_transposed)
     if not add_bias_o:
         bias_o = None       # another rank of the TP group adds it
     out = nl.ndarray((cfg.B * cfg.S, cfg.H), dtype=X.dtype, buffer=nl.shared_hbm)
@@ -158,7 +165,7 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         if cfg.wsplit and not cfg.split:
             _exchange_oT(cfg, oT[0], b_lo, b_hi, cfg.per_core)
         if cfg.core == 0:
-            _update_cache(cfg, qkv, K_cache, V_cache, pos_sb, tiles, rows)
+            _update_cache(cfg, qkv, K_cache, V_cache, pos_sb, tiles, rows, qkT)
         _output_projection(cfg, consts, oT, wo, ins.bias_o, out, tiles, ins.bias_o_row)
     return out
 

@@ -11,7 +11,7 @@ import torch
 def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma=None, bias_qkv=None,
                            sinks=None, bias_o=None, context_len=None, softmax_scale=None, eps=1e-5,
                            hidden_actual=0, sliding_window=0, block_table=None, add_bias_o=True, k_scale=None,
-                           v_scale=None):
+                           v_scale=None, K_cache_transposed=False):
     """Reference forward. Updates K_cache / V_cache in place at `position_ids` and returns out [B*S_tkg, H].
 
     Shapes: X [B, S, H]; W_qkv [H, (nq + 2*nkv)*d]; K_cache/V_cache [B, nkv, S_max, d]; position_ids [B, S] int;
@@ -25,7 +25,10 @@ def decode_attention_torch(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W
     from the cache like every other row.
     Paged layout (block_table [B, max_blocks] int): K_cache/V_cache [num_blocks, nkv, block_size, d]; position j of
     sequence b is row j % block_size of block block_table[b, j // block_size]; S_max = max_blocks * block_size.
+    K_cache_transposed: K_cache is [B, nkv, d, S_max] (contiguous only); read and updated through a transposed view.
     """
+    if K_cache_transposed:
+        K_cache = K_cache.transpose(2, 3)       # a view: the in-place update writes the caller's tensor
     dt = X.dtype
     B, S, H = X.shape
     if block_table is not None:

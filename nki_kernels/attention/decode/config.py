@@ -218,8 +218,13 @@ class _Config(nl.NKIObject):
         object.__setattr__(self, name, value)
 
     def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize, bs=0, mb=0, fp8=False,
-                 n_prog=1, core=0, fp8_mm=False, kv_dtype=None):
+                 n_prog=1, core=0, fp8_mm=False, kv_dtype=None, k_t=False):
         self.B, self.S, self.H, self.d, self.nkv, self.nq = B, S, H, d, nkv, nq
+        # K_cache_transposed: K stored [B, nkv, d, S_max] (contiguous bf16 cache only). The K^T loads are plain DMA
+        # copies of d partitions x w contiguous positions (kv_io._load_kT) into the same SBUF layout the DMA
+        # transposes of the row-major cache produce, so every later phase is the same; the cache update writes K
+        # transposed.
+        self.k_t = k_t
         self.paged, self.bs, self.mb = bs > 0, bs, mb    # paged cache: block size, block-table columns
         # fp8 KV cache: K^T comes from a DMA transpose of the fp8 rows read as 2-byte pairs (dims 2i, 2i + 1 of a
         # position in one element; the DMA transpose moves 2-byte elements only), cast to bf16 on an engine as two
@@ -623,12 +628,42 @@ def x_row_groups(cfg, nt):
     return parts
 
 
-def argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table=None):
+class _CacheShape(nl.NKIObject):
+    """Shape and dtype of K_cache in the row-major layout [B, nkv, S_max, d] (K_cache_transposed: the validation
+    reads the transposed cache through it), never read as data."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
+def transposed_k_error(K_cache, V_cache, block_table=None):
+    """K_cache_transposed=True: the message of a layout it does not take (None: K_cache is V_cache's [B, nkv, S_max,
+    d] with the last two dims swapped, contiguous cache)."""
+    if block_table is not None:
+        return ("K_cache_transposed=True supports a contiguous cache only (K_cache [B, kv_heads, d, S_max]); a paged "
+                "cache (block_table given) takes the row-major K_cache [num_blocks, kv_heads, block_size, d]")
+    if K_cache.dtype.itemsize == 1:
+        return (f"K_cache_transposed=True supports a bf16 cache only (K_cache dtype {K_cache.dtype}): an fp8 K^T load "
+                "would interleave two rows byte by byte into the kernel's 2-byte pairs (1-byte DMA runs, modelled "
+                "~100x slower); pass the row-major fp8 K_cache")
+    ks, vs = tuple(K_cache.shape), tuple(V_cache.shape)
+    if len(vs) != 4 or ks != vs[:2] + (vs[3], vs[2]):
+        return (f"K_cache: shape {ks} with K_cache_transposed=True must be [B, kv_heads, d, S_max] = V_cache's "
+                f"{vs} with the last two dims swapped")
+    return None
+
+
+def argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table=None, K_cache_transposed=False):
     """The argument at fault when a wrong layout would otherwise be blamed on another one, as a message (None: no
     such error). Shared by the kernel's validation and the host-side checks of `decode_attention`."""
     if (cos is None) != (sin is None):
         given, missing = ("cos", "sin") if sin is None else ("sin", "cos")
         return f"{given} is given but {missing} is None: the RoPE tables come as a pair (both or neither)"
+    if K_cache_transposed:
+        err = transposed_k_error(K_cache, V_cache, block_table)
+        if err is not None:
+            return err
+        K_cache = _CacheShape(V_cache.shape, K_cache.dtype)
     paged = block_table is not None
     layout = "[num_blocks, kv_heads, block_size, d]" if paged else "[B, kv_heads, S_max, d]"
     if len(K_cache.shape) != 4:
@@ -645,8 +680,9 @@ def argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table=None):
 
 def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, gamma, bias_qkv, sinks, bias_o,
                      context_len, softmax_scale, hidden_actual, sliding_window, block_table=None, add_bias_o=True,
-                     k_scale=None, v_scale=None, n_prog=1, core=0):
-    """Check every static limit before any work; messages name the argument and the limit."""
+                     k_scale=None, v_scale=None, n_prog=1, core=0, k_transposed=False):
+    """Check every static limit before any work; messages name the argument and the limit. k_transposed: K_cache
+    is [B, nkv, d, S_max] (K_cache_transposed)."""
     assert nl.tile_size.gemm_moving_fmax >= PSUM_F, \
         f"target: matmul moving free size {nl.tile_size.gemm_moving_fmax} < one PSUM bank ({PSUM_F}); unsupported"
     assert nl.tile_size.psum_num_banks >= ATTN_PSUM_BANKS, \
@@ -655,8 +691,11 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     assert len(X.shape) == 3, f"X must be [B, S_tkg, H], got shape {X.shape}"
     B, S, H = X.shape
     assert len(W_qkv.shape) == 2 and W_qkv.shape[0] == H, f"W_qkv must be [H={H}, (nq+2*nkv)*d], got {W_qkv.shape}"
-    err = argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table)   # cache rank, V_cache shape, d | W_qkv
+    err = argument_error(X, W_qkv, K_cache, V_cache, cos, sin, block_table,   # cache rank, V_cache shape, d | W_qkv
+                         k_transposed)
     assert err is None, err
+    if k_transposed:
+        K_cache = _CacheShape(V_cache.shape, K_cache.dtype)     # the row-major shape from here on
     assert isinstance(add_bias_o, bool), f"add_bias_o={add_bias_o!r} must be a bool"
     paged = block_table is not None
     if paged:
@@ -724,4 +763,4 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     scale = softmax_scale if softmax_scale != 0.0 else 1.0 / (d ** 0.5)
     fp8_mm = fp8 and (K_cache.dtype == nl.float8_e4m3 or nisa.get_nc_version() >= nisa.nc_version.gen4)
     return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window, X.dtype.itemsize, bs, mb, fp8,
-                   n_prog, core, fp8_mm, K_cache.dtype)
+                   n_prog, core, fp8_mm, K_cache.dtype, k_transposed)

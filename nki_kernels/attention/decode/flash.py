@@ -728,6 +728,12 @@ def _load_k_pair(cfg, K_cache, kT, b, g, j, j0, w, lane=0):
     Whole two-piece slots (planning._whole_k) and one-step slots as wide as the ring's stacks (planning._pair_k)."""
     kpp, kd = cfg.kpp, cfg.kd
     u0, jj = ((j + lane) % kpp) * kd, j // kpp
+    if cfg.k_t:     # K_cache_transposed: both sequences' columns in one plain copy [d, 2, w]
+        s_max = cfg.s_max
+        nisa.dma_copy(dst=kT[u0:u0 + kd, jj:jj + 2, :w],
+                      src=K_cache.ap([[s_max, kd], [kpp * cfg.nkv * kd * s_max, 2], [1, w]],
+                                     offset=(b * cfg.nkv + g) * kd * s_max + j0))
+        return
     nisa.dma_transpose(dst=kT[u0:u0 + kd, jj:jj + 2, :w].expand_dim(3),
                        src=K_cache[b:b + kpp + 1:kpp, g, j0:j0 + w, :].expand_dim(0))
 

@@ -26,6 +26,26 @@ def _cast_pairs(cfg, kg, kT, w, nb, dtype, k, gates=None):
              nisa.tensor_copy(dst=kT[:kp, 2 * jg:2 * jg + 2, :w], src=pairs, engine=eng))
 
 
+def _kt_src(cfg, K_cache, b, g, a, size, scalar_offset=None):
+    """K_cache_transposed ([B, nkv, d, S_max], bf16): positions [a, a + size) of (b, g) as the K^T load writes them,
+    [d, size] (d partitions x size contiguous positions). scalar_offset: a register added to the positions
+    (windowed scan)."""
+    s_max = cfg.s_max
+    return K_cache.ap([[s_max, cfg.d], [1, size]], offset=(b * cfg.nkv + g) * cfg.d * s_max + a,
+                      scalar_offset=scalar_offset, indirect_dim=3)
+
+
+def _load_kT(cfg, K_cache, dst, b, g, a, size):
+    """K^T of positions [a, a + size) of sequence b, KV head g -> dst [kd, size] (fp8: the 2-byte pairs, see
+    _load_piece): a DMA transpose of the rows of the row-major cache, or (_Config.k_t) a plain copy of the
+    transposed cache's columns into the same layout."""
+    if cfg.k_t:
+        nisa.dma_copy(dst=dst, src=_kt_src(cfg, K_cache, b, g, a, size))
+    else:
+        rows = K_cache[b, g, a:a + size, :]
+        nisa.dma_transpose(dst=dst, src=rows.view(nl.uint16) if cfg.fp8 else rows)
+
+
 def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, rot=False, parts="kv"):
     """Contiguous cache: K^T / V of positions [a, a + size) of the slot [j0, j0 + w) for batch j of the pack (the
     whole slot, or a piece of it: whole V partitions of the slot layout, or its remainder block). lane: the
@@ -41,20 +61,17 @@ def _load_piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, r
     d, n = cfg.d, w // P_MAX
     u0, jj = ((j + lane) % cfg.kpp) * cfg.kd, j // cfg.kpp
     off = a - j0
-    k_rows = K_cache[b, g, a:a + size, :]
-    if cfg.fp8:
-        k_rows = k_rows.view(nl.uint16)
     body = max(0, min(size, n * P_MAX - off))        # positions of the piece in the n-per-partition layout
     if "k" not in parts:
         pass
     elif rot and body and not cfg.k_plain:    # the body's columns in each half of the slot, each moved by half
         for p_s, p_e, p_d in _v_parts(off // n, (off + body) // n, rot):
-            nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, p_d * n:p_e * n - p_s * n + p_d * n],
-                               src=k_rows[p_s * n - off:p_e * n - off, :])
+            _load_kT(cfg, K_cache, kT[u0:u0 + cfg.kd, jj, p_d * n:p_e * n - p_s * n + p_d * n], b, g,
+                     a + p_s * n - off, (p_e - p_s) * n)
         if size > body:
-            nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, off + body:off + size], src=k_rows[body:size, :])
+            _load_kT(cfg, K_cache, kT[u0:u0 + cfg.kd, jj, off + body:off + size], b, g, a + body, size - body)
     else:
-        nisa.dma_transpose(dst=kT[u0:u0 + cfg.kd, jj, off:off + size], src=k_rows)
+        _load_kT(cfg, K_cache, kT[u0:u0 + cfg.kd, jj, off:off + size], b, g, a, size)
     if "v" not in parts:
         return
     if body:
@@ -73,8 +90,11 @@ def _load_slot_window(cfg, start, K_cache, V_cache, kT, v, b, g, j0, w):
     n = w // P_MAX
     base = ((b * cfg.nkv + g) * s_max + j0) * d
     kd, hv = cfg.kd, cfg.halves      # fp8: K rows as 2-byte pairs (see _load_piece)
-    nisa.dma_transpose(dst=kT, src=K_cache.ap([[kd, w], [1, kd]], offset=base // hv, scalar_offset=start,
-                                              indirect_dim=2, dtype=nl.uint16 if cfg.fp8 else None))
+    if cfg.k_t:     # the transposed cache's columns (see _load_kT)
+        nisa.dma_copy(dst=kT, src=_kt_src(cfg, K_cache, b, g, j0, w, scalar_offset=start))
+    else:
+        nisa.dma_transpose(dst=kT, src=K_cache.ap([[kd, w], [1, kd]], offset=base // hv, scalar_offset=start,
+                                                  indirect_dim=2, dtype=nl.uint16 if cfg.fp8 else None))
     nisa.dma_copy(dst=v[:, :n, :], src=V_cache.ap([[n * d, P_MAX], [1, n * d]], offset=base, scalar_offset=start,
                                                  indirect_dim=2))
 
@@ -263,10 +283,13 @@ def _load_positions(cfg, position_ids):
     return pos
 
 
-def _update_cache(cfg, qkv, K_cache, V_cache, pos, tiles, rows=()):
+def _update_cache(cfg, qkv, K_cache, V_cache, pos, tiles, rows=(), qkT=None):
     """K/V rows of the new tokens -> cache[b, g, pos[b, 0] : pos[b, 0] + S] (dynamic start from a register); paged:
     one row per token, K_cache[rows[t] + g * bs] of the [num_blocks * nkv * bs, d] row view (see _paged_rows).
-    pos: position_ids in SBUF (_load_positions).
+    pos: position_ids in SBUF (_load_positions). K_cache_transposed (_Config.k_t): the new tokens' K^T from qkT
+    (qkv._transpose_qk: d partitions) -> K_cache[b, g, :, pos : pos + S], d
+    partitions of S positions each (from qkv's rows every element would be its own 2-byte HBM run, ~1.5 us per
+    (sequence, head) on one DMA ring, modelled).
 
     Issued after every cache read in program order (the attention used the new tokens from SBUF)."""
     d, nq, nkv, S = cfg.d, cfg.nq, cfg.nkv, cfg.S
@@ -289,5 +312,11 @@ def _update_cache(cfg, qkv, K_cache, V_cache, pos, tiles, rows=()):
             r0 = bl * S
             for g in range(nkv):
                 kc, vc = cfg.pad + (nq + g) * d, cfg.pad + (nq + nkv + g) * d
-                nisa.dma_copy(dst=K_cache[b, g, nl.ds(start, S), :], src=qkv[ti][r0:r0 + S, kc:kc + d])
+                if cfg.k_t:     # K_cache [B, nkv, d, S_max]: the S new columns (see above)
+                    t0 = tl.t0 + r0 - tiles[0].t0
+                    nisa.dma_copy(dst=K_cache.ap([[cfg.s_max, d], [1, S]], offset=(b * nkv + g) * d * cfg.s_max,
+                                                 scalar_offset=start, indirect_dim=3),
+                                  src=qkT[0:d, 0, t0:t0 + S, nq + g, 0])
+                else:
+                    nisa.dma_copy(dst=K_cache[b, g, nl.ds(start, S), :], src=qkv[ti][r0:r0 + S, kc:kc + d])
                 nisa.dma_copy(dst=V_cache[b, g, nl.ds(start, S), :], src=qkv[ti][r0:r0 + S, vc:vc + d])
