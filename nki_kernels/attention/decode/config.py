@@ -69,6 +69,10 @@ TAIL_CUTS_MIN_SCAN = 16384
 # _Config.mask_dve: the cache steps' masks compare fp16 key offsets on VectorE; fp16 holds every integer up to 2048
 # exactly, so only slots of at most this many positions (key offsets 0 .. w - 1).
 MASK_DVE_MAX_SLOT = 2048
+# _Config.row_halves: a step's 8 V blocks (column i of every 128-position K^T row block, i0 <= i < i0 + 8) split
+# 4 / 4 between the score rows 0..63 and 64..127, so each half scores [64, 128 x HALF_I] columns and its P^T blocks
+# hold 128 positions (all partitions): one 512-column row max / exp per step, the same P^T copy and PV work.
+HALF_I = 4
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
@@ -533,6 +537,14 @@ class _Config(nl.NKIObject):
         # not several packs: B=16 4K 50.27 -> 50.69). Its K^T mask pieces stay trn2's (k_mask_pieces above).
         if self.pv_t and n_packs == 1:
             self.rmax_chain = True
+        # The kernel's last pack in row halves (flash._halves_ok): each 1024-column step's scores as [128 rows, 512]
+        # (rows 64.. score the second half of the step's positions against the same queries), two softmax states
+        # per (batch, head) merged after the last step. Full packs of 64 rows (d = 64, kpp = 2, S = 1), contiguous
+        # bf16 ragged scans, LNC=1; see DESIGN.md "Ragged GPT-OSS B=8 / B=16".
+        self.row_halves = (v3 and self.ragged and not self.pmajor and not self.paged and not self.dyn and S == 1
+                           and not fp8 and self.kpp == 2 and self.pack * self.R == P_MAX // 2 and not self.kt_alt
+                           and not self.k_plain and not self.pack_tables and n_prog == 1 and nkv == 1
+                           and n_packs == 1 and B == self.pack and self.window == 0)
         self._frozen = True     # last: nothing changes the configuration from here on
 
 

@@ -831,17 +831,20 @@ def test_one_pack_row_max_chained_and_m_on_gpsimd():
     exact: the output must be bit-identical to the one-reduce row max's and match the reference; the instruction
     counts show both paths taken (fails with either reverted: no tensor_scalar_reduce / no [rows, 1] GpSimd max; a
     chained reduce started without the first chunk's max moves the bits). GPT-OSS B=8 at 8K, random positions:
-    one pack, gated steps, 2048-position slots."""
+    one pack, gated steps, 2048-position slots; the row halves (_Config.row_halves, which replace both there) off."""
     import nkisim
+    from nki_kernels.attention.decode import flash
     args, kw = make_inputs(8, 1, s_max=8192, ctx=8192, seed=12, **GPT_OSS_20B_TP8)
-    rep = nkisim.profile(decode_attention_nki, *[a.clone() for a in args], target="trn2", **kw)[1]
-    chained = sum(1 for e in rep.events if e.op == "tensor_scalar_reduce")
-    m_gpsimd = sum(1 for e in rep.events if e.op == "tensor_tensor" and e.engine == "gpsimd" and e.meta.get("n") == 1
-                   and e.meta.get("op") == "maximum")
-    assert chained >= 3, f"{chained} chained row-max reduces"
-    assert m_gpsimd >= 2, f"{m_gpsimd} m updates on GpSimd"
-    out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
-    _assert_equals_one_reduce_row_max(args, kw, out)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "_halves_ok", lambda cfg, st, nb: False)
+        rep = nkisim.profile(decode_attention_nki, *[a.clone() for a in args], target="trn2", **kw)[1]
+        chained = sum(1 for e in rep.events if e.op == "tensor_scalar_reduce")
+        m_gpsimd = sum(1 for e in rep.events if e.op == "tensor_tensor" and e.engine == "gpsimd"
+                       and e.meta.get("n") == 1 and e.meta.get("op") == "maximum")
+        assert chained >= 3, f"{chained} chained row-max reduces"
+        assert m_gpsimd >= 2, f"{m_gpsimd} m updates on GpSimd"
+        out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
+        _assert_equals_one_reduce_row_max(args, kw, out)
 
 
 def test_one_pack_k_masks_in_pieces_with_nan_tails():
@@ -860,6 +863,38 @@ def test_one_pack_k_masks_in_pieces_with_nan_tails():
     rep = nkisim.profile(decode_attention_nki, *[a.clone() for a in args], target="trn2", **kw)[1]
     signs = [e.meta.get("n") for e in rep.events if e.op == "activation" and e.meta.get("op") == "sign"]
     assert signs and max(signs) <= 2048 // K_MASK_PIECES, f"K^T mask widths {sorted(set(signs))}"
+    out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
+    ref_out = decode_attention(*[a.clone() for a in clean], **kw, backend="nkisim")
+    assert torch.isfinite(out.float()).all()
+    assert _same_bits(out, ref_out)
+    ref = decode_attention_torch(*[a.clone() for a in clean], **kw).float()
+    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("ctx,lengths", [
+    (8192, (100, 700, 1500, 2100, 3000, 4097, 6000, 8000)),     # 2048-position slots, every row half used
+    (16384, (128, 256, 512, 1024, 2047, 4095, 8191, 16383)),    # the bench's ragged row: 1024-position last slots
+])
+def test_one_pack_row_halves_with_nan_tails(ctx, lengths):
+    """trn2, a kernel of one full pack of 64 rows (_Config.row_halves, flash._halves_ok): each step's scores are
+    [128 rows, 512] (rows 64.. the step's second HALF_I V blocks against the same queries: [0 | q] stationaries),
+    one row max / exp per step, P^T of 128 positions per half, two softmax states per (batch, head) merged after
+    the last step (flash._merge_halves: the other half's m, l through a half-swap matmul, the sink term once) and
+    summed by the o^T selection matmuls. A sequence shorter than HALF_I positions past a step's start leaves its
+    second half all masked (m from the new token, l = 0). With NaN past every sequence's length the output is
+    bit-identical to a clean cache's and matches the reference. Fails
+    without the halves (every row max over 64 rows) and with the second half's key offsets not shifted by HALF_I
+    (pf_h = p_first: reference mismatch)."""
+    import nkisim
+    from nki_kernels.attention.decode.config import HALF_I, P_MAX
+    args, kw = make_inputs(8, 1, s_max=ctx, ctx=ctx, seed=15, **GPT_OSS_20B_TP8)
+    args[4][:, 0] = torch.tensor(lengths, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_stale_rows(args, 0)
+    rep = nkisim.profile(decode_attention_nki, *[a.clone() for a in args], target="trn2", **kw)[1]
+    halves = [e for e in rep.events if e.op == "tensor_reduce" and e.engine == "vector"
+              and e.meta.get("p") == P_MAX and e.meta.get("n") == P_MAX * HALF_I and e.meta.get("op") == "maximum"]
+    assert len(halves) >= 4, f"{len(halves)} row maxima over [128, {P_MAX * HALF_I}]"
     out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
     ref_out = decode_attention(*[a.clone() for a in clean], **kw, backend="nkisim")
     assert torch.isfinite(out.float()).all()
@@ -1196,7 +1231,8 @@ def test_tail_cuts_16k_few_packs_with_nan_tails():
     GpSimd mask compare. Sequences ending in different pieces of the slots (one at the last position, stack partners
     in different slots); NaN past every length: finite, equal to the reference and bit-identical to a clean cache.
     Checked to fail with the tail_cuts change reverted (the probe), with mask_dve off (the spies) and with the fp16
-    key offsets one too high (reference mismatch)."""
+    key offsets one too high (reference mismatch). Run with the row halves off (_Config.row_halves: this one-pack
+    kernel's steps in halves keep GpSimd masks and add the sink in the merge; B=16 16K keeps these cuts)."""
     import nki.isa as nisa_mod
     import nki.language as nl_mod
 
@@ -1244,6 +1280,7 @@ def test_tail_cuts_16k_few_packs_with_nan_tails():
         mp.setattr(nisa_mod, "tensor_scalar", spy_ts)
         mp.setattr(flash, "_add_sink", spy_sink)
         mp.setattr(flash, "_prior_steps", spy_steps)
+        mp.setattr(flash, "_halves_ok", lambda cfg, st, nb: False)    # _Config.row_halves replaces the cuts here
         _check_nan_tails_where(args, clean, kw,
                                lambda cfg: cfg.tail_cuts and not cfg.pack_tables and cfg.pack == 8 and cfg.scan == ctx
                                and cfg.mask_dve,
