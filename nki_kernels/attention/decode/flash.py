@@ -23,7 +23,18 @@ from .config import (
 from .isolation import _scrub_slot, _scrub_v, _valid_ranges
 from .kv_io import _cast_pairs, _load_piece, _load_slot_paged, _load_slot_window, _start_rows
 from .oproj import _copy_oT_pairs, _load_w_o, _oT_token_major, _rows_to_oT, _rows_to_tokens, _sel_pairs, _transpose_o
-from .planning import _kt_width, _load_pieces, _packs, _pair_k, _plan, _rot_batch, _slot_split, _v_rotated, _whole_k
+from .planning import (
+    _kt_width,
+    _load_pieces,
+    _oT_head_runs,
+    _packs,
+    _pair_k,
+    _plan,
+    _rot_batch,
+    _slot_split,
+    _v_rotated,
+    _whole_k,
+)
 from .ragged import _load_gates, _pv_group, _stack_gates, _step_gates
 
 
@@ -1660,7 +1671,7 @@ def _accT_to_oT(cfg, consts, st, o_t, tile, g, p0, nb):
     (pair half bp, o^T half u) one matmul, stationary = the identity block of half bp, moving = the columns of the
     rows (batch j = 2i + bp, head h = u mod 2) in (head, batch) order, written to partitions u*d.. of the
     selection bank; only the diagonal blocks (the row's own batch) are read."""
-    d, G, R, per = cfg.d, cfg.group, cfg.R, _pv_group(cfg)
+    d, R, per = cfg.d, cfg.R, _pv_group(cfg)
     rows = nb * R
     nt, tb0 = tile.nt, tile.b0
     n_k = (cfg.nq * d + P_MAX - 1) // P_MAX
@@ -1668,12 +1679,7 @@ def _accT_to_oT(cfg, consts, st, o_t, tile, g, p0, nb):
     c0 = p0 - tb0                        # this pack's first token column (S = 1)
     dup = P_MAX // d
     o4 = o_t[:, :rows].reshape((P_MAX, nb // per, per, R))
-    for u in range(dup):
-        h0 = (u - g * G) % dup
-        if h0 >= G:
-            continue
-        cnt = (G - h0 + dup - 1) // dup
-        k0 = (g * G + h0) // dup
+    for u, h0, cnt, k0 in _oT_head_runs(cfg, g):
         for bp in range(per):
             src = o4[bp * d:(bp + 1) * d, :, bp, h0:h0 + (cnt - 1) * dup + 1:dup].permute((0, 2, 1))
             nisa.nc_matmul(dst=ps[u * d:(u + 1) * d, k0:k0 + cnt, c0 + bp:c0 + nb:per],

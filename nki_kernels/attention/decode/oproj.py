@@ -8,6 +8,7 @@ import nki.language as nl
 
 from ...common.tiles import evict
 from .config import BIAS_ROWS, P_MAX, PSUM_F, TRANSPOSE_GROUP, W_O_DMAS, X_ROW_S_MAX
+from .planning import _oT_head_runs
 
 # Token tiles of 33..64 rows are stored in this many column ranges, each once the O-projection has evicted it
 # (_store_halves): the first ranges' stores overlap the last W_o loads instead of all following them (modelled trn2
@@ -123,8 +124,7 @@ def _rows_to_oT(cfg, consts, st, o_rows, tile, g, p0, nb, full=False):
         nisa.affine_select(dst=sel[:rows, :, :c1 - c0], pattern=[[-1, G], [-G, c1 - c0]], channel_multiplier=1,
                            on_true_tile=consts.ones[:rows, :c1 - c0].expand_dim(1).broadcast(1, G),
                            on_false_value=0.0, cmp_op=nl.equal, offset=0)
-    # Heads h with (g*G + h) % dup == u land on partitions u*d.. of consecutive chunks: one matmul covers them all
-    # (moving = their selection columns, stride dup heads).
+    # One matmul per o^T partition half u covers its heads (planning._oT_head_runs; moving stride dup heads).
     dup = P_MAX // d
     y = _sel_pairs(cfg, st, tile, p0, nb, n_k) if full else None
     if y is not None:
@@ -133,12 +133,7 @@ def _rows_to_oT(cfg, consts, st, o_rows, tile, g, p0, nb, full=False):
                            stationary=o_rows[:rows, j * d:(j + 1) * d].expand_dim(1).broadcast(1, 2),
                            moving=sel[:rows, :, j], accumulate=False)
         return
-    for u in range(dup):
-        h0 = (u - g * G) % dup
-        if h0 >= G:
-            continue
-        cnt = (G - h0 + dup - 1) // dup
-        k0 = (g * G + h0) // dup
+    for u, h0, cnt, k0 in _oT_head_runs(cfg, g):
         if full:
             for j in range(nb):
                 nisa.nc_matmul(dst=ps[u * d:(u + 1) * d, k0:k0 + cnt, c0 + j * S:c0 + (j + 1) * S],

@@ -290,3 +290,17 @@ def _v_parts(pa, pb, rot):
         return ((pa, pb, pa),)
     half = P_MAX // 2
     return tuple((s, e, (s + half) % P_MAX) for s, e in ((pa, min(pb, half)), (max(pa, half), pb)) if s < e)
+
+
+def _oT_head_runs(cfg, g):
+    """The o^T partition halves of KV group g's heads (hg = g*G + h, o^T row (hg*d + e) % 128 of chunk
+    (hg*d + e) // 128, dup = 128 // d heads per chunk): per half u its heads h0, h0 + dup, ... (cnt of them) land on
+    partitions u*d.. of consecutive chunks from k0, so one matmul (moving = those heads' columns, stride dup) covers
+    them all. Returns (u, h0, cnt, k0) per half that holds any of the group's heads."""
+    G, dup = cfg.group, P_MAX // cfg.d
+    runs = []
+    for u in range(dup):
+        h0 = (u - g * G) % dup
+        if h0 < G:
+            runs.append((u, h0, (G - h0 + dup - 1) // dup, (g * G + h0) // dup))
+    return tuple(runs)

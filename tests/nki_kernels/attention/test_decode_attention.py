@@ -624,6 +624,14 @@ def _same_bits(a, b):
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def _logged(fn, log, entry):
+    """fn as a spy: appends entry(*args, **kwargs) (entry itself when it is not callable) to log, then calls fn."""
+    def spy(*a, **k):
+        log.append(entry(*a, **k) if callable(entry) else entry)
+        return fn(*a, **k)
+    return spy
+
+
 @pytest.mark.parametrize("shape,B,S,ctx,window,bs,lnc,pos0", [
     (GPT_OSS_20B_TP8, 4, 1, 1024, 0, 0, 1, None),       # full attention: batch packing, stacked K^T (d = 64)
     (GPT_OSS_20B_TP8, 4, 1, 4096, 0, 0, 1, None),       # several slots: fully valid ones skip the scrub (gates)
@@ -1173,30 +1181,10 @@ def test_last_pack_tail_cuts_with_nan_tails():
     copy_pairs = flash._copy_oT_pairs
     add_sink, prior_steps, flush_acc = flash._add_sink, flash._prior_steps, flash._flush_acc
 
-    def spy_sink(*a, **k):
-        order.append("sink")
-        add_sink(*a, **k)
-
     def spy_steps(*a, **k):
         order.append("steps")
         prior_steps(*a, **k)
         order.append("end")
-
-    def spy_flush(*a, **k):
-        order.append("flush")
-        flush_acc(*a, **k)
-
-    def spy_and(data, mask, vector=False):
-        widths.append(data.shape[-1])
-        and_bits(data, mask, vector)
-
-    def spy_copy(oT, ps, K, n_k, c0, c1):
-        copies.append((c0, c1))
-        copy_oT(oT, ps, K, n_k, c0, c1)
-
-    def spy_pairs(cfg, oT, y, c0, nb):      # _Config.tail_halves: the last pack's columns from _sel_pairs
-        copies.append((c0, c0 + nb))
-        copy_pairs(cfg, oT, y, c0, nb)
 
     def spy_tt(dst, data1, data2, op, engine=nisa_mod.engine.unknown, **k):
         if engine == nisa_mod.engine.gpsimd and op == nl_mod.add and dst.shape[-1] == 1:
@@ -1206,13 +1194,14 @@ def test_last_pack_tail_cuts_with_nan_tails():
     with pytest.MonkeyPatch.context() as mp:
         # 4K: whole pieces, so that the pack tables (and tail_cuts) apply (see test_pack_tables_without_per_pack_loads)
         mp.setattr(cfg_mod, "_one_piece_plan", lambda cfg: False)
-        mp.setattr(isolation, "_and_bits", spy_and)
-        mp.setattr(flash, "_copy_oT", spy_copy)
-        mp.setattr(flash, "_copy_oT_pairs", spy_pairs)
+        mp.setattr(isolation, "_and_bits", _logged(and_bits, widths, lambda data, *a, **k: data.shape[-1]))
+        mp.setattr(flash, "_copy_oT", _logged(copy_oT, copies, lambda oT, ps, K, n_k, c0, c1: (c0, c1)))
+        # _Config.tail_halves: the last pack's columns from _sel_pairs
+        mp.setattr(flash, "_copy_oT_pairs", _logged(copy_pairs, copies, lambda cfg, oT, y, c0, nb: (c0, c0 + nb)))
         mp.setattr(nisa_mod, "tensor_tensor", spy_tt)
-        mp.setattr(flash, "_add_sink", spy_sink)
+        mp.setattr(flash, "_add_sink", _logged(add_sink, order, "sink"))
         mp.setattr(flash, "_prior_steps", spy_steps)
-        mp.setattr(flash, "_flush_acc", spy_flush)
+        mp.setattr(flash, "_flush_acc", _logged(flush_acc, order, "flush"))
         _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.tail_cuts and cfg.pack == 8,
                                "tail_cuts is off: the case tests none of the last pack's cuts")
     assert 1024 // cfg_mod.LAST_K_AND_PIECES in widths, f"K^T ANDs not in column pieces: {sorted(set(widths))}"
@@ -1255,10 +1244,6 @@ def test_tail_cuts_16k_few_packs_with_nan_tails():
             dve_masks.append(1)
         return tensor_scalar(dst, data, op0, operand0, *a, **k)
 
-    def spy_and(data, mask, vector=False):
-        widths.append(data.shape[-1])
-        and_bits(data, mask, vector)
-
     def spy_tt(dst, data1, data2, op, engine=nisa_mod.engine.unknown, **k):
         if engine == nisa_mod.engine.gpsimd and op == nl_mod.add and dst.shape[-1] == 1:
             l_adds.append(1)
@@ -1266,20 +1251,12 @@ def test_tail_cuts_16k_few_packs_with_nan_tails():
             gp_masks.append(1)
         return tensor_tensor(dst=dst, data1=data1, data2=data2, op=op, engine=engine, **k)
 
-    def spy_sink(*a, **k):
-        order.append("sink")
-        add_sink(*a, **k)
-
-    def spy_steps(*a, **k):
-        order.append("steps")
-        prior_steps(*a, **k)
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(isolation, "_and_bits", spy_and)
+        mp.setattr(isolation, "_and_bits", _logged(and_bits, widths, lambda data, *a, **k: data.shape[-1]))
         mp.setattr(nisa_mod, "tensor_tensor", spy_tt)
         mp.setattr(nisa_mod, "tensor_scalar", spy_ts)
-        mp.setattr(flash, "_add_sink", spy_sink)
-        mp.setattr(flash, "_prior_steps", spy_steps)
+        mp.setattr(flash, "_add_sink", _logged(add_sink, order, "sink"))
+        mp.setattr(flash, "_prior_steps", _logged(prior_steps, order, "steps"))
         mp.setattr(flash, "_halves_ok", lambda cfg, st, nb: False)    # _Config.row_halves replaces the cuts here
         _check_nan_tails_where(args, clean, kw,
                                lambda cfg: cfg.tail_cuts and not cfg.pack_tables and cfg.pack == 8 and cfg.scan == ctx
@@ -1313,14 +1290,6 @@ def test_last_pack_tail_halves_with_nan_tails():
     steps, pairs, pieces = [], [], []
     step_p128, copy_pairs, wo_pieces = flash._online_step_p128, flash._copy_oT_pairs, oproj._wo_pieces
 
-    def spy_step(*a, **k):
-        steps.append(1)
-        step_p128(*a, **k)
-
-    def spy_pairs(cfg, oT, y, c0, nb):
-        pairs.append((c0, nb))
-        copy_pairs(cfg, oT, y, c0, nb)
-
     def spy_pieces(cfg, W_o, tiles=None):
         out = wo_pieces(cfg, W_o, tiles)
         pieces.append(out)
@@ -1341,8 +1310,8 @@ def test_last_pack_tail_halves_with_nan_tails():
         with pytest.MonkeyPatch.context() as mp:
             # 4K: whole pieces, so that the pack tables and tail_halves apply (see test_pack_tables_without_...)
             mp.setattr(cfg_mod, "_one_piece_plan", lambda cfg: False)
-            mp.setattr(flash, "_online_step_p128", spy_step)
-            mp.setattr(flash, "_copy_oT_pairs", spy_pairs)
+            mp.setattr(flash, "_online_step_p128", _logged(step_p128, steps, 1))
+            mp.setattr(flash, "_copy_oT_pairs", _logged(copy_pairs, pairs, lambda cfg, oT, y, c0, nb: (c0, nb)))
             mp.setattr(oproj, "_wo_pieces", spy_pieces)
             _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.tail_halves and cfg.pack == 8,
                                    "tail_halves is off: the case tests none of the last pack's halves")

@@ -10,6 +10,7 @@ nkisim.install()
 from nki_kernels.attention.decode.config import FA_SUB, P_MAX, PSUM_F, _Config  # noqa: E402
 from nki_kernels.attention.decode.planning import (  # noqa: E402
     _load_pieces,
+    _oT_head_runs,
     _packs,
     _plan,
     _slot_bounds,
@@ -144,3 +145,21 @@ def test_stride_split_not_where_whole_sequences_take_position_major_steps():
     for B, S, nq in ((2, 1, 4), (2, 5, 1)):
         cfg = _Config(B, S, 4096, 128, 1, nq, 16384, 16384, 128 ** -0.5, 4096, 0, 2, n_prog=2, core=0)
         assert cfg.wsplit and not cfg.stride and cfg.pmajor and (cfg.b_lo, cfg.b_hi) == (0, 1)
+
+
+@pytest.mark.parametrize("c", CONFIGS)
+def test_oT_head_runs_place_every_head_once(c):
+    """Each (KV group, head, e) lands once on o^T's row (hg*d + e) % 128 of chunk (hg*d + e) // 128, through the
+    run of its half u: partitions u*d.., chunk k0 + i for the run's i-th head h0 + i*dup."""
+    cfg = _cfg(*c)
+    d, G, dup = cfg.d, cfg.group, P_MAX // cfg.d
+    placed = {}
+    for g in range(cfg.nkv):
+        for u, h0, cnt, k0 in _oT_head_runs(cfg, g):
+            assert 0 <= h0 < G and cnt >= 1 and h0 + (cnt - 1) * dup < G
+            for i in range(cnt):
+                hg = g * G + h0 + i * dup
+                assert hg * d // P_MAX == k0 + i and hg * d % P_MAX == u * d
+                placed[hg] = placed.get(hg, 0) + 1
+    assert placed == {hg: 1 for hg in range(cfg.nkv * G)}
+
