@@ -871,12 +871,7 @@ def test_one_pack_k_masks_in_pieces_with_nan_tails():
     rep = nkisim.profile(decode_attention_nki, *[a.clone() for a in args], target="trn2", **kw)[1]
     signs = [e.meta.get("n") for e in rep.events if e.op == "activation" and e.meta.get("op") == "sign"]
     assert signs and max(signs) <= 2048 // K_MASK_PIECES, f"K^T mask widths {sorted(set(signs))}"
-    out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
-    ref_out = decode_attention(*[a.clone() for a in clean], **kw, backend="nkisim")
-    assert torch.isfinite(out.float()).all()
-    assert _same_bits(out, ref_out)
-    ref = decode_attention_torch(*[a.clone() for a in clean], **kw).float()
-    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    _assert_nan_tails_clean(args, clean, kw)
 
 
 @pytest.mark.parametrize("ctx,lengths", [
@@ -903,12 +898,7 @@ def test_one_pack_row_halves_with_nan_tails(ctx, lengths):
     halves = [e for e in rep.events if e.op == "tensor_reduce" and e.engine == "vector"
               and e.meta.get("p") == P_MAX and e.meta.get("n") == P_MAX * HALF_I and e.meta.get("op") == "maximum"]
     assert len(halves) >= 4, f"{len(halves)} row maxima over [128, {P_MAX * HALF_I}]"
-    out = decode_attention(*[a.clone() for a in args], **kw, backend="nkisim")
-    ref_out = decode_attention(*[a.clone() for a in clean], **kw, backend="nkisim")
-    assert torch.isfinite(out.float()).all()
-    assert _same_bits(out, ref_out)
-    ref = decode_attention_torch(*[a.clone() for a in clean], **kw).float()
-    assert (out.float() - ref).abs().max().item() <= ATOL + RTOL * ref.abs().max().item()
+    _assert_nan_tails_clean(args, clean, kw)
 
 
 def test_ragged_final_normalisation_split_vector_scalar():
