@@ -680,20 +680,35 @@ def _fold_mask(cfg, consts, sc, rows, chunks, key, thr_base, cmp, shift):
         _fold_chunk(consts, sc, rows, m, chunk)
 
 
+def _dve_masks(cfg, st):
+    """The cache steps' masks on VectorE (_Config.mask_dve; not in row halves, whose masks stay on GpSimd): fp16 key
+    offsets and fp32 thresholds instead of int16 ones."""
+    return cfg.mask_dve and not st.hs
+
+
 def _build_mask(cfg, rows, cols, key, thr_base, cmp, shift):
-    """0/1 bf16 mask [rows, cols] = cmp(key offset, threshold + shift) on GpSimd (threshold a per-row scalar).
-    fp16 key offsets (_Config.mask_dve, fp32 thresholds): on VectorE as a tensor_scalar against the per-row scalar,
-    one 16-bit input and output (perf mode: 4x the element rate) instead of GpSimd's two-input tensor_tensor."""
+    """0/1 bf16 mask [rows, cols] = cmp(key offset, threshold + shift) (threshold a per-row scalar; _threshold_mask)."""
     thr = thr_base
     if shift != 0.0:
         thr = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=thr[:rows], data=thr_base[:rows], op0=nl.add, operand0=shift)
+    return _threshold_mask(key, (thr,), cmp, rows, cols)
+
+
+def _threshold_mask(key, thrs, cmp, rows, cols):
+    """0/1 bf16 mask [rows, cols] = cmp(key offset, threshold), the columns in len(thrs) equal parts, part t against
+    the per-row scalar thrs[t] (rotated slots: one threshold per half of the q columns). fp16 key offsets
+    (_Config.mask_dve, fp32 thresholds) on VectorE as a tensor_scalar, one 16-bit input and output (perf mode: 4x
+    the element rate), else on GpSimd as the two-input tensor_tensor against the broadcast threshold."""
     m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
-    if key.dtype == nl.float16:
-        nisa.tensor_scalar(dst=m[:rows, :cols], data=key[:rows, :cols], op0=cmp, operand0=thr[:rows])
-        return m
-    nisa.tensor_tensor(dst=m[:rows, :cols], data1=key[:rows, :cols], data2=thr[:rows].broadcast(1, cols), op=cmp,
-                       engine=nisa.engine.gpsimd)
+    hc = cols // len(thrs)
+    for t, thr in enumerate(thrs):
+        c0, c1 = t * hc, (t + 1) * hc
+        if key.dtype == nl.float16:
+            nisa.tensor_scalar(dst=m[:rows, c0:c1], data=key[:rows, c0:c1], op0=cmp, operand0=thr[:rows])
+        else:
+            nisa.tensor_tensor(dst=m[:rows, c0:c1], data1=key[:rows, c0:c1], data2=thr[:rows].broadcast(1, hc),
+                               op=cmp, engine=nisa.engine.gpsimd)
     return m
 
 
@@ -732,7 +747,7 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
             k = steps.index(step)
             step.thr_rot = tuple(t[:, k:k + 1] for t in rot_thr)
             continue
-        tdt = nl.float32 if cfg.mask_dve and not st.hs else nl.int16     # VectorE masks: fp32 scalar operands
+        tdt = nl.float32 if _dve_masks(cfg, st) else nl.int16     # VectorE masks: fp32 scalar operands
         step.thr_hi = _step_threshold(p_first, rows, -1.0 - step.pos0, tdt)    # invalid if j > pos[b, 0] - 1
         if cfg.window > 0:                                                       # invalid if j <= pos - W
             step.thr_lo = _step_threshold(q_pos, rows, -float(cfg.window) - step.pos0, tdt)
@@ -824,7 +839,7 @@ def _rot_thresholds(cfg, st, slots, steps, p_first, rows):
                        operand1=-1.0)
     out = []
     for sgn in (nrr, rr):
-        t = nl.ndarray((P_MAX, ns), dtype=nl.float32 if cfg.mask_dve and not st.hs else nl.int16, buffer=nl.sbuf)
+        t = nl.ndarray((P_MAX, ns), dtype=nl.float32 if _dve_masks(cfg, st) else nl.int16, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=t[:rows], data=hv[:rows], op0=nl.multiply, operand0=sgn[:rows], op1=nl.add,
                                   operand1=base[:rows])
         out.append(t)
@@ -953,7 +968,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         key = st.iota(f"{step.key_id}_h", [[w // P_MAX, P_MAX], [1, h]], P_MAX * h, nl.int16)
         _run(gate, lambda _i: _step_scores_p128(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
     else:
-        kdt = nl.float16 if cfg.mask_dve and not st.hs else nl.int16
+        kdt = nl.float16 if _dve_masks(cfg, st) else nl.int16
         if st.hs:   # _Config.row_halves: column (q, i) <-> key offset q*n + i (rows 64..: + HALF_I, pf_h)
             n = w // P_MAX
             key = st.iota(f"h{n}", [[n, P_MAX], [1, HALF_I]], P_MAX * HALF_I, kdt)
@@ -1023,16 +1038,7 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0, hs
     if hs:
         return _step_scores_halves(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane)
     if step.thr_rot is not None:    # rotated batches (planning._v_rotated): each half of the columns its thresholds
-        m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
-        hc = step.cols // 2
-        for h, thr in enumerate(step.thr_rot):
-            if cfg.mask_dve:    # VectorE, fp16 key offsets: see _build_mask
-                nisa.tensor_scalar(dst=m[:rows, h * hc:(h + 1) * hc], data=key[:rows, h * hc:(h + 1) * hc],
-                                   op0=nl.greater, operand0=thr[:rows])
-                continue
-            nisa.tensor_tensor(dst=m[:rows, h * hc:(h + 1) * hc], data1=key[:rows, h * hc:(h + 1) * hc],
-                               data2=thr[:rows].broadcast(1, hc), op=nl.greater, engine=nisa.engine.gpsimd)
-        masks = [m]
+        masks = [_threshold_mask(key, step.thr_rot, nl.greater, rows, step.cols)]
     else:
         masks = [_build_mask(cfg, rows, step.cols, key, step.thr_hi, nl.greater, 0.0)]
     if step.thr_lo is not None:
@@ -1095,15 +1101,7 @@ def _step_scores_halves(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lan
     first HALF_I column blocks, [0 | q] with the next) run inside its gate."""
     n, r2, cols = w // P_MAX, 2 * rows, P_MAX * HALF_I
     if step.thr_rot is not None:    # rotated batches: their key offsets +/- 64n on the blocks q < 64 / q >= 64
-        m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
-        hc = cols // 2
-        for h, thr in enumerate(step.thr_rot):
-            if key.dtype == nl.float16:     # _Config.mask_dve: VectorE, see _build_mask
-                nisa.tensor_scalar(dst=m[:r2, h * hc:(h + 1) * hc], data=key[:r2, h * hc:(h + 1) * hc],
-                                   op0=nl.greater, operand0=thr[:r2])
-                continue
-            nisa.tensor_tensor(dst=m[:r2, h * hc:(h + 1) * hc], data1=key[:r2, h * hc:(h + 1) * hc],
-                               data2=thr[:r2].broadcast(1, hc), op=nl.greater, engine=nisa.engine.gpsimd)
+        m = _threshold_mask(key, step.thr_rot, nl.greater, r2, cols)
     else:
         m = _build_mask(cfg, r2, cols, key, step.thr_hi, nl.greater, 0.0)
     chunk = (0, cols, HALF_I)
@@ -1275,12 +1273,7 @@ def _step_scores_p128(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
     n, ni = w // P_MAX, len(step.blocks)
     h, half = ni // 2, P_MAX // 2
     cols = P_MAX * h
-    m = nl.ndarray((P_MAX, FA_SUB), dtype=nl.bfloat16, buffer=nl.sbuf)
-    thr = step.halves
-    hc = cols // len(thr)       # rotated slots: each half of the q columns its thresholds
-    for t, tt in enumerate(thr):
-        nisa.tensor_tensor(dst=m[:, t * hc:(t + 1) * hc], data1=key[:, t * hc:(t + 1) * hc],
-                           data2=tt.broadcast(1, hc), op=nl.greater, engine=nisa.engine.gpsimd)
+    m = _threshold_mask(key, step.halves, nl.greater, P_MAX, cols)     # rotated slots: a threshold per half of q
     sg = step.stack_gates
     k_rot = cfg.k_plain and _v_rotated(cfg, j0, w)
     i0 = step.pos0 - j0

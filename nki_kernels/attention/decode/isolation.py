@@ -166,6 +166,12 @@ def _v_positions(cfg, st, w, rot=False):
     return t
 
 
+def _column_pieces(w, n):
+    """Columns [0, w) in n near-equal pieces (c0, c1)."""
+    cuts = [w * i // n for i in range(n + 1)]
+    return tuple(zip(cuts[:-1], cuts[1:]))
+
+
 def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=None, lane=0, rot=False):
     """Exclude, by selection, every K^T element of the slot [j0, j0 + w) whose position is outside its own
     sequence's valid range (st.cur_valid): rows past a sequence's length (a reused paged block's stale tail, which
@@ -208,14 +214,12 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
                 # kpp even: the table holds each partition's own layout; kpp = 1: the odd stacks are rotated
                 rp = rramp if rramp is not None and (cfg.kpp % 2 == 0 or jj % 2 == 1) else ramp
                 # in column pieces (_Config.k_mask_pieces): a ready QKV eviction waits for one piece on ScalarE
-                mc = [w * i // cfg.k_mask_pieces for i in range(cfg.k_mask_pieces + 1)]
-                for a0, a1 in zip(mc[:-1], mc[1:]):
+                for a0, a1 in _column_pieces(w, cfg.k_mask_pieces):
                     nisa.activation(dst=m[ps, a0:a1], op=nl.sign, data=rp[ps, a0:a1], bias=bias[ps, jj:jj + 1],
                                     scale=sc)
                 # the kernel's last pack (_Config.tail_cuts): in column pieces, each score chunk waits for its own
                 n = LAST_K_AND_PIECES if cfg.tail_cuts and st.last_pack else 1
-                cuts = [w * i // n for i in range(n + 1)]
-                for c0, c1 in zip(cuts[:-1], cuts[1:]):
+                for c0, c1 in _column_pieces(w, n):
                     _and_bits(kT[ps, jj, c0:c1], m[ps, c0:c1], vector=not _tail_rule(cfg, st) and jj % 2 == 1)
         nl.fori_loop(0, st.gates[0][jj], stack)    # runs only when a sequence of the stack has invalid rows here
 

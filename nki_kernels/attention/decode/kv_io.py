@@ -26,10 +26,10 @@ def _cast_pairs(cfg, kg, kT, w, nb, dtype, k, gates=None):
              nisa.tensor_copy(dst=kT[:kp, 2 * jg:2 * jg + 2, :w], src=pairs, engine=eng))
 
 
-def _kt_src(cfg, K_cache, b, g, a, size, scalar_offset=None):
-    """K_cache_transposed ([B, nkv, d, S_max], bf16): positions [a, a + size) of (b, g) as the K^T load writes them,
-    [d, size] (d partitions x size contiguous positions). scalar_offset: a register added to the positions
-    (windowed scan)."""
+def _kt_cols(cfg, K_cache, b, g, a, size, scalar_offset=None):
+    """K_cache_transposed ([B, nkv, d, S_max], bf16): the columns of positions [a, a + size) of (b, g), [d, size]
+    (d partitions x size contiguous positions), as the K^T loads read them and the cache update writes them.
+    scalar_offset: a register added to the positions (windowed scan, the new tokens' positions)."""
     s_max = cfg.s_max
     return K_cache.ap([[s_max, cfg.d], [1, size]], offset=(b * cfg.nkv + g) * cfg.d * s_max + a,
                       scalar_offset=scalar_offset, indirect_dim=3)
@@ -40,7 +40,7 @@ def _load_kT(cfg, K_cache, dst, b, g, a, size):
     _load_piece): a DMA transpose of the rows of the row-major cache, or (_Config.k_t) a plain copy of the
     transposed cache's columns into the same layout."""
     if cfg.k_t:
-        nisa.dma_copy(dst=dst, src=_kt_src(cfg, K_cache, b, g, a, size))
+        nisa.dma_copy(dst=dst, src=_kt_cols(cfg, K_cache, b, g, a, size))
     else:
         rows = K_cache[b, g, a:a + size, :]
         nisa.dma_transpose(dst=dst, src=rows.view(nl.uint16) if cfg.fp8 else rows)
@@ -91,7 +91,7 @@ def _load_slot_window(cfg, start, K_cache, V_cache, kT, v, b, g, j0, w):
     base = ((b * cfg.nkv + g) * s_max + j0) * d
     kd, hv = cfg.kd, cfg.halves      # fp8: K rows as 2-byte pairs (see _load_piece)
     if cfg.k_t:     # the transposed cache's columns (see _load_kT)
-        nisa.dma_copy(dst=kT, src=_kt_src(cfg, K_cache, b, g, j0, w, scalar_offset=start))
+        nisa.dma_copy(dst=kT, src=_kt_cols(cfg, K_cache, b, g, j0, w, scalar_offset=start))
     else:
         nisa.dma_transpose(dst=kT, src=K_cache.ap([[kd, w], [1, kd]], offset=base // hv, scalar_offset=start,
                                                   indirect_dim=2, dtype=nl.uint16 if cfg.fp8 else None))
@@ -314,8 +314,7 @@ def _update_cache(cfg, qkv, K_cache, V_cache, pos, tiles, rows=(), qkT=None):
                 kc, vc = cfg.pad + (nq + g) * d, cfg.pad + (nq + nkv + g) * d
                 if cfg.k_t:     # K_cache [B, nkv, d, S_max]: the S new columns (see above)
                     t0 = tl.t0 + r0 - tiles[0].t0
-                    nisa.dma_copy(dst=K_cache.ap([[cfg.s_max, d], [1, S]], offset=(b * nkv + g) * d * cfg.s_max,
-                                                 scalar_offset=start, indirect_dim=3),
+                    nisa.dma_copy(dst=_kt_cols(cfg, K_cache, b, g, 0, S, scalar_offset=start),
                                   src=qkT[0:d, 0, t0:t0 + S, nq + g, 0])
                 else:
                     nisa.dma_copy(dst=K_cache[b, g, nl.ds(start, S), :], src=qkv[ti][r0:r0 + S, kc:kc + d])
