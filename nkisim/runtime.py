@@ -93,19 +93,22 @@ def _access_of(t):
 
 
 def _box(t, lo, hi, isz):
+    """The view's footprint as a box over [dim0, rest] of its allocation, in bytes (see Access.box), or None. A view
+    of another dtype than the allocation's (a bitcast such as bf16 data ANDed as int32 pairs) is boxed in bytes too:
+    its offset and strides count its own elements, the allocation's rows are bytes either way."""
     ashape = t.alloc.shape
-    row = math.prod(ashape[1:]) if len(ashape) > 1 else 0
-    if row <= 0 or t.gather is not None or t.alloc.dtype.itemsize != isz:
+    row = math.prod(ashape[1:]) * t.alloc.dtype.itemsize if len(ashape) > 1 else 0     # bytes per dim-0 row
+    if row <= 0 or t.gather is not None:
         return None
-    c0, ext = t.offset % row, 0
+    c0, ext = t.offset * isz % row, 0
     for n, s in zip(t.shape, t.strides):
-        if n > 1 and s % row:
+        if n > 1 and s * isz % row:
             if s < 0:
                 return None
-            ext += (n - 1) * s
-    if c0 + ext >= row:
+            ext += (n - 1) * s * isz
+    if c0 + ext + isz > row:
         return None
-    return (row * isz, lo // row, hi // row, c0 * isz, (c0 + ext + 1) * isz)
+    return (row, lo * isz // row, hi * isz // row, c0, c0 + ext + isz)
 
 
 class Instruction:

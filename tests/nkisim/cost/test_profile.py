@@ -214,3 +214,9 @@ def test_analyze_existing_run_and_dependency_footprints():
     h = nl.ndarray((64, 512), dtype=nl.float32, buffer=nl.hbm)
     assert not overlaps(access_of(h[0:32, 0:128]), access_of(h[0:32, 128:256]))
     assert overlaps(access_of(h[0:32, 0:129]), access_of(h[16:48, 128:256]))
+    # a bitcast view (bf16 columns ANDed as int32 pairs) is boxed in bytes: disjoint column slices of one tile stay
+    # independent whatever dtype each side views them as
+    b = nl.ndarray((128, 2, 1024), dtype=nl.bfloat16, buffer=nl.sbuf)
+    s0, s1 = access_of(b[:, 0, :].view(nl.int16)), access_of(b[:, 1, :].view(nl.int32))
+    assert s1.box == (4096, 0, 127, 2048, 4096) and not overlaps(s0, s1)
+    assert overlaps(access_of(b[0:64, 1, 0:2].view(nl.int32)), access_of(b[32:48, 1, 1:3]))
