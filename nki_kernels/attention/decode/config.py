@@ -442,8 +442,11 @@ class _Config(nl.NKIObject):
         # blocks on the two partition halves (flash._p128_steps: row max, exp and transposes over [128, 512]
         # instead of [64, 1024]), (3) its o^T selection one matmul per batch (oproj._sel_pairs) and (4) W_o's
         # last column piece the last eviction group's (oproj._wo_pieces). Modelled trn2 GPT-OSS B=64 16K 491.40
-        # -> 490.51 us (x1.1512 -> x1.1491; DESIGN.md).
-        self.tail_halves = self.pack_tables
+        # -> 490.51 us (x1.1512 -> x1.1491; DESIGN.md). Also (helper-97) the tail_cuts scans of one pack (GPT-OSS
+        # B=8 16K, ragged B=8; the masks there follow mask_dve): modelled 81.53 -> 79.95 us, ragged 58.65 -> 56.73
+        # (vs row_halves). Not two packs: ragged B=16 86.64 -> 88.65 (+2.3 %), and B=16 16K's gain (142.77 ->
+        # 139.64 us) fails the LNC=2 (0.6x) and fp8 (1.05x) bench asserts that compare with it.
+        self.tail_halves = self.pack_tables or (self.tail_cuts and n_packs == 1)
         # One batch per stack (d = 128), where this core scans at least KW_PACKS packs with whole weights (LNC=1: the
         # K/V stream paces those rows): the scan's first and last slots are not split to one step
         # (planning._slot_bounds), so every slot is two pieces or more: its K^T moves as whole slots and pairs (4 / 8
@@ -544,7 +547,7 @@ class _Config(nl.NKIObject):
         self.row_halves = (v3 and self.ragged and not self.pmajor and not self.paged and not self.dyn and S == 1
                            and not fp8 and self.kpp == 2 and self.pack * self.R == P_MAX // 2 and not self.kt_alt
                            and not self.k_plain and not self.pack_tables and n_prog == 1 and nkv == 1
-                           and n_packs == 1 and B == self.pack and self.window == 0)
+                           and n_packs == 1 and B == self.pack and self.window == 0 and not self.tail_halves)
         self._frozen = True     # last: nothing changes the configuration from here on
 
 

@@ -276,7 +276,8 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
             oT = nl.ndarray((P_MAX, n_k, P_MAX), dtype=qkT.dtype, buffer=nl.sbuf)
         ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
     # _Config.tail_cuts: the other packs' token columns of o^T copied before the last pack, its own after it
-    c_last = (packs[-1].p0 - tiles[0].b0) * cfg.S if direct and cfg.tail_cuts and cfg.nkv == 1 else 0
+    cuts = direct and cfg.tail_cuts and cfg.nkv == 1
+    c_last = (packs[-1].p0 - tiles[0].b0) * cfg.S if cuts else 0      # 0: the last pack is the only one
     for g in range(cfg.nkv):
         for pi, pack in enumerate(packs):
             p0, nb = pack.p0, pack.nb
@@ -294,7 +295,7 @@ def _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_id
                 _rows_to_tokens(cfg, consts, st, o_rows, o_acc, tiles, g, p0, nb)
     wo = _load_w_o(cfg, W_o, tiles) if W_o is not None else None    # attention DP loads its W_o shard itself
     if direct:
-        y = _sel_pairs(cfg, st, tiles[0], packs[-1].p0, packs[-1].nb, n_k) if c_last else None
+        y = _sel_pairs(cfg, st, tiles[0], packs[-1].p0, packs[-1].nb, n_k) if cuts else None
         if y is not None:
             _copy_oT_pairs(cfg, oT, y, c_last, packs[-1].nb)
         else:
@@ -965,8 +966,10 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         _run(gate, lambda _i: _step_scores_pm(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane))
     elif step.halves is not None:      # _Config.tail_halves: the two halves of the blocks on the two partition halves
         h = len(step.blocks) // 2
-        key = st.iota(f"{step.key_id}_h", [[w // P_MAX, P_MAX], [1, h]], P_MAX * h, nl.int16)
-        _run(gate, lambda _i: _step_scores_p128(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w))
+        key = st.iota(f"{step.key_id}_h", [[w // P_MAX, P_MAX], [1, h]], P_MAX * h,
+                      nl.float16 if _dve_masks(cfg, st) else nl.int16)
+        q = st.qm_sw if cfg.kt_swap and lane else qm
+        _run(gate, lambda _i: _step_scores_p128(cfg, consts, q, kT, sc, key, rows, nb, step, j0, w, lane))
     else:
         kdt = nl.float16 if _dve_masks(cfg, st) else nl.int16
         if st.hs:   # _Config.row_halves: column (q, i) <-> key offset q*n + i (rows 64..: + HALF_I, pf_h)
@@ -1255,21 +1258,23 @@ def _p128_steps(cfg, st, steps, rows):
                 and step.chunks == ((0, half * ni, ni), (half * ni, P_MAX * ni, ni))
                 and all(b[:3] == (i, ni, P_MAX) for i, b in enumerate(step.blocks))):
             return
+    tdt = nl.float32 if _dve_masks(cfg, st) else nl.int16     # VectorE masks (mask_dve): fp32 thresholds
     for step in steps[1:]:
         h = len(step.blocks) // 2
         out = []
         for thr in (step.thr_rot if step.thr_rot is not None else (step.thr_hi,)):
-            t2 = nl.ndarray((P_MAX, 1), dtype=nl.int16, buffer=nl.sbuf)
+            t2 = nl.ndarray((P_MAX, 1), dtype=tdt, buffer=nl.sbuf)
             nisa.tensor_copy(dst=t2[:half], src=thr[:half])
             nisa.tensor_scalar(dst=t2[half:], data=thr[:half], op0=nl.add, operand0=-h)
             out.append(t2)
         step.halves = tuple(out)
 
 
-def _step_scores_p128(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
+def _step_scores_p128(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0):
     """_step_scores in the _Config.tail_halves layout: partition half e (rows e*64 ..) holds the scores of the blocks
     il = e*h .. e*h + h - 1 (h = ni / 2), column q*h + il - e*h <-> position q*n + i0 + il (one 512-column chunk per
-    half); the masks are built over both halves at once (the upper half's thresholds shifted by -h)."""
+    half); the masks are built over both halves at once (the upper half's thresholds shifted by -h). lane and qm as
+    in _step_scores (a one-batch stack on its other half; kt_swap's buffers: the swapped queries)."""
     n, ni = w // P_MAX, len(step.blocks)
     h, half = ni // 2, P_MAX // 2
     cols = P_MAX * h
@@ -1288,16 +1293,18 @@ def _step_scores_p128(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w):
         dst = sc[pe, :cols].reshape((rows, P_MAX, h))
         for jj in range(_stacks(cfg, nb)):
             kp = _stack_rows(cfg, jj, nb)
+            b0 = lane * cfg.kd if kp == cfg.kd else 0
             parts = [(0, P_MAX, 0)]
             if k_rot and _rot_batch(cfg, jj * cfg.kpp):     # a rotated stack: plain block (q + 64) % 128
                 parts = [(0, half, half), (half, P_MAX, 0)]
             mov = [((q0, q1), _kview(cfg, kT, jj, kp, n * P_MAX, (kp, P_MAX, n),
-                                     (slice(None), slice(qk, qk + q1 - q0), slice(i0 + e * h, i0 + e * h + h))))
+                                     (slice(None), slice(qk, qk + q1 - q0), slice(i0 + e * h, i0 + e * h + h)), b0))
                    for q0, q1, qk in parts]
 
-            def scores(_i, jj=jj, kp=kp, mov=mov, dst=dst, acc=(sg is not None or jj > 0)):
+            def scores(_i, jj=jj, kp=kp, mov=mov, dst=dst, b0=b0, acc=(sg is not None or jj > 0)):
                 for (q0, q1), mv in mov:
-                    nisa.nc_matmul(dst=dst[:, q0:q1, :], stationary=qm[:kp, jj, :rows], moving=mv, accumulate=acc)
+                    nisa.nc_matmul(dst=dst[:, q0:q1, :], stationary=qm[b0:b0 + kp, jj, :rows], moving=mv,
+                                   accumulate=acc)
             if sg is not None:
                 nl.fori_loop(0, sg[jj // cfg.halves], scores)
                 continue

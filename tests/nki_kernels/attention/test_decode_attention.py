@@ -876,8 +876,7 @@ def test_one_pack_k_masks_in_pieces_with_nan_tails():
 
 @pytest.mark.parametrize("ctx,lengths", [
     (8192, (100, 700, 1500, 2100, 3000, 4097, 6000, 8000)),     # 2048-position slots, every row half used
-    (16384, (128, 256, 512, 1024, 2047, 4095, 8191, 16383)),    # the bench's ragged row: 1024-position last slots
-])
+])   # 16K: _Config.tail_halves instead (test_tail_cuts_16k_few_packs_with_nan_tails has the bench's lengths)
 def test_one_pack_row_halves_with_nan_tails(ctx, lengths):
     """trn2, a kernel of one full pack of 64 rows (_Config.row_halves, flash._halves_ok): each step's scores are
     [128 rows, 512] (rows 64.. the step's second HALF_I V blocks against the same queries: [0 | q] stationaries),
@@ -1202,32 +1201,37 @@ def test_last_pack_tail_cuts_with_nan_tails():
     assert order[i - 1] == "sink" and order[-1] == "end", f"the last pack's sink / steps / flush: {order[i - 1:]}"
 
 
-def test_tail_cuts_16k_few_packs_with_nan_tails():
+@pytest.mark.parametrize("lens", [
+    (16383, 5000, 9300, 700, 12289, 2047, 14600, 8191),
+    (128, 256, 512, 1024, 2047, 4095, 8191, 16383),     # the bench's ragged row: short sequences, 1024-position slots
+])
+def test_tail_cuts_16k_few_packs_with_nan_tails(lens):
     """GPT-OSS ragged on trn2 scanning 16K in one pack of 8 (no pack tables: fewer than KW_PACKS packs) takes the
     last pack's tail cuts too (_Config.tail_cuts from TAIL_CUTS_MIN_SCAN, helper-92): the K^T ANDs of its
     2048-position slots in LAST_K_AND_PIECES column pieces, l updated on GpSimd, the sink term before its steps; and
     the steps' masks on VectorE (_Config.mask_dve: fp16 key offsets 0 .. 2047, exact, against fp32 thresholds), no
-    GpSimd mask compare. Sequences ending in different pieces of the slots (one at the last position, stack partners
-    in different slots); NaN past every length: finite, equal to the reference and bit-identical to a clean cache.
-    Checked to fail with the tail_cuts change reverted (the probe), with mask_dve off (the spies) and with the fp16
-    key offsets one too high (reference mismatch). Run with the row halves off (_Config.row_halves: this one-pack
-    kernel's steps in halves keep GpSimd masks and add the sink in the merge; B=16 16K keeps these cuts)."""
+    GpSimd mask compare. One pack: its in-place steps in the two partition halves too (_Config.tail_halves,
+    flash._online_step_p128, helper-97), whose masks follow mask_dve (fp16 key offsets, fp32 thresholds shifted by
+    -ni / 2 on the upper half). Sequences ending in different pieces of the slots (one at the last position, stack
+    partners in different slots); NaN past every length: finite, equal to the reference and bit-identical to a clean
+    cache. Checked to fail with the tail_cuts change reverted (the probe), with mask_dve off (the spies), with the
+    fp16 key offsets one too high (reference mismatch), with tail_halves at pack_tables only (the probe, no p128
+    step) and with the two-halves masks on GpSimd (int16, as before helper-97: the spies)."""
     import nki.isa as nisa_mod
     import nki.language as nl_mod
 
     from nki_kernels.attention.decode import flash, isolation
 
     ctx = 16384
-    lens = (16383, 5000, 9300, 700, 12289, 2047, 14600, 8191)
     args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=92, **GPT_OSS_20B_TP8)
     args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
     for b, n in enumerate(lens):     # a large V at each last valid key: a mask one position off changes the output
         args[3][b, :, n - 1, :] = 64.0
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
-    widths, l_adds, order, gp_masks, dve_masks = [], [], [], [], []
+    widths, l_adds, order, gp_masks, dve_masks, p128 = [], [], [], [], [], []
     and_bits, tensor_tensor, tensor_scalar = isolation._and_bits, nisa_mod.tensor_tensor, nisa_mod.tensor_scalar
-    add_sink, prior_steps = flash._add_sink, flash._prior_steps
+    add_sink, prior_steps, step_p128 = flash._add_sink, flash._prior_steps, flash._online_step_p128
 
     def spy_ts(dst, data, op0, operand0, *a, **k):
         if data.dtype == nl_mod.float16 and op0 in (nl_mod.greater, nl_mod.less_equal):
@@ -1247,11 +1251,12 @@ def test_tail_cuts_16k_few_packs_with_nan_tails():
         mp.setattr(nisa_mod, "tensor_scalar", spy_ts)
         mp.setattr(flash, "_add_sink", _logged(add_sink, order, "sink"))
         mp.setattr(flash, "_prior_steps", _logged(prior_steps, order, "steps"))
-        mp.setattr(flash, "_halves_ok", lambda cfg, st, nb: False)    # _Config.row_halves replaces the cuts here
+        mp.setattr(flash, "_online_step_p128", _logged(step_p128, p128, 1))
         _check_nan_tails_where(args, clean, kw,
                                lambda cfg: cfg.tail_cuts and not cfg.pack_tables and cfg.pack == 8 and cfg.scan == ctx
-                               and cfg.mask_dve,
-                               "tail_cuts is off (or pack_tables on): the case tests none of the 16K cuts")
+                               and cfg.mask_dve and cfg.tail_halves,
+                               "tail_cuts / tail_halves off (or pack_tables on): the case tests none of the 16K cuts")
+    assert p128, "no step of the last pack in the two-halves layout"
     assert 2048 // cfg_mod.LAST_K_AND_PIECES in widths and 2048 not in widths, \
         f"K^T ANDs not in column pieces: {sorted(set(widths))}"
     assert l_adds, "the last pack's l updates are not on GpSimd"
