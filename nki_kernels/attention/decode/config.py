@@ -144,6 +144,11 @@ W_O_DMAS = 4           # ... and W_o in up to this many column pieces per 128-ro
 # attention step is the whole O-projection; smaller groups leave less after its last matmul (modelled trn3
 # GPT-OSS B=8 4K 40.48 -> 40.32 us, B=8 16K 81.27 -> 81.11; DESIGN.md "trn3 GPT-OSS B=8 4K: the profile").
 OUT_GROUP_V4 = 8
+# _Config.last_half (trn3, PV with V stationary, one pack of one-piece slots: GPT-OSS B <= 8, 4K): the scan's last
+# this many positions are a slot of their own, so the step left after the last K/V byte is half a step (its scores,
+# row max, exp and PV) and a sequence ending in the last slot's first half skips the second (modelled trn3 GPT-OSS
+# B=8 4K 36.36 -> 35.44 us; DESIGN.md "trn3 GPT-OSS B=8 4K: a false dependency, then half a step ...").
+LAST_HALF_V4 = FA_SUB // 2
 # Position-major steps (scores^T: cache positions on the partitions, query rows on the free axis) for packs of at
 # most this many rows (a tuning choice, modelled: B = 1 GPT-OSS / Llama-8B -3..-5 %, but 10..64 rows slower, e.g.
 # GPT-OSS B=8 4K +19 %: the per-128-position matmul floor and the per-step chain outweigh the saved row work).
@@ -385,6 +390,7 @@ class _Config(nl.NKIObject):
         # (DESIGN.md). Not d = 128 (Llama-8B B=8 4K gains 5.5 %, LNC=2 B=8 4K 3.2 %: the asserted LNC=2 <= 0.6x
         # LNC=1 is lost), not fp8, not trn3 (v_rot is trn2-only).
         self.k_packs = False     # read by _one_piece_plan (planning._slot_bounds); decided below
+        self.last_half = False   # likewise (decided with pv_t below)
         self.half_pieces = (self.v_rot and self.d < P_MAX and not fp8 and not self.stride
                             and _one_piece_plan(self))
         self.k_whole = self.v_rot and (self.d == P_MAX or n_packs >= KW_PACKS or self.half_pieces)
@@ -540,6 +546,11 @@ class _Config(nl.NKIObject):
         # not several packs: B=16 4K 50.27 -> 50.69). Its K^T mask pieces stay trn2's (k_mask_pieces above).
         if self.pv_t and n_packs == 1:
             self.rmax_chain = True
+        # With pv_t and one pack of one-piece slots (GPT-OSS B <= 8, 4K on trn3): the last LAST_HALF_V4 positions a
+        # slot of their own (planning._slot_bounds). Not several packs (GPT-OSS B=16 4K 50.27 -> 51.20 us: another
+        # pack's loads stream behind the last pack's steps), not two-piece slots (B=8 16K 75.18 -> 75.35), not
+        # d = 128 (no pv_t; Llama-8B B=8 4K 51.12 -> 51.80).
+        self.last_half = self.pv_t and n_packs == 1 and _one_piece_plan(self)
         # The kernel's last pack in row halves (flash._halves_ok): each 1024-column step's scores as [128 rows, 512]
         # (rows 64.. score the second half of the step's positions against the same queries), two softmax states
         # per (batch, head) merged after the last step. Full packs of 64 rows (d = 64, kpp = 2, S = 1), contiguous

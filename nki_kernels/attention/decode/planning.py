@@ -10,6 +10,7 @@ from .config import (
     FIRST_SPLIT,
     FIRST_SPLIT_WSPLIT,
     GATHER_ROWS_MIN,
+    LAST_HALF_V4,
     P_MAX,
     PMAJOR_TILES,
     PSUM_F,
@@ -79,10 +80,11 @@ def _slot_bounds(cfg, lo, hi):
     """Slot boundaries over scan positions [lo, hi).
 
     Contiguous: slots of fa_tile positions, the last one split so that only FA_SUB positions arrive last (the
-    compute left after the last K/V byte is then one step); row-major steps on scans up to FIRST_SPLIT positions
-    (FIRST_SPLIT_WSPLIT with LNC=2 split weights), and position-major ones with split weights (a context split's
-    core: below FIRST_SPLIT_WSPLIT), split the first one too, so the first step starts on FA_SUB positions instead
-    of a whole slot (its transfers no longer hold every DMA engine for ~10 us while the weights' dependants wait).
+    compute left after the last K/V byte is then one step; _Config.last_half: LAST_HALF_V4, half a step); row-major
+    steps on scans up to FIRST_SPLIT positions (FIRST_SPLIT_WSPLIT with LNC=2 split weights), and position-major
+    ones with split weights (a context split's core: below FIRST_SPLIT_WSPLIT), split the first one too, so the
+    first step starts on FA_SUB positions instead of a whole slot (its transfers no longer hold every DMA engine for
+    ~10 us while the weights' dependants wait).
     Paged: slots of 128 * 2^m positions, each starting at a multiple of its own size, largest first. A paged slot
     is whole blocks: the scan's bounds are multiples of u = max(128, block size) and fa_tile >= FA_SUB >= MAX_BLOCK,
     so the halving stops at w >= block size.
@@ -101,6 +103,8 @@ def _slot_bounds(cfg, lo, hi):
             hi - lo <= (FIRST_SPLIT_WSPLIT if cfg.wsplit else FIRST_SPLIT) and not cfg.k_packs
         if first and len(bounds) >= 2 and bounds[1] - bounds[0] > FA_SUB:
             bounds.insert(1, bounds[0] + FA_SUB)
+        if cfg.last_half and bounds[-1] - bounds[-2] > LAST_HALF_V4:    # half a step after the last K/V byte
+            bounds.insert(len(bounds) - 1, bounds[-1] - LAST_HALF_V4)
         return bounds
     bounds = [lo]
     j = lo

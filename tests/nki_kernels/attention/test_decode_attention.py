@@ -296,6 +296,32 @@ def test_trn3_pv_v_stationary(monkeypatch):
     test_nan_in_stale_cache_rows_stays_isolated(g, 16, 1, 2048, 0, 0, 1, None)    # two packs
 
 
+def test_trn3_last_half(monkeypatch):
+    """trn3, PV with V stationary and one pack of one-piece slots (_Config.last_half: GPT-OSS B=8 4K): the scan's last
+    LAST_HALF_V4 positions are a slot of their own, so half a step follows the last K/V byte. Not several packs,
+    two-piece slots (16K), d = 128 nor trn2. Output and stale NaN rows with sequences ending in either half of the
+    last 1024 positions, at the halves' boundary and before the last slot."""
+    from nki_kernels.attention.decode.planning import _slot_bounds
+
+    g, ll = GPT_OSS_20B_TP8, LLAMA31_8B_TP8
+    for target, shape, B, s_max, want in (("trn3", g, 8, 4096, True), ("trn3", g, 16, 4096, False),
+                                          ("trn3", g, 8, 16384, False), ("trn3", ll, 8, 4096, False),
+                                          ("trn2", g, 8, 4096, False)):
+        monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+        cfg = cfg_mod._Config(B, 1, shape["H"], shape["d"], shape["nkv"], shape["nq"], s_max, s_max, 1.0,
+                              shape.get("hidden_actual", shape["H"]), 0, 2)
+        assert cfg.last_half == want, (target, shape["d"], B, s_max)
+        if want:
+            assert _slot_bounds(cfg, 0, s_max)[-3:] == [s_max - 1024, s_max - cfg_mod.LAST_HALF_V4, s_max]
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    args, kw = make_inputs(8, 1, s_max=2048, ctx=2048, seed=5, **g)
+    lens = (2047, 1500, 1800, 1030, 1600, 700, 2000, 1536)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw, lambda c: c.last_half, "the 2K scan must take last_half")
+
+
 # ---- LNC=2 ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("B,S,ctx,window,shape", [
