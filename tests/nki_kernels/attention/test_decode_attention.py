@@ -1499,6 +1499,8 @@ def test_ragged_one_piece_slots_load_in_half_pieces():
 
 @pytest.mark.parametrize("shape,S,ctx,first,bs,fp8,min_scan", [
     (GPT_OSS_20B_TP8, 1, 8192 + 128, (8190, 130, 1000, 4095, 2500, 6000), 0, False, None),  # the real threshold
+    # 16K, one pack: _Config.tail_cuts, not tail_halves (its m in alternating buffers; the merge reads one m)
+    (GPT_OSS_20B_TP8, 1, 16384, (16383, 130, 5000, 4095, 2500, 9000, 12000, 700), 0, False, None),
     (GPT_OSS_20B_TP8, 1, 4096 + 128, (1, 130, 1000, 4095, 2500, 3000), 64, False, 2048),   # paged
     (MULTI_KV, 2, 4096 + 128, (4000, 17, 1500, 2900), 0, True, 2048),       # fp8 pairs, 2 KV heads, S_tkg 2
     (LLAMA31_8B_TP8, 1, 4096 + 128, (5, 900, 1000, 300, 17, 640), 0, False, 2048),   # core 1: all masked
