@@ -82,6 +82,7 @@ class _AttnState(nl.NKIObject):
         self.pvt = False        # _Config.pv_t in use (every pack the full form, whole batch pairs): acc^T layout
         self.consts = None      # with pvt: the constants (identity, ones) of the alpha / 1/l broadcasts
         self.hs = False         # _Config.row_halves: the current pack in row halves (_halves_ok)
+        self.bc_dve = False     # _Config.last_half, the last two steps: their alpha broadcasts copied on VectorE
         self.swap = None        # ... and the half-swap permutation of _merge_halves (built once)
         self.pt_h, self.n_pt = (), 0
         if cfg.row_halves:      # per step (double-buffered): P^T of rows 0..63 / 64..127, zero in the other's columns
@@ -495,7 +496,7 @@ def _normalise_full(cfg, st, sm, rows, nb, rinv, dtype):
     n = nb * cfg.d
     o_n = nl.ndarray((P_MAX, PV_COLS), dtype=dtype, buffer=nl.sbuf)
     if st.pvt:      # acc^T [(pair batch, dim), row] in PSUM (_pv_t): times 1 / l along the free axis
-        bc = _bcast_rows(st, rinv, rows)
+        bc = _bcast_rows(st, rinv, rows, cfg.last_half)
         nisa.tensor_tensor(dst=o_n[:, :rows], data1=st.ps_o[:, :rows], data2=bc, op=nl.multiply)
         sm.pending = None
         return o_n
@@ -761,11 +762,23 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
     _p128_steps(cfg, st, steps, rows)
     views = []
     _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[0], views, gates[0])
+    # _Config.last_half: the last (half) step's loads and scrubs are issued with the previous step's, and its score
+    # matmuls inside the step before that, after its exp and P^T transposes and before its PV (they write that
+    # step's score buffer, free once its exp has read it): on TensorE they no longer wait behind that PV (modelled
+    # trn3 GPT-OSS B=8 4K 35.44 -> 34.99 us). Skipped steps are a suffix (ragged._step_gates), so that step's runtime
+    # gate holds whenever the last step's does.
+    last = len(steps) - 1 if cfg.last_half and len(steps) >= 3 else -1
     for k in range(len(steps)):
-        if k + 1 < len(steps):
+        if k + 1 < len(steps) and k + 1 != last:
             _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[k + 1], views,
                           gates[k + 1])
         step = steps[k]
+        if k + 2 == last:
+            late = []
+            _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, steps[last], views, gates[last],
+                          defer=late)
+            step.pre_pv = _then(step.pre_pv, late[0])
+        st.bc_dve = cfg.last_half and k >= len(steps) - 2
         if cfg.pmajor:
             _online_step_pm(cfg, consts, st, sm, step.sc, rows, nb, views[step.slot][1], step.blocks, gates[k],
                             step.pre_pv)
@@ -892,9 +905,10 @@ def _ring_mode(st, ring, buf, p0, j0, w):
     return fresh, relaxed
 
 
-def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step, views, gate=None):
+def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step, views, gate=None, defer=None):
     """Loads of the step's slot (when first needed), then its scores and masks into the next score buffer (inside
-    the step's runtime gate when ragged contexts skip it)."""
+    the step's runtime gate when ragged contexts skip it). defer: a list the row-major scores are appended to (as a
+    function) instead of being issued here (_prior_steps, _Config.last_half)."""
     rows = nb * cfg.R
     fresh = []
     while len(views) <= step.slot:
@@ -978,7 +992,13 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         else:
             key = st.iota(step.key_id, step.key_pattern, step.cols, kdt)
         q = st.qm_sw if cfg.kt_swap and lane else qm
-        _run(gate, lambda _i: _step_scores(cfg, consts, q, kT, sc, key, rows, nb, step, j0, w, lane, st.hs))
+
+        def scores():
+            _run(gate, lambda _i: _step_scores(cfg, consts, q, kT, sc, key, rows, nb, step, j0, w, lane, st.hs))
+        if defer is None:
+            scores()
+        else:
+            defer.append(scores)
     # V is needed by the step's PV: the slot's V scrub is issued inside the step that first reads the slot, after
     # its statistics (pre_pv), so on VectorE / GpSimd it queues behind that step's row max instead of ahead of it
     # (the last slot's ANDs, after the last K/V load, delayed the last step's chain)
@@ -988,6 +1008,15 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
         if ands is not None:
             step.pre_pv = ands
     step.sc = sc
+
+
+def _then(first, second):
+    """first() (when not None), then second()."""
+    def both():
+        if first is not None:
+            first()
+        second()
+    return both
 
 
 def _swapped_queries(cfg, qm_sw, qkT, t0, g, nb):
@@ -1646,23 +1675,28 @@ def _pv_t(cfg, st, pT, v, nb, blocks, pv=None):
         _run(pv[G] if pv is not None else None, group)
 
 
-def _bcast_rows(st, vec, rows):
+def _bcast_rows(st, vec, rows, dve=False):
     """fp32 [128, rows]: column r = vec[r] on every partition, as ones x diag(vec) (the diagonal on VectorE, one fp32
     matmul into ps_o's second bank: exact), copied to SBUF on ScalarE (modelled trn3 GPT-OSS B=8 4K: the fastest of
-    the diagonal / copy placements on GpSimd, ScalarE and VectorE, 38.06 against up to 38.50 us)."""
+    the diagonal / copy placements on GpSimd, ScalarE and VectorE, 38.06 against up to 38.50 us). dve: the copy on
+    VectorE (_Config.last_half's last two steps and the normalisation: ScalarE computes the last exps then, and the
+    copies queued behind them; modelled trn3 GPT-OSS B=8 4K 34.99 -> 34.66 us)."""
     diag = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=diag[:rows, :rows], data=st.consts.ident[:rows, :rows], op0=nl.multiply,
                        operand0=vec[:rows])
     bc_ps = st.ps_o[:, PVT_BC:PVT_BC + rows]
     nisa.nc_matmul(dst=bc_ps, stationary=st.consts.ones_f32[:rows, :], moving=diag[:rows, :rows], accumulate=False)
     bc = nl.ndarray((P_MAX, P_MAX), dtype=nl.float32, buffer=nl.sbuf)     # SBUF: acc^T is in PSUM (C9)
-    nisa.activation(dst=bc[:, :rows], op=nl.copy, data=bc_ps)      # ScalarE
+    if dve:
+        nisa.tensor_copy(dst=bc[:, :rows], src=bc_ps, engine=nisa.engine.vector)
+    else:
+        nisa.activation(dst=bc[:, :rows], op=nl.copy, data=bc_ps)      # ScalarE
     return bc[:, :rows]
 
 
 def _rescale_t(st, alpha, rows):
     """acc^T (ps_o[:, :rows], in PSUM) *= alpha along the free axis (column r: row r's alpha), in place."""
-    bc = _bcast_rows(st, alpha, rows)
+    bc = _bcast_rows(st, alpha, rows, st.bc_dve)
     nisa.tensor_tensor(dst=st.ps_o[:, :rows], data1=st.ps_o[:, :rows], data2=bc, op=nl.multiply)
 
 

@@ -300,7 +300,10 @@ def test_trn3_last_half(monkeypatch):
     """trn3, PV with V stationary and one pack of one-piece slots (_Config.last_half: GPT-OSS B=8 4K): the scan's last
     LAST_HALF_V4 positions are a slot of their own, so half a step follows the last K/V byte. Not several packs,
     two-piece slots (16K), d = 128 nor trn2. Output and stale NaN rows with sequences ending in either half of the
-    last 1024 positions, at the halves' boundary and before the last slot."""
+    last 1024 positions, at the halves' boundary and before the last slot. The last step's score matmuls are issued
+    before the first step's PV (inside it, after its exp: 2K, three steps) and the last two steps' alpha broadcasts
+    and the normalisation's copied on VectorE."""
+    from nki_kernels.attention.decode import flash
     from nki_kernels.attention.decode.planning import _slot_bounds
 
     g, ll = GPT_OSS_20B_TP8, LLAMA31_8B_TP8
@@ -319,7 +322,18 @@ def test_trn3_last_half(monkeypatch):
     args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
-    _check_nan_tails_where(args, clean, kw, lambda c: c.last_half, "the 2K scan must take last_half")
+    log = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "_step_scores", _logged(flash._step_scores, log, "scores"))
+        mp.setattr(flash, "_pv", _logged(flash._pv, log, "pv"))
+        mp.setattr(flash, "_bcast_rows", _logged(flash._bcast_rows, log, lambda *a, **k: ("bcast",) + a[3:]))
+        _check_nan_tails_where(args, clean, kw, lambda c: c.last_half, "the 2K scan must take last_half")
+    # per run (poisoned, clean): the last step's scores before the first step's PV; the last two steps' alpha
+    # broadcasts and the normalisation's copied on VectorE, the first step's on ScalarE
+    run = log[:len(log) // 2]
+    assert run == log[len(log) // 2:]
+    assert [e for e in run if e in ("scores", "pv")] == ["scores"] * 3 + ["pv"] * 3, run
+    assert [e for e in run if e not in ("scores", "pv")] == [("bcast", False)] + [("bcast", True)] * 3, run
 
 
 # ---- LNC=2 ------------------------------------------------------------------------------------------------------
