@@ -416,6 +416,12 @@ class _Config(nl.NKIObject):
         # their plain K^T rotated as the d = 128 ones do (GPT-OSS B=64 16K: the odd batches' K^T was two transposes
         # of 1024-position halves, 2 KiB SBUF runs at 0.80, ~27 % of each DMA ring's busy time).
         self.k_plain = self.k_whole and self.kpp in (1, 2) and self.halves == 1
+        # d = 128 with k_whole (Llama-8B-like ragged scans, trn2): each batch's K^T loads of a slot are issued ahead of
+        # its V pieces (flash._issue_scores), so the K^T of the kernel's last slot is not the last byte in the DMA
+        # rings' FIFO: its scrub AND and score matmuls run while V still lands (modelled trn2 Llama-8B ragged B=16
+        # 144.45 -> 143.00 us: the last K^T landed after the last V, then ~13.5 us of AND / steps / O-projection).
+        # Not d = 64 (GPT-OSS B=64 4K +1.9 %, LNC=2 B=8 4K +1.3 %: their half pieces' V feeds PV sooner).
+        self.k_first = self.k_whole and self.d == P_MAX
         self.rot_unit = self.kpp if self.k_plain else 1     # batches per rotation unit (planning._rot_batch)
         # Two-batch stacks of k_plain (GPT-OSS B >= 32 on trn2: every DMA ring busy to the end, modelled): the packs'
         # position and sink tables without a DMA per pack (flash._prefetch_packs): each batch's position on every

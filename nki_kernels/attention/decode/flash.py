@@ -891,6 +891,39 @@ def _load_k_pair(cfg, K_cache, kT, b, g, j, j0, w, lane=0):
                        src=K_cache[b:b + kpp + 1:kpp, g, j0:j0 + w, :].expand_dim(0))
 
 
+def _load_v_pieces(cfg, st, K_cache, V_cache, kg, v, b, g, j, j0, w, lane, rot, pieces, kw, k1):
+    """Ragged contiguous slot [j0, j0 + w) of batch j (sequence b): its load pieces (planning._load_pieces), each
+    under its gate (a sequence's loads stop at its length): K^T and V, or V alone where the K^T goes by
+    _load_k_alts (the pieces from kw on: planning._whole_k; k1: the one-piece slot's K^T by batch pairs)."""
+    for k, (a, size) in enumerate(pieces):
+        _run(st.load_gates[(a, size)][j], lambda _i, a=a, size=size, r=rot and _rot_batch(cfg, j),
+             pt="v" if (kw is not None and k >= kw) or (k1 and k == len(pieces) - 1) else "kv":
+             _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane, r, pt))
+
+
+def _load_k_alts(cfg, st, K_cache, V_cache, kg, v, b, g, j, j0, w, lane, rot, pieces, kw, k1):
+    """K^T of batch j's slot [j0, j0 + w) where it is not loaded with V by piece (kw / k1, see _load_v_pieces): the
+    first piece alone, or the whole slot (planning._whole_k; _pair_k: the whole one-piece slot), alone or with
+    the partner's (batch j ^ kpp) in one transpose (_load_k_pair); shorter prefixes go by _load_v_pieces."""
+    if kw is None and not k1:
+        return
+    f = st.load_gates[pieces[-1] if k1 else pieces[kw + 1]]
+    nf = st.load_gates.get(("k2r", j0))
+    if nf is None and ("k2n", j0) in st.load_gates:    # 1 - f (ragged._load_gates), registered at
+        # the slot's first loads (once per pack: every KV head's loads of the slot reuse them)
+        nf = st.load_gates[("k2r", j0)] = _registers(*st.load_gates[("k2n", j0)])
+    pj = j ^ cfg.kpp     # the partner: the same partitions of the adjacent stack (ragged._load_gates)
+    paired = nf is not None and pj < len(nf)
+    if paired and j & cfg.kpp == 0:    # both sequences need the whole slot: one transpose
+        _run(f[j], lambda _i: _run(f[pj], lambda _i2: _load_k_pair(cfg, K_cache, kg, b, g, j, j0, w, lane)))
+    loads = [(j0, w, f[j], nf[pj] if paired else None)]    # alone: the partner does not need it
+    if not k1:
+        loads.insert(0, (j0, pieces[kw][1], st.load_gates[("k1", j0)][j], None))
+    for a, size, gt, g2 in loads:
+        _run(gt, lambda _i, a=a, size=size, g2=g2: _run(
+            g2, lambda _i2: _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane, False, "k")))
+
+
 def _ring_mode(st, ring, buf, p0, j0, w):
     """(fresh_ring, relaxed) of a use of ring buffer buf for the slot [j0, j0 + w) of pack p0 (see _issue_scores),
     and its state updated: fresh_ring unless every lane is finite up to w, or this pack's groups reaching j0 are
@@ -936,30 +969,11 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                 pieces = _load_pieces(cfg, j0, w)
                 kw = None if rot and _rot_batch(cfg, j) and not cfg.k_plain else _whole_k(cfg, j0, w)
                 k1 = kw is None and _pair_k(cfg, j0, w)      # one piece, K^T of batch pairs (planning._pair_k)
-                for k, (a, size) in enumerate(pieces):    # a sequence's loads stop at its length
-                    _run(st.load_gates[(a, size)][j], lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v,
-                         lane=lane, r=rot and _rot_batch(cfg, j),
-                         pt="v" if (kw is not None and k >= kw) or (k1 and k == len(pieces) - 1) else "kv":
-                         _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane, r, pt))
-                if kw is not None or k1:     # K^T: the first piece alone, or the whole slot (planning._whole_k,
-                    # _pair_k: the whole one-piece slot, alone or with the partner's; shorter prefixes above)
-                    f = st.load_gates[pieces[-1] if k1 else pieces[kw + 1]]
-                    nf = st.load_gates.get(("k2r", j0))
-                    if nf is None and ("k2n", j0) in st.load_gates:    # 1 - f (ragged._load_gates), registered at
-                        # the slot's first loads (once per pack: every KV head's loads of the slot reuse them)
-                        nf = st.load_gates[("k2r", j0)] = _registers(*st.load_gates[("k2n", j0)])
-                    pj = j ^ cfg.kpp     # the partner: the same partitions of the adjacent stack (ragged._load_gates)
-                    paired = nf is not None and pj < len(nf)
-                    if paired and j & cfg.kpp == 0:    # both sequences need the whole slot: one transpose
-                        _run(f[j], lambda _i, b=b, j=j, j0=j0, w=w, kg=kg, f=f, pj=pj, lane=lane: _run(
-                            f[pj], lambda _i2: _load_k_pair(cfg, K_cache, kg, b, g, j, j0, w, lane)))
-                    loads = [(j0, w, f[j], nf[pj] if paired else None)]    # alone: the partner does not need it
-                    if not k1:
-                        loads.insert(0, (j0, pieces[kw][1], st.load_gates[("k1", j0)][j], None))
-                    for a, size, gt, g2 in loads:
-                        _run(gt, lambda _i, b=b, j=j, a=a, size=size, j0=j0, w=w, kg=kg, v=v, lane=lane, g2=g2: _run(
-                            g2, lambda _i2: _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane,
-                                                        False, "k")))
+                args = (cfg, st, K_cache, V_cache, kg, v, b, g, j, j0, w, lane, rot, pieces, kw, k1)
+                # _Config.k_first: the batch's K^T loads ahead of its V pieces (the scores and K^T scrub need K^T
+                # first; PV reads V a step later)
+                for part in (_load_k_alts, _load_v_pieces) if cfg.k_first else (_load_v_pieces, _load_k_alts):
+                    part(*args)
         # Ragged, per-group gated scores / PV (_stack_gates): a load group none of whose sequences reaches j0 is
         # neither loaded nor read in this slot (nor in any later slot of this pack), so a fresh ring buffer scrubs
         # the groups reaching j0 only; its other lanes keep their content. This pack's later uses of the buffer at

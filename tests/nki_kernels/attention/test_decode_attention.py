@@ -1376,6 +1376,41 @@ def test_ragged_whole_end_slots_with_nan_tails():
                            "not the whole-end-slot plan (k_packs, two 2048-position slots)")
 
 
+def test_ragged_k_first_with_nan_tails():
+    """Llama-8B ragged on trn2 (d = 128, _Config.k_first): each batch's K^T loads of a slot (the first piece alone,
+    the whole slot, the pair with its stack partner) are issued before its V pieces, so the kernel's last K^T is
+    not the last byte in the DMA rings. Sequences ending in every piece of both 2048-position slots, pairs split by
+    a short partner; NaN past every length: finite, equal to the reference and bit-identical to a clean cache; per
+    (sequence, slot) the first load carrying K^T precedes every V-only load."""
+    from nki_kernels.attention.decode import flash
+
+    ctx = 4096
+    lens = (90, 4095, 1500, 2600, 3700, 1030, 2047, 2049, 3071, 3073, 200, 4000, 1024, 3500, 600, 2500, 3900)
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=97, **LLAMA31_8B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    loads = []
+
+    def piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, rot=False, parts="kv"):
+        return [(b, j0, parts)]
+
+    def pair(cfg, K_cache, kT, b, g, j, j0, w, lane=0):
+        return [(b, j0, "k"), (b + cfg.kpp, j0, "k")]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "_load_piece", _logged(flash._load_piece, loads, piece))
+        mp.setattr(flash, "_load_k_pair", _logged(flash._load_k_pair, loads, pair))
+        _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.k_first and cfg.k_packs,
+                               "k_first is off: the case does not test the K^T-first order")
+    order = [x for call in loads for x in call]
+    v_only = {(b, j0) for b, j0, parts in order if parts == "v"}
+    assert v_only, "no V-only load (whole-slot K^T): the case does not test the order"
+    for key in v_only:
+        first_k = min(i for i, (b, j0, parts) in enumerate(order) if (b, j0) == key and "k" in parts)
+        first_v = min(i for i, (b, j0, parts) in enumerate(order) if (b, j0) == key and parts == "v")
+        assert first_k < first_v, f"sequence {key[0]}'s V of slot {key[1]} loaded before its K^T"
+
+
 @pytest.mark.parametrize("B,S,lnc,ctx", [(9, 1, 1, 1024), (11, 1, 1, 1024), (3, 4, 1, 1024), (16, 1, 2, 1024),
                                          (8, 1, 1, 2048), (4, 2, 1, 2048), (8, 1, 2, 2048)])
 def test_x_rows_in_groups_with_nan_tails(B, S, lnc, ctx):
