@@ -107,15 +107,9 @@ XT_DIRECT_TOKENS = 16
 # so do caches of more than X_ROW_S_MAX positions: B=16 16K would gain (265.85 -> 264.75) but ragged B=16 lose 0.05).
 X_ROW_PARTS = ((96, 6), (32, 5), (0, 4), (64, 1))
 X_ROW_S_MAX = 4096
-# ... and 8 tokens (Llama-8B B=8) in four groups of two rows (rings 12 / 4 / 0 / 8, 0.74 us each), as the transposed
-# load cost every ring 1.02 us ahead of W_qkv: modelled trn2 Llama-8B B=8 4K 70.05 -> 69.89 us, LNC=2 B=8 4K 42.02
-# -> 41.89 (each core loads the whole x^T for its half of the QKV contraction). Three groups of 3 / 3 / 2 off ring 0
-# lost (+0.3 / +0.9 % before the K^T pairs). Scans of at least X_ROW_FEW_SCAN positions only, where the K/V stream
-# paces the row: nki-library q2 d128 H5376 B8 1K (its QKV chain paces it; the rows' transposes queue there) lost
-# 4.3 / 10.6 % at LNC 1 / 2.
-X_ROW_PARTS_FEW = ((96, 2), (32, 2), (0, 2), (64, 2))
-X_ROW_PARTS_MIN = 8
-X_ROW_FEW_SCAN = 2048
+# 8 tokens (Llama-8B B=8) loaded in four groups of two rows (rings 12 / 4 / 0 / 8, 0.74 us each) until the
+# helper-95 round; they spread since (_Config.x_spread, X_SPREAD_D128_SCAN), so the groups start at 9 tokens.
+X_ROW_PARTS_MIN = 9
 # ... and (_Config.x_spread: trn2, d < 128, no LNC=2 weight split) X of 2..X_SPREAD_TOKENS tokens loads as rows on
 # partitions X_SPREAD_STRIDE * t (+ 64 for caches of <= X_ROW_S_MAX positions: engines 8..15, where W_o's last bytes
 # land first; modelled GPT-OSS B=8 4K 48.61 -> 48.47 us, but B=8 16K +0.3 %, nki-library q8 B4 11K +1.1 %), one per
@@ -125,9 +119,18 @@ X_ROW_FEW_SCAN = 2048
 # transposed load's 48-byte runs (DMA efficiency 0.16) cost every engine 0.86 us at GPT-OSS B=8, ahead of W_qkv
 # and the K/V stream (modelled trn2 GPT-OSS B=8 4K 49.27 -> 48.69 us, 16K 85.55 -> 84.69). Not kept elsewhere
 # (modelled): 9..16 tokens on every engine (GPT-OSS B=16 4K 54.09 -> 56.83: the compute-paced middle of that row
-# moves), d = 128 (Llama-8B B=8 4K 70.95 -> 70.42 but its asserted LNC=2 B=8 4K <= 0.6x LNC=1 is lost: 0.602;
-# nki-library q2 H5376 B8 1K +7 %), LNC=2 split weights (GPT-OSS B=8 4K 33.74 -> 37.08), trn3 (B=8 4K +6 %),
-# B=1 (+5 %), stride 16 (ragged GPT-OSS B=8 +0.9 %), the whole memset on VectorE (ragged B=8 +3.3 %).
+# moves), d = 128 on LNC=1 only (Llama-8B B=8 4K 70.95 -> 70.42 but its asserted LNC=2 B=8 4K <= 0.6x LNC=1 was
+# lost: 0.602; nki-library q2 H5376 B8 1K +7 %; see below), d = 64 with LNC=2 split weights (GPT-OSS B=8 4K 33.74
+# -> 37.08), trn3 (B=8 4K +6 %), B=1 (+5 %), stride 16 (ragged GPT-OSS B=8 +0.9 %), the whole memset on VectorE
+# (ragged B=8 +3.3 %).
+# d = 128 (helper-95 round): 8 tokens where X_ROW_PARTS_MIN's groups of two rows loaded them (bf16 caches of <=
+# X_ROW_S_MAX positions, scans of >= X_SPREAD_D128_SCAN), the LNC=2 weight split included (each core loads the
+# whole tile): 8 KiB rows, one on each of engines 8..15 (0.37 us each), instead of two on each of 12 / 4 / 0 / 8
+# (0.74 us) next to the RoPE tables (4) and the per-token tables (0). Modelled trn2 Llama-8B B=8 4K 69.89 -> 69.25
+# us, K_cache_transposed 68.90 -> 68.25 (x1.143), LNC=2 B=8 4K 41.89 -> 41.45 (0.5986 of LNC=1). Not longer caches
+# (ragged Llama-8B B=8 +3.0 %; B=8 16K would gain 0.35 %) nor scans below X_SPREAD_D128_SCAN (nki-library q2 d128
+# H5376 B8 1K, its QKV chain pacing it: +4.5 / +6.3 % at LNC 1 / 2), as the groups before.
+X_SPREAD_D128_SCAN = 2048
 X_SPREAD_TOKENS = 8
 X_SPREAD_STRIDE = 8     # partitions per DMA engine
 # First partition of a token tile's RoPE tables (cos / sin rows, _Config.small_p0) when the tile has at most 32 rows:
@@ -478,8 +481,10 @@ class _Config(nl.NKIObject):
         # B=16 -0.35 %, every GPT-OSS row within +0.09 %; it cost ragged B=16 +2.4 % when that row was compute-paced).
         self.small_p0 = SMALL_P0 if v3 else 0
         self.x_row_parts = v3 and self.d == P_MAX and not fp8 and s_max <= X_ROW_S_MAX
-        self.x_spread = X_SPREAD_STRIDE if (v3 and self.d < P_MAX and not self.wsplit
-                                            and 2 <= B * S <= X_SPREAD_TOKENS) else 0
+        spread_d128 = (self.x_row_parts and B * S == X_SPREAD_TOKENS and self.scan >= X_SPREAD_D128_SCAN
+                       and (n_prog == 1 or self.wsplit))
+        self.x_spread = X_SPREAD_STRIDE if (v3 and 2 <= B * S <= X_SPREAD_TOKENS
+                                            and (self.d < P_MAX and not self.wsplit or spread_d128)) else 0
         # Several sequences per pack on 2-batch stacks (d = 64, bf16, row-major steps): batch j's K^T lands on the
         # stack half j % 2, so the 8 DMA rings of partitions 0..63 carried the even batches' K bytes and the other
         # 8 the odd ones': with ragged lengths the halves differed by up to 2.4x (GPT-OSS B=8 16K, bench
@@ -651,14 +656,8 @@ def x_row_groups(cfg, nt):
     (_Config.x_row_parts; see X_ROW_PARTS), or () when the tile loads X otherwise."""
     if not cfg.x_row_parts or not X_ROW_PARTS_MIN <= nt <= XT_DIRECT_TOKENS:
         return ()
-    if nt <= sum(cap for _p0, cap in X_ROW_PARTS_FEW):
-        if cfg.scan < X_ROW_FEW_SCAN:
-            return ()
-        parts = X_ROW_PARTS_FEW
-    else:
-        parts = X_ROW_PARTS
-    assert sum(cap for _p0, cap in parts) >= nt, "X's row groups hold fewer rows than XT_DIRECT_TOKENS"
-    return parts
+    assert sum(cap for _p0, cap in X_ROW_PARTS) >= nt, "X's row groups hold fewer rows than XT_DIRECT_TOKENS"
+    return X_ROW_PARTS
 
 
 class _CacheShape(nl.NKIObject):

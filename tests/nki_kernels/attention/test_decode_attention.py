@@ -1411,24 +1411,39 @@ def test_ragged_k_first_with_nan_tails():
         assert first_k < first_v, f"sequence {key[0]}'s V of slot {key[1]} loaded before its K^T"
 
 
-@pytest.mark.parametrize("B,S,lnc,ctx", [(9, 1, 1, 1024), (11, 1, 1, 1024), (3, 4, 1, 1024), (16, 1, 2, 1024),
-                                         (8, 1, 1, 2048), (4, 2, 1, 2048), (8, 1, 2, 2048)])
+@pytest.mark.parametrize("B,S,lnc,ctx", [(9, 1, 1, 1024), (11, 1, 1, 1024), (3, 4, 1, 1024), (16, 1, 2, 1024)])
 def test_x_rows_in_groups_with_nan_tails(B, S, lnc, ctx):
-    """Llama-8B on trn2 with 8..16 tokens and a bf16 cache of <= X_ROW_S_MAX positions (_Config.x_row_parts): X's
+    """Llama-8B on trn2 with 9..16 tokens and a bf16 cache of <= X_ROW_S_MAX positions (_Config.x_row_parts): X's
     rows load in groups on partitions 96 / 32 / 0 / 64 (config.X_ROW_PARTS; 9 tokens: 6 + 3, 11: 6 + 5, 12 and 16:
-    every group, the last partial; 8 tokens, scans of >= X_ROW_FEW_SCAN positions: X_ROW_PARTS_FEW, two rows per
-    group) and are transposed per group into one x^T (tiles.transpose_token_groups); LNC=2 feeds the
-    split-contraction QKV (B=8: the weight-split batch split). NaN past every length: finite, equal to the
-    reference, bit-identical to a clean cache."""
+    every group, the last partial) and are transposed per group into one x^T (tiles.transpose_token_groups); LNC=2
+    feeds the split-contraction QKV. NaN past every length: finite, equal to the reference, bit-identical to a clean
+    cache."""
     args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=31 + B, **LLAMA31_8B_TP8)
     lens = [90 + 61 * b for b in range(B)]
     args[4][:, :] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)[None, :]
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
     _check_nan_tails_where(args, clean, kw,
-                           lambda cfg: cfg_mod.x_row_groups(cfg, B * S) == (
-                               cfg_mod.X_ROW_PARTS_FEW if B * S <= 8 else cfg_mod.X_ROW_PARTS),
+                           lambda cfg: cfg_mod.x_row_groups(cfg, B * S) == cfg_mod.X_ROW_PARTS,
                            "X's rows not loaded in groups (_Config.x_row_parts, config.x_row_groups)", lnc=lnc)
+
+
+@pytest.mark.parametrize("B,S,lnc,ctx", [(8, 1, 1, 2048), (4, 2, 1, 2048), (8, 1, 2, 2048), (8, 1, 1, 4096)])
+def test_x_rows_spread_d128_with_nan_tails(B, S, lnc, ctx):
+    """Llama-8B (d = 128) on trn2 with 8 tokens, a bf16 cache of <= X_ROW_S_MAX positions and a scan of >=
+    X_SPREAD_D128_SCAN positions (_Config.x_spread): X's 8 rows load on partitions 64 + 8 * t (one DMA engine each)
+    of a zeroed 64-partition block, transposed whole per kt (tiles.transpose_spread_rows), not in row groups; LNC=2
+    B=8 is the weight-split batch split (each core loads the whole tile for its half of the QKV contraction). NaN
+    past every length: finite, equal to the reference, bit-identical to a clean cache."""
+    args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=31 + B, **LLAMA31_8B_TP8)
+    lens = [90 + (ctx - 200) // B * b for b in range(B)]
+    args[4][:, :] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)[None, :]
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw,
+                           lambda cfg: (cfg.x_spread == cfg_mod.X_SPREAD_STRIDE and not cfg_mod.x_row_groups(cfg, B * S)
+                                        and (lnc == 1 or cfg.wsplit)),
+                           "X's 8 rows not spread over the DMA engines (_Config.x_spread, d = 128)", lnc=lnc)
 
 
 @pytest.mark.parametrize("B,S,lnc,ctx", [(8, 1, 1, 1024), (5, 1, 1, 1024), (3, 2, 1, 1024), (2, 1, 1, 1024),
