@@ -461,8 +461,10 @@ class _Config(nl.NKIObject):
         # B=8 16K, ragged B=8; the masks there follow mask_dve): modelled 81.53 -> 79.95 us, ragged 58.65 -> 56.73
         # (vs row_halves). Not two packs: ragged B=16 86.64 -> 88.65 (+2.3 %), and B=16 16K's gain (142.77 ->
         # 139.64 us) fails the LNC=2 (0.6x) and fp8 (1.05x) bench asserts that compare with it.
-        # Not where the cores' states are merged (LNC=2 context / strided batch split: _combine_cores reads one m).
-        self.tail_halves = self.pack_tables or (self.tail_cuts and n_packs == 1 and not self.split)
+        # Not where the cores' states are merged (LNC=2 context / strided batch split: _combine_cores reads one m),
+        # nor packs of more than 64 rows (S_tkg 2, packs of 9: m is kept on both partition halves, _alpha_bufs).
+        self.tail_halves = self.pack_tables or (self.tail_cuts and n_packs == 1 and not self.split
+                                                and self.pack * self.R <= P_MAX // 2)
         # One batch per stack (d = 128), where this core scans at least KW_PACKS packs with whole weights (LNC=1: the
         # K/V stream paces those rows): the scan's first and last slots are not split to one step
         # (planning._slot_bounds), so every slot is two pieces or more: its K^T moves as whole slots and pairs (4 / 8

@@ -1305,6 +1305,21 @@ def test_tail_cuts_16k_few_packs_with_nan_tails(lens):
     assert order and order == ["sink", "steps"] * (len(order) // 2), f"the pack's sink / steps: {order}"
 
 
+def test_tail_cuts_16k_one_pack_of_128_rows_with_nan_tails():
+    """GPT-OSS ragged on trn2, S_tkg 2, 16K: one pack of 8 sequences = 128 rows takes the tail cuts but not the
+    last pack's halves (_Config.tail_halves keeps m on both partition halves: packs of <= 64 rows). NaN past every
+    length: finite, equal to the reference and bit-identical to a clean cache. Fails with tail_halves on every
+    one-pack tail_cuts scan (as at 0a97081: an IndexError in flash._alpha_bufs)."""
+    ctx, S = 16384, 2
+    lens = (1100, 6000, 4200, 1900, 5300, 3000, 16000, 4900)
+    args, kw = make_inputs(len(lens), S, s_max=ctx, ctx=ctx, seed=97, **GPT_OSS_20B_TP8)
+    args[4][:] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.tail_cuts and cfg.pack * cfg.R > 64,
+                           "no one-pack tail_cuts scan of more than 64 rows: the case tests nothing")
+
+
 def test_last_pack_tail_halves_with_nan_tails():
     """GPT-OSS ragged on trn2 with the pack tables (_Config.tail_halves): the kernel's last pack (64 rows) keeps
     alpha and m in two buffers alternating by step (flash._alpha_bufs), its in-place steps put the two halves of
