@@ -154,12 +154,13 @@ def decode_attention_kernel(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, 
         consts = _Constants(cfg, X.dtype)
         _transpose_bias_o(cfg, ins)
         xT = _rmsnorm(cfg, consts, ins, tiles, eps)
-        qkv = _qkv_projection(cfg, consts, xT, W_qkv, ins.bias_qkv, tiles)
-        qkv = _rope(cfg, qkv, ins, tiles)
-        if cfg.fp8:
-            _quantize_kv(cfg, qkv, ins, tiles, K_cache.dtype)
-            consts.vs = ins.vs
-        qkT = _transpose_qk(cfg, qkv, tiles)
+        qkv, qkT = _qkv_projection(cfg, consts, xT, W_qkv, ins.bias_qkv, tiles, ins)
+        if qkT is None:     # else RoPE and q^T / k^T came from the transposed sums (_Config.rope_t)
+            qkv = _rope(cfg, qkv, ins, tiles)
+            if cfg.fp8:
+                _quantize_kv(cfg, qkv, ins, tiles, K_cache.dtype)
+                consts.vs = ins.vs
+            qkT = _transpose_qk(cfg, qkv, tiles)
         oT, wo = _attention_flash_decode(cfg, consts, qkT, qkv, K_cache, V_cache, position_ids, sinks, tiles,
                                          b_lo, b_hi, W_o, block_ids, starts, pre)
         if cfg.wsplit and not cfg.split:

@@ -516,6 +516,13 @@ class _Config(nl.NKIObject):
         # Llama-8B 52.79 / 86.37 -> 52.37 / 85.02. Not 16K (GPT-OSS B=16 16K +0.2 %, the others unchanged) nor
         # trn2 (its K/V stream paces the rows).
         self.qkv_t = not v3 and s_max <= X_ROW_S_MAX
+        # LNC=2 with split weights: RoPE applied to the exchanged QKV sums in their transposed layout
+        # (qkv._rope_transposed: [128 rows of a C chunk, chunk, tokens], the rotate-half partner rows by one
+        # permutation matmul) and q^T / k^T taken from it (a second permutation matmul puts each head on the other
+        # half of the partitions, kpp = 2), instead of back to the token layout, RoPE on `tokens` partitions and
+        # the q / k transposes: that chain (~5.5 us, VectorE on 8 partitions) ran between the QKV exchange and the
+        # first score on both cores (modelled trn2 GPT-OSS B=8 4K LNC=2, whose attention is compute-paced).
+        self.rope_t = (wsplit and not fp8 and self.halves == 1 and P_MAX % d == 0 and self.kpp in (1, 2))
         # Row-major steps of the kernel's last pack (flash._row_max): the row max as one VectorE reduce per score
         # chunk (each starts when its chunk's score matmuls are done, the second while TensorE computes the other)
         # and a max of the partial maxima, instead of one reduce after the whole step's scores: the last steps run

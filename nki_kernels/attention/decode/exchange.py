@@ -205,7 +205,7 @@ def _decode_attention_dp(cfg, cfg_g, dp, X, W_qkv, K_cache, V_cache, position_id
     consts = _Constants(cfg, X.dtype)
     _transpose_bias_o(cfg_g, ins)
     xT = _rmsnorm(cfg_g, consts, ins, gath, eps)
-    qkv_g = _qkv_projection(cfg_g, consts, xT, W_qkv, ins.bias_qkv, gath)
+    qkv_g, _ = _qkv_projection(cfg_g, consts, xT, W_qkv, ins.bias_qkv, gath)
     qkv = _swap_heads_for_sequences(cfg, cfg_g, dp, qkv_g, gath, own)
     qkv = _rope(cfg, qkv, own_ins, own)
     if cfg.fp8:

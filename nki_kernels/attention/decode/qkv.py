@@ -230,7 +230,7 @@ def _rmsnorm(cfg, consts, ins, tiles, eps):
     return tuple(xTs)
 
 
-def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
+def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles, ins=None):
     """qkv[tile] = [tokens, C] bf16 = xn @ W_qkv (+ bias), fp32 accumulation in PSUM over H/128 tiles.
 
     W_qkv is resident in SBUF as [128, KT, C] (row p * KT + kt on partition p: KT * C contiguous elements per
@@ -240,6 +240,8 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
     accumulator.
     Context split (LNC=2, B < 2): each core contracts half of the KT tiles (and loads only those rows of W_qkv);
     the fp32 partial sums are exchanged with sendrecv and added (same bits on both cores; bias on core 0's part).
+    Returns (qkv, qkT): qkT is None unless RoPE and the q / k transposes ran on the transposed sums
+    (_Config.rope_t, _rope_transposed; ins: the RoPE tables), else the caller applies _rope and _transpose_qk.
     """
     KT, C = cfg.KT, cfg.C
     qsplit = cfg.wsplit and KT >= 2
@@ -257,8 +259,10 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
     qkv = tuple(_qkv_tile(cfg, W_qkv.dtype, tiles[ti].nt) for ti in range(len(tiles)))
     n_cc = (C + P_MAX - 1) // P_MAX
     if (qsplit or cfg.qkv_t) and not cfg.wq_chunk and len(tiles) == 1 and n_cc * tiles[0].nt <= PSUM_F:
-        _qkv_split_transposed(cfg, consts, xT[0], wq, bias, tiles[0].nt, kt0, kt1, qkv[0])
-        return qkv
+        rope = ins if (cfg.rope_t and qsplit and ins is not None and len(ins.cos) > 0
+                       and ins.cos[0].dtype == W_qkv.dtype) else None
+        qkT = _qkv_split_transposed(cfg, consts, xT[0], wq, bias, tiles[0].nt, kt0, kt1, qkv[0], rope)
+        return qkv, qkT
     part = ()
     if qsplit:
         part = tuple(nl.ndarray((P_MAX, C), dtype=nl.float32, buffer=nl.sbuf) for _ in tiles)
@@ -295,10 +299,10 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles):
                       pipe_id=cfg.nkv + ti)
         nisa.tensor_tensor(dst=qkv[ti][:nt, cfg.pad:cfg.pad + C], data1=part[ti][:nt, :], data2=other[:nt, :],
                            op=nl.add)
-    return qkv
+    return qkv, None
 
 
-def _qkv_split_transposed(cfg, consts, xT, wq, bias, nt, kt0, kt1, dst):
+def _qkv_split_transposed(cfg, consts, xT, wq, bias, nt, kt0, kt1, dst, rope=None):
     """Also with one core (_Config.qkv_t, trn3: the sums not exchanged, evicted to bf16 directly).
     LNC=2 split contraction (one token tile, resident W_qkv share wq = rows [kt0, kt1)): this core's partial sums
     computed transposed, partT [128 (C rows of chunk j), chunk j, tokens] fp32 in one PSUM bank (stationary = a
@@ -309,7 +313,9 @@ def _qkv_split_transposed(cfg, consts, xT, wq, bias, nt, kt0, kt1, dst):
     partitions each) for up to 8 tokens, so the exchange (tokens x C x 4 bytes) queued on that engine ahead of
     its K/V shares (modelled, Llama-3.1-8B TP8 B=8 4K LNC=2: engine 0 1.2 us busier than the others); [128, ...]
     spreads it over all 16. Same sums (the same products accumulated over the same H tiles), same bf16 rounding
-    of fp32 own + other (fp32 addition commutes: both cores hold the same bits); bias on core 0's part."""
+    of fp32 own + other (fp32 addition commutes: both cores hold the same bits); bias on core 0's part.
+    rope (the inputs' RoPE tables, _Config.rope_t): RoPE and q^T / k^T from the transposed sums
+    (_rope_transposed), only the k / v chunks back to the token layout; returns qkT (else None)."""
     C = cfg.C
     n_cc = (C + P_MAX - 1) // P_MAX
     nf = C // P_MAX                     # full 128-row chunks; a last partial one holds cl rows
@@ -345,8 +351,12 @@ def _qkv_split_transposed(cfg, consts, xT, wq, bias, nt, kt0, kt1, dst):
                       pipe_id=cfg.nkv)
         sT = nl.ndarray((P_MAX, n_cc, nt), dtype=dst.dtype, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=sT, data1=part, data2=other, op=nl.add)
+    qkT, c_lo = None, 0
+    if rope is not None:
+        sT, qkT = _rope_transposed(cfg, consts, rope, sT, nt)
+        c_lo = cfg.nq * cfg.d // P_MAX      # the q columns of the token layout are not read (q^T is in qkT)
     pad = cfg.pad
-    for j0 in range(0, n_cc, TRANSPOSE_GROUP):
+    for j0 in range(c_lo, n_cc, TRANSPOSE_GROUP):
         n = min(TRANSPOSE_GROUP, n_cc - j0)
         pt = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=dst.dtype, buffer=nl.psum)
         for j in range(j0, j0 + n):
@@ -355,6 +365,89 @@ def _qkv_split_transposed(cfg, consts, xT, wq, bias, nt, kt0, kt1, dst):
         nisa.tensor_copy(dst=dst[:nt, pad + j0 * P_MAX:pad + j0 * P_MAX + w],
                          src=pt[:nt, :n, :].reshape((nt, n * P_MAX))[:, :w])
         pt = None
+    return qkT
+
+
+def _rope_transposed(cfg, consts, ins, sT, nt):
+    """Half-split RoPE on the transposed QKV sums sT [128 (rows of C chunk j), chunk j, tokens] (bf16, one token
+    tile; _Config.rope_t) and q^T / k^T from them. Returns (roped [128, chunk, tokens] bf16, qkT as _transpose_qk's).
+    With 128 % d == 0 each chunk holds whole heads, so the rotate-half partner of row r (r -+ d/2 within its head)
+    is in the same chunk: xr = R sT by one matmul with a permutation stationary (exact). With the tables transposed
+    once (cos^T [128, tokens]: row r holds cos[t, r % (d/2)]; sin^T signed -sin on each head's first half, +sin on
+    its second) roped = sT * cos^T + xr * sin^T: the products and the one rounding of _rope (x1 c - x2 s, x2 c + x1 s
+    in fp32, bf16 result), so the same bits. The v rows (flat C index >= (nq + nkv) d) take cos 1, sin 0.
+    q^T / k^T: kpp = 1 (d = 128): head h is chunk h. kpp = 2 (d = 64): chunk j holds heads 2j (rows 0..63) and
+    2j + 1 (rows 64..127); the other partition half of each (qkT's u = 1 / u = 0 copies) by a second permutation
+    matmul (swap the halves)."""
+    d, h2, kpp = cfg.d, cfg.d // 2, cfg.kpp
+    n_cc = (cfg.C + P_MAX - 1) // P_MAX
+    nqk = (cfg.nq + cfg.nkv) * d
+    cdt = ins.cos[0].dtype
+    # token-layout tables [tokens, 128]: cos repeated per d/2 columns; sin signed per head half
+    nb = P_MAX // d
+    c4 = nl.ndarray((P_MAX, P_MAX), dtype=cdt, buffer=nl.sbuf)
+    s4 = nl.ndarray((P_MAX, P_MAX), dtype=cdt, buffer=nl.sbuf)
+    cos, sin = ins.cos[0], ins.sin[0]
+    p0 = cfg.small_p0 if nt <= SMALL_ROWS_MAX else 0        # the tables' partitions (_load_table_rows)
+    nisa.tensor_copy(dst=c4[p0:p0 + nt, :].reshape((nt, 2 * nb, h2)),
+                     src=cos.expand_dim(1).broadcast(1, 2 * nb))
+    s4v = s4[p0:p0 + nt, :].reshape((nt, nb, 2, h2))
+    sb = sin.expand_dim(1).broadcast(1, nb)
+    nisa.tensor_scalar(dst=s4v[:, :, 0, :], data=sb, op0=nl.multiply, operand0=-1.0)
+    nisa.tensor_copy(dst=s4v[:, :, 1, :], src=sb)
+    tab = nl.ndarray((P_MAX, 2, P_MAX), dtype=cdt, buffer=nl.psum)
+    nisa.nc_transpose(dst=tab[:, 0, :nt], data=c4[p0:p0 + nt, :])
+    nisa.nc_transpose(dst=tab[:, 1, :nt], data=s4[p0:p0 + nt, :])
+    ct = nl.ndarray((P_MAX, n_cc, nt), dtype=cdt, buffer=nl.sbuf)
+    st = nl.ndarray((P_MAX, n_cc, nt), dtype=cdt, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=ct, src=tab[:, 0, :nt].expand_dim(1).broadcast(1, n_cc))
+    nisa.tensor_copy(dst=st, src=tab[:, 1, :nt].expand_dim(1).broadcast(1, n_cc))
+    jv, rv = nqk // P_MAX, nqk % P_MAX      # the v rows (and a partial chunk's zero rows): cos 1, sin 0
+    if rv:
+        nisa.memset(dst=ct[rv:, jv, :], value=1.0)
+        nisa.memset(dst=st[rv:, jv, :], value=0.0)
+        jv += 1
+    if jv < n_cc:
+        nisa.memset(dst=ct[:, jv:, :], value=1.0)
+        nisa.memset(dst=st[:, jv:, :], value=0.0)
+    # permutation stationaries (matmul dst[m] = sum_k stat[k, m] mov[k]): R (row r <- its partner r -+ d/2) and,
+    # kpp = 2, W (row r <- r -+ 64: the other half of the partitions)
+    ident = consts.ident
+    rm = nl.ndarray((P_MAX, P_MAX), dtype=ident.dtype, buffer=nl.sbuf)
+    iv, rmv = ident.reshape((P_MAX, nb, 2, h2)), rm.reshape((P_MAX, nb, 2, h2))
+    nisa.tensor_copy(dst=rmv[:, :, 0, :], src=iv[:, :, 1, :])
+    nisa.tensor_copy(dst=rmv[:, :, 1, :], src=iv[:, :, 0, :])
+    mv = sT.reshape((P_MAX, n_cc * nt))
+    xr = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=xr[:, :n_cc * nt], stationary=rm, moving=mv)
+    a = nl.ndarray((P_MAX, n_cc, nt), dtype=nl.float32, buffer=nl.sbuf)
+    b = nl.ndarray((P_MAX, n_cc, nt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=a, data1=sT, data2=ct, op=nl.multiply, engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=b, data1=xr[:, :n_cc * nt].reshape((P_MAX, n_cc, nt)), data2=st, op=nl.multiply)
+    roped = nl.ndarray((P_MAX, n_cc, nt), dtype=sT.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=roped, data1=a, data2=b, op=nl.add)
+    nh = cfg.nq + cfg.nkv
+    qkT = nl.ndarray((P_MAX, kpp, nt, kpp * n_cc, 1), dtype=sT.dtype, buffer=nl.sbuf)   # >= nh head slots
+    if kpp == 1:
+        nisa.tensor_copy(dst=qkT[:, 0, :, :n_cc, 0].permute((0, 2, 1)), src=roped)
+        return roped, qkT
+    assert kpp == 2 and nh <= 2 * n_cc
+    wm = nl.ndarray((P_MAX, P_MAX), dtype=ident.dtype, buffer=nl.sbuf)
+    half = P_MAX // 2
+    nisa.tensor_copy(dst=wm[:, :half], src=ident[:, half:])
+    nisa.tensor_copy(dst=wm[:, half:], src=ident[:, :half])
+    sw = nl.ndarray((P_MAX, PSUM_F), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=sw[:, :n_cc * nt], stationary=wm, moving=roped.reshape((P_MAX, n_cc * nt)))
+    swv = sw[:, :n_cc * nt].reshape((P_MAX, n_cc, nt))
+
+    def heads(u, e):     # qkT[u*64 .. +64, u, token, head 2j + e] as [64, chunk j, token]
+        return qkT[u * half:(u + 1) * half, u, :, :, 0].reshape((half, nt, n_cc, 2))[:, :, :, e].permute((0, 2, 1))
+
+    nisa.tensor_copy(dst=heads(0, 0), src=roped[:half], engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=heads(1, 1), src=roped[half:], engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=heads(0, 1), src=swv[:half])
+    nisa.tensor_copy(dst=heads(1, 0), src=swv[half:])
+    return roped, qkT
 
 
 def _accumulate_qkv(cfg, xT, tiles, group, accs, k0, k1, w, kbase, cbase, kt_first, opened):

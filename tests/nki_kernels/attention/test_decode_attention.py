@@ -15,6 +15,7 @@ import nki_kernels  # noqa: F401 - registers the nki layer
 from modules.model_specs import GPT_OSS_20B, LLAMA_31_8B, LLAMA_33_70B
 from nki_kernels.attention import check_positions, decode_attention, decode_attention_torch
 from nki_kernels.attention.decode import config as cfg_mod
+from nki_kernels.attention.decode import qkv as qkv_mod
 from nki_kernels.attention.decode_attention import decode_attention_nki
 from nki_kernels.attention.decode_inputs import make_inputs, rank_shard, to_paged  # noqa: F401 (make_inputs: used
 
@@ -358,6 +359,42 @@ def test_lnc2(B, S, ctx, window, shape, monkeypatch):
         assert torch.equal(out1, out2), "LNC=2 must give the same bits as LNC=1 (whole sequences per core)"
     else:   # B = 1: the context is split between the cores (merged softmax states: fp32 order differs)
         _assert_close_to_lnc1(out1, out2)
+
+
+@pytest.mark.parametrize("B,S,ctx,shape", [
+    (8, 1, 1024, GPT_OSS_20B_TP8),      # d = 64 (kpp = 2): heads on both partition halves by the swap matmul
+    (6, 4, 512, LLAMA31_8B_TP8),        # d = 128 (kpp = 1), S_tkg 4
+    (4, 2, 256, MULTI_KV),              # 2 KV heads
+    (4, 1, 256, PARTIAL_QKV_CHUNK),     # the v rows share the last chunk with zero rows
+])
+def test_lnc2_rope_on_transposed_sums(B, S, ctx, shape, monkeypatch):
+    """LNC=2 with split weights (_Config.rope_t): RoPE runs on the exchanged QKV sums in their transposed layout and
+    q^T / k^T come from there (qkv._rope_transposed, once per core), not from the token rows (qkv._rope and
+    _transpose_qk not called); the output and the updated caches are the bits of the same launch with the flag off
+    (RoPE on the token rows), and match the reference."""
+    import importlib
+    da_mod = importlib.import_module("nki_kernels.attention.decode_attention")   # the package exports a function
+    log = []
+    monkeypatch.setattr(qkv_mod, "_rope_transposed", _logged(qkv_mod._rope_transposed, log, "transposed"))
+    monkeypatch.setattr(da_mod, "_rope", _logged(da_mod._rope, log, "rows"))
+    monkeypatch.setattr(da_mod, "_transpose_qk", _logged(da_mod._transpose_qk, log, "qk^T"))
+    args_on, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=3, **shape)
+    args_off = [a.clone() if a is not None else None for a in args_on]
+    out_on = decode_attention(*args_on, **kw, backend="nkisim", lnc=2)
+    assert log == ["transposed"] * 2
+    log.clear()
+    orig = cfg_mod._Config.__init__
+
+    def off(self, *a, **k):
+        orig(self, *a, **k)
+        object.__setattr__(self, "rope_t", False)      # past the frozen configuration's guard: the flag off
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cfg_mod._Config, "__init__", off)
+        out_off = decode_attention(*args_off, **kw, backend="nkisim", lnc=2)
+    assert sorted(log) == ["qk^T", "qk^T", "rows", "rows"]     # the two cores trace concurrently: any order
+    assert torch.equal(out_on, out_off)
+    assert torch.equal(args_on[2], args_off[2]) and torch.equal(args_on[3], args_off[3])    # K (roped) / V rows
+    run_and_check(B, S, s_max=ctx, ctx=ctx, shape=shape, lnc=2)
 
 
 def _assert_close_to_lnc1(out2, out1):
