@@ -572,6 +572,12 @@ class _Config(nl.NKIObject):
         # pack's loads stream behind the last pack's steps), not two-piece slots (B=8 16K 75.18 -> 75.35), not
         # d = 128 (no pv_t; Llama-8B B=8 4K 51.12 -> 51.80).
         self.last_half = self.pv_t and n_packs == 1 and _one_piece_plan(self)
+        # NeuronCore-v4, one stack per load group (halves == 1): a pack's queries and new keys copied into their stacks
+        # per stack half (batch parity; flash._stack_queries), one GpSimd copy each instead of one per batch: on trn3
+        # GpSimd runs the first slots' K^T ANDs then, and the 2 x B small copies (0.09 us each) preceded the first
+        # scores (modelled trn3 GPT-OSS B=8 / B=16 4K 34.66 / 50.27 -> 34.31 / 48.45 us, every trn3 row equal or
+        # faster). Not trn2: GPT-OSS LNC=2 B=8 4K +1.7 %, ragged Llama-8B B=16 +2.1 % (the list schedule shifts).
+        self.q_par = not v3 and self.halves == 1
         # The kernel's last pack in row halves (flash._halves_ok): each 1024-column step's scores as [128 rows, 512]
         # (rows 64.. score the second half of the step's positions against the same queries), two softmax states
         # per (batch, head) merged after the last step. Full packs of 64 rows (d = 64, kpp = 2, S = 1), contiguous

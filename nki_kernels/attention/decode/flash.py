@@ -336,11 +336,13 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     kact = nl.ndarray((P_MAX, cfg.nst, MAX_S_TKG), dtype=qkT.dtype, buffer=nl.sbuf)   # new keys, stacked
     kd = cfg.kd
     qc = _q_col0(cfg)
+    if cfg.q_par:       # one copy per stack half instead of per batch (halves == 1)
+        _stack_queries(cfg, qm, kact, qkT, p0 * S - base, g, nb)
     for j in range(nb):
         t = (p0 + j) * S - base
         u = j % cfg.kpp
         u0 = u * kd
-        for hf in range(cfg.halves):     # stack (group, half): see _Config.halves
+        for hf in range(0 if cfg.q_par else cfg.halves):     # stack (group, half): see _Config.halves
             jj = j // cfg.kpp * cfg.halves + hf
             nisa.tensor_copy(dst=qm[u0:u0 + kd, jj, qc + j * R:qc + (j + 1) * R].reshape((kd, S, G)),
                              src=qkT[u0:u0 + kd, u, t:t + S, g * G:(g + 1) * G, hf], engine=nisa.engine.gpsimd)
@@ -1031,6 +1033,29 @@ def _then(first, second):
             first()
         second()
     return both
+
+
+def _stack_queries(cfg, qm, kact, qkT, t0, g, nb):
+    """_Config.q_par (halves == 1): the pack's queries into their stacks' masked stationaries (batch j = kpp*i + u:
+    stack i, partitions u*kd.., columns qc + j*R) and its new keys into kact (stack i, partitions u*kd..), one GpSimd
+    copy each per stack half u instead of one per batch: the batches of a half are a regular access pattern on both
+    sides (qm: stride qm.shape[2] + kpp*R per stack; qkT: kpp*S tokens, on the half's transposed copy qkT[:, u]).
+    t0: the pack's first token in the tile."""
+    kd, S, G, R, kpp = cfg.kd, cfg.S, cfg.group, cfg.R, cfg.kpp
+    _, kq, n_tok, nh, halves = qkT.shape
+    fq, fk, fa = qm.shape[1] * qm.shape[2], kq * n_tok * nh * halves, kact.shape[1] * kact.shape[2]
+    qc = _q_col0(cfg)
+    for u in range(min(kpp, nb)):
+        cnt, u0 = (nb - u + kpp - 1) // kpp, u * kd
+        tok = (u * n_tok + t0 + u * S) * nh        # batch u's first token on the half's copy (head 0)
+        dst = qm.ap([[fq, kd], [qm.shape[2] + kpp * R, cnt], [G, S], [1, G]], offset=u0 * fq + qc + u * R)
+        src = qkT.ap([[fk, kd], [kpp * S * nh * halves, cnt], [nh * halves, S], [halves, G]],
+                     offset=u0 * fk + (tok + g * G) * halves)
+        nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.gpsimd)
+        dst = kact.ap([[fa, kd], [kact.shape[2], cnt], [1, S]], offset=u0 * fa)
+        src = qkT.ap([[fk, kd], [kpp * S * nh * halves, cnt], [nh * halves, S]],
+                     offset=u0 * fk + (tok + cfg.nq + g) * halves)
+        nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.gpsimd)
 
 
 def _swapped_queries(cfg, qm_sw, qkT, t0, g, nb):

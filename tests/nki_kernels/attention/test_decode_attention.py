@@ -297,6 +297,27 @@ def test_trn3_pv_v_stationary(monkeypatch):
     test_nan_in_stale_cache_rows_stays_isolated(g, 16, 1, 2048, 0, 0, 1, None)    # two packs
 
 
+def test_trn3_queries_copied_per_stack_half(monkeypatch):
+    """trn3 (_Config.q_par, one stack per load group): a pack's queries and new keys are copied into their stacks
+    with one GpSimd copy per stack half (batch parity) instead of one per batch; not on trn2. Output as the reference
+    with two-batch stacks (GPT-OSS: an odd batch, S_tkg 4, two packs) and one-batch stacks (Llama-8B)."""
+    from nki_kernels.attention.decode import flash
+
+    g = GPT_OSS_20B_TP8
+    for target, want in (("trn3", True), ("trn2", False)):
+        monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+        cfg = cfg_mod._Config(8, 1, g["H"], g["d"], g["nkv"], g["nq"], 4096, 4096, 1.0, g.get("hidden_actual", g["H"]),
+                              0, 2)
+        assert cfg.q_par == want, target
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    calls = []
+    monkeypatch.setattr(flash, "_stack_queries", _logged(flash._stack_queries, calls, lambda *a: a[-1]))
+    run_and_check(5, 4, s_max=512, ctx=512, shape=g)
+    run_and_check(16, 1, s_max=1024, ctx=1024, shape=g)
+    run_and_check(3, 2, s_max=512, ctx=512, shape=LLAMA31_8B_TP8)
+    assert calls == [3, 2, 8, 8, 3], calls    # the packs' batch counts (B=5, S_tkg 4: 96 + 64 rows)
+
+
 def test_trn3_last_half(monkeypatch):
     """trn3, PV with V stationary and one pack of one-piece slots (_Config.last_half: GPT-OSS B=8 4K): the scan's last
     LAST_HALF_V4 positions are a slot of their own, so half a step follows the last K/V byte. Not several packs,
