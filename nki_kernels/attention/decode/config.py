@@ -57,6 +57,10 @@ PACK_TABLES_MIN_SCAN = 4096
 # _Config.tail_cuts: the kernel's last pack ANDs each K^T stack's scrub in this many column pieces, so a score chunk's
 # matmuls wait for its own columns' ANDs only (GpSimd, 0.43 us per 512-column piece), not the whole slot's 1.7 us.
 LAST_K_AND_PIECES = 4
+# _Config.last_and_split (d = 128, k_first): the kernel's last pack ANDs each K^T stack in this many column pieces,
+# one per 512-column score chunk (rows q < 64 / q >= 64 of the slot's K^T layout at 8 blocks a step), and its V per
+# step's blocks, so the last slot's first step waits for its own half of each 1.7 us GpSimd AND only.
+LAST_AND_SPLIT = 2
 # _Config.k_mask_pieces: a one-pack kernel's K^T scrub masks (ScalarE sign, [kp, w]: 1.7 us at w = 2048) are issued
 # in this many column pieces, so the QKV eviction that becomes ready while one runs (the list schedule does not
 # preempt) waits for a piece, not the whole mask: q, and the first scores, ~0.8 us earlier (modelled trn2 ragged
@@ -425,6 +429,11 @@ class _Config(nl.NKIObject):
         # 144.45 -> 143.00 us: the last K^T landed after the last V, then ~13.5 us of AND / steps / O-projection).
         # Not d = 64 (GPT-OSS B=64 4K +1.9 %, LNC=2 B=8 4K +1.3 %: their half pieces' V feeds PV sooner).
         self.k_first = self.k_whole and self.d == P_MAX
+        # ... and the kernel's last pack's scrub ANDs split (isolation._scrub_slot / _scrub_v): K^T in LAST_AND_SPLIT
+        # column pieces (a score chunk waits for its own columns' AND), V per step's blocks (a step's PV for its own),
+        # so the last slot's first step no longer waits for two 1.7 us GpSimd ANDs over the whole slot (modelled trn2
+        # ragged Llama-8B B=16 143.00 -> 142.47 us, B=8 88.61 -> 88.46; either alone: 143.07 / 143.00).
+        self.last_and_split = self.k_first
         self.rot_unit = self.kpp if self.k_plain else 1     # batches per rotation unit (planning._rot_batch)
         # Two-batch stacks of k_plain (GPT-OSS B >= 32 on trn2: every DMA ring busy to the end, modelled): the packs'
         # position and sink tables without a DMA per pack (flash._prefetch_packs): each batch's position on every

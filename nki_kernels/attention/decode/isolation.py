@@ -5,7 +5,7 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 import nki.isa as nisa
 import nki.language as nl
 
-from .config import LAST_K_AND_PIECES, P_MAX
+from .config import FA_SUB, LAST_AND_SPLIT, LAST_K_AND_PIECES, P_MAX
 from .kv_io import _start_rows
 from .planning import _rot_batch, _slot_split
 
@@ -218,7 +218,9 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
                     nisa.activation(dst=m[ps, a0:a1], op=nl.sign, data=rp[ps, a0:a1], bias=bias[ps, jj:jj + 1],
                                     scale=sc)
                 # the kernel's last pack (_Config.tail_cuts): in column pieces, each score chunk waits for its own
-                n = LAST_K_AND_PIECES if cfg.tail_cuts and st.last_pack else 1
+                n = 1
+                if st.last_pack and (cfg.tail_cuts or cfg.last_and_split):
+                    n = LAST_K_AND_PIECES if cfg.tail_cuts else LAST_AND_SPLIT
                 for c0, c1 in _column_pieces(w, n):
                     _and_bits(kT[ps, jj, c0:c1], m[ps, c0:c1], vector=not _tail_rule(cfg, st) and jj % 2 == 1)
         nl.fori_loop(0, st.gates[0][jj], stack)    # runs only when a sequence of the stack has invalid rows here
@@ -365,6 +367,7 @@ def _scrub_v(cfg, st, v, j0, w, nb, gates, defer=False, rot=False):
                            op=nl.greater_equal)
         nisa.scalar_tensor_tensor(dst=mv[:, :nb, :], data=mf[:, :nb, :], op0=nl.multiply, operand0=-1.0,
                                   op1=nl.multiply, operand1=m2[:, :nb, :])
+    v_pieces = max(1, n // (FA_SUB // P_MAX)) if cfg.last_and_split and st.last_pack else 1
     v4 = nisa.get_nc_version() >= nisa.nc_version.gen4
     if v4:      # see _and_bits: VectorE on int32 pairs
         mv32 = nl.ndarray((P_MAX, cfg.pack, nblk), dtype=nl.int32, buffer=nl.sbuf)
@@ -388,8 +391,9 @@ def _scrub_v(cfg, st, v, j0, w, nb, gates, defer=False, rot=False):
                     nisa.tensor_tensor(dst=v32[:, j, :nblk, :], data1=v32[:, j, :nblk, :],
                                        data2=mv32[:, j, :].expand_dim(2).broadcast(2, d // 2), op=nl.bitwise_and,
                                        engine=nisa.engine.vector)
-                else:
-                    _and_bits(v[:, j, :nblk, :], mv[:, j, :].expand_dim(2).broadcast(2, d))
+                else:     # the last pack's per step's blocks (_Config.last_and_split; the remainder with the last)
+                    for b0, b1 in _column_pieces(nblk, v_pieces):
+                        _and_bits(v[:, j, b0:b1, :], mv[:, j, b0:b1].expand_dim(2).broadcast(2, d))
             nl.fori_loop(0, gates[j], batch)     # only a batch with invalid rows in this slot
     if early:
         ands(False)

@@ -1454,8 +1454,10 @@ def test_ragged_k_first_with_nan_tails():
     the whole slot, the pair with its stack partner) are issued before its V pieces, so the kernel's last K^T is
     not the last byte in the DMA rings. Sequences ending in every piece of both 2048-position slots, pairs split by
     a short partner; NaN past every length: finite, equal to the reference and bit-identical to a clean cache; per
-    (sequence, slot) the first load carrying K^T precedes every V-only load."""
-    from nki_kernels.attention.decode import flash
+    (sequence, slot) the first load carrying K^T precedes every V-only load. With it _Config.last_and_split: the
+    last pack's scrub ANDs by half (K^T: LAST_AND_SPLIT column pieces of the 2048-position slot; V: each step's 8
+    blocks), the other packs' whole."""
+    from nki_kernels.attention.decode import flash, isolation
 
     ctx = 4096
     lens = (90, 4095, 1500, 2600, 3700, 1030, 2047, 2049, 3071, 3073, 200, 4000, 1024, 3500, 600, 2500, 3900)
@@ -1470,11 +1472,16 @@ def test_ragged_k_first_with_nan_tails():
 
     def pair(cfg, K_cache, kT, b, g, j, j0, w, lane=0):
         return [(b, j0, "k"), (b + cfg.kpp, j0, "k")]
+    ands = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(flash, "_load_piece", _logged(flash._load_piece, loads, piece))
         mp.setattr(flash, "_load_k_pair", _logged(flash._load_k_pair, loads, pair))
-        _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.k_first and cfg.k_packs,
-                               "k_first is off: the case does not test the K^T-first order")
+        mp.setattr(isolation, "_and_bits", _logged(isolation._and_bits, ands, lambda data, mask, vector=False:
+                                                   tuple(data.shape)))
+        _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.k_first and cfg.k_packs and cfg.last_and_split,
+                               "k_first / last_and_split off: the case does not test the K^T-first order")
+    assert (128, 2048) in ands and (128, 1024) in ands, f"K^T ANDs not whole then by half in the last pack: {ands}"
+    assert (128, 16, 128) in ands and (128, 8, 128) in ands, f"V ANDs not whole then per step in the last pack: {ands}"
     order = [x for call in loads for x in call]
     v_only = {(b, j0) for b, j0, parts in order if parts == "v"}
     assert v_only, "no V-only load (whole-slot K^T): the case does not test the order"
