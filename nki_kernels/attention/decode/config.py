@@ -397,6 +397,7 @@ class _Config(nl.NKIObject):
         # (DESIGN.md). Not d = 128 (Llama-8B B=8 4K gains 5.5 %, LNC=2 B=8 4K 3.2 %: the asserted LNC=2 <= 0.6x
         # LNC=1 is lost), not fp8, not trn3 (v_rot is trn2-only).
         self.k_packs = False     # read by _one_piece_plan (planning._slot_bounds); decided below
+        self.first_whole = False     # the same (planning._slot_bounds); decided below
         self.last_half = False   # likewise (decided with pv_t below)
         self.half_pieces = (self.v_rot and self.d < P_MAX and not fp8 and not self.stride
                             and _one_piece_plan(self))
@@ -496,6 +497,14 @@ class _Config(nl.NKIObject):
                        and (n_prog == 1 or self.wsplit))
         self.x_spread = X_SPREAD_STRIDE if (v3 and 2 <= B * S <= X_SPREAD_TOKENS
                                             and (self.d < P_MAX and not self.wsplit or spread_d128)) else 0
+        # The same shapes (Llama-8B B=8 4K, LNC=1 and the LNC=2 weight split) keep the scan's first slot whole
+        # (planning._slot_bounds; the last one stays split), as k_packs does at >= KW_PACKS packs: its K^T moves as a
+        # whole slot and pairs, its V in 4 KiB runs (DMA efficiency 0.94 vs 0.89). Modelled trn2 (helper-95 round,
+        # main at c9abf37): Llama-8B B=8 4K 69.25 -> 68.22 us (x1.1597 -> x1.1425), K_cache_transposed 68.25 ->
+        # 66.81, LNC=2 B=8 4K 41.07 -> 40.77 (0.5976 of LNC=1; before helper-99's k_first it lost there: 41.45 ->
+        # 41.53). Not trn3 (x_spread is trn2-only; trn3 B=8 4K was +13 %), not other d = 128 shapes (nki-library q1
+        # B2 S5 10K +6.3 %: its few query rows' first step waits for the whole slot).
+        self.first_whole = spread_d128
         # Several sequences per pack on 2-batch stacks (d = 64, bf16, row-major steps): batch j's K^T lands on the
         # stack half j % 2, so the 8 DMA rings of partitions 0..63 carried the even batches' K bytes and the other
         # 8 the odd ones': with ragged lengths the halves differed by up to 2.4x (GPT-OSS B=8 16K, bench

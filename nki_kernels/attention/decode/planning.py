@@ -90,6 +90,7 @@ def _slot_bounds(cfg, lo, hi):
     so the halving stops at w >= block size.
     _Config.k_packs (Llama-8B-like ragged scans of >= KW_PACKS packs on trn2) splits neither: whole slots' K^T / V
     transfers are longer runs, and the other packs' loads stream behind a pack's first and last steps.
+    _Config.first_whole (Llama-8B B=8 4K on trn2, LNC=1 and the LNC=2 weight split) keeps the first one whole.
     """
     if not cfg.paged:
         bounds = list(range(lo, hi, cfg.fa_tile)) + [hi]
@@ -100,7 +101,7 @@ def _slot_bounds(cfg, lo, hi):
         # FIRST_SPLIT_WSPLIT positions or more keeps its first slot whole (split: GPT-OSS / Llama-8B B=1 16K LNC=2
         # 33.2 -> 34.2 / 35.9 -> 38.2 us)
         first = (cfg.wsplit and (not cfg.split or hi - lo < FIRST_SPLIT_WSPLIT)) if cfg.pmajor else \
-            hi - lo <= (FIRST_SPLIT_WSPLIT if cfg.wsplit else FIRST_SPLIT) and not cfg.k_packs
+            hi - lo <= (FIRST_SPLIT_WSPLIT if cfg.wsplit else FIRST_SPLIT) and not cfg.k_packs and not cfg.first_whole
         if first and len(bounds) >= 2 and bounds[1] - bounds[0] > FA_SUB:
             bounds.insert(1, bounds[0] + FA_SUB)
         if cfg.last_half and bounds[-1] - bounds[-2] > LAST_HALF_V4:    # half a step after the last K/V byte

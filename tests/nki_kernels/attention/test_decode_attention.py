@@ -1138,7 +1138,8 @@ def test_ragged_k_pairs_with_nan_tails():
 
 @pytest.mark.parametrize("lens,lnc", [
     ((4095, 3000, 300, 3100, 2047, 2049, 900, 3500, 1024), 1),     # packs of 5 / 4: an unpaired last batch
-    ((4095, 1100, 3072, 3073, 2500, 200, 3900, 2000), 2),           # LNC=2 weight split: each core one pack of 4
+    # LNC=2 weight split: packs of 4 / 3 (7 tokens: 8 keep the first slot whole, _Config.first_whole)
+    ((4095, 1100, 3072, 3073, 2500, 200, 3900), 2),
 ])
 def test_one_step_slots_k_pairs_with_nan_tails(lens, lnc):
     """Llama-8B at 4K on trn2 with fewer than KW_PACKS packs: the scan [0, 4096) of 2048-position slots has its first
@@ -1165,6 +1166,29 @@ def test_one_step_slots_k_pairs_with_nan_tails(lens, lnc):
     _, rep = nkisim.profile(kernel, *clean, target="trn2", **kw)
     pair = [e for e in rep.events if e.op == "dma_transpose" and e.cost.dma_bytes == 2 * 1024 * 128 * 2]
     assert pair and all(e.cost.efficiency > 0.84 for e in pair), "no K^T pair transpose of one-step slots"
+
+
+@pytest.mark.parametrize("lens,lnc", [
+    ((4095, 3000, 300, 3100, 2047, 2049, 900, 1024), 1),           # two packs of 4
+    ((4095, 1100, 2048, 3073, 2500, 200, 1500, 3071), 2),          # LNC=2 weight split: each core one pack of 4
+])
+def test_first_slot_whole_b8_4k_with_nan_tails(lens, lnc):
+    """Llama-8B B=8 at 4K on trn2 (_Config.first_whole, LNC=1 and the LNC=2 weight split): the scan keeps its first
+    2048-position slot whole (its K^T as the whole slot / pairs or the first piece's prefix alternatives, V in two
+    pieces) and splits only the last one, plan (0, 2048), (2048, 1024), (3072, 1024). Sequences ending in the first
+    prefix, in both pieces of the first slot and at its bounds, in the one-step slots; NaN past every length: finite,
+    equal to the reference and bit-identical to a clean cache."""
+    from nki_kernels.attention.decode.planning import _plan
+
+    ctx = 4096
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=91, **LLAMA31_8B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw,
+                           lambda cfg: cfg.first_whole and [(sl.j0, sl.w) for sl in _plan(cfg)[0]] == [
+                               (0, 2048), (2048, 1024), (3072, 1024)],
+                           "not the whole-first-slot plan (_Config.first_whole)", lnc=lnc)
 
 
 def test_ragged_gptoss_k_plain_pairs_with_nan_tails():
