@@ -457,8 +457,12 @@ class _Config(nl.NKIObject):
         # Also (helper-92) the 16K scans of d = 64 bf16 packs where pack_tables does not hold (fewer than KW_PACKS
         # packs): modelled GPT-OSS B=8 16K 83.91 -> 82.65 us (mostly (1): the last pack's K^T ANDs by column piece),
         # ragged B=8 / B=16 61.61 / 88.90 -> 60.06 / 87.19 (DESIGN.md).
+        # Also (helper-98) the LNC=2 batch split with one pack per core (whole sequences, any scan): each core's pack
+        # ends with its last slot's ANDs and steps after its K/V stream (modelled GPT-OSS B=8 4K LNC=2 30.63 -> 30.00
+        # us; not with several packs per core: nki-library q8 d64 B64 1K LNC=2 +1.7 %).
         self.tail_cuts = self.pack_tables or (self.v_rot and self.kpp == 2 and not fp8
-                                              and self.scan >= TAIL_CUTS_MIN_SCAN)
+                                              and (self.scan >= TAIL_CUTS_MIN_SCAN
+                                                   or (self.wsplit and not self.split and n_packs == 1)))
         # Where pack_tables holds, the last pack's steps are a chain over TensorE / ScalarE / VectorE and after it the
         # O-projection waits for o^T and for W_o's last bytes (modelled GPT-OSS B=64 16K: o^T at 486.1, W_o's last
         # byte 488.05 us); tail_halves: (1) that pack's alpha and m in two buffers alternating by step

@@ -418,6 +418,27 @@ def test_lnc2_rope_on_transposed_sums(B, S, ctx, shape, monkeypatch):
     run_and_check(B, S, s_max=ctx, ctx=ctx, shape=shape, lnc=2)
 
 
+@pytest.mark.parametrize("lens", [
+    (4095, 3129, 971, 2463, 3490, 3457, 3688, 1108),    # the bench's 4K lengths: core 1's last slot, 3 of 4 ending
+    (1000, 4095, 2049, 3071, 17, 2048, 4000, 1025),     # piece / slot edges on both cores
+])
+def test_lnc2_batch_split_tail_cuts_with_nan_tails(lens):
+    """LNC=2 batch split with one pack per core (GPT-OSS B=8 4K): each core's pack takes the last pack's tail cuts
+    (_Config.tail_cuts for wsplit without the stride split, helper-98: the K^T ANDs of its last slot in column
+    pieces, l on GpSimd, the sink before the steps; with one pack of <= 64 rows also tail_halves). NaN past every
+    length and a large V at each last valid key: finite, equal to the reference and bit-identical to a clean cache.
+    Checked to fail with the tail_cuts change reverted (the probe)."""
+    ctx = 4096
+    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=98, **GPT_OSS_20B_TP8)
+    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        args[3][b, :, n - 1, :] = 64.0
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.tail_cuts and cfg.wsplit and not cfg.split,
+                           "the LNC=2 batch split at 4K must take tail_cuts", lnc=2)
+
+
 def _assert_close_to_lnc1(out2, out1):
     a, b = out2.float(), out1.float()
     assert not torch.isnan(a).any()
