@@ -31,9 +31,7 @@ class _Constants(nl.NKIObject):
         # the pack's batch j = jj*kpp + u on partitions u*d..(u+1)*d, columns j*R..(j+1)*R, zeros elsewhere;
         # accumulating qm_jj^T K_jj over the stacks yields a packed score tile where row block j only saw batch
         # j's keys. Zeroed once (early, while VectorE is idle); every pack rewrites the same blocks.
-        # _Config.row_halves: zero columns either side ([0 | q | 0], q at column q_col0 = pack * R): the stationary
-        # [q | 0] scores rows 0..63, [0 | q] rows 64..127 (flash._q_half)
-        width = 3 * cfg.pack * cfg.R if cfg.row_halves else cfg.pack * cfg.R
+        width = cfg.pack * cfg.R
         self.qm = tuple(nl.ndarray((P_MAX, cfg.nst, width), dtype=dtype, buffer=nl.sbuf) for _ in range(2))
         # _Config.kt_swap: the same with the halves of each stack swapped (batch j on partitions ((j + 1) % 2)*d..)
         self.qm_sw = tuple(nl.ndarray((P_MAX, cfg.nst, width), dtype=dtype, buffer=nl.sbuf)

@@ -70,13 +70,13 @@ K_MASK_PIECES = 2
 # last pack's steps run after the K/V stream (a TensorE backlog of the sparse late slots), the same tail as B=64's.
 # Not below 16K: modelled GPT-OSS B=16 4K 52.61 -> 52.94 us with them (see DESIGN.md, helper-92).
 TAIL_CUTS_MIN_SCAN = 16384
+# ... and from this scan length where the core scans one pack (GPT-OSS B <= 8: its steps are the whole scan), so that
+# _Config.tail_halves holds on every one-pack scan of two-piece slots (modelled GPT-OSS B=8 8K, bench positions /
+# ragged lengths: 65.86 / 52.67 us without, 65.48 / 52.30 with helper-93's row halves, 63.96 / 51.24 with these).
+TAIL_CUTS_ONE_PACK_MIN_SCAN = 8192
 # _Config.mask_dve: the cache steps' masks compare fp16 key offsets on VectorE; fp16 holds every integer up to 2048
 # exactly, so only slots of at most this many positions (key offsets 0 .. w - 1).
 MASK_DVE_MAX_SLOT = 2048
-# _Config.row_halves: a step's 8 V blocks (column i of every 128-position K^T row block, i0 <= i < i0 + 8) split
-# 4 / 4 between the score rows 0..63 and 64..127, so each half scores [64, 128 x HALF_I] columns and its P^T blocks
-# hold 128 positions (all partitions): one 512-column row max / exp per step, the same P^T copy and PV work.
-HALF_I = 4
 V_RUN_BYTES = 4096     # target contiguous bytes per partition of a V load (DMA efficiency: >= 4 KiB runs)
 PAIR_BUFS = 2          # fp8 cache: tiles of K pairs as loaded (each cast into its K^T slot right after its loads)
 KV_BUFS = 2            # K/V load slots (ring) for d <= 64 (3 for larger d, whose 4 KiB V runs need shorter slots)
@@ -460,8 +460,11 @@ class _Config(nl.NKIObject):
         # Also (helper-98) the LNC=2 batch split with one pack per core (whole sequences, any scan): each core's pack
         # ends with its last slot's ANDs and steps after its K/V stream (modelled GPT-OSS B=8 4K LNC=2 30.63 -> 30.00
         # us; not with several packs per core: nki-library q8 d64 B64 1K LNC=2 +1.7 %).
+        # And (helper-97) one-pack LNC=1 scans of <= 64 rows from TAIL_CUTS_ONE_PACK_MIN_SCAN, for tail_halves below.
+        halves_ok = n_packs == 1 and n_prog == 1 and self.pack * self.R <= P_MAX // 2
         self.tail_cuts = self.pack_tables or (self.v_rot and self.kpp == 2 and not fp8
-                                              and (self.scan >= TAIL_CUTS_MIN_SCAN
+                                              and (self.scan >= (TAIL_CUTS_ONE_PACK_MIN_SCAN if halves_ok
+                                                                 else TAIL_CUTS_MIN_SCAN)
                                                    or (self.wsplit and not self.split and n_packs == 1)))
         # Where pack_tables holds, the last pack's steps are a chain over TensorE / ScalarE / VectorE and after it the
         # O-projection waits for o^T and for W_o's last bytes (modelled GPT-OSS B=64 16K: o^T at 486.1, W_o's last
@@ -473,8 +476,9 @@ class _Config(nl.NKIObject):
         # last column piece the last eviction group's (oproj._wo_pieces). Modelled trn2 GPT-OSS B=64 16K 491.40
         # -> 490.51 us (x1.1512 -> x1.1491; DESIGN.md). Also (helper-97) the tail_cuts scans of one pack (GPT-OSS
         # B=8 16K, ragged B=8; the masks there follow mask_dve): modelled 81.53 -> 79.95 us, ragged 58.65 -> 56.73
-        # (vs row_halves). Not two packs: ragged B=16 86.64 -> 88.65 (+2.3 %), and B=16 16K's gain (142.77 ->
-        # 139.64 us) fails the LNC=2 (0.6x) and fp8 (1.05x) bench asserts that compare with it.
+        # (vs helper-93's row halves, deleted; one pack from 8K: TAIL_CUTS_ONE_PACK_MIN_SCAN). Not two packs:
+        # ragged B=16 86.64 -> 88.65 (+2.3 %), and B=16 16K's gain (142.77 -> 139.64 us) fails the LNC=2 (0.6x) and
+        # fp8 (1.05x) bench asserts that compare with it.
         # Not where the cores' states are merged (LNC=2 context / strided batch split: _combine_cores reads one m),
         # nor packs of more than 64 rows (S_tkg 2, packs of 9: m is kept on both partition halves, _alpha_bufs).
         self.tail_halves = self.pack_tables or (self.tail_cuts and n_packs == 1 and not self.split
@@ -600,14 +604,6 @@ class _Config(nl.NKIObject):
         # scores (modelled trn3 GPT-OSS B=8 / B=16 4K 34.66 / 50.27 -> 34.31 / 48.45 us, every trn3 row equal or
         # faster). Not trn2: GPT-OSS LNC=2 B=8 4K +1.7 %, ragged Llama-8B B=16 +2.1 % (the list schedule shifts).
         self.q_par = not v3 and self.halves == 1
-        # The kernel's last pack in row halves (flash._halves_ok): each 1024-column step's scores as [128 rows, 512]
-        # (rows 64.. score the second half of the step's positions against the same queries), two softmax states
-        # per (batch, head) merged after the last step. Full packs of 64 rows (d = 64, kpp = 2, S = 1), contiguous
-        # bf16 ragged scans, LNC=1; see DESIGN.md "Ragged GPT-OSS B=8 / B=16".
-        self.row_halves = (v3 and self.ragged and not self.pmajor and not self.paged and not self.dyn and S == 1
-                           and not fp8 and self.kpp == 2 and self.pack * self.R == P_MAX // 2 and not self.kt_alt
-                           and not self.k_plain and not self.pack_tables and n_prog == 1 and nkv == 1
-                           and n_packs == 1 and B == self.pack and self.window == 0 and not self.tail_halves)
         self._frozen = True     # last: nothing changes the configuration from here on
 
 

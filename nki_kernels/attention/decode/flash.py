@@ -10,7 +10,6 @@ from ...common.tiles import run_gated as _run
 from .common import _registers
 from .config import (
     FA_SUB,
-    HALF_I,
     MASK_NEG,
     MAX_S_TKG,
     P_MAX,
@@ -81,20 +80,7 @@ class _AttnState(nl.NKIObject):
         self.rot_tabs = None    # _Config.v_rot: constant tables of _rot_thresholds (built once)
         self.pvt = False        # _Config.pv_t in use (every pack the full form, whole batch pairs): acc^T layout
         self.consts = None      # with pvt: the constants (identity, ones) of the alpha / 1/l broadcasts
-        self.hs = False         # _Config.row_halves: the current pack in row halves (_halves_ok)
         self.bc_dve = False     # _Config.last_half, the last two steps: their alpha broadcasts copied on VectorE
-        self.swap = None        # ... and the half-swap permutation of _merge_halves (built once)
-        self.pt_h, self.n_pt = (), 0
-        if cfg.row_halves:      # per step (double-buffered): P^T of rows 0..63 / 64..127, zero in the other's columns
-            half = P_MAX // 2
-            bufs = []
-            for _ in range(2):
-                a = nl.ndarray((P_MAX, HALF_I, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
-                nisa.memset(dst=a[:, :, half:], value=0.0)
-                b = nl.ndarray((P_MAX, HALF_I, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
-                nisa.memset(dst=b[:, :, :half], value=0.0)
-                bufs.append((a, b))
-            self.pt_h = tuple(bufs)
 
     def iota_pm(self, n, ni):
         """Position-major steps: fp32 [128, ni] key offsets q*n + il of score tile il on partition q (relative to
@@ -158,16 +144,6 @@ class _PackInputs(nl.NKIObject):
         if tables is None:
             self.valid = _valid_ranges(cfg, position_ids, p0, nb)
         self.sinks = tables.sinks if tables is not None else _sink_rows(cfg, sinks, nb)
-        self.pf_h, self.sinks_h = None, ()
-        if cfg.row_halves:      # rows 64.. (the second half of each step's positions, HALF_I blocks later)
-            half = P_MAX // 2
-            self.pf_h = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-            for r0 in (0, half):
-                nisa.dma_copy(dst=self.pf_h[r0:r0 + rows], src=position_ids.ap([[S, nb], [0, S], [0, G]],
-                                                                                 offset=p0 * S))
-            nisa.tensor_scalar(dst=self.pf_h[half:half + rows], data=self.pf_h[half:half + rows], op0=nl.add,
-                               operand0=-float(HALF_I))
-            self.sinks_h = _sink_rows(cfg, sinks, nb, halves=True)
 
 
 class _PackTables(nl.NKIObject):
@@ -198,19 +174,17 @@ def _own_position(cfg, dst, pos_all, c0, nb):
     nisa.tensor_reduce(dst=dst[:rows], op=nl.add, data=own[:rows, :nb], axis=(1,))
 
 
-def _sink_rows(cfg, sinks, nb, halves=False):
+def _sink_rows(cfg, sinks, nb):
     """Each KV head's sink logits per attention row of a pack of nb batches (fp32 [rows, 1] per head): the same for
     every pack (row (batch, token, head) <- sinks[g * G + head]), so loaded once for all of them. Each of these 4-byte
-    run DMAs cost the 8 DMA engines of partitions 0..63 ~0.09 us (modelled), which the K/V stream then waits for.
-    halves (_Config.row_halves): on rows 64.. as well."""
+    run DMAs cost the 8 DMA engines of partitions 0..63 ~0.09 us (modelled), which the K/V stream then waits for."""
     if sinks is None:
         return ()
     S, G = cfg.S, cfg.group
     sk = []
     for g in range(cfg.nkv):
         t = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
-        for r0 in ((0, P_MAX // 2) if halves else (0,)):
-            nisa.dma_copy(dst=t[r0:r0 + nb * cfg.R], src=sinks.ap([[0, nb], [0, S], [1, G]], offset=g * G))
+        nisa.dma_copy(dst=t[:nb * cfg.R], src=sinks.ap([[0, nb], [0, S], [1, G]], offset=g * G))
         sk.append(t)
     return tuple(sk)
 
@@ -335,7 +309,6 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     st.n_packs += 1
     kact = nl.ndarray((P_MAX, cfg.nst, MAX_S_TKG), dtype=qkT.dtype, buffer=nl.sbuf)   # new keys, stacked
     kd = cfg.kd
-    qc = _q_col0(cfg)
     if cfg.q_par:       # one copy per stack half instead of per batch (halves == 1)
         _stack_queries(cfg, qm, kact, qkT, p0 * S - base, g, nb)
     for j in range(nb):
@@ -344,19 +317,18 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         u0 = u * kd
         for hf in range(0 if cfg.q_par else cfg.halves):     # stack (group, half): see _Config.halves
             jj = j // cfg.kpp * cfg.halves + hf
-            nisa.tensor_copy(dst=qm[u0:u0 + kd, jj, qc + j * R:qc + (j + 1) * R].reshape((kd, S, G)),
+            nisa.tensor_copy(dst=qm[u0:u0 + kd, jj, j * R:(j + 1) * R].reshape((kd, S, G)),
                              src=qkT[u0:u0 + kd, u, t:t + S, g * G:(g + 1) * G, hf], engine=nisa.engine.gpsimd)
             nisa.tensor_copy(dst=kact[u0:u0 + kd, jj, :S], src=qkT[u0:u0 + kd, u, t:t + S, cfg.nq + g, hf],
                              engine=nisa.engine.gpsimd)
         if cfg.kt_alt:      # the slots on the stack's other half (_kt_lanes) contract against a copy there
-            nisa.tensor_copy(dst=qm[kd:2 * kd, 0, qc:qc + R].reshape((kd, S, G)),
+            nisa.tensor_copy(dst=qm[kd:2 * kd, 0, :R].reshape((kd, S, G)),
                              src=qkT[kd:2 * kd, 1, t:t + S, g * G:(g + 1) * G, 0], engine=nisa.engine.gpsimd)
     if cfg.kt_swap:
         _swapped_queries(cfg, st.qm_sw, qkT, p0 * S - base, g, nb)
     # First new position of each row's sequence, and each row's own position (fp32, [rows, 1]).
     pk = st.pre[p0]
     p_first, q_pos, st.pf_cols = pk.p_first, pk.q_pos, pk.pf_cols
-    st.hs = full and _halves_ok(cfg, st, nb)
     sm = _Softmax()
     if cfg.core == 0 or not cfg.split:
         _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, q_pos)
@@ -377,7 +349,7 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
     # with that step's m), so every later alpha rescales it with l, instead of after the last step (exp on ScalarE
     # behind the last P^T copy, then an add, on the tail)
     # The same with st.pvt (_Config.pv_t): the tail's normalisation then needs only l (1 / l broadcast, _bcast_rows)
-    sink_first = sinks is not None and ((cfg.tail_cuts and st.last_pack) or st.pvt) and not cfg.split and not st.hs
+    sink_first = sinks is not None and ((cfg.tail_cuts and st.last_pack) or st.pvt) and not cfg.split
     if sink_first:
         _add_sink(cfg, sm, pk.sinks[g], rows, sm.l)
     _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, q_pos)
@@ -386,9 +358,6 @@ def _attend_pack(cfg, consts, st, qkT, qkv, K_cache, V_cache, position_ids, sink
         if cfg.stride:      # runtime-balanced batch split: only each row's own batch block is merged
             _own_blocks(cfg, sm, rows, nb, bmask)
         _combine_cores(cfg, sm, rows, 1 if cfg.stride else nb, g)
-    if st.hs:       # the two halves' states merged: o = (acc_A c_A + acc_B c_B) / L, each half's share per row
-        w_h = _merge_halves(cfg, consts, st, sm, pk.sinks_h[g] if sinks is not None else None)
-        return _normalise_full(cfg, st, sm, 2 * rows, nb, w_h, qkT.dtype)
     # Final normalisation; sinks join the denominator only.
     l_fin = sm.l
     if sinks is not None and not sink_first:
@@ -425,71 +394,6 @@ def _add_sink(cfg, sm, sk, rows, dst):
     e_sk = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=e_sk[:rows], op=nl.exp, data=sk[:rows], bias=nb_f[:rows], scale=1.0)
     nisa.tensor_tensor(dst=dst[:rows], data1=sm.l[:rows], data2=e_sk[:rows], op=nl.add)
-
-
-def _q_col0(cfg):
-    """Column of the queries in the masked stationaries (_Config.row_halves: [0 | q | 0], else 0)."""
-    return cfg.pack * cfg.R if cfg.row_halves else 0
-
-
-def _q_half(cfg, qm, p0, kp, jj, rows, h):
-    """_Config.row_halves: the stationary scoring rows 0..rows (h = 0: [q | 0]) or rows..2 rows (h = 1: [0 | q])."""
-    qc = _q_col0(cfg)
-    return qm[p0:p0 + kp, jj, qc - h * rows:qc + (2 - h) * rows]
-
-
-def _halves_ok(cfg, st, nb):
-    """_Config.row_halves applies to this pack: the kernel's last, full (64 rows), every step 1024 columns of
-    128 x 8 (K^T column blocks of 8 positions: HALF_I of them per half)."""
-    if not cfg.row_halves or not st.last_pack or nb * cfg.R != P_MAX // 2:
-        return False
-    steps = _plan(cfg)[1]
-    return len(steps) > 0 and all(sp.cols == FA_SUB and len(sp.blocks) == 2 * HALF_I and sp.chunks[0][2] > 0
-                                  for sp in steps)
-
-
-def _merge_halves(cfg, consts, st, sm, sk):
-    """_Config.row_halves: each row's share of the merged state of its (batch, head): rows r and r +- 64 hold the
-    two halves' (m, l); their maximum M, c = e^(scale (m - M)), L = l c + l' c' (+ the sink term e^(sink - scale M):
-    the denominator only), returns w = c / L per row (fp32 [128, 1]), so o = sum over the two rows of
-    (acc alpha + PV) w. The other half's m, l come through a fp32 matmul with the half-swap permutation (0 / 1:
-    exact)."""
-    P, half, scale = P_MAX, P_MAX // 2, cfg.scale
-    ml = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=ml[:, 0:1], src=sm.m[:P])
-    nisa.tensor_copy(dst=ml[:, 1:2], src=sm.l[:P])
-    if st.swap is None:     # swap[k, r] = 1 iff k = (r + 64) mod 128
-        a = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.affine_select(dst=a, pattern=[[-1, P]], channel_multiplier=1, on_true_tile=consts.ones_f32,
-                           on_false_value=0.0, cmp_op=nl.equal, offset=-half)
-        b = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.affine_select(dst=b, pattern=[[-1, P]], channel_multiplier=1, on_true_tile=consts.ones_f32,
-                           on_false_value=0.0, cmp_op=nl.equal, offset=half)
-        st.swap = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=st.swap, data1=a, data2=b, op=nl.add)
-    o = st.scores()
-    nisa.nc_matmul(dst=o[:, 0:2], stationary=st.swap, moving=ml, accumulate=False)
-    mx = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=mx, data1=ml[:, 0:1], data2=o[:, 0:1], op=nl.maximum)
-    nbias = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=nbias, data=mx, op0=nl.multiply, operand0=-scale)
-    c = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=c, op=nl.exp, data=ml[:, 0:1], bias=nbias, scale=scale)
-    co = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=co, op=nl.exp, data=o[:, 0:1], bias=nbias, scale=scale)
-    lc = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=lc, data1=ml[:, 1:2], data2=c, op=nl.multiply)
-    L = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=L, data=o[:, 1:2], op0=nl.multiply, operand0=co, op1=nl.add, operand1=lc)
-    if sk is not None:
-        e_sk = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=e_sk, op=nl.exp, data=sk[:P], bias=nbias, scale=1.0)
-        nisa.tensor_tensor(dst=L, data1=L, data2=e_sk, op=nl.add)
-    rinv = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=rinv, data=L)
-    w = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=w, data1=c, data2=rinv, op=nl.multiply)
-    return w
 
 
 def _normalise_full(cfg, st, sm, rows, nb, rinv, dtype):
@@ -608,17 +512,9 @@ def _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, 
     rows = nb * R
     base = tiles[0].t0
     sc = st.scores()
-    qc = _q_col0(cfg)
-    if st.hs:       # rows 64.. score the same new key (their m starts there too; their l and PV are zeroed below)
-        for jj in range(_stacks(cfg, nb)):
-            kp = _stack_rows(cfg, jj, nb)
-            for h in range(2):
-                nisa.nc_matmul(dst=sc[:2 * rows, :S], stationary=_q_half(cfg, qm, 0, kp, jj, rows, h),
-                               moving=kact[:kp, jj, :S], accumulate=(jj > 0 or h > 0))
-        rows = 2 * rows
-    for jj in range(_stacks(cfg, nb) if not st.hs else 0):
+    for jj in range(_stacks(cfg, nb)):
         kp = _stack_rows(cfg, jj, nb)
-        nisa.nc_matmul(dst=sc[:rows, :S], stationary=qm[:kp, jj, qc:qc + rows], moving=kact[:kp, jj, :S],
+        nisa.nc_matmul(dst=sc[:rows, :S], stationary=qm[:kp, jj, :rows], moving=kact[:kp, jj, :S],
                        accumulate=(jj > 0))
     if S > 1:
         # key s' is invalid for the row of token s if s' > s, or (sliding window) s' <= s - W
@@ -636,10 +532,6 @@ def _active_step(cfg, consts, st, sm, qm, kact, qkv, tiles, g, p0, nb, p_first, 
     l0 = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=p[:rows, :S], op=nl.exp, data=sc[:rows, :S], bias=nbias[:rows], scale=cfg.scale,
                     reduce_op=nl.add, reduce_res=l0[:rows], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    if st.hs:       # the new token counts once: in the first half's state
-        half = rows // 2
-        nisa.memset(dst=l0[half:rows], value=0.0)
-        nisa.memset(dst=p[half:rows, :S], value=0.0)
     nisa.nc_transpose(dst=st.ps_t[:S, 0, :rows], data=p[:rows, :S])
     pT = nl.ndarray((P_MAX, P_MAX), dtype=kact.dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=pT[:S, :rows], src=st.ps_t[:S, 0, :rows])
@@ -682,12 +574,6 @@ def _fold_mask(cfg, consts, sc, rows, chunks, key, thr_base, cmp, shift):
     m = _build_mask(cfg, rows, chunks[-1][1], key, thr_base, cmp, shift)
     for chunk in chunks:
         _fold_chunk(consts, sc, rows, m, chunk)
-
-
-def _dve_masks(cfg, st):
-    """The cache steps' masks on VectorE (_Config.mask_dve; not in row halves, whose masks stay on GpSimd): fp16 key
-    offsets and fp32 thresholds instead of int16 ones."""
-    return cfg.mask_dve and not st.hs
 
 
 def _build_mask(cfg, rows, cols, key, thr_base, cmp, shift):
@@ -734,8 +620,6 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
     slots, steps = _plan(cfg)
     if len(steps) == 0:
         return
-    if st.hs:       # _Config.row_halves: 128 score rows; rows 64.. key offsets HALF_I later (pf_h = p_first - HALF_I)
-        rows, p_first = 2 * rows, st.pre[p0].pf_h
     rot_thr = _rot_thresholds(cfg, st, slots, steps, p_first, rows)
     # Per-step mask thresholds (tiny, all issued up front so the GpSimd masks never wait for VectorE).
     for step in steps:
@@ -751,7 +635,7 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
             k = steps.index(step)
             step.thr_rot = tuple(t[:, k:k + 1] for t in rot_thr)
             continue
-        tdt = nl.float32 if _dve_masks(cfg, st) else nl.int16     # VectorE masks: fp32 scalar operands
+        tdt = nl.float32 if cfg.mask_dve else nl.int16     # VectorE masks: fp32 scalar operands
         step.thr_hi = _step_threshold(p_first, rows, -1.0 - step.pos0, tdt)    # invalid if j > pos[b, 0] - 1
         if cfg.window > 0:                                                       # invalid if j <= pos - W
             step.thr_lo = _step_threshold(q_pos, rows, -float(cfg.window) - step.pos0, tdt)
@@ -786,10 +670,7 @@ def _prior_steps(cfg, consts, st, sm, qm, K_cache, V_cache, g, p0, nb, p_first, 
                             step.pre_pv)
         else:
             split = tuple((c0, c1) for c0, c1, _i in step.chunks) if cfg.rmax_split and st.last_pack else None
-            cols = step.cols
-            if st.hs:   # one chunk of 128 x HALF_I columns
-                split, cols = None, P_MAX * HALF_I
-            _online_step(cfg, st, sm, step.sc, rows, nb, cols, views[step.slot][1], step.blocks, gates[k],
+            _online_step(cfg, st, sm, step.sc, rows, nb, step.cols, views[step.slot][1], step.blocks, gates[k],
                          pv_gates[k], pv_gates[k - 1] if k > 0 else None, step.pre_pv, split,
                          p128=step.halves is not None)
         step.pre_pv = None
@@ -855,7 +736,7 @@ def _rot_thresholds(cfg, st, slots, steps, p_first, rows):
                        operand1=-1.0)
     out = []
     for sgn in (nrr, rr):
-        t = nl.ndarray((P_MAX, ns), dtype=nl.float32 if _dve_masks(cfg, st) else nl.int16, buffer=nl.sbuf)
+        t = nl.ndarray((P_MAX, ns), dtype=nl.float32 if cfg.mask_dve else nl.int16, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=t[:rows], data=hv[:rows], op0=nl.multiply, operand0=sgn[:rows], op1=nl.add,
                                   operand1=base[:rows])
         out.append(t)
@@ -997,20 +878,16 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
     elif step.halves is not None:      # _Config.tail_halves: the two halves of the blocks on the two partition halves
         h = len(step.blocks) // 2
         key = st.iota(f"{step.key_id}_h", [[w // P_MAX, P_MAX], [1, h]], P_MAX * h,
-                      nl.float16 if _dve_masks(cfg, st) else nl.int16)
+                      nl.float16 if cfg.mask_dve else nl.int16)
         q = st.qm_sw if cfg.kt_swap and lane else qm
         _run(gate, lambda _i: _step_scores_p128(cfg, consts, q, kT, sc, key, rows, nb, step, j0, w, lane))
     else:
-        kdt = nl.float16 if _dve_masks(cfg, st) else nl.int16
-        if st.hs:   # _Config.row_halves: column (q, i) <-> key offset q*n + i (rows 64..: + HALF_I, pf_h)
-            n = w // P_MAX
-            key = st.iota(f"h{n}", [[n, P_MAX], [1, HALF_I]], P_MAX * HALF_I, kdt)
-        else:
-            key = st.iota(step.key_id, step.key_pattern, step.cols, kdt)
+        kdt = nl.float16 if cfg.mask_dve else nl.int16
+        key = st.iota(step.key_id, step.key_pattern, step.cols, kdt)
         q = st.qm_sw if cfg.kt_swap and lane else qm
 
         def scores():
-            _run(gate, lambda _i: _step_scores(cfg, consts, q, kT, sc, key, rows, nb, step, j0, w, lane, st.hs))
+            _run(gate, lambda _i: _step_scores(cfg, consts, q, kT, sc, key, rows, nb, step, j0, w, lane))
         if defer is None:
             scores()
         else:
@@ -1037,18 +914,17 @@ def _then(first, second):
 
 def _stack_queries(cfg, qm, kact, qkT, t0, g, nb):
     """_Config.q_par (halves == 1): the pack's queries into their stacks' masked stationaries (batch j = kpp*i + u:
-    stack i, partitions u*kd.., columns qc + j*R) and its new keys into kact (stack i, partitions u*kd..), one GpSimd
+    stack i, partitions u*kd.., columns j*R) and its new keys into kact (stack i, partitions u*kd..), one GpSimd
     copy each per stack half u instead of one per batch: the batches of a half are a regular access pattern on both
     sides (qm: stride qm.shape[2] + kpp*R per stack; qkT: kpp*S tokens, on the half's transposed copy qkT[:, u]).
     t0: the pack's first token in the tile."""
     kd, S, G, R, kpp = cfg.kd, cfg.S, cfg.group, cfg.R, cfg.kpp
     _, kq, n_tok, nh, halves = qkT.shape
     fq, fk, fa = qm.shape[1] * qm.shape[2], kq * n_tok * nh * halves, kact.shape[1] * kact.shape[2]
-    qc = _q_col0(cfg)
     for u in range(min(kpp, nb)):
         cnt, u0 = (nb - u + kpp - 1) // kpp, u * kd
         tok = (u * n_tok + t0 + u * S) * nh        # batch u's first token on the half's copy (head 0)
-        dst = qm.ap([[fq, kd], [qm.shape[2] + kpp * R, cnt], [G, S], [1, G]], offset=u0 * fq + qc + u * R)
+        dst = qm.ap([[fq, kd], [qm.shape[2] + kpp * R, cnt], [G, S], [1, G]], offset=u0 * fq + u * R)
         src = qkT.ap([[fk, kd], [kpp * S * nh * halves, cnt], [nh * halves, S], [halves, G]],
                      offset=u0 * fk + (tok + g * G) * halves)
         nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.gpsimd)
@@ -1068,10 +944,9 @@ def _swapped_queries(cfg, qm_sw, qkT, t0, g, nb):
     kd, S, G, R = cfg.kd, cfg.S, cfg.group, cfg.R
     _, kpp, n_tok, nh, halves = qkT.shape
     fq, fk = qm_sw.shape[1] * qm_sw.shape[2], kpp * n_tok * nh * halves    # free elements per partition
-    qc = _q_col0(cfg)
     for p in range(min(2, nb)):
         cnt, us = (nb - p + 1) // 2, (p + 1) % 2 * kd      # batches 2i + p, on the other half
-        dst = qm_sw.ap([[fq, kd], [qm_sw.shape[2] + 2 * R, cnt], [G, S], [1, G]], offset=us * fq + qc + p * R)
+        dst = qm_sw.ap([[fq, kd], [qm_sw.shape[2] + 2 * R, cnt], [G, S], [1, G]], offset=us * fq + p * R)
         src = qkT.ap([[fk, kd], [2 * S * nh * halves, cnt], [nh * halves, S], [halves, G]],
                      offset=us * fk + (((p + 1) % 2 * n_tok + t0 + p * S) * nh + g * G) * halves)
         nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.gpsimd)
@@ -1101,13 +976,9 @@ def _kt_lanes(cfg):
     return tuple(lanes)
 
 
-def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0, hs=False):
-    """Scores of one step (every K^T stack of the pack) with its masks folded in, chunk by chunk. hs
-    (_Config.row_halves): [2 rows, 128 x HALF_I] scores, rows 0.. of the step's first HALF_I V blocks, rows
-    rows.. of the next HALF_I (_q_half stationaries), one chunk opened by its mask."""
+def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0):
+    """Scores of one step (every K^T stack of the pack) with its masks folded in, chunk by chunk."""
     n = w // P_MAX
-    if hs:
-        return _step_scores_halves(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane)
     if step.thr_rot is not None:    # rotated batches (planning._v_rotated): each half of the columns its thresholds
         masks = [_threshold_mask(key, step.thr_rot, nl.greater, rows, step.cols)]
     else:
@@ -1118,7 +989,6 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0, hs
     # _Config.k_plain: the rotated batches' (odd stacks') K^T is plain; their column block q reads plain block
     # (q + 64) % 128, so a chunk is read per half of the blocks (each a moving-operand offset)
     k_rot = cfg.k_plain and _v_rotated(cfg, j0, w)
-    qc = _q_col0(cfg)
     for c0, c1, inner in step.chunks:
         if sg is not None:      # ragged: the masks open the chunk's accumulation group, the stacks run gated
             for i, m in enumerate(masks):
@@ -1153,7 +1023,7 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0, hs
                 mov = [((c0, c1, inner), _kview(cfg, kT, jj, kp, w, (kp, w), (slice(None), slice(n * P_MAX, w)), b0))]
             def scores(_i, jj=jj, kp=kp, mov=mov, b0=b0, acc=(sg is not None or jj > 0)):
                 for c, mv in mov:
-                    nisa.nc_matmul(dst=_cols(sc, rows, *c), stationary=qm[b0:b0 + kp, jj, qc:qc + rows], moving=mv,
+                    nisa.nc_matmul(dst=_cols(sc, rows, *c), stationary=qm[b0:b0 + kp, jj, :rows], moving=mv,
                                    accumulate=acc)
             if sg is not None:
                 nl.fori_loop(0, sg[jj // cfg.halves], scores)
@@ -1163,33 +1033,6 @@ def _step_scores(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane=0, hs
             continue
         for m in masks:          # each chunk's masks right after its scores: its row max can start early
             _fold_chunk(consts, sc, rows, m, (c0, c1, inner))
-
-
-def _step_scores_halves(cfg, consts, qm, kT, sc, key, rows, nb, step, j0, w, lane):
-    """_step_scores of a pack in row halves (_Config.row_halves): score column (q, i') of row r < rows is key
-    offset q*n + i' (position j0 + q*n + i0 + i'), of row rows + r the same column HALF_I positions later; the mask
-    (thresholds of 2 rows: pf_h) opens the accumulation group, each load group's two matmuls ([q | 0] with the
-    first HALF_I column blocks, [0 | q] with the next) run inside its gate."""
-    n, r2, cols = w // P_MAX, 2 * rows, P_MAX * HALF_I
-    if step.thr_rot is not None:    # rotated batches: their key offsets +/- 64n on the blocks q < 64 / q >= 64
-        m = _threshold_mask(key, step.thr_rot, nl.greater, r2, cols)
-    else:
-        m = _build_mask(cfg, r2, cols, key, step.thr_hi, nl.greater, 0.0)
-    chunk = (0, cols, HALF_I)
-    _fold_chunk(consts, sc, r2, m, chunk, accumulate=False)
-    i0 = step.pos0 - j0
-    dst = _cols(sc, r2, *chunk)
-    for jj in range(_stacks(cfg, nb)):
-        kp = _stack_rows(cfg, jj, nb)
-        b0 = lane * cfg.kd if kp == cfg.kd else 0
-        movs = [_kview(cfg, kT, jj, kp, n * P_MAX, (kp, P_MAX, n),
-                       (slice(None), slice(None), slice(i0 + h * HALF_I, i0 + (h + 1) * HALF_I)), b0)
-                for h in range(2)]
-
-        def scores(_i, jj=jj, kp=kp, movs=movs, b0=b0):
-            for h, mv in enumerate(movs):
-                nisa.nc_matmul(dst=dst, stationary=_q_half(cfg, qm, b0, kp, jj, rows, h), moving=mv, accumulate=True)
-        nl.fori_loop(0, step.stack_gates[jj // cfg.halves], scores)
 
 
 def _kview(cfg, kT, jj, kp, w, shape, index, b0=0):
@@ -1326,7 +1169,7 @@ def _p128_steps(cfg, st, steps, rows):
                 and step.chunks == ((0, half * ni, ni), (half * ni, P_MAX * ni, ni))
                 and all(b[:3] == (i, ni, P_MAX) for i, b in enumerate(step.blocks))):
             return
-    tdt = nl.float32 if _dve_masks(cfg, st) else nl.int16     # VectorE masks (mask_dve): fp32 thresholds
+    tdt = nl.float32 if cfg.mask_dve else nl.int16     # VectorE masks (mask_dve): fp32 thresholds
     for step in steps[1:]:
         h = len(step.blocks) // 2
         out = []
@@ -1465,7 +1308,7 @@ def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, pr
     # GPT-OSS B=8 64.94 -> 63.58 us); nothing on VectorE waits for it before the next step's nbias
     if alt is None:
         nisa.tensor_tensor(dst=sm.m[:rows], data1=sm.m[:rows], data2=m_t[:rows], op=nl.maximum,
-                           engine=nisa.engine.gpsimd if split or st.hs else nisa.engine.unknown)
+                           engine=nisa.engine.gpsimd if split else nisa.engine.unknown)
     _pT_copy(st, pT, rows, blocks)
     if pre_pv is not None:
         pre_pv()
@@ -1474,14 +1317,7 @@ def _online_step_inplace(cfg, st, sm, sc, rows, nb, cols, v, blocks, pv=None, pr
 
 def _p_transposes(st, p, rows, blocks):
     """P^T blocks [positions, rows] of a step via TensorE transposes into one PSUM bank; returns the SBUF P^T it is
-    copied to (_pT_copy). In row halves (st.hs): HALF_I transposes of [2 x 64 rows, 128 columns (q, i')], each
-    block's P^T for rows 0..63 (V block i') and rows 64..127 (V block HALF_I + i') side by side, copied into two
-    buffers zero in the other half's columns (_AttnState.pt_h)."""
-    if st.hs:
-        for i in range(HALF_I):
-            nisa.nc_transpose(dst=st.ps_t[:P_MAX, i, :rows], data=p[:rows, i:i + (P_MAX - 1) * HALF_I + 1:HALF_I])
-        st.n_pt += 1
-        return st.pt_h[st.n_pt % 2]
+    copied to (_pT_copy)."""
     pT = nl.ndarray((P_MAX, TRANSPOSE_GROUP, P_MAX), dtype=nl.bfloat16, buffer=nl.sbuf)
     for i, (c0, stride, k, _vb) in enumerate(blocks):
         nisa.nc_transpose(dst=st.ps_t[:k, i, :rows], data=p[:rows, c0:c0 + (k - 1) * stride + 1:stride])
@@ -1489,21 +1325,13 @@ def _p_transposes(st, p, rows, blocks):
 
 
 def _pT_copy(st, pT, rows, blocks):
-    """PSUM P^T -> SBUF on ScalarE (row halves: each half's columns into its own buffer)."""
-    if st.hs:
-        half = rows // 2
-        nisa.activation(dst=pT[0][:, :, :half], op=nl.copy, data=st.ps_t[:, :HALF_I, :half])
-        nisa.activation(dst=pT[1][:, :, half:rows], op=nl.copy, data=st.ps_t[:, :HALF_I, half:rows])
-        return
+    """PSUM P^T -> SBUF on ScalarE."""
     nblk, kmax = len(blocks), blocks[0][2]
     nisa.activation(dst=pT[:kmax, :nblk, :rows], op=nl.copy, data=st.ps_t[:kmax, :nblk, :rows])   # ScalarE
 
 
-def _pv_mms(st, pT, rows, blocks, ph=0):
-    """(stationary, positions, V block) of a step's PV matmuls (row halves: block i' of each half in turn; ph:
-    _Config.tail_halves, _pT_block)."""
-    if st.hs:
-        return tuple((pT[h][:, i, :rows], P_MAX, blocks[h * HALF_I + i][3]) for i in range(HALF_I) for h in range(2))
+def _pv_mms(pT, rows, blocks, ph=0):
+    """(stationary, positions, V block) of a step's PV matmuls (ph: _Config.tail_halves, _pT_block)."""
     return tuple((_pT_block(pT, i, k, rows, ph), k, vb) for i, (_c0, _s, k, vb) in enumerate(blocks))
 
 
@@ -1516,7 +1344,7 @@ def _pv(cfg, st, pT, v, rows, nb, blocks, pv=None, ph=0):
     if st.pvt:
         _pv_t(cfg, st, pT, v, nb, blocks, pv)
         return
-    mms = _pv_mms(st, pT, rows, blocks, ph)
+    mms = _pv_mms(pT, rows, blocks, ph)
     if pv is not None:
         for G, gate in enumerate(pv):
 

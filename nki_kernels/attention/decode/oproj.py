@@ -111,19 +111,9 @@ def _rows_to_oT(cfg, consts, st, o_rows, tile, g, p0, nb, full=False):
     ps = st.ps_sel[:, :n_k * nt].reshape((P_MAX, n_k, nt))
     c0, c1 = (p0 - tb0) * S, (p0 - tb0 + nb) * S      # this pack's token columns
     sel = nl.ndarray((P_MAX, G, P_MAX), dtype=o_rows.dtype, buffer=nl.sbuf)
-    if st.hs:   # _Config.row_halves: rows r and rows + r are one (token, head)'s two halves, summed by the matmuls
-        nt2 = 2 * (c1 - c0)     # Sel over 2 rows partitions and twice the tokens: row rows + r at token nb + t
-        sel2 = nl.ndarray((P_MAX, G, P_MAX), dtype=o_rows.dtype, buffer=nl.sbuf)
-        nisa.affine_select(dst=sel2[:2 * rows, :, :nt2], pattern=[[-1, G], [-G, nt2]], channel_multiplier=1,
-                           on_true_tile=consts.ones[:2 * rows, :nt2].expand_dim(1).broadcast(1, G),
-                           on_false_value=0.0, cmp_op=nl.equal, offset=0)
-        nisa.tensor_tensor(dst=sel[:2 * rows, :, :c1 - c0], data1=sel2[:2 * rows, :, :c1 - c0],
-                           data2=sel2[:2 * rows, :, c1 - c0:nt2], op=nl.add)
-        rows = 2 * rows
-    else:
-        nisa.affine_select(dst=sel[:rows, :, :c1 - c0], pattern=[[-1, G], [-G, c1 - c0]], channel_multiplier=1,
-                           on_true_tile=consts.ones[:rows, :c1 - c0].expand_dim(1).broadcast(1, G),
-                           on_false_value=0.0, cmp_op=nl.equal, offset=0)
+    nisa.affine_select(dst=sel[:rows, :, :c1 - c0], pattern=[[-1, G], [-G, c1 - c0]], channel_multiplier=1,
+                       on_true_tile=consts.ones[:rows, :c1 - c0].expand_dim(1).broadcast(1, G),
+                       on_false_value=0.0, cmp_op=nl.equal, offset=0)
     # One matmul per o^T partition half u covers its heads (planning._oT_head_runs; moving stride dup heads).
     dup = P_MAX // d
     y = _sel_pairs(cfg, st, tile, p0, nb, n_k) if full else None

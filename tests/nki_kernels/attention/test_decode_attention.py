@@ -958,12 +958,13 @@ def test_one_pack_row_max_chained_and_m_on_gpsimd():
     exact: the output must be bit-identical to the one-reduce row max's and match the reference; the instruction
     counts show both paths taken (fails with either reverted: no tensor_scalar_reduce / no [rows, 1] GpSimd max; a
     chained reduce started without the first chunk's max moves the bits). GPT-OSS B=8 at 8K, random positions:
-    one pack, gated steps, 2048-position slots; the row halves (_Config.row_halves, which replace both there) off."""
+    one pack, gated steps, 2048-position slots; the in-place steps in two partition halves (_Config.tail_halves,
+    flash._p128_steps, which replace both there) off."""
     import nkisim
     from nki_kernels.attention.decode import flash
     args, kw = make_inputs(8, 1, s_max=8192, ctx=8192, seed=12, **GPT_OSS_20B_TP8)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flash, "_halves_ok", lambda cfg, st, nb: False)
+        mp.setattr(flash, "_p128_steps", lambda cfg, st, steps, rows: None)
         rep = nkisim.profile(decode_attention_nki, *[a.clone() for a in args], target="trn2", **kw)[1]
         chained = sum(1 for e in rep.events if e.op == "tensor_scalar_reduce")
         m_gpsimd = sum(1 for e in rep.events if e.op == "tensor_tensor" and e.engine == "gpsimd"
@@ -993,30 +994,31 @@ def test_one_pack_k_masks_in_pieces_with_nan_tails():
     _assert_nan_tails_clean(args, clean, kw)
 
 
-@pytest.mark.parametrize("ctx,lengths", [
-    (8192, (100, 700, 1500, 2100, 3000, 4097, 6000, 8000)),     # 2048-position slots, every row half used
-])   # 16K: _Config.tail_halves instead (test_tail_cuts_16k_few_packs_with_nan_tails has the bench's lengths)
-def test_one_pack_row_halves_with_nan_tails(ctx, lengths):
-    """trn2, a kernel of one full pack of 64 rows (_Config.row_halves, flash._halves_ok): each step's scores are
-    [128 rows, 512] (rows 64.. the step's second HALF_I V blocks against the same queries: [0 | q] stationaries),
-    one row max / exp per step, P^T of 128 positions per half, two softmax states per (batch, head) merged after
-    the last step (flash._merge_halves: the other half's m, l through a half-swap matmul, the sink term once) and
-    summed by the o^T selection matmuls. A sequence shorter than HALF_I positions past a step's start leaves its
-    second half all masked (m from the new token, l = 0). With NaN past every sequence's length the output is
-    bit-identical to a clean cache's and matches the reference. Fails
-    without the halves (every row max over 64 rows) and with the second half's key offsets not shifted by HALF_I
-    (pf_h = p_first: reference mismatch)."""
+def test_one_pack_8k_tail_halves_with_nan_tails():
+    """trn2, a kernel of one full pack of 64 rows scanning 8K (_Config.tail_cuts from TAIL_CUTS_ONE_PACK_MIN_SCAN, so
+    _Config.tail_halves, which replaced helper-93's row halves there): the in-place steps' scores as [128, 512] (the
+    P^T blocks il < 4 on partitions 0..63, the others on 64..127, thresholds -4 there; flash._online_step_p128),
+    one softmax state with m on both halves. Sequences ending in every slot, one at the last position; NaN past
+    every length: finite, equal to the reference and bit-identical to a clean cache. Fails with the one-pack scope
+    reverted (the probe; no [128, 512] row max)."""
     import nkisim
-    from nki_kernels.attention.decode.config import HALF_I, P_MAX
+    from nki_kernels.attention.decode import flash
+    from nki_kernels.attention.decode.config import P_MAX
+    ctx, lengths = 8192, (100, 700, 1500, 2100, 3000, 4097, 6000, 8191)
     args, kw = make_inputs(8, 1, s_max=ctx, ctx=ctx, seed=15, **GPT_OSS_20B_TP8)
     args[4][:, 0] = torch.tensor(lengths, dtype=torch.int32)
     clean = [a.clone() if a is not None else None for a in args]
     _poison_stale_rows(args, 0)
     rep = nkisim.profile(decode_attention_nki, *[a.clone() for a in args], target="trn2", **kw)[1]
     halves = [e for e in rep.events if e.op == "tensor_reduce" and e.engine == "vector"
-              and e.meta.get("p") == P_MAX and e.meta.get("n") == P_MAX * HALF_I and e.meta.get("op") == "maximum"]
-    assert len(halves) >= 4, f"{len(halves)} row maxima over [128, {P_MAX * HALF_I}]"
-    _assert_nan_tails_clean(args, clean, kw)
+              and e.meta.get("p") == P_MAX and e.meta.get("n") == 512 and e.meta.get("op") == "maximum"]
+    assert len(halves) >= 4, f"{len(halves)} row maxima over [128, 512]"
+    steps = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "_online_step_p128", _logged(flash._online_step_p128, steps, 1))
+        _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.tail_halves and cfg.mask_dve and cfg.scan == ctx,
+                               "tail_halves is off: the case tests none of the one-pack halves at 8K")
+    assert steps, "no step of the pack in the two-halves layout"
 
 
 def test_ragged_final_normalisation_split_vector_scalar():
