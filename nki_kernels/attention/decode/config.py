@@ -575,7 +575,10 @@ class _Config(nl.NKIObject):
         # B=16 16K 143.61 -> 142.77. Not where VectorE is the roof engine (GPT-OSS B=64 4K +1.7 %, Llama-8B ragged
         # B=16 +6.1 %, B=64 4K +0.6 %, nki-library q8 d64 B64 1K +0.6 %).
         self.mask_dve = self.tail_cuts and not self.pack_tables and self.fa_tile <= MASK_DVE_MAX_SLOT
-        self.rmax_chain = v3 and n_packs == 1 and nkv == 1 and not self.paged and _kt_swap_pays(self)
+        # Not the LNC=2 batch split's one-pack cores (helper-98: modelled GPT-OSS B=8 4K LNC=2 30.00 -> 29.40 us, the
+        # last slot's chain after its K^T ANDs shorter with the row max's separate max of the partial maxima).
+        self.rmax_chain = (v3 and n_packs == 1 and nkv == 1 and not self.paged and _kt_swap_pays(self)
+                           and not (self.wsplit and not self.split))
         # The same one-pack kernels issue each K^T scrub mask in K_MASK_PIECES column pieces (isolation._scrub_slot):
         # modelled ragged GPT-OSS B=8 61.74 -> 61.61 us; every other row of bench/test_decode_attention.py unchanged
         # (GPT-OSS B=8 16K's masks do not block its QKV eviction).

@@ -427,7 +427,8 @@ def test_lnc2_batch_split_tail_cuts_with_nan_tails(lens):
     (_Config.tail_cuts for wsplit without the stride split, helper-98: the K^T ANDs of its last slot in column
     pieces, l on GpSimd, the sink before the steps; with one pack of <= 64 rows also tail_halves). NaN past every
     length and a large V at each last valid key: finite, equal to the reference and bit-identical to a clean cache.
-    Checked to fail with the tail_cuts change reverted (the probe)."""
+    Checked to fail with the tail_cuts change reverted (the probe). The row max unchained there (_Config.rmax_chain
+    off, helper-98): checked to fail with rmax_chain on (the probe)."""
     ctx = 4096
     args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=98, **GPT_OSS_20B_TP8)
     args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
@@ -435,8 +436,9 @@ def test_lnc2_batch_split_tail_cuts_with_nan_tails(lens):
         args[3][b, :, n - 1, :] = 64.0
     clean = [a.clone() if a is not None else None for a in args]
     _poison_past(args, lens, False)
-    _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.tail_cuts and cfg.wsplit and not cfg.split,
-                           "the LNC=2 batch split at 4K must take tail_cuts", lnc=2)
+    _check_nan_tails_where(args, clean, kw,
+                           lambda cfg: cfg.tail_cuts and cfg.wsplit and not cfg.split and not cfg.rmax_chain,
+                           "the LNC=2 batch split at 4K must take tail_cuts, not rmax_chain", lnc=2)
 
 
 def _assert_close_to_lnc1(out2, out1):
