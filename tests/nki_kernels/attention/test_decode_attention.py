@@ -728,6 +728,16 @@ def _poison_past(args, lens, fp8):
                 c[b, :, p0:] = float("nan")
 
 
+def _nan_tail_inputs(lens, ctx, seed, shape, S=1):
+    """make_inputs for sequences of these lengths (cache of ctx positions; each sequence's S new tokens at positions
+    lens[b]..), a clean copy, and the inputs with NaN past every length: (args, clean, kw)."""
+    args, kw = make_inputs(len(lens), S, s_max=ctx, ctx=ctx, seed=seed, **shape)
+    args[4][:] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)
+    clean = [a.clone() if a is not None else None for a in args]
+    _poison_past(args, lens, False)
+    return args, clean, kw
+
+
 def _poison_stale_rows(args, window):
     """NaN in every cache row no query of its sequence may use: positions >= the first new position (the new tokens'
     rows before the update, and the stale tail of a reused block) and, with a sliding window, positions before the
@@ -1150,10 +1160,7 @@ def test_ragged_k_pairs_with_nan_tails():
 
     ctx = 8192
     lens = (6500, 7100, 900, 5000, 3000, 2100, 8190, 4500, 1500)     # packs of 4 / 5 (an unpaired last batch)
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=79, **LLAMA31_8B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 79, LLAMA31_8B_TP8)
     _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.k_plain, "k_plain is off: the case tests no K^T pair")
     _, rep = nkisim.profile(decode_attention_nki, *clean, target="trn2", **kw)
     w = 2048
@@ -1179,10 +1186,7 @@ def test_one_step_slots_k_pairs_with_nan_tails(lens, lnc):
     from nki_kernels.attention.decode.planning import _kt_width, _pair_k, _plan
 
     ctx = 4096
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=89, **LLAMA31_8B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 89, LLAMA31_8B_TP8)
     _check_nan_tails_where(args, clean, kw,
                            lambda cfg: _kt_width(cfg) == 1024 and any(_pair_k(cfg, sl.j0, sl.w)
                                                                       for sl in _plan(cfg)[0]),
@@ -1206,10 +1210,7 @@ def test_first_slot_whole_b8_4k_with_nan_tails(lens, lnc):
     from nki_kernels.attention.decode.planning import _plan
 
     ctx = 4096
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=91, **LLAMA31_8B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 91, LLAMA31_8B_TP8)
     _check_nan_tails_where(args, clean, kw,
                            lambda cfg: cfg.first_whole and [(sl.j0, sl.w) for sl in _plan(cfg)[0]] == [
                                (0, 2048), (2048, 1024), (3072, 1024)],
@@ -1229,10 +1230,7 @@ def test_ragged_gptoss_k_plain_pairs_with_nan_tails():
     ctx = 8192
     lens = (6500, 7100, 900, 5000, 3000, 2100, 8190, 4500, 1500, 3500, 2000, 7800, 1100, 6100, 4096, 2600, 5500,
             300, 8000, 3900, 1700, 7300, 5100, 2300, 6900, 4700, 1200, 7700)     # 4 packs of 7
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=83, **GPT_OSS_20B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 83, GPT_OSS_20B_TP8)
     _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.k_plain and cfg.kpp == 2 and cfg.rot_unit == 2,
                            "k_plain is off: the case tests no d = 64 plain K^T")
     _, rep = nkisim.profile(decode_attention_nki, *clean, target="trn2", **kw)
@@ -1253,10 +1251,7 @@ def test_ragged_gptoss_half_piece_pairs_with_nan_tails():
 
     ctx = 4096
     lens = tuple(torch.randint(1, ctx, (49,), generator=torch.Generator().manual_seed(86)).tolist())
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=86, **GPT_OSS_20B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 86, GPT_OSS_20B_TP8)
     _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.half_pieces and cfg.fa_tile == FA_SUB and cfg.pack == 8,
                            "the case must load half pieces into FA_SUB-wide ring buffers, packs of <= 8")
     _, rep = nkisim.profile(decode_attention_nki, *clean, target="trn2", **kw)
@@ -1280,10 +1275,7 @@ def test_pack_tables_without_per_pack_loads(monkeypatch):
     ctx = 4096
     lens = (3000, 4095, 900, 2047, 2049, 1500, 3900, 100, 2600, 1024, 3500, 1800, 4000, 700, 2200, 3300, 1200, 2900,
             500, 3700, 1600, 2400, 3100, 1300, 2800, 600, 3600, 2000, 1025)
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=85, **GPT_OSS_20B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 85, GPT_OSS_20B_TP8)
     _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.pack_tables and cfg.pack == 8,
                            "pack_tables is off: the case tests no shared pack tables")
     _, rep = nkisim.profile(decode_attention_nki, *clean, target="trn2", **kw)
@@ -1308,10 +1300,7 @@ def test_last_pack_tail_cuts_with_nan_tails():
     ctx = 4096
     lens = (3000, 4095, 900, 2047, 2049, 1500, 3900, 100, 2600, 1024, 3500, 1800, 4000, 700, 2200, 3300, 1200, 2900,
             500, 3700, 1600, 2400, 3100, 1300, 300, 700, 1100, 1900, 2047, 2500, 3800, 4095)
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=88, **GPT_OSS_20B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 88, GPT_OSS_20B_TP8)
     widths, copies, l_adds, order = [], [], [], []
     and_bits, copy_oT, tensor_tensor = isolation._and_bits, flash._copy_oT, nisa_mod.tensor_tensor
     copy_pairs = flash._copy_oT_pairs
@@ -1419,10 +1408,7 @@ def test_tail_cuts_16k_one_pack_of_128_rows_with_nan_tails():
     one-pack tail_cuts scan (as at 0a97081: an IndexError in flash._alpha_bufs)."""
     ctx, S = 16384, 2
     lens = (1100, 6000, 4200, 1900, 5300, 3000, 16000, 4900)
-    args, kw = make_inputs(len(lens), S, s_max=ctx, ctx=ctx, seed=97, **GPT_OSS_20B_TP8)
-    args[4][:] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 97, GPT_OSS_20B_TP8, S=S)
     _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.tail_cuts and cfg.pack * cfg.R > 64,
                            "no one-pack tail_cuts scan of more than 64 rows: the case tests nothing")
 
@@ -1488,10 +1474,7 @@ def test_ragged_whole_end_slots_with_nan_tails():
 
     ctx = 4096
     lens = (90, 4095, 1500, 2600, 3700, 1030, 2047, 2049, 3071, 3073, 200, 4000, 1024, 3500, 600, 2500, 3900)
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=83, **LLAMA31_8B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 83, LLAMA31_8B_TP8)
     _check_nan_tails_where(args, clean, kw,
                            lambda cfg: cfg.k_packs and [(sl.j0, sl.w) for sl in _plan(cfg)[0]] == [(0, 2048),
                                                                                                    (2048, 2048)],
@@ -1510,10 +1493,7 @@ def test_ragged_k_first_with_nan_tails():
 
     ctx = 4096
     lens = (90, 4095, 1500, 2600, 3700, 1030, 2047, 2049, 3071, 3073, 200, 4000, 1024, 3500, 600, 2500, 3900)
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=97, **LLAMA31_8B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 97, LLAMA31_8B_TP8)
     loads = []
 
     def piece(cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0, rot=False, parts="kv"):
@@ -1611,10 +1591,7 @@ def test_ragged_swapped_kt_lanes_with_nan_tails(S, ctx, lens):
     from nki_kernels.attention.decode.flash import _kt_lanes
     from nki_kernels.attention.decode.planning import _plan
 
-    args, kw = make_inputs(len(lens), S, s_max=ctx, ctx=ctx, seed=73, **GPT_OSS_20B_TP8)
-    args[4][:] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 73, GPT_OSS_20B_TP8, S=S)
     def swapped_ends(cfg):
         lanes, slots = _kt_lanes(cfg), _plan(cfg)[0]
         # the swapped slots holding a sequence's first stale row (its NaN tail starts there)
@@ -1654,10 +1631,7 @@ def test_ragged_short_sequences_load_a_prefix_of_the_first_piece():
 
     ctx, d = 4096, LLAMA31_8B_TP8["d"]
     lens = (90, 3000, 300, 600, 150, 2000, 400, 700)      # packs of 4: the first piece's prefixes in both
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=73, **LLAMA31_8B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 73, LLAMA31_8B_TP8)
     _assert_nan_tails_clean(args, clean, kw)
     short = [n for n in lens if n < FA_SUB]
     kv, row = _kv_bytes_beyond_empty(short, ctx, 73, LLAMA31_8B_TP8), 2 * d * 2
@@ -1677,10 +1651,7 @@ def test_ragged_one_piece_slots_load_in_half_pieces():
 
     ctx, d = 4096, GPT_OSS_20B_TP8["d"]
     lens = (100, 4095, 1500, 2560, 3073, 700, 2047, 3600)
-    args, kw = make_inputs(len(lens), 1, s_max=ctx, ctx=ctx, seed=74, **GPT_OSS_20B_TP8)
-    args[4][:, 0] = torch.tensor(lens, dtype=torch.int32)
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 74, GPT_OSS_20B_TP8)
     _check_nan_tails_where(args, clean, kw, lambda c: c.half_pieces and c.k_plain and c.rot_unit == 2,
                            "the launch must load half pieces, rotated by stack (_Config.half_pieces, k_plain)")
     half = FA_SUB // 2
