@@ -1544,11 +1544,8 @@ def test_x_rows_spread_d128_with_nan_tails(B, S, lnc, ctx):
     of a zeroed 64-partition block, transposed whole per kt (tiles.transpose_spread_rows), not in row groups; LNC=2
     B=8 is the weight-split batch split (each core loads the whole tile for its half of the QKV contraction). NaN
     past every length: finite, equal to the reference, bit-identical to a clean cache."""
-    args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=31 + B, **LLAMA31_8B_TP8)
     lens = [90 + (ctx - 200) // B * b for b in range(B)]
-    args[4][:, :] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)[None, :]
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 31 + B, LLAMA31_8B_TP8, S=S)
     _check_nan_tails_where(args, clean, kw,
                            lambda cfg: (cfg.x_spread == cfg_mod.X_SPREAD_STRIDE and not cfg_mod.x_row_groups(cfg, B * S)
                                         and (lnc == 1 or cfg.wsplit)),
@@ -1564,11 +1561,8 @@ def test_x_rows_spread_with_nan_tails(B, S, lnc, ctx):
     partitions (64.. / 96..) for caches of <= X_ROW_S_MAX positions, at 0.. for longer ones (4224); LNC=2 with an odd
     batch (no weight split): each core its own 3 / 2 rows. The RoPE tables on partitions SMALL_P0.. (_Config.small_p0,
     d = 64 too). NaN past every length: finite, equal to the reference, bit-identical to a clean cache."""
-    args, kw = make_inputs(B, S, s_max=ctx, ctx=ctx, seed=41 + B, **GPT_OSS_20B_TP8)
     lens = [100 + (ctx - 200) // B * b for b in range(B)]
-    args[4][:, :] = torch.tensor(lens, dtype=torch.int32)[:, None] + torch.arange(S, dtype=torch.int32)[None, :]
-    clean = [a.clone() if a is not None else None for a in args]
-    _poison_past(args, lens, False)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 41 + B, GPT_OSS_20B_TP8, S=S)
     _check_nan_tails_where(args, clean, kw,
                            lambda cfg: cfg.x_spread == cfg_mod.X_SPREAD_STRIDE and cfg.small_p0 == cfg_mod.SMALL_P0,
                            "X's rows not spread over the DMA engines (_Config.x_spread) or RoPE tables at 0", lnc=lnc)
