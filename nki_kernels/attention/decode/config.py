@@ -54,12 +54,14 @@ KW_PACKS = 4
 # The pack tables loaded once for all packs (_Config.pack_tables) from this scan length: shorter scans (nki-library's
 # q8 d64 B64 1K rows) are not paced by the K/V stream's start, and the on-chip selections cost there (+1.4 .. +1.9 %).
 PACK_TABLES_MIN_SCAN = 4096
-# _Config.tail_cuts: the kernel's last pack ANDs each K^T stack's scrub in this many column pieces, so a score chunk's
-# matmuls wait for its own columns' ANDs only (GpSimd, 0.43 us per 512-column piece), not the whole slot's 1.7 us.
+# _Config.tail_cuts: the kernel's last pack ANDs each K^T stack's scrub in this many column pieces
+# (_Config.last_and_pieces), so a score chunk's matmuls wait for its own columns' ANDs only (GpSimd, 0.43 us per
+# 512-column piece), not the whole slot's 1.7 us.
 LAST_K_AND_PIECES = 4
-# _Config.last_and_split (d = 128, k_first): the kernel's last pack ANDs each K^T stack in this many column pieces,
-# one per 512-column score chunk (rows q < 64 / q >= 64 of the slot's K^T layout at 8 blocks a step), and its V per
-# step's blocks, so the last slot's first step waits for its own half of each 1.7 us GpSimd AND only.
+# _Config.last_and_split (d = 128, k_first): the kernel's last pack ANDs each K^T stack in this many column pieces
+# (_Config.last_and_pieces), one per 512-column score chunk (rows q < 64 / q >= 64 of the slot's K^T layout at 8
+# blocks a step), and its V per step's blocks, so the last slot's first step waits for its own half of each 1.7 us
+# GpSimd AND only.
 LAST_AND_SPLIT = 2
 # _Config.k_mask_pieces: a one-pack kernel's K^T scrub masks (ScalarE sign, [kp, w]: 1.7 us at w = 2048) are issued
 # in this many column pieces, so the QKV eviction that becomes ready while one runs (the list schedule does not
@@ -466,6 +468,12 @@ class _Config(nl.NKIObject):
                                               and (self.scan >= (TAIL_CUTS_ONE_PACK_MIN_SCAN if halves_ok
                                                                  else TAIL_CUTS_MIN_SCAN)
                                                    or (self.wsplit and not self.split and n_packs == 1)))
+        # The kernel's last pack ANDs each K^T stack's scrub in this many column pieces (isolation._scrub_slot; 1:
+        # whole): LAST_K_AND_PIECES under tail_cuts (d = 64 stacks), LAST_AND_SPLIT under last_and_split (d = 128,
+        # k_first; its V ANDs go per step's blocks, isolation._scrub_v). The two flags hold on disjoint shapes (kpp 2
+        # / 1); tail_cuts is read first, as the kernel did before this field.
+        self.last_and_pieces = (LAST_K_AND_PIECES if self.tail_cuts else LAST_AND_SPLIT if self.last_and_split
+                                else 1)
         # Where pack_tables holds, the last pack's steps are a chain over TensorE / ScalarE / VectorE and after it the
         # O-projection waits for o^T and for W_o's last bytes (modelled GPT-OSS B=64 16K: o^T at 486.1, W_o's last
         # byte 488.05 us); tail_halves: (1) that pack's alpha and m in two buffers alternating by step

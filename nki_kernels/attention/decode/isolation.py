@@ -5,7 +5,7 @@ Part of the fused decode-attention kernel (see ../DESIGN.md and ../decode_attent
 import nki.isa as nisa
 import nki.language as nl
 
-from .config import FA_SUB, LAST_AND_SPLIT, LAST_K_AND_PIECES, P_MAX
+from .config import FA_SUB, P_MAX
 from .kv_io import _start_rows
 from .planning import _rot_batch, _slot_split
 
@@ -217,11 +217,9 @@ def _scrub_slot(cfg, st, kT, j0, w, nb, fresh_ring=True, relaxed=False, v_mode=N
                 for a0, a1 in _column_pieces(w, cfg.k_mask_pieces):
                     nisa.activation(dst=m[ps, a0:a1], op=nl.sign, data=rp[ps, a0:a1], bias=bias[ps, jj:jj + 1],
                                     scale=sc)
-                # the kernel's last pack (_Config.tail_cuts): in column pieces, each score chunk waits for its own
-                n = 1
-                if st.last_pack and (cfg.tail_cuts or cfg.last_and_split):
-                    n = LAST_K_AND_PIECES if cfg.tail_cuts else LAST_AND_SPLIT
-                for c0, c1 in _column_pieces(w, n):
+                # the kernel's last pack (_Config.last_and_pieces): in column pieces, each score chunk waits for
+                # its own
+                for c0, c1 in _column_pieces(w, cfg.last_and_pieces if st.last_pack else 1):
                     _and_bits(kT[ps, jj, c0:c1], m[ps, c0:c1], vector=not _tail_rule(cfg, st) and jj % 2 == 1)
         nl.fori_loop(0, st.gates[0][jj], stack)    # runs only when a sequence of the stack has invalid rows here
 

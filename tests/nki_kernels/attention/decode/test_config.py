@@ -156,3 +156,41 @@ def test_wo_last_piece_is_half_the_last_eviction(B, H, lnc, groups, pieces, d):
     assert got == pieces
     hc0, hc1 = cfg.hc
     assert got[0][0] == hc0 and got[-1][1] == hc1 and all(a[1] == b[0] for a, b in zip(got, got[1:]))
+
+
+# ---- the last pack's K^T ANDs in column pieces (_Config.last_and_pieces) ------------------------------------------
+
+@pytest.mark.parametrize("B,H,d,nq,ctx,lnc,pieces", [
+    (8, 3072, 64, 8, 16384, 1, config.LAST_K_AND_PIECES),    # GPT-OSS B=8 16K: tail_cuts
+    (64, 3072, 64, 8, 16384, 1, config.LAST_K_AND_PIECES),   # GPT-OSS B=64 16K: pack_tables, tail_cuts
+    (8, 3072, 64, 8, 4096, 2, config.LAST_K_AND_PIECES),     # LNC=2 batch split, one pack per core: tail_cuts
+    (8, 3072, 64, 8, 4096, 1, 1),                            # GPT-OSS B=8 4K: neither
+    (8, 4096, 128, 4, 4096, 1, config.LAST_AND_SPLIT),       # Llama-8B B=8 4K: k_first, last_and_split
+    (16, 4096, 128, 4, 16384, 2, config.LAST_AND_SPLIT),     # Llama-8B B=16 16K LNC=2
+    (1, 3072, 64, 8, 4096, 1, 1),                            # B=1: position-major, neither
+])
+def test_last_and_pieces_is_the_one_field_of_both_flags(B, H, d, nq, ctx, lnc, pieces):
+    """The kernel's last pack ANDs each K^T stack in cfg.last_and_pieces column pieces (isolation._scrub_slot):
+    LAST_K_AND_PIECES under tail_cuts, LAST_AND_SPLIT under last_and_split, 1 otherwise (trn2; every core)."""
+    for core in range(lnc):
+        c = _cfg_lnc(B, 1, H, d, 1, nq, lnc, core, ctx)
+        assert c.last_and_pieces == pieces
+        assert c.last_and_pieces == (config.LAST_K_AND_PIECES if c.tail_cuts
+                                     else config.LAST_AND_SPLIT if c.last_and_split else 1)
+
+
+@pytest.mark.parametrize("target", ["trn2", "trn3"])
+def test_tail_cuts_and_last_and_split_never_both_hold(target, monkeypatch):
+    """The two flags of the last pack's K^T pieces hold on disjoint shapes (tail_cuts: two-batch stacks; last_and_split:
+    d = 128), so last_and_pieces never has to choose between them; trn3 takes neither (both follow v_rot)."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", target)
+    seen = set()
+    for B in (1, 2, 4, 8, 16, 32, 64):
+        for H, d, nq in ((3072, 64, 8), (4096, 128, 4), (5120, 128, 1)):
+            for ctx in (1024, 4096, 8192, 16384):
+                for lnc in (1, 2):
+                    for core in range(lnc):
+                        c = _cfg_lnc(B, 1, H, d, 1, nq, lnc, core, ctx)
+                        assert not (c.tail_cuts and c.last_and_split), (B, H, d, nq, ctx, lnc, core)
+                        seen.add(c.last_and_pieces)
+    assert seen == ({1, config.LAST_K_AND_PIECES, config.LAST_AND_SPLIT} if target == "trn2" else {1})
