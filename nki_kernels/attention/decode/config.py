@@ -236,7 +236,8 @@ class _Config(nl.NKIObject):
         object.__setattr__(self, name, value)
 
     def __init__(self, B, S, H, d, nkv, nq, s_max, L, scale, h_actual, window, itemsize, bs=0, mb=0, fp8=False,
-                 n_prog=1, core=0, fp8_mm=False, kv_dtype=None, k_t=False):
+                 n_prog=1, core=0, fp8_mm=False, kv_dtype=None, k_t=False, rope_tables=False):
+        """rope_tables: cos / sin are given, in W_qkv's dtype (what _Config.rope_t's transposed RoPE reads)."""
         self.B, self.S, self.H, self.d, self.nkv, self.nq = B, S, H, d, nkv, nq
         # K_cache_transposed: K stored [B, nkv, d, S_max] (contiguous bf16 cache only). The K^T loads are plain DMA
         # copies of d partitions x w contiguous positions (kv_io._load_kT) into the same SBUF layout the DMA
@@ -556,7 +557,10 @@ class _Config(nl.NKIObject):
         # half of the partitions, kpp = 2), instead of back to the token layout, RoPE on `tokens` partitions and
         # the q / k transposes: that chain (~5.5 us, VectorE on 8 partitions) ran between the QKV exchange and the
         # first score on both cores (modelled trn2 GPT-OSS B=8 4K LNC=2, whose attention is compute-paced).
-        self.rope_t = (wsplit and not fp8 and self.halves == 1 and P_MAX % d == 0 and self.kpp in (1, 2))
+        # Only where the QKV partial sums are exchanged (the contraction split: KT >= 2) and the RoPE tables are given
+        # in W_qkv's dtype (rope_tables; other tables take the token-layout RoPE).
+        self.rope_t = (wsplit and self.KT >= 2 and rope_tables and not fp8 and self.halves == 1 and P_MAX % d == 0
+                       and self.kpp in (1, 2))
         # Row-major steps of the kernel's last pack (flash._row_max): the row max as one VectorE reduce per score
         # chunk (each starts when its chunk's score matmuls are done, the second while TensorE computes the other)
         # and a max of the partial maxima, instead of one reduce after the whole step's scores: the last steps run
@@ -839,4 +843,5 @@ def _validate_inputs(X, W_qkv, K_cache, V_cache, position_ids, cos, sin, W_o, ga
     scale = softmax_scale if softmax_scale != 0.0 else 1.0 / (d ** 0.5)
     fp8_mm = fp8 and (K_cache.dtype == nl.float8_e4m3 or nisa.get_nc_version() >= nisa.nc_version.gen4)
     return _Config(B, S, H, d, nkv, nq, s_max, L, scale, h_act, sliding_window, X.dtype.itemsize, bs, mb, fp8,
-                   n_prog, core, fp8_mm, K_cache.dtype, k_transposed)
+                   n_prog, core, fp8_mm, K_cache.dtype, k_transposed,
+                   rope_tables=cos is not None and cos.dtype == W_qkv.dtype)

@@ -259,8 +259,7 @@ def _qkv_projection(cfg, consts, xT, W_qkv, bias, tiles, ins=None):
     qkv = tuple(_qkv_tile(cfg, W_qkv.dtype, tiles[ti].nt) for ti in range(len(tiles)))
     n_cc = (C + P_MAX - 1) // P_MAX
     if (qsplit or cfg.qkv_t) and not cfg.wq_chunk and len(tiles) == 1 and n_cc * tiles[0].nt <= PSUM_F:
-        rope = ins if (cfg.rope_t and qsplit and ins is not None and len(ins.cos) > 0
-                       and ins.cos[0].dtype == W_qkv.dtype) else None
+        rope = ins if cfg.rope_t else None      # the RoPE tables' presence and dtype: _Config.rope_t
         qkT = _qkv_split_transposed(cfg, consts, xT[0], wq, bias, tiles[0].nt, kt0, kt1, qkv[0], rope)
         return qkv, qkT
     part = ()

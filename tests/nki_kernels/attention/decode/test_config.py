@@ -194,3 +194,42 @@ def test_tail_cuts_and_last_and_split_never_both_hold(target, monkeypatch):
                         assert not (c.tail_cuts and c.last_and_split), (B, H, d, nq, ctx, lnc, core)
                         seen.add(c.last_and_pieces)
     assert seen == ({1, config.LAST_K_AND_PIECES, config.LAST_AND_SPLIT} if target == "trn2" else {1})
+
+
+# ---- RoPE on the transposed QKV sums (_Config.rope_t) ----------------------------------------------------------------
+
+class _T:      # an argument's shape and dtype, as the validation reads them
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
+def _validated(B, H, d, nq, lnc, core, cos_dtype, ctx=4096):
+    """_validate_inputs on GPT-OSS-like bf16 arguments (one KV head); cos_dtype None: no RoPE tables."""
+    bf16 = nl.bfloat16
+    cache = _T((B, 1, ctx, d), bf16)
+    tables = None if cos_dtype is None else _T((B, 1, d // 2), cos_dtype)
+    return config._validate_inputs(_T((B, 1, H), bf16), _T((H, (nq + 2) * d), bf16), cache, cache,
+                                   _T((B, 1), nl.int32), tables, tables, _T((nq * d, H), bf16), None, None, None, None,
+                                   0, 0.0, 0, 0, n_prog=lnc, core=core)
+
+
+@pytest.mark.parametrize("B,H,d,nq,lnc,cos_dtype,rope_t", [
+    (8, 3072, 64, 8, 2, nl.bfloat16, True),      # GPT-OSS B=8 LNC=2: batch split with split weights
+    (1, 3072, 64, 8, 2, nl.bfloat16, True),      # B=1 LNC=2: context split (weights split too)
+    (8, 4096, 128, 4, 2, nl.bfloat16, True),     # Llama-8B B=8 LNC=2 (kpp = 1)
+    (8, 3072, 64, 8, 2, None, False),            # no RoPE tables
+    (8, 3072, 64, 8, 2, nl.float32, False),      # tables in another dtype than W_qkv: the token-layout RoPE
+    (8, 3072, 64, 8, 1, nl.bfloat16, False),     # LNC=1: no exchanged sums
+    (1, 128, 64, 8, 2, nl.bfloat16, False),      # context split of one H tile: the contraction is not split
+])
+def test_rope_t_carries_the_tables_eligibility(B, H, d, nq, lnc, cos_dtype, rope_t):
+    """_Config.rope_t is the whole decision of qkv._qkv_projection's transposed RoPE: the split weights with a split
+    contraction (KT >= 2) and RoPE tables given in W_qkv's dtype (the kernel no longer checks the tables at run
+    time); every core decides alike."""
+    for core in range(lnc):
+        c = _validated(B, H, d, nq, lnc, core, cos_dtype)
+        assert c.rope_t == rope_t
+        assert not c.rope_t or (c.wsplit and c.KT >= 2)
+    # built directly, without tables (the attention-DP gathered config's way), it is off
+    assert not _Config(8, 1, 3072, 64, 1, 8, 4096, 4096, 0.125, 3072, 0, 2, n_prog=2, core=0).rope_t
+    assert _Config(8, 1, 3072, 64, 1, 8, 4096, 4096, 0.125, 3072, 0, 2, n_prog=2, core=0, rope_tables=True).rope_t
