@@ -51,7 +51,7 @@ class _AttnState(nl.NKIObject):
         # K^T slots: bf16 stacks [128, stack, w]; fp8 cache whose dtype the matmul takes (fp8_mm): the fp8 pairs
         # of each load group as loaded (2-byte elements, see _load_piece), read by the score matmuls (_kview); each
         # stack as wide as the plan's widest slot (_kt_width: one-step slots only pack the stacks, see _pair_k)
-        ktw = _kt_width(cfg)
+        ktw = _kt_width(cfg, _plan(cfg)[0])
         kt_shape, kt_dtype = ((P_MAX, cfg.ngroups, ktw), nl.uint16) if cfg.fp8_mm else ((P_MAX, cfg.nst, ktw), dtype)
         self.kT = tuple(nl.ndarray(kt_shape, dtype=kt_dtype, buffer=nl.sbuf) for _ in range(cfg.kv_bufs))
         self.v = tuple(nl.ndarray((P_MAX, pack, cfg.fa_tile // P_MAX + 1, d), dtype=dtype, buffer=nl.sbuf)
@@ -851,7 +851,7 @@ def _issue_scores(cfg, consts, st, qm, K_cache, V_cache, g, p0, nb, slots, step,
                     continue
                 pieces = _load_pieces(cfg, j0, w)
                 kw = None if rot and _rot_batch(cfg, j) and not cfg.k_plain else _whole_k(cfg, j0, w)
-                k1 = kw is None and _pair_k(cfg, j0, w)      # one piece, K^T of batch pairs (planning._pair_k)
+                k1 = kw is None and _pair_k(cfg, slots, j0, w)    # one piece, K^T of batch pairs (planning._pair_k)
                 args = (cfg, st, K_cache, V_cache, kg, v, b, g, j, j0, w, lane, rot, pieces, kw, k1)
                 # _Config.k_first: the batch's K^T loads ahead of its V pieces (the scores and K^T scrub need K^T
                 # first; PV reads V a step later)

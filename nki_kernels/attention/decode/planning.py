@@ -239,26 +239,26 @@ def _whole_k(cfg, j0, w):
     return max(k for k, (a, _s) in enumerate(pieces) if a == j0)
 
 
-def _kt_width(cfg):
-    """Columns per stack of a K^T ring buffer: the plan's widest slot (contiguous caches; paged: fa_tile). A plan of
-    one-step slots only (a 4K scan of 2048-position slots with its first and last split: four of FA_SUB) then packs
-    the stacks FA_SUB columns apart, so the K^T of two batches of adjacent stacks is one contiguous 2w-column run per
-    partition (_pair_k)."""
+def _kt_width(cfg, slots):
+    """Columns per stack of a K^T ring buffer: the widest of the plan's slots (_plan(cfg)[0], passed by the caller
+    that built the plan; contiguous caches; paged: fa_tile). A plan of one-step slots only (a 4K scan of
+    2048-position slots with its first and last split: four of FA_SUB) then packs the stacks FA_SUB columns apart, so
+    the K^T of two batches of adjacent stacks is one contiguous 2w-column run per partition (_pair_k)."""
     if cfg.paged:
         return cfg.fa_tile
-    return max(sl.w for sl in _plan(cfg)[0])
+    return max(sl.w for sl in slots)
 
 
-def _pair_k(cfg, j0, w):
+def _pair_k(cfg, slots, j0, w):
     """Whether the slot [j0, j0 + w) is one load piece (or the scan's first piece as prefix alternatives, the longest
     the whole slot: _first_prefixes) whose K^T of batches j and j + kpp both loading the whole piece may move in one
     dma_transpose (flash._load_k_pair, as the whole slots of planning._whole_k): _Config.k_plain, the slot as wide as
     the ring's stacks (_kt_width: the pair is one run of 2w columns per partition, 4 KiB at w = 1024 bf16: DMA
     efficiency 0.85 instead of 0.80), no remainder block, in a plan of two slots or more (a one-slot scan,
-    nki-library q8 d64 B64 1K, lost 1.9 %: modelled)."""
+    nki-library q8 d64 B64 1K, lost 1.9 %: modelled). slots: the plan's (_plan(cfg)[0], built by the caller)."""
     pieces = _load_pieces(cfg, j0, w)
     return (cfg.k_plain and not cfg.paged and pieces[-1] == (j0, w) and all(a == j0 for a, _s in pieces)
-            and w == _kt_width(cfg) and _whole_k(cfg, j0, w) is None and len(_plan(cfg)[0]) >= 2)
+            and w == _kt_width(cfg, slots) and _whole_k(cfg, j0, w) is None and len(slots) >= 2)
 
 
 def _piece_thresholds(pieces):

@@ -194,7 +194,7 @@ def _load_gates(cfg, st, slots, nb):
                 vr.load_regs[("k1", j0)] = tuple(
                     None if _rot_batch(cfg, j) and not cfg.k_plain else _registers(df[:, k0 + kw, j:j + 1], 1)[0]
                     for j in range(nb))
-            if npr and ((kw is not None and w == cfg.fa_tile) or _pair_k(cfg, j0, w)):
+            if npr and ((kw is not None and w == cfg.fa_tile) or _pair_k(cfg, slots, j0, w)):
                 # k_plain, whole slots: batches 2i, 2i + 1 both needing the whole slot's K^T (f = 1: the gate of
                 # the slot's second piece) load it in one dma_transpose (adjacent stacks: 8 KiB SBUF runs), each
                 # alone iff f = 1 and its partner's f = 0: nested runtime loops over f and 1 - f (flash._issue_scores)

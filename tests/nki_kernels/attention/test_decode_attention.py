@@ -1188,8 +1188,8 @@ def test_one_step_slots_k_pairs_with_nan_tails(lens, lnc):
     ctx = 4096
     args, clean, kw = _nan_tail_inputs(lens, ctx, 89, LLAMA31_8B_TP8)
     _check_nan_tails_where(args, clean, kw,
-                           lambda cfg: _kt_width(cfg) == 1024 and any(_pair_k(cfg, sl.j0, sl.w)
-                                                                      for sl in _plan(cfg)[0]),
+                           lambda cfg: _kt_width(cfg, _plan(cfg)[0]) == 1024
+                           and any(_pair_k(cfg, _plan(cfg)[0], sl.j0, sl.w) for sl in _plan(cfg)[0]),
                            "no one-step slot loads K^T pairs (planning._pair_k)", lnc=lnc)
     kernel = decode_attention_nki if lnc == 1 else decode_attention_nki[lnc]
     _, rep = nkisim.profile(kernel, *clean, target="trn2", **kw)

@@ -163,3 +163,37 @@ def test_oT_head_runs_place_every_head_once(c):
                 placed[hg] = placed.get(hg, 0) + 1
     assert placed == {hg: 1 for hg in range(cfg.nkv * G)}
 
+
+
+@pytest.mark.parametrize("B,H,d,nq,ctx,lnc,width,pairs", [
+    (9, 4096, 128, 4, 4096, 1, FA_SUB, True),     # Llama-8B 4K, 2 packs: one-step slots only, K^T pairs
+    (7, 4096, 128, 4, 4096, 2, FA_SUB, True),     # ... LNC=2 weight split
+    (8, 4096, 128, 4, 4096, 1, 2048, False),      # B=8 4K: the first slot whole (first_whole), the others narrower
+    (16, 4096, 128, 4, 4096, 1, 2048, False),     # B=16 4K (k_packs: whole 2048-position slots, two pieces)
+    (16, 3072, 64, 8, 4096, 1, FA_SUB, False),    # GPT-OSS B=16 4K: half pieces
+    (16, 3072, 64, 8, 16384, 1, 2048, False),     # 16K: two-piece slots
+    (1, 3072, 64, 8, 4096, 1, 2048, False),       # one sequence (position-major): no k_plain
+    (64, 3072, 64, 8, 1024, 1, FA_SUB, False),    # nki-library q8 d64 B64 1K: a one-slot plan
+])
+def test_kt_width_and_pair_k_read_the_callers_plan(B, H, d, nq, ctx, lnc, width, pairs, monkeypatch):
+    """planning._kt_width / _pair_k take the plan's slots from the caller that built it (flash, ragged) instead of
+    rebuilding _plan(cfg) per call (per slot and batch); the answers are the plan's: the widest slot, and a pair load
+    only for one-piece slots of that width in a plan of two slots or more."""
+    from nki_kernels.attention.decode import planning
+    from nki_kernels.attention.decode.planning import _kt_width, _pair_k, _whole_k
+
+    cfgs = [_Config(B, 1, H, d, 1, nq, ctx, ctx, d ** -0.5, H, 0, 2, n_prog=lnc, core=k) for k in range(lnc)]
+    plans = [_plan(cfg)[0] for cfg in cfgs]
+
+    def no_plan(_cfg):
+        raise AssertionError("_plan rebuilt: _kt_width / _pair_k must read the slots they are given")
+
+    monkeypatch.setattr(planning, "_plan", no_plan)
+    for cfg, slots in zip(cfgs, plans):
+        assert _kt_width(cfg, slots) == max(sl.w for sl in slots) == width
+        got = [_pair_k(cfg, slots, sl.j0, sl.w) for sl in slots]
+        assert any(got) == pairs
+        for sl, pk in zip(slots, got):
+            one_piece = all(a == sl.j0 for a, _s in _load_pieces(cfg, sl.j0, sl.w))
+            assert pk == (cfg.k_plain and one_piece and sl.w == width and _whole_k(cfg, sl.j0, sl.w) is None
+                          and len(slots) >= 2)
