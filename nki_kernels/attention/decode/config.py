@@ -63,6 +63,13 @@ LAST_K_AND_PIECES = 4
 # blocks a step), and its V per step's blocks, so the last slot's first step waits for its own half of each 1.7 us
 # GpSimd AND only.
 LAST_AND_SPLIT = 2
+# _Config.k1_prefixes (d = 128, k_first): a two-piece slot's first-piece-alone K^T load (planning._whole_k: the
+# sequence ends inside that piece, so it is its last slot) as prefix alternatives of this many positions each, the
+# shortest holding the sequence's rows (flash._load_k_alts): its K^T stops within K1_PREFIX positions of the length,
+# not at the piece's end (1024 positions). Short transposes move short SBUF runs (128 positions: 256 B, DMA efficiency
+# 0.45 vs 0.80 at 1024), still a net gain: modelled trn2 ragged Llama-8B B=16 141.30 / 141.60 / 142.00 us with 128 /
+# 256 / 512 (142.47 without). The one-hot gates are 2 GpSimd instructions per pack (on VectorE: 147.74).
+K1_PREFIX = 128
 # _Config.k_mask_pieces: a one-pack kernel's K^T scrub masks (ScalarE sign, [kp, w]: 1.7 us at w = 2048) are issued
 # in this many column pieces, so the QKV eviction that becomes ready while one runs (the list schedule does not
 # preempt) waits for a piece, not the whole mask: q, and the first scores, ~0.8 us earlier (modelled trn2 ragged
@@ -438,6 +445,11 @@ class _Config(nl.NKIObject):
         # so the last slot's first step no longer waits for two 1.7 us GpSimd ANDs over the whole slot (modelled trn2
         # ragged Llama-8B B=16 143.00 -> 142.47 us, B=8 88.61 -> 88.46; either alone: 143.07 / 143.00).
         self.last_and_split = self.k_first
+        # ... and the first-piece-alone K^T loads (a sequence's last slot) as prefix alternatives of K1_PREFIX
+        # positions (flash._load_k_alts, ragged._k1_prefix_gates): ~2900 of the ~6300 positions the ragged Llama-8B
+        # B=16 row's K^T read past the lengths (modelled trn2 142.47 -> 141.29 us, Llama-8B B=64 4K 314.23 -> 308.52;
+        # DESIGN.md)
+        self.k1_prefixes = self.k_first
         self.rot_unit = self.kpp if self.k_plain else 1     # batches per rotation unit (planning._rot_batch)
         # Two-batch stacks of k_plain (GPT-OSS B >= 32 on trn2: every DMA ring busy to the end, modelled): the packs'
         # position and sink tables without a DMA per pack (flash._prefetch_packs): each batch's position on every

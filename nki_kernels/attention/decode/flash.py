@@ -10,6 +10,7 @@ from ...common.tiles import run_gated as _run
 from .common import _registers
 from .config import (
     FA_SUB,
+    K1_PREFIX,
     MASK_NEG,
     MAX_S_TKG,
     P_MAX,
@@ -28,6 +29,7 @@ from .planning import (
     _oT_head_runs,
     _packs,
     _pair_k,
+    _piece_thresholds,
     _plan,
     _rot_batch,
     _slot_split,
@@ -76,6 +78,7 @@ class _AttnState(nl.NKIObject):
         self.ramps, self.k_ramp = {}, (None, None)  # scrub position tables (see _scrub_slot)
         self.pos0, self.slot0 = None, None          # fp32 [1, steps / slots]: their starts (_step_gates)
         self.pos0_run = None    # pos0 with step 0's start as -1 (it always runs), when > 0 (ragged._step_gates)
+        self.k1_thr = self.k1_flags = None    # _Config.k1_prefixes: ragged._k1_prefix_gates' tables (built once)
         self.pf_cols = None     # position-major: fp32 [128, rows] first new position of each row, every partition
         self.rot_tabs = None    # _Config.v_rot: constant tables of _rot_thresholds (built once)
         self.pvt = False        # _Config.pv_t in use (every pack the full form, whole batch pairs): acc^T layout
@@ -800,11 +803,32 @@ def _load_k_alts(cfg, st, K_cache, V_cache, kg, v, b, g, j, j0, w, lane, rot, pi
     if paired and j & cfg.kpp == 0:    # both sequences need the whole slot: one transpose
         _run(f[j], lambda _i: _run(f[pj], lambda _i2: _load_k_pair(cfg, K_cache, kg, b, g, j, j0, w, lane)))
     loads = [(j0, w, f[j], nf[pj] if paired else None)]    # alone: the partner does not need it
-    if not k1:
+    k1p = None if k1 else st.load_gates.get(("k1p", j0))
+    if k1p is not None:     # _Config.k1_prefixes: the first piece alone as its prefix alternatives
+        _run(st.load_gates[("k1", j0)][j], lambda _i: _load_k1_prefixes(
+            cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, lane, pieces, kw, k1p))
+    elif not k1:
         loads.insert(0, (j0, pieces[kw][1], st.load_gates[("k1", j0)][j], None))
     for a, size, gt, g2 in loads:
         _run(gt, lambda _i, a=a, size=size, g2=g2: _run(
             g2, lambda _i2: _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, a, size, lane, False, "k")))
+
+
+def _load_k1_prefixes(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, lane, pieces, kw, k1p):
+    """_Config.k1_prefixes, inside batch j's first-piece-alone gate (its sequence ends inside the slot's first piece,
+    pieces[kw]): K^T of [j0, j0 + m K1_PREFIX) for the one m whose alternative holds its rows (the one-hot gates of
+    ragged._k1_prefix_gates, registered here: once per sequence). Alternatives no shorter than the gate's lower
+    bound (the scan's first slot: the shorter prefix pieces hold those sequences) only."""
+    gt, index, m_max = k1p
+    size1 = pieces[kw][1]
+    lo = _piece_thresholds(pieces)[kw][0] - j0     # the gate's hi > j0 + lo
+    for m in range(1, m_max + 1):
+        s = m * K1_PREFIX
+        if s <= lo or s - K1_PREFIX >= size1:
+            continue
+        r = _registers(gt[0:1, index(j, m):index(j, m) + 1], 1)[0]
+        _run(r, lambda _i, s=min(s, size1): _load_piece(cfg, K_cache, V_cache, kg, v, b, g, j, j0, w, j0, s, lane,
+                                                         False, "k"))
 
 
 def _ring_mode(st, ring, buf, p0, j0, w):

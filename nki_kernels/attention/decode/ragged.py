@@ -6,7 +6,7 @@ import nki.isa as nisa
 import nki.language as nl
 
 from .common import _const_row, _registers
-from .config import P_MAX
+from .config import K1_PREFIX, P_MAX
 from .isolation import _flag_ints
 from .planning import _load_pieces, _pair_k, _piece_thresholds, _rot_batch, _whole_k
 
@@ -207,8 +207,49 @@ def _load_gates(cfg, st, slots, nb):
                 last = len(_load_pieces(cfg, j0, w)) - 1 if kw is None else kw + 1    # the whole slot's gate
                 vr.load_regs[("k2n", j0)] = (nf[:, k0 + last, :], npr)
             k0 += len(_load_pieces(cfg, j0, w))
+        if cfg.k1_prefixes:
+            _k1_prefix_gates(cfg, st, vr, slots, nb, eng)
         ik, iv = _flag_ints(cfg, inside, ns, nb)
         for k, (j0, _w) in enumerate(slots):
             vr.scrub[j0] = inside[:, k, :]
             vr.scrub_ints[("in", j0)] = (ik[:, k, :], iv[:, k, :])
     return vr.load_regs
+
+
+def _k1_prefix_gates(cfg, st, vr, slots, nb, eng):
+    """_Config.k1_prefixes: per slot with a first-piece-alone K^T load (planning._whole_k) and batch j of the pack,
+    vr.load_regs[("k1p", j0)] = (g, index): g[0:1, index(j, m)] (int32) is 1 iff the sequence's hi is in
+    (j0 + (m - 1) P, j0 + m P] (P = K1_PREFIX, m = 1 .. M, M P >= the first piece): the one-hot gates of the prefix
+    alternatives [j0, j0 + m P), meaningful inside the first-piece-alone gate (j0 < hi <= the piece's end), where
+    flash._load_k_alts registers them (once per sequence: its last slot). Two instructions per pack (m-major, so
+    the thresholds j0 + m P, built once, are one iota run per m; the flags' bounds 1 and 0 set once)."""
+    ks = []
+    for j0, w in slots:
+        kw = _whole_k(cfg, j0, w)
+        if kw is not None:
+            ks.append((j0, _load_pieces(cfg, j0, w)[kw][1]))
+    if not ks:
+        return
+    m_max, nsk, pk = max(size for _j0, size in ks) // K1_PREFIX, len(ks), cfg.pack
+    if st.k1_thr is None:
+        never = float(cfg.s_max + 1)
+        st.k1_thr = nl.ndarray((1, max(1, m_max - 1) * nsk), dtype=nl.float32, buffer=nl.sbuf)
+        if m_max > 1:
+            _const_row(st.k1_thr, [float(j0 + m * K1_PREFIX) if m * K1_PREFIX < size else never
+                                   for m in range(1, m_max) for j0, size in ks])
+        # flags hi > j0 + m P for m = 0 .. M (1 and 0 at the ends: inside the gate), m-major
+        st.k1_flags = nl.ndarray((1, (m_max + 1) * nsk * pk), dtype=nl.float32, buffer=nl.sbuf)
+        fl = st.k1_flags.reshape((1, m_max + 1, nsk * pk))
+        nisa.memset(dst=fl[:, 0, :], value=1.0, engine=nisa.engine.gpsimd)
+        nisa.memset(dst=fl[:, m_max, :], value=0.0, engine=nisa.engine.gpsimd)
+    e4 = st.k1_flags.reshape((1, m_max + 1, nsk, pk))
+    if m_max > 1:
+        hi = vr.hi_v[0:1, :nb].expand_dim(1).broadcast(1, nsk)
+        nisa.tensor_tensor(dst=e4[:, 1:m_max, :, :nb], data1=hi.expand_dim(1).broadcast(1, m_max - 1),
+                           data2=st.k1_thr.reshape((1, m_max - 1, nsk)).expand_dim(3).broadcast(3, nb),
+                           op=nl.greater, engine=nisa.engine.gpsimd)
+    g = nl.ndarray((1, m_max * nsk * pk), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=g.reshape((1, m_max, nsk, pk))[:, :, :, :nb], data1=e4[:, :m_max, :, :nb],
+                       data2=e4[:, 1:, :, :nb], op=nl.subtract, engine=nisa.engine.gpsimd)
+    for k, (j0, _size) in enumerate(ks):
+        vr.load_regs[("k1p", j0)] = (g, lambda j, m, k=k: ((m - 1) * nsk + k) * pk + j, m_max)

@@ -1520,6 +1520,38 @@ def test_ragged_k_first_with_nan_tails():
         assert first_k < first_v, f"sequence {key[0]}'s V of slot {key[1]} loaded before its K^T"
 
 
+def test_ragged_k1_prefixes_with_nan_tails():
+    """Llama-8B ragged on trn2 (d = 128, _Config.k1_prefixes): a sequence ending inside the first 1024-position piece
+    of a 2048-position slot (the first-piece-alone K^T load, planning._whole_k) loads K^T of [j0, j0 + m K1_PREFIX)
+    only, the shortest prefix holding its rows (not the whole piece); the scan's first slot from 512 positions (the
+    shorter prefix pieces below). Sequences ending at every alternative's edges of both slots, in both halves of a
+    stack pair. NaN past every length: finite, equal to the reference, bit-identical to a
+    clean cache; every such sequence's K^T load of its last slot (in both runs) is the expected prefix."""
+    from nki_kernels.attention.decode import flash
+
+    ctx, p = 4096, cfg_mod.K1_PREFIX
+    lens = (513, 1024, 700, 4095, 2049, 2048 + p, 2048 + p + 1, 3071, 3072, 2600, 900, 2300, 3000, 1500, 2048 + 3 * p,
+            3500)
+    args, clean, kw = _nan_tail_inputs(lens, ctx, 101, LLAMA31_8B_TP8)
+    loads = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flash, "_load_piece", _logged(
+            flash._load_piece, loads, lambda cfg, K_cache, V_cache, kT, v, b, g, j, j0, w, a, size, lane=0,
+            rot=False, parts="kv": (b, j0, a, size, parts)))
+        _check_nan_tails_where(args, clean, kw, lambda cfg: cfg.k1_prefixes and cfg.k_whole,
+                               "k1_prefixes off: the case does not test the K^T prefix alternatives")
+    checked = 0
+    for b, n in enumerate(lens):
+        j0 = (n - 1) // 2048 * 2048
+        if not (n - j0 <= 1024 and (j0 > 0 or n > 512)):
+            continue
+        want = -(-(n - j0) // p) * p
+        got = [size for bb, jj, a, size, parts in loads if (bb, jj, a) == (b, j0, j0) and parts == "k"]
+        assert got and set(got) == {want}, f"sequence {b} (length {n}): K^T of its last slot {got}, expected {want}"
+        checked += 1
+    assert checked >= 10
+
+
 @pytest.mark.parametrize("B,S,lnc,ctx", [(9, 1, 1, 1024), (11, 1, 1, 1024), (3, 4, 1, 1024), (16, 1, 2, 1024)])
 def test_x_rows_in_groups_with_nan_tails(B, S, lnc, ctx):
     """Llama-8B on trn2 with 9..16 tokens and a bf16 cache of <= X_ROW_S_MAX positions (_Config.x_row_parts): X's
